@@ -8,7 +8,7 @@ This file imports nothing from the project's scripts.
 """
 
 import inspect
-import math
+import os
 from dataclasses import dataclass, asdict
 
 import torch
@@ -210,7 +210,7 @@ class GPT(nn.Module):
             logits[..., self.config.vocab_size:] = float("-inf")
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     # ------------------------------------------------------------------------------------------
@@ -283,8 +283,12 @@ class GPT(nn.Module):
         hf = self.to_hf()
         hf.save_pretrained(out_dir)
         if tokenizer_files is not None:
+            # the directory form (vocab.json + merges.txt) loads the same in transformers 4 and 5
+            import shutil
             from transformers import GPT2TokenizerFast
-            tok = GPT2TokenizerFast(vocab_file=tokenizer_files[0], merges_file=tokenizer_files[1])
+            shutil.copyfile(tokenizer_files[0], os.path.join(out_dir, "vocab.json"))
+            shutil.copyfile(tokenizer_files[1], os.path.join(out_dir, "merges.txt"))
+            tok = GPT2TokenizerFast.from_pretrained(out_dir)
             tok.model_max_length = self.config.block_size
             tok.save_pretrained(out_dir)
         return out_dir

@@ -1,0 +1,212 @@
+"""model.py against references: Hugging Face's GPT-2 for logits, torch.optim.AdamW for the
+optimizer, and itself without the KV cache for generation."""
+import math
+
+import pytest
+import torch
+
+import common
+from model import GPT, GPTConfig, PRESETS, peak_flops, sample_next
+
+TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=32)
+
+
+def tiny_hf(seed=0, n_positions=64):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=n_positions)
+    hf = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # HF zero-initialises biases and norms: make every parameter matter
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return hf
+
+
+def test_hf_import_logits_match(tmp_path):
+    hf = tiny_hf()
+    hf.save_pretrained(tmp_path)  # the hub is unreachable here: go through a local directory
+    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    idx = torch.randint(0, 50257, (2, 40))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        logits, _ = ours(idx)
+    assert logits.shape == (2, 40, 50304)
+    assert (logits[..., :50257] - ref).abs().max().item() <= 1e-4
+    assert torch.isneginf(logits[..., 50257:]).all()
+
+
+def test_hf_export_loads_in_transformers(tmp_path):
+    from transformers import GPT2LMHeadModel, pipeline
+    torch.manual_seed(1)
+    ours = GPT(GPTConfig(**TINY)).eval()
+    ours.export_hf(str(tmp_path), tokenizer_files=common.gpt2_bpe_files())
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
+    idx = torch.randint(0, 50257, (2, 30))
+    with torch.no_grad():
+        ref, _ = ours(idx)
+        out = hf(idx).logits
+    assert out.shape == (2, 30, 50257)
+    assert (out - ref[..., :50257]).abs().max().item() <= 1e-4
+    gen = pipeline("text-generation", model=str(tmp_path), device="cpu")
+    text = gen("Hello", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith("Hello") and len(text) > len("Hello")
+
+
+def test_real_gpt2_matches_transformers(hf_hub_online):
+    from transformers import GPT2LMHeadModel
+    hf = GPT2LMHeadModel.from_pretrained("gpt2").eval()
+    ours = GPT.from_pretrained("gpt2").eval()
+    idx = torch.tensor([common.get_tokenizer().encode("Hello, I'm a language model,")])
+    with torch.no_grad():
+        assert (ours(idx)[0][..., :50257] - hf(idx).logits).abs().max().item() <= 1e-4
+
+
+def test_weight_tying_shares_storage():
+    m = GPT(GPTConfig(**TINY))
+    assert m.lm_head.weight is m.transformer.wte.weight
+    assert m.lm_head.weight.data_ptr() == m.transformer.wte.weight.data_ptr()
+    names = [n for n, _ in m.named_parameters()]
+    assert "lm_head.weight" not in names  # counted once
+
+
+def test_init_follows_gpt2():
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=256)
+    m = GPT(cfg)
+    h = m.transformer.h[0]
+    assert abs(h.attn.c_attn.weight.std().item() - 0.02) < 0.002
+    resid = 0.02 / math.sqrt(2 * cfg.n_layer)
+    assert abs(h.attn.c_proj.weight.std().item() - resid) < 0.1 * resid
+    assert abs(h.mlp.c_proj.weight.std().item() - resid) < 0.1 * resid
+    assert h.attn.c_attn.bias.abs().max().item() == 0.0
+    assert abs(m.transformer.wte.weight.std().item() - 0.02) < 0.002
+
+
+def test_loss_at_init_is_uniform():
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**TINY))
+    idx = torch.randint(0, 50257, (4, 64))
+    targets = torch.randint(0, 50257, (4, 64))
+    logits, loss = m(idx, targets)
+    assert logits.shape == (4, 64, 50304)
+    assert abs(loss.item() - math.log(50257)) < 0.1
+    loss.backward()  # the -inf padding must not poison gradients
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    # ignore_index=-1 drops targets from the loss
+    t2 = targets.clone()
+    t2[:, 32:] = -1
+    _, loss_half = m(idx, t2)
+    _, loss_ref = m(idx[:, :32], targets[:, :32])
+    assert abs(loss_half.item() - loss_ref.item()) < 1e-5
+
+
+def test_presets_and_custom_sizes():
+    assert PRESETS["gpt2"] == dict(n_layer=12, n_head=12, n_embd=768)
+    assert PRESETS["gpt2-xl"]["n_embd"] == 1600
+    with pytest.raises(ValueError):
+        GPTConfig(n_embd=100, n_head=3)
+    m = GPT(GPTConfig(block_size=16, n_layer=1, n_head=1, n_embd=8))
+    with pytest.raises(ValueError):
+        m(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_flops_and_mfu():
+    m = GPT(GPTConfig(**PRESETS["gpt2"]))
+    assert abs(m.flops_per_token(1024) / 1e6 - 855) < 2  # the issue's ~855M
+    assert m.estimate_mfu(1e6, "cpu", "float32") is None
+    assert m.estimate_mfu(1e6, "Some Future GPU", "bfloat16") is None
+    assert m.estimate_mfu(1.16e6, "NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(1.0, abs=0.01)
+    assert peak_flops("NVIDIA A10G", "bfloat16") == 70e12          # not the A100's entry
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312e12
+    assert peak_flops("NVIDIA L40S", "bfloat16") == 362e12
+    assert peak_flops("NVIDIA L4", "bfloat16") == 121e12
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert peak_flops("Tesla T4", "bfloat16") is None
+    assert peak_flops("Tesla T4", "float16") == 65e12
+    assert peak_flops("Tesla V100-SXM2-16GB", "float16") == 125e12
+
+
+def test_optimizer_groups_and_step_match_adamw():
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**TINY))
+    opt = m.configure_optimizers(weight_decay=0.1, learning_rate=1e-3, device_type="cpu")
+    decay, no_decay = opt.param_groups
+    assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+    # one step equals a hand-configured torch.optim.AdamW on a copy
+    import copy
+    m2 = copy.deepcopy(m)
+    ref = torch.optim.AdamW([
+        {"params": [p for p in m2.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in m2.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    idx = torch.randint(0, 50257, (2, 16))
+    for model, o in ((m, opt), (m2, ref)):
+        model(idx, idx)[1].backward()
+        o.step()
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_kv_cache_greedy_equals_no_cache():
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)).eval()
+    prompt = torch.randint(0, 50257, (3, 7))
+    # 40 new tokens run past block_size: exercises the sliding-window fallback too
+    a = m.generate(prompt, 40, temperature=0)
+    b = m.generate(prompt, 40, temperature=0, use_cache=False)
+    assert a.shape == (3, 47)
+    assert torch.equal(a, b)
+
+
+def test_cached_logits_match_full_forward():
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**TINY)).eval()
+    from model import KVCache
+    idx = torch.randint(0, 50257, (2, 20))
+    full, _ = m(idx)
+    cache = KVCache(2, 2, 2, 64, 16, "cpu", torch.float32)
+    m(idx[:, :12], cache=cache)
+    step, _ = m(idx[:, 12:15], cache=cache)  # a chunk after the prefill uses the explicit mask
+    assert (step[:, -1, :50257] - full[:, 14, :50257]).abs().max().item() < 1e-4
+    one, _ = m(idx[:, 15:16], cache=cache)
+    assert (one[:, -1, :50257] - full[:, 15, :50257]).abs().max().item() < 1e-4
+
+
+def test_padded_ids_never_sampled():
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**TINY)).eval()
+    with torch.no_grad():  # make the padded rows irresistible if they were not masked
+        m.transformer.wte.weight[50257:] = 100.0
+    prompt = torch.randint(0, 50257, (4, 5))
+    for kw in (dict(temperature=0), dict(temperature=1.0), dict(temperature=2.0, top_p=0.99)):
+        out = m.generate(prompt, 20, **kw)
+        assert out.max().item() < 50257
+
+
+def test_sampling_controls():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50304)
+    logits[:, 50257:] = float("-inf")
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample_next(logits, 1.0, top_k=1), greedy)
+    assert torch.equal(sample_next(logits, 1.0, top_p=1e-6), greedy)
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert torch.equal(sample_next(logits, 0.8, 50, 0.9, g1), sample_next(logits, 0.8, 50, 0.9, g2))
+    # top-k keeps exactly the k best
+    picks = torch.stack([sample_next(logits, 5.0, top_k=3) for _ in range(50)])
+    top3 = logits.topk(3, dim=-1).indices
+    assert all((picks[:, i:i + 1] == top3[i]).any(-1).all() for i in range(5))
+
+
+def test_generation_stops_at_eot():
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**TINY)).eval()
+    with torch.no_grad():  # bias the model hard towards <|endoftext|>
+        m.transformer.wte.weight[50256] = m.transformer.wte.weight[50256] * 0 + 5.0
+        m.transformer.ln_f.bias.fill_(1.0)
+        m.transformer.ln_f.weight.zero_()
+    out = m.generate(torch.zeros(2, 3, dtype=torch.long), 30, temperature=0, eos_token=50256)
+    assert out.shape[1] == 4 and (out[:, -1] == 50256).all()
