@@ -9,7 +9,8 @@ This file imports nothing from the project's scripts.
 
 import inspect
 import os
-from dataclasses import dataclass, asdict
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -220,7 +221,8 @@ class GPT(nn.Module):
     def from_pretrained(cls, name_or_path, block_size=None):
         """Load OpenAI's GPT-2 weights (a hub name or a local Hugging Face directory)."""
         from transformers import GPT2LMHeadModel
-        hf = GPT2LMHeadModel.from_pretrained(name_or_path).float()
+        with quiet_transformers():
+            hf = GPT2LMHeadModel.from_pretrained(name_or_path).float()
         return cls.from_hf(hf, block_size=block_size)
 
     @classmethod
@@ -281,7 +283,8 @@ class GPT(nn.Module):
         """Write a directory that GPT2LMHeadModel.from_pretrained and pipeline() load directly.
         tokenizer_files: optional (encoder.json, vocab.bpe) paths, saved as the GPT-2 tokenizer."""
         hf = self.to_hf()
-        hf.save_pretrained(out_dir)
+        with quiet_transformers():
+            hf.save_pretrained(out_dir)
         if tokenizer_files is not None:
             # the directory form (vocab.json + merges.txt) loads the same in transformers 4 and 5
             import shutil
@@ -395,5 +398,14 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-def config_dict(config):
-    return asdict(config)
+@contextmanager
+def quiet_transformers():
+    """No progress bars from transformers' loading/saving: they would clutter logs and stderr."""
+    from transformers.utils import logging as hf_logging
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

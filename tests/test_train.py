@@ -1,0 +1,335 @@
+"""train_gpt2.py end to end on a tiny model: learning, DDP equivalence, multi-node launch,
+kill -9 / SIGTERM and resume, bad input, export."""
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import common
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "train_gpt2.py")
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
+        "--micro-batch-size", "2", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "3e-3",
+        "--eval-every", "4", "--val-tokens", "128", "--hellaswag-every", "0", "--sample-every", "0",
+        "--no-plot", "--no-export-hf", "--device", "cpu"]
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+def make_text(n_docs, seed):
+    """Repetitive, learnable English-like documents."""
+    rng = random.Random(seed)
+    subjects = ["the cat", "a dog", "my friend", "the teacher", "our team", "the river"]
+    verbs = ["sees", "likes", "follows", "builds", "paints", "finds"]
+    objects = ["a red ball", "the old house", "many books", "the blue sky", "a small boat"]
+    docs = []
+    for _ in range(n_docs):
+        sentences = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}."
+                     for _ in range(rng.randint(3, 12))]
+        docs.append(" ".join(s.capitalize() for s in sentences))
+    return docs
+
+
+def write_shards(data_dir, n_train_shards=2, docs_per_shard=120):
+    enc = common.get_tokenizer()
+    os.makedirs(data_dir, exist_ok=True)
+    for i in range(n_train_shards + 1):
+        toks = []
+        for doc in make_text(docs_per_shard if i else 40, seed=i):
+            toks.append(enc.eot_token)
+            toks.extend(enc.encode_ordinary(doc))
+        split = "val" if i == 0 else "train"
+        np.save(os.path.join(data_dir, f"tiny_{split}_{i:06d}.npy"), np.array(toks, dtype=np.uint16))
+    return data_dir
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return write_shards(str(tmp_path_factory.mktemp("data")))
+
+
+def run(args, check=True, **kw):
+    p = subprocess.run([sys.executable, TRAIN] + args, capture_output=True, text=True, env=ENV,
+                       timeout=300, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def records(log_dir, kind):
+    """The metrics of one kind, the later record winning for a repeated step."""
+    by_step = {}
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["kind"] == kind:
+                by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def final_state(log_dir):
+    ckpt = common.load_checkpoint(common.latest_checkpoint(log_dir))
+    return ckpt["step"], ckpt["model"], ckpt["optimizer"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(data_dir, tmp_path_factory):
+    """An uninterrupted 10-step run that the resume tests must reproduce bit for bit."""
+    log_dir = str(tmp_path_factory.mktemp("ref"))
+    run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "3"])
+    return log_dir
+
+
+def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
+    log_dir = str(tmp_path / "log")
+    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "30", "--max-lr", "1e-2",
+                    "--export-hf", "--sample-every", "15", "--num-samples", "2", "--sample-tokens", "8"])
+    train = records(log_dir, "train")
+    assert [r["step"] for r in train] == list(range(30))
+    assert abs(train[0]["loss"] - math.log(50257)) < 0.5  # untrained: about uniform over the vocabulary
+    assert train[-1]["loss"] < train[0]["loss"] - 3.0
+    val = records(log_dir, "val")
+    assert [r["step"] for r in val] == [0, 4, 8, 12, 16, 20, 24, 28, 29]
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 3.0
+    for r in train:
+        assert r["tokens"] == (r["step"] + 1) * 128 and r["mfu"] is None and r["dt_ms"] > 0
+    header = records(log_dir, "run")[0]
+    assert header["config"]["grad_accum"] == 2 and header["world_size"] == 1
+    assert header["versions"]["torch"] == torch.__version__
+    assert records(log_dir, "end")[0]["reason"] == "finished"
+    # one greppable line per step, the same keys in stdout and log.txt
+    lines = [l for l in p.stdout.splitlines() if l.startswith("step ") and "| loss" in l]
+    assert len(lines) == 30
+    for key in ("loss", "lr", "grad_norm", "dt_ms", "tok_per_s", "mfu"):
+        assert f"| {key} " in lines[-1]
+    with open(os.path.join(log_dir, "log.txt")) as f:
+        assert sum(1 for l in f if l.startswith("step ") and "| loss" in l) == 30
+    assert sum(1 for l in p.stdout.splitlines() if l.startswith("sample ")) == 4  # steps 15 and 29
+    # the final export loads in transformers with the same logits as the checkpoint
+    from transformers import GPT2LMHeadModel
+    hf = GPT2LMHeadModel.from_pretrained(os.path.join(log_dir, "hf")).eval()
+    ours, _ = common.load_model(log_dir)
+    idx = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        assert (hf(idx).logits - ours(idx)[0][..., :50257]).abs().max().item() < 1e-4
+
+
+def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "3"]
+    proc = subprocess.Popen([sys.executable, TRAIN] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=ENV)
+    for line in proc.stdout:  # kill hard in the middle of step 7, two steps past the last checkpoint
+        if line.startswith("step     7 |"):
+            proc.kill()
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert records(log_dir, "end") == []
+    run(args + ["--resume"])
+    ref, got = records(reference_run, "train"), records(log_dir, "train")
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref]  # bit for bit, replayed steps included
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in ref]
+    step_a, model_a, _ = final_state(reference_run)
+    step_b, model_b, _ = final_state(log_dir)
+    assert step_a == step_b == 10
+    for k in model_a:
+        assert torch.equal(model_a[k], model_b[k]), k
+    assert len(common.list_checkpoints(log_dir)) == 2  # --keep-checkpoints 2
+
+
+def test_sigterm_writes_a_usable_checkpoint(data_dir, reference_run, tmp_path):
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "100"]
+    proc = subprocess.Popen([sys.executable, TRAIN] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=ENV)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("step     4 |"):
+            proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    text = "".join(out)
+    assert proc.returncode == 0, text
+    assert "stopped by SIGTERM" in text and "Traceback" not in text
+    stopped = records(log_dir, "end")[-1]
+    assert stopped["reason"] == "signal"
+    step, _, _ = final_state(log_dir)
+    assert 5 <= step < 10 and step == stopped["step"] + 1
+    run(args + ["--resume"])
+    assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
+    _, model_a, _ = final_state(reference_run)
+    _, model_b, _ = final_state(log_dir)
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(extra, args, **kw):
+    cmd = [sys.executable, "-m", "torch.distributed.run"] + extra + [TRAIN] + args
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, **kw)
+
+
+def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_path):
+    common_args = TINY + ["--data-dir", data_dir, "--max-steps", "4", "--eval-every", "2"]
+    single = str(tmp_path / "single")
+    run(common_args + ["--log-dir", single])  # micro-batch 2, accumulation 2
+    ddp = str(tmp_path / "ddp")
+    p = torchrun(["--standalone", "--nproc_per_node=2"], common_args + ["--log-dir", ddp])
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+    assert records(ddp, "run")[0]["world_size"] == 2
+    assert records(ddp, "run")[0]["config"]["grad_accum"] == 1
+    a, b = records(single, "train"), records(ddp, "train")
+    assert len(a) == len(b) == 4
+    for ra, rb in zip(a, b):  # same global batch, same math; only the summation order differs
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+    for va, vb in zip(records(single, "val"), records(ddp, "val")):
+        assert vb["val_loss"] == pytest.approx(va["val_loss"], rel=1e-5)
+
+
+def test_two_node_torchrun_on_loopback(data_dir, tmp_path):
+    log_dir = str(tmp_path / "log")
+    port = free_port()
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "3"]
+    nodes = [torchrun(["--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                       f"--master_port={port}"], args) for r in range(2)]
+    outs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert records(log_dir, "run")[0]["world_size"] == 2
+    assert len(records(log_dir, "train")) == 3
+
+
+def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
+    log_dir = str(tmp_path / "log")
+    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "12", "--checkpoint-every", "1",
+                    "--warmup-steps", "0", "--max-lr", "1e30", "--eval-every", "0"], check=False)
+    assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "non-finite; stopping" in p.stdout and "Traceback" not in p.stderr
+    end = records(log_dir, "end")[-1]
+    assert end["reason"] == "nonfinite"
+    step, model, _ = final_state(log_dir)
+    assert step <= end["step"]
+    assert all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
+    # with --on-nonfinite skip the run carries on to the end
+    log2 = str(tmp_path / "log2")
+    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log2, "--max-steps", "6", "--warmup-steps", "0",
+                    "--max-lr", "1e30", "--eval-every", "0", "--on-nonfinite", "skip"], check=False)
+    assert p.returncode == 0 and "skipped (non-finite)" in p.stdout
+
+
+@pytest.fixture(scope="module")
+def bad_input_setup(data_dir, tmp_path_factory, reference_run):
+    base = tmp_path_factory.mktemp("bad")
+    junk = base / "junk.pt"
+    junk.write_bytes(b"this is not a checkpoint")
+    good = common.latest_checkpoint(reference_run)
+    truncated = base / "ckpt_000009.pt"
+    with open(good, "rb") as f:
+        truncated.write_bytes(f.read()[:2000])
+    hf_dir = base / "hf"
+    from model import GPT, GPTConfig
+    GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=16)).export_hf(str(hf_dir))
+    return dict(base=str(base), junk=str(junk), truncated=str(truncated), hf=str(hf_dir),
+                data=data_dir, ref=reference_run)
+
+
+BAD = {
+    "missing data dir": (["--data-dir", "{base}/nope"], "nope"),
+    "empty data dir": (["--data-dir", "{base}"], "fineweb.py"),
+    "batch not a multiple of block": (["--total-batch-size", "100"], "multiple"),
+    "batch not divisible": (["--total-batch-size", "96"], "not divisible"),
+    "block size too large for init-from": (["--init-from", "{hf}", "--block-size", "64"], "block-size"),
+    "resume path missing": (["--resume", "{base}/ckpt_000123.pt"], "no such file"),
+    "resume not a checkpoint": (["--resume", "{junk}"], "not a"),
+    "resume truncated checkpoint": (["--resume", "{truncated}"], "truncated"),
+    "unknown device": (["--device", "tpu"], "unknown device"),
+    "existing run without --resume": (["--log-dir", "{ref}"], "--resume"),
+    "resume with another shape": (["--log-dir", "{ref}", "--resume", "--n-layer", "3"], "n_layer"),
+    "resume with another micro-batch": (["--log-dir", "{ref}", "--resume", "--micro-batch-size", "1"],
+                                        "micro-batch-size"),
+    "bad micro-batch": (["--micro-batch-size", "lots"], "micro-batch-size"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path):
+    extra, expect = BAD[case]
+    extra = [a.format(**bad_input_setup) for a in extra]
+    log_dir = str(tmp_path / "fresh")
+    args = TINY + ["--data-dir", bad_input_setup["data"], "--log-dir", log_dir, "--max-steps", "2"] + extra
+    before = sorted(os.listdir(bad_input_setup["ref"]))
+    p = run(args, check=False)
+    assert p.returncode == 2, p.stdout[-1000:] + p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr
+    assert sorted(os.listdir(bad_input_setup["ref"])) == before  # nothing written over
+    assert not os.path.exists(os.path.join(log_dir, "ckpt_000002.pt"))
+
+
+def test_dtype_and_device_choice(monkeypatch):
+    assert common.pick_dtype("auto", "cpu") == "float32"
+    with pytest.raises(common.UserError, match="float16"):
+        common.pick_dtype("float16", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert common.pick_dtype("auto", "cuda") == "float16"  # T4 / V100: fp16 with a gradient scaler
+    with pytest.raises(common.UserError, match="Tesla T4 has no bfloat16"):
+        common.pick_dtype("bf16", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert common.pick_dtype("auto", "cuda:0") == "bfloat16"
+
+
+def test_lr_schedule():
+    import train_gpt2
+    args = train_gpt2.parse_args([])
+    assert args.max_steps == 19073 and args.warmup_steps == 715 and args.total_batch_size == 524288
+    lrs = [train_gpt2.get_lr(s, args) for s in range(args.max_steps)]
+    assert lrs[0] == pytest.approx(6e-4 / 715) and lrs[714] == pytest.approx(6e-4)
+    assert max(lrs) == pytest.approx(6e-4)
+    assert lrs[-1] == pytest.approx(6e-5, rel=1e-3)  # cosine down to 10%
+    assert all(a >= b for a, b in zip(lrs[715:], lrs[716:]))
+
+
+def test_micro_batch_autofit_with_fake_memory():
+    import train_gpt2
+    # a 16 GB card where each sequence of 1024 tokens costs 0.9 GB and the model 3 GB
+    fits = lambda b: 3.0 + 0.9 * b <= 0.9 * 16
+    cands = train_gpt2.micro_batch_candidates(524288, 1024, 1)
+    assert cands == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert train_gpt2.largest_fitting(cands, fits) == 8
+    # 40 GB: 32; 80 GB: 64; the batch must divide: 3 GPUs x 1024 x b never divides 2**19
+    assert train_gpt2.largest_fitting(cands, lambda b: 3.0 + 0.9 * b <= 0.9 * 40) == 32
+    assert train_gpt2.largest_fitting(cands, lambda b: 3.0 + 0.9 * b <= 0.9 * 80) == 64
+    assert train_gpt2.micro_batch_candidates(524288, 1024, 3) == []
+    assert train_gpt2.largest_fitting(cands, lambda b: False) is None
+    tried = []
+    train_gpt2.largest_fitting(cands, lambda b: tried.append(b) or b <= 8)
+    assert len(tried) <= 4  # binary search, not a scan
+
+
+def test_timing_breakdown_reports_phases(data_dir, tmp_path):
+    log_dir = str(tmp_path / "log")
+    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "4", "--timing-breakdown", "2"])
+    lines = [l for l in p.stdout.splitlines() if l.startswith("timing |")]
+    assert len(lines) == 2
+    for phase in ("data_ms", "forward_ms", "backward_ms", "optimizer_ms", "eval_ms"):
+        assert phase in lines[0]
+    t = records(log_dir, "timing")
+    assert len(t) == 2 and all(t[0][k] >= 0 for k in ("data_ms", "forward_ms", "backward_ms"))
+    assert t[0]["forward_ms"] > 0 and t[0]["eval_ms"] > 0  # step 0 ran a validation

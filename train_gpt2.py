@@ -1,0 +1,794 @@
+"""
+Train GPT-2 from scratch (or fine-tune it) on pre-tokenized shards written by fineweb.py.
+
+    python train_gpt2.py                                          # one GPU, or CPU
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py        # one node
+    torchrun --nnodes=2 --node_rank=N --rdzv-endpoint=HOST:29500 --nproc_per_node=8 train_gpt2.py
+
+The defaults reproduce GPT-2 124M on FineWeb-Edu 10B: 524,288 tokens per step, 19,073 steps.
+Pass --resume always: it continues the run in --log-dir if there is one, else starts it.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+import common
+from common import UserError, print0
+from model import GPT, GPTConfig, PRESETS
+
+# ----------------------------------------------------------------------------------------------
+# Configuration: every knob is a flag; defaults are the GPT-2 124M reproduction.
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    # model
+    a("--model", default="gpt2", choices=sorted(PRESETS), help="architecture preset (default: gpt2, 124M)")
+    a("--n-layer", type=int, help="override the preset's number of layers")
+    a("--n-head", type=int, help="override the preset's number of attention heads")
+    a("--n-embd", type=int, help="override the preset's embedding width")
+    a("--block-size", type=int, default=1024, help="context length T in tokens (default: 1024)")
+    a("--init-from", help="start from pretrained weights: a Hugging Face name (gpt2, ...) or directory, "
+                          "a checkpoint file or a log directory; the architecture comes from it")
+    # data and logs
+    a("--data-dir", default="edu_fineweb10B", help="token shards from fineweb.py (default: edu_fineweb10B)")
+    a("--shuffle-seed", type=int, help="shuffle shard and window order per epoch with this seed "
+                                       "(default: off, shards in order)")
+    a("--log-dir", default="log", help="logs, metrics.jsonl, checkpoints and the exported model (default: log)")
+    # batch
+    a("--total-batch-size", type=int, default=524288,
+      help="tokens per optimizer step, over all GPUs and accumulation steps (default: 524288 = 2**19)")
+    a("--micro-batch-size", default="auto",
+      help="sequences per forward pass per GPU, or 'auto' (default): on CUDA the largest that fits in "
+           "memory and divides the batch; 8 or fewer elsewhere")
+    # optimizer and schedule
+    a("--max-steps", type=int, default=19073, help="optimizer steps (default: 19073 = 10B tokens / 2**19)")
+    a("--max-lr", type=float, default=6e-4, help="peak learning rate (default: 6e-4)")
+    a("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --max-lr (default: 0.1)")
+    a("--warmup-steps", type=int, default=715, help="linear LR warm-up steps (default: 715)")
+    a("--weight-decay", type=float, default=0.1, help="AdamW weight decay on 2-D weights (default: 0.1)")
+    a("--beta1", type=float, default=0.9, help="AdamW beta1 (default: 0.9)")
+    a("--beta2", type=float, default=0.95, help="AdamW beta2 (default: 0.95)")
+    a("--eps", type=float, default=1e-8, help="AdamW epsilon (default: 1e-8)")
+    a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this; 0 = off (default: 1.0)")
+    a("--on-nonfinite", choices=["stop", "skip"], default="stop",
+      help="a NaN/inf loss or gradient norm: stop the run (default) or skip that step")
+    # evaluation, sampling, checkpoints
+    a("--eval-every", type=int, default=250, help="validation loss every N steps; 0 = off (default: 250)")
+    a("--val-tokens", type=int, default=10485760, help="tokens per validation (default: 10485760 = 20 x 2**19)")
+    a("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps; 0 = off (default: 250)")
+    a("--hellaswag-file", help="local hellaswag_val.jsonl (default: download once to the cache)")
+    a("--hellaswag-limit", type=int, help="score only the first N HellaSwag items (default: all 10,042)")
+    a("--sample-every", type=int, default=250, help="print samples every N steps; 0 = off (default: 250)")
+    a("--sample-prompt", default="Hello, I'm a language model,", help="prompt for the samples")
+    a("--num-samples", type=int, default=4, help="samples each time (default: 4)")
+    a("--sample-tokens", type=int, default=32, help="new tokens per sample (default: 32)")
+    a("--checkpoint-every", type=int, default=5000, help="checkpoint every N steps, and always at the end (default: 5000)")
+    a("--keep-checkpoints", type=int, default=2, help="keep the last K checkpoints (default: 2)")
+    a("--resume", nargs="?", const="latest",
+      help="continue from a checkpoint: a path, or no value for the latest in --log-dir (starts fresh if none)")
+    a("--export-hf", action=argparse.BooleanOptionalAction, default=True,
+      help="export the final model in Hugging Face format to LOG_DIR/hf (default: on)")
+    a("--plot", action=argparse.BooleanOptionalAction, default=True,
+      help="redraw LOG_DIR/plot.png at each evaluation when matplotlib is installed (default: on)")
+    # hardware
+    a("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps")
+    a("--dtype", default="auto", help="auto (bf16 on Ampere+, fp16 on T4/V100, fp32 on CPU), "
+                                      "bfloat16, float16 or float32")
+    a("--compile", action=argparse.BooleanOptionalAction, default=None,
+      help="torch.compile the model (default: on for CUDA, off elsewhere)")
+    a("--deterministic", action="store_true",
+      help="deterministic kernels for reproducibility studies (slower; data order never depends on it)")
+    a("--seed", type=int, default=1337, help="seed for initialisation and sampling (default: 1337)")
+    a("--timing-breakdown", type=int, default=0, metavar="N",
+      help="every N steps print where the time went (data, forward, backward, optimizer, eval); "
+           "adds synchronisation, so off (0) by default")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.micro_batch_size != "auto":
+        try:
+            args.micro_batch_size = int(args.micro_batch_size)
+        except ValueError:
+            raise UserError(f"--micro-batch-size {args.micro_batch_size!r}: give a whole number or 'auto'")
+        if args.micro_batch_size < 1:
+            raise UserError("--micro-batch-size must be at least 1")
+    positive = ["block_size", "total_batch_size", "max_steps", "keep_checkpoints", "val_tokens"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ["warmup_steps", "eval_every", "hellaswag_every", "sample_every", "checkpoint_every",
+                 "timing_breakdown", "num_samples", "sample_tokens"]:
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} cannot be negative")
+    if not (math.isfinite(args.max_lr) and args.max_lr > 0):
+        raise UserError(f"--max-lr must be a positive number (got {args.max_lr})")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise UserError("--min-lr-ratio must be between 0 and 1")
+    if args.total_batch_size % args.block_size:
+        raise UserError(f"--total-batch-size {args.total_batch_size} is not a multiple of "
+                        f"--block-size {args.block_size}")
+    return args
+
+
+def get_lr(step, args):
+    """Linear warm-up, then cosine decay to min_lr at max_steps (GPT-3 paper, appendix B)."""
+    max_lr, min_lr = args.max_lr, args.max_lr * args.min_lr_ratio
+    if step < args.warmup_steps:
+        return max_lr * (step + 1) / args.warmup_steps
+    if step >= args.max_steps:
+        return min_lr
+    ratio = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-batch auto-fit
+
+
+def largest_fitting(candidates, fits):
+    """The largest of the ascending `candidates` for which fits(b) is true, assuming memory grows
+    with b (binary search: log2(n) trial steps). None if even the smallest does not fit."""
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
+    """Micro-batch sizes that divide the per-rank share of the batch, ascending (beyond `cap`
+    sequences a GPU is long saturated and only memory is spent)."""
+    per_rank, rem = divmod(total_batch_size, block_size * world_size)
+    if rem or per_rank == 0:
+        return []
+    return [b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0]
+
+
+def cuda_memory_probe(model, block_size, device, dtype, margin=0.10):
+    """fits(b): one eager forward+backward at micro-batch b stays under (1 - margin) of the GPU's
+    memory, counting the AdamW state (two fp32 moments per parameter) that the real step adds."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    optimizer_bytes = 2 * 4 * sum(p.numel() for p in model.parameters())
+
+    def fits(b):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            x = torch.randint(0, model.config.vocab_size, (b, block_size), device=device)
+            with common.autocast(device, dtype):
+                _, loss = model(x, x)
+            loss.backward()
+            peak = torch.cuda.max_memory_allocated(device)
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        return peak + optimizer_bytes <= (1 - margin) * total
+    return fits
+
+
+def choose_micro_batch(args, dist, model, dtype):
+    cands = micro_batch_candidates(args.total_batch_size, args.block_size, dist.world_size)
+    if not cands:
+        raise UserError(f"--total-batch-size {args.total_batch_size} is not divisible by block size x GPUs "
+                        f"({args.block_size} x {dist.world_size}); use a multiple of {args.block_size * dist.world_size}")
+    if dist.device_type == "cuda":
+        best = largest_fitting(cands, cuda_memory_probe(model, args.block_size, dist.device, dtype))
+        if best is None:
+            raise UserError(f"even a micro-batch of 1 x {args.block_size} tokens does not fit in GPU memory: "
+                            "use a smaller --model or --block-size")
+    else:
+        best = max(b for b in cands if b <= 8)
+    if dist.ddp:  # every rank must use the same size: the smallest any of them can afford
+        import torch.distributed as tdist
+        t = torch.tensor([best], device=dist.device)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+        best = int(t.item())
+    return best
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging: one line per step in log.txt and stdout, the same keys in metrics.jsonl
+
+
+class RunLog:
+    """Rank 0 writes; other ranks hold a RunLog that does nothing."""
+
+    def __init__(self, log_dir, active):
+        self.active = active
+        self.log_dir = log_dir
+        self.text = self.metrics = None  # opened at the first write: bad input leaves no trace
+
+    def _open(self):
+        if self.text is None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self.text = open(os.path.join(self.log_dir, "log.txt"), "a", buffering=1)
+            self.metrics = open(os.path.join(self.log_dir, "metrics.jsonl"), "a", buffering=1)
+
+    def line(self, msg):
+        if self.active:
+            self._open()
+            print(msg, flush=True)
+            self.text.write(msg + "\n")
+
+    def record(self, kind, **fields):
+        if self.active:
+            self._open()
+            self.metrics.write(json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
+            self.metrics.flush()
+
+    def close(self):
+        if self.text is not None:
+            self.text.close()
+            self.metrics.close()
+
+
+def versions():
+    v = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+         "cuda": torch.version.cuda}
+    try:
+        import tiktoken
+        v["tiktoken"] = tiktoken.__version__
+    except ImportError:
+        pass
+    return v
+
+
+def git_commit():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (rev + ("-dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class PhaseTimer:
+    """--timing-breakdown: wall time per phase, synchronising the GPU at each boundary."""
+
+    PHASES = ("data", "forward", "backward", "optimizer", "eval")
+
+    def __init__(self, device, enabled):
+        self.enabled, self.device = enabled, device
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        self._t = None
+
+    def _sync(self):
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+
+    def start(self):
+        if self.enabled:
+            self._sync()
+            self._t = time.perf_counter()
+
+    def mark(self, phase):
+        if self.enabled:
+            self._sync()
+            now = time.perf_counter()
+            self.totals[phase] += now - self._t
+            self._t = now
+
+    def report(self):
+        """Mean ms per step for each phase since the last report, then reset."""
+        n = max(1, self.steps)
+        out = {k: 1000 * v / n for k, v in self.totals.items()}
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def rng_state():
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather(obj, dist):
+    """A list with every rank's obj (on every rank)."""
+    if not dist.ddp:
+        return [obj]
+    import torch.distributed as tdist
+    out = [None] * dist.world_size
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+# the settings a checkpoint cannot be resumed under if they change
+RESUME_INVARIANTS = ("block_size", "total_batch_size", "micro_batch_size", "world_size", "shuffle_seed")
+
+
+def write_checkpoint(args, dist, log, raw_model, optimizer, scaler, train_loader, step, run_config):
+    per_rank = gather({"train_loader": train_loader.state_dict(), "rng": rng_state()}, dist)
+    if not dist.is_master:
+        return None
+    path = common.checkpoint_path(args.log_dir, step)
+    common.save_checkpoint(path, {
+        "step": step,  # steps completed: a resume starts at this step
+        "model_config": asdict(raw_model.config),
+        "model": raw_model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "ranks": per_rank,
+        "config": run_config,
+    })
+    for old in common.list_checkpoints(args.log_dir)[:-args.keep_checkpoints]:
+        os.remove(old)
+    log.record("checkpoint", step=step, path=path)
+    log.line(f"checkpoint {path}")
+    return path
+
+
+def find_resume(args):
+    """Checkpoint path to resume from, or None to start fresh."""
+    if args.resume is None:
+        return None
+    if args.resume == "latest":
+        return common.latest_checkpoint(args.log_dir)
+    if os.path.isdir(args.resume):
+        found = common.latest_checkpoint(args.resume)
+        if found is None:
+            raise UserError(f"--resume {args.resume}: no ckpt_*.pt in that directory")
+        return found
+    if not os.path.exists(args.resume):
+        raise UserError(f"--resume {args.resume}: no such file; pass a ckpt_*.pt file, a log directory, "
+                        "or --resume alone for the latest in --log-dir")
+    return args.resume
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@torch.no_grad()
+def validation_loss(model, loader, steps, dist, dtype):
+    model.eval()
+    loader.reset()
+    total = torch.zeros((), device=dist.device)
+    for _ in range(steps):
+        x_val, y_val = loader.next_batch()
+        with common.autocast(dist.device, dtype):
+            _, loss_val = model(x_val, y_val)
+        total += loss_val.float()
+    if dist.ddp:
+        import torch.distributed as tdist
+        tdist.all_reduce(total)  # SUM: gloo has no AVG
+        total /= dist.world_size
+    model.train()
+    return total.item() / steps
+
+
+class HellaSwagHook:
+    """Scores the model on HellaSwag; if the data cannot be had, says so once and stays quiet."""
+
+    def __init__(self, args, dist, log):
+        self.args, self.dist, self.log = args, dist, log
+        self.items, self.failed = None, False
+
+    def __call__(self, raw_model, dtype):
+        if self.failed:
+            return None
+        import hellaswag
+        if self.items is None:
+            error = None
+            try:
+                items = hellaswag.load_items(self.args.hellaswag_file, limit=self.args.hellaswag_limit)
+            except UserError as e:
+                items, error = None, str(e)
+            ok = torch.tensor([0 if items is None else 1], device=self.dist.device)
+            if self.dist.ddp:  # all ranks must agree, or the reductions inside evaluate() hang
+                import torch.distributed as tdist
+                tdist.all_reduce(ok, op=tdist.ReduceOp.MIN)
+            if not ok.item():
+                self.failed = True
+                self.log.line(f"hellaswag: skipped for this run ({error or 'data missing on another rank'})")
+                return None
+            self.items = items
+        raw_model.eval()
+        result = hellaswag.evaluate(raw_model, self.items, self.dist.device, dtype,
+                                    rank=self.dist.rank, world_size=self.dist.world_size)
+        raw_model.train()
+        return result
+
+
+def print_samples(raw_model, args, dist, step, log):
+    enc = common.get_tokenizer()
+    prompt = torch.tensor([enc.encode(args.sample_prompt)] * args.num_samples, device=dist.device)
+    gen = torch.Generator(device=dist.device).manual_seed(args.seed + step)
+    raw_model.eval()
+    out = raw_model.generate(prompt, args.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+    raw_model.train()
+    for i, row in enumerate(out.tolist()):
+        text = enc.decode(row).replace("\n", " ")
+        log.line(f"sample {i} | {text}")
+
+
+class PlotWriter:
+    """Redraws LOG_DIR/plot.png in a background thread (rank 0), never blocking a step."""
+
+    def __init__(self, log_dir, enabled):
+        self.log_dir, self.thread = log_dir, None
+        try:
+            import matplotlib  # noqa: F401
+            self.enabled = enabled
+        except ImportError:
+            self.enabled = False
+
+    def kick(self):
+        if not self.enabled or (self.thread is not None and self.thread.is_alive()):
+            return
+        import plot
+
+        def draw():
+            try:
+                plot.write_plot([self.log_dir], os.path.join(self.log_dir, "plot.png"))
+            except Exception as e:  # a plot must never take a run down
+                print(f"plot: not updated ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        self.thread = threading.Thread(target=draw, daemon=True)
+        self.thread.start()
+
+    def join(self):
+        if self.thread is not None:
+            self.thread.join()
+
+
+# ----------------------------------------------------------------------------------------------
+# Signals: SIGTERM / Ctrl-C finish the current step, write a checkpoint and exit cleanly.
+
+
+class StopFlag:
+    def __init__(self):
+        self.signal = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread (e.g. imported in a notebook worker)
+                pass
+
+    def _handler(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+        # a second Ctrl-C stops at once
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# ----------------------------------------------------------------------------------------------
+# Set-up helpers
+
+
+def build_model(args, ckpt):
+    """The model, from a checkpoint (resume), pretrained weights (--init-from) or a preset."""
+    if ckpt is not None:
+        return common.model_from_checkpoint(ckpt), "resumed"
+    if args.init_from:
+        model, what = common.load_model(args.init_from)
+        if args.block_size > model.config.block_size:
+            raise UserError(f"--block-size {args.block_size} is larger than the {model.config.block_size} "
+                            f"positions {args.init_from} was trained with; use --block-size "
+                            f"{model.config.block_size} or less")
+        if args.block_size < model.config.block_size:
+            model.crop_block_size(args.block_size)
+        return model.train(), what
+    shape = dict(PRESETS[args.model])
+    for k in ("n_layer", "n_head", "n_embd"):
+        if getattr(args, k) is not None:
+            shape[k] = getattr(args, k)
+    try:
+        config = GPTConfig(block_size=args.block_size, **shape)
+    except ValueError as e:
+        raise UserError(str(e))
+    return GPT(config), f"{args.model} preset" if shape == PRESETS[args.model] else "custom shape"
+
+
+def check_resume_compatible(ckpt, args, dist, path):
+    saved = ckpt["config"]
+    now = dict(vars(args), world_size=dist.world_size)
+    for key in RESUME_INVARIANTS:
+        if key == "micro_batch_size" and now[key] == "auto":
+            continue  # auto on resume means: the size the run was fitted with
+        if saved.get(key) != now.get(key):
+            flag = "world size (GPUs)" if key == "world_size" else "--" + key.replace("_", "-")
+            raise UserError(f"cannot resume {path}: it was trained with {flag} = {saved.get(key)}, "
+                            f"this run has {now.get(key)}; use the same setting, or a new --log-dir")
+    shape_flags = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd}
+    for key, value in shape_flags.items():
+        if value is not None and value != ckpt["model_config"][key]:
+            raise UserError(f"cannot resume {path}: its model has {key} = {ckpt['model_config'][key]}, "
+                            f"--{key.replace('_', '-')} asks for {value}; drop the flag or use a new --log-dir")
+    if os.path.abspath(saved["data_dir"]) != os.path.abspath(args.data_dir):
+        print0(f"note: resuming with --data-dir {args.data_dir} (the run began with {saved['data_dir']}); "
+               "the data loader checks that it is the same data")
+
+
+def startup_warnings(args, dist, dtype, micro_batch):
+    warn = []
+    if dist.device_type == "cpu" and torch.cuda.is_available():
+        warn.append("training on the CPU although a CUDA GPU is present: drop --device cpu")
+    if args.deterministic:
+        warn.append("--deterministic is on: slower kernels; use it for reproducibility studies only")
+    if dist.device_type == "cuda":
+        if dtype == "float32" and common.bf16_supported(dist.device):
+            warn.append("float32 on a GPU with bfloat16: several times slower; use --dtype auto")
+        if not args.compile:
+            warn.append("torch.compile is off on CUDA: expect ~1.5-2x slower steps; drop --no-compile")
+        if micro_batch * args.block_size < 8192:
+            warn.append(f"micro-batch of {micro_batch} x {args.block_size} tokens is small enough for the GPU "
+                        "to idle; raise --micro-batch-size (or use auto)")
+    return warn
+
+
+# ----------------------------------------------------------------------------------------------
+# The training run
+
+
+def train(args):
+    dist = common.setup_distributed(args.device)
+    log = RunLog(args.log_dir, dist.is_master)
+    try:
+        return _train(args, dist, log)
+    finally:
+        log.close()
+        common.teardown_distributed()
+
+
+def _train(args, dist, log):
+    import fineweb  # the shard reader; imported here so --help stays instant
+    dtype = common.pick_dtype(args.dtype, dist.device)
+    if args.compile is None:
+        args.compile = dist.device_type == "cuda"
+    if dist.device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
+        torch.backends.cudnn.allow_tf32 = True
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+    # resume or fresh start: never silently write over an earlier run
+    resume_path = find_resume(args)
+    ckpt = common.load_checkpoint(resume_path) if resume_path else None
+    if ckpt is None and args.resume is None and os.path.exists(os.path.join(args.log_dir, "metrics.jsonl")):
+        raise UserError(f"{args.log_dir} already holds a run: pass --resume to continue it, "
+                        "or a new --log-dir for a new run")
+    if ckpt is not None:
+        check_resume_compatible(ckpt, args, dist, resume_path)
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    raw_model, origin = build_model(args, ckpt)
+    if args.block_size > raw_model.config.block_size:
+        raise UserError(f"--block-size {args.block_size} exceeds the model's {raw_model.config.block_size}")
+    raw_model.to(dist.device)
+    args.block_size = raw_model.config.block_size
+
+    # batch geometry: say each number once, derive the rest and assert it
+    if ckpt is not None:
+        micro_batch = ckpt["config"]["micro_batch_size"]
+    elif args.micro_batch_size == "auto":
+        micro_batch = choose_micro_batch(args, dist, raw_model, dtype)
+    else:
+        micro_batch = args.micro_batch_size
+    tokens_per_micro = micro_batch * args.block_size * dist.world_size
+    if args.total_batch_size % tokens_per_micro:
+        raise UserError(f"--total-batch-size {args.total_batch_size} is not divisible by micro-batch x block "
+                        f"size x GPUs = {micro_batch} x {args.block_size} x {dist.world_size} = {tokens_per_micro}")
+    grad_accum = args.total_batch_size // tokens_per_micro
+    assert grad_accum * tokens_per_micro == args.total_batch_size
+    run_config = dict(vars(args), micro_batch_size=micro_batch, world_size=dist.world_size,
+                      grad_accum=grad_accum, dtype=dtype, device=dist.device)
+
+    vocab = raw_model.config.vocab_size
+    train_loader = fineweb.TokenLoader(args.data_dir, "train", micro_batch, args.block_size, dist.rank,
+                                       dist.world_size, vocab_size=vocab, shuffle_seed=args.shuffle_seed,
+                                       device=dist.device)
+    val_loader = None
+    if args.eval_every:
+        val_loader = fineweb.TokenLoader(args.data_dir, "val", micro_batch, args.block_size, dist.rank,
+                                         dist.world_size, vocab_size=vocab, device=dist.device)
+    val_steps = max(1, args.val_tokens // tokens_per_micro)
+
+    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, (args.beta1, args.beta2),
+                                               args.eps, dist.device_type)
+    # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not
+    scaler = torch.amp.GradScaler(dist.device_type, enabled=(dtype == "float16"))
+    start_step = 0
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        mine = ckpt["ranks"][dist.rank]
+        try:
+            train_loader.load_state_dict(mine["train_loader"])
+        except UserError as e:
+            raise UserError(f"cannot resume {resume_path}: {e}")
+        set_rng_state(mine["rng"])
+        start_step = ckpt["step"]
+        del ckpt
+
+    model = torch.compile(raw_model) if args.compile else raw_model
+    eval_model = model  # compiled but not DDP-wrapped: evaluation runs on every rank, no gradient sync
+    if dist.ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[dist.local_rank] if dist.device_type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+
+    # the run header: what produced this run
+    name = common.device_name(dist.device)
+    flops_per_token = raw_model.flops_per_token(args.block_size)
+    log.record("run", step=start_step, max_steps=args.max_steps, tokens_per_step=args.total_batch_size,
+               resumed_from=resume_path, device=dist.device, device_name=name, dtype=dtype,
+               world_size=dist.world_size, versions=versions(), git=git_commit(), config=run_config)
+    log.line(f"run: {'resuming ' + resume_path + ' at step ' + str(start_step) if resume_path else 'new run'} "
+             f"| model {origin}, {raw_model.num_params() / 1e6:.1f}M parameters")
+    log.line(f"device {dist.device} ({name}) | dtype {dtype} | world size {dist.world_size} | "
+             f"compile {'on' if args.compile else 'off'} | git {git_commit()} | torch {torch.__version__}")
+    log.line(f"batch {args.total_batch_size} tokens/step = micro-batch {micro_batch} x {args.block_size} tokens "
+             f"x {dist.world_size} rank(s) x {grad_accum} accumulation step(s)"
+             f"{' (auto-fit)' if args.micro_batch_size == 'auto' and start_step == 0 else ''}")
+    for w in startup_warnings(args, dist, dtype, micro_batch):
+        log.line(f"warning: {w}")
+
+    stop = StopFlag()
+    timer = PhaseTimer(dist.device, args.timing_breakdown > 0)
+    plotter = PlotWriter(args.log_dir, args.plot and dist.is_master)
+    hella = HellaSwagHook(args, dist, log)
+    last_ckpt = resume_path
+    reason = "finished"
+    step = start_step
+    for step in range(start_step, args.max_steps):
+        last_step = step == args.max_steps - 1
+
+        # ---- evaluation, at the top of the step (so step 0 shows the untrained model)
+        timer.start()
+        evaluated = False
+        if val_loader is not None and (step % args.eval_every == 0 or last_step):
+            evaluated = True
+            val_loss = validation_loss(eval_model, val_loader, val_steps, dist, dtype)
+            log.line(f"step {step} | val_loss {val_loss:.4f}")
+            log.record("val", step=step, val_loss=val_loss, tokens=step * args.total_batch_size)
+        if args.hellaswag_every and (step % args.hellaswag_every == 0 or last_step):
+            result = hella(raw_model, dtype)
+            if result is not None:
+                evaluated = True
+                log.line(f"step {step} | hellaswag acc_norm {result['acc_norm']:.4f} "
+                         f"acc {result['acc']:.4f} n {result['n']}")
+                log.record("hellaswag", step=step, tokens=step * args.total_batch_size, **result)
+        if args.sample_every and dist.is_master and step > 0 and (step % args.sample_every == 0 or last_step):
+            print_samples(raw_model, args, dist, step, log)
+        if evaluated and dist.is_master:
+            plotter.kick()
+        timer.mark("eval")
+
+        # ---- one optimizer step over grad_accum micro-batches
+        t0 = time.perf_counter()
+        model.train()
+        loss_accum = torch.zeros((), device=dist.device)
+        for micro_step in range(grad_accum):
+            x, y = train_loader.next_batch()
+            timer.mark("data")
+            # all-reduce the gradients only once, on the last micro-step
+            sync = micro_step == grad_accum - 1
+            with model.no_sync() if dist.ddp and not sync else nullcontext():
+                with common.autocast(dist.device, dtype):
+                    _, loss = model(x, y)
+                loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
+                loss_accum += loss.detach()
+                timer.mark("forward")
+                scaler.scale(loss).backward()
+                timer.mark("backward")
+        scaler.unscale_(optimizer)
+        # the gradients are already all-reduced, so every rank computes the same global norm
+        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
+                                              args.grad_clip if args.grad_clip > 0 else float("inf"))
+        stop_flag = torch.tensor(float(stop.signal is not None), device=dist.device)
+        stats = torch.stack([loss_accum, norm.float(), stop_flag])
+        if dist.ddp:
+            import torch.distributed as tdist
+            stats /= dist.world_size
+            tdist.all_reduce(stats)  # mean loss, the same norm, and > 0 if any rank was signalled
+        loss_val, norm_val, stop_any = stats.tolist()  # the step's one host-device sync
+        lr = get_lr(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        finite = math.isfinite(loss_val) and math.isfinite(norm_val)
+        skipped = False
+        if not finite and dtype != "float16":
+            if args.on_nonfinite == "stop":
+                log.line(f"step {step} | loss {loss_val} | grad_norm {norm_val}: non-finite; stopping. "
+                         f"The last good checkpoint is {last_ckpt or 'none (no checkpoint yet)'}: resume from it "
+                         "with a lower --max-lr, or pass --on-nonfinite skip")
+                log.record("end", step=step, reason="nonfinite")
+                return 3
+            skipped = True
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            scaler.step(optimizer)  # with fp16, skips the update by itself when gradients overflowed
+            scaler.update()
+            skipped = not finite
+        optimizer.zero_grad(set_to_none=True)
+        timer.mark("optimizer")
+        dt = time.perf_counter() - t0
+        tok_per_s = args.total_batch_size / dt
+        mfu = raw_model.estimate_mfu(tok_per_s / dist.world_size, name, dtype, args.block_size)
+        mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+        log.line(f"step {step:5d} | loss {loss_val:.6f} | lr {lr:.4e} | grad_norm {norm_val:.4f} | "
+                 f"dt_ms {1000 * dt:.1f} | tok_per_s {tok_per_s:.0f} | mfu {mfu_text}"
+                 + (" | skipped (non-finite)" if skipped else ""))
+        log.record("train", step=step, loss=loss_val, lr=lr, grad_norm=norm_val, dt_ms=1000 * dt,
+                   tok_per_s=tok_per_s, mfu=mfu, tokens=(step + 1) * args.total_batch_size, skipped=skipped)
+        timer.steps += 1
+        if args.timing_breakdown and timer.steps >= args.timing_breakdown:
+            ms = timer.report()
+            total = sum(ms.values())
+            log.line("timing | " + " | ".join(f"{k}_ms {v:.1f} ({100 * v / max(total, 1e-9):.0f}%)"
+                                              for k, v in ms.items()))
+            log.record("timing", step=step, **{f"{k}_ms": v for k, v in ms.items()})
+
+        # ---- checkpoint: on schedule, at the end, and when asked to stop
+        done = step + 1
+        stopping = stop_any > 0
+        if stopping or done == args.max_steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
+            last_ckpt = write_checkpoint(args, dist, log, raw_model, optimizer, scaler, train_loader, done,
+                                         run_config) or last_ckpt
+        if stopping:
+            reason = "signal"
+            log.line(f"stopped by {stop.signal or 'a signal on another rank'} after step {step}; "
+                     f"continue with: python train_gpt2.py --log-dir {args.log_dir} --resume")
+            break
+
+    if reason == "finished" and dist.is_master and args.export_hf:
+        out = os.path.join(args.log_dir, "hf")
+        raw_model.export_hf(out, tokenizer_files=common.gpt2_bpe_files())
+        log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
+    log.record("end", step=step + 1 if reason == "finished" else step, reason=reason)
+    if dist.is_master:
+        plotter.kick()
+        plotter.join()
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sys.exit(train(args))
+
+
+if __name__ == "__main__":
+    common.run_main(main)
