@@ -1,0 +1,492 @@
+"""
+Plots and a text summary of training runs, read from the metrics.jsonl that train_gpt2.py
+writes into its log directory.
+
+    python plot.py log                                   # summary, and log/plot.png
+    python plot.py log log_ablation --labels baseline ablation --out runs.png
+
+The PNG has four panels against tokens seen: train loss (faint: every step, solid: EMA) and
+validation loss (dashed) with OpenAI GPT-2 124M's validation loss; HellaSwag acc_norm with
+GPT-2 124M and GPT-3 124M; tokens/s; MFU. Several runs overlay, one colour each.
+matplotlib is optional: without it the summaries still print.
+
+How the numbers are defined (summarize() returns them, format_summary() prints them):
+- A resumed run appends a new "run" record that starts at step s, then logs steps from s on
+  again. The later record for a step wins; what the earlier launch logged past s (up to its
+  crash) belongs to an abandoned branch and is dropped, even where the new launch has not
+  reached it yet.
+- wall time: the sum over launches of (time of its last record - time of its "run" record).
+- mean tokens/s: all logged steps weighted by their step time (tokens / step time), so the
+  warm-up steps count for what they cost.
+- steady-state tokens/s and MFU: medians over the train records past warm-up: the first 10% of
+  the steps are dropped, and so is the first step of every launch (it includes torch.compile
+  and CUDA warm-up). A median, so evaluation and checkpoint stalls do not move it.
+- smoothing: an exponential moving average over --smooth N steps (alpha = 2 / (N + 1), pandas'
+  "span"), started at the first value so the start is not pulled toward zero.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+import common
+from common import UserError
+
+METRICS_FILE = "metrics.jsonl"
+
+# Reference lines, each with where its number comes from.
+GPT2_VAL_LOSS = 3.2924   # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as measured by build-nanogpt
+GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, HellaSwag acc_norm on the 10,042 validation examples (build-nanogpt)
+GPT3_HELLASWAG = 0.337   # GPT-3 Small (125M), zero-shot HellaSwag (Brown et al. 2020, "Language Models are Few-Shot Learners")
+LOSS_REFERENCES = [(GPT2_VAL_LOSS, f"OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: {GPT2_VAL_LOSS})")]
+HELLASWAG_REFERENCES = [(GPT3_HELLASWAG, f"GPT-3 124M {GPT3_HELLASWAG} (Brown et al. 2020)"),
+                        (GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {GPT2_HELLASWAG}")]
+
+# fields a record of each kind must have; kinds not listed here are ignored (newer trainers may add some)
+REQUIRED = {"run": ("step",),
+            "train": ("step", "loss", "tokens", "tok_per_s", "dt_ms"),
+            "val": ("step", "val_loss", "tokens"),
+            "hellaswag": ("step", "acc_norm", "tokens"),
+            "checkpoint": ("step", "path"),
+            "end": ("step", "reason")}
+STEP_KINDS = ("train", "val", "hellaswag", "checkpoint")
+
+_warned = set()  # metrics files already warned about: once per file per process
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading metrics.jsonl
+
+
+def _decode(line):
+    """(record, recovered) for one line, or (None, False). A write cut by a kill leaves a partial
+    line, and the next launch appends its first record right after it: then the complete record
+    at the end of the line is returned, with recovered=True."""
+    try:
+        rec = json.loads(line)
+        return (rec, False) if isinstance(rec, dict) and isinstance(rec.get("kind"), str) else (None, False)
+    except ValueError:
+        pass
+    decoder = json.JSONDecoder()
+    for start in [i for i, c in enumerate(line) if c == "{" and i > 0]:
+        try:
+            rec, end = decoder.raw_decode(line, start)
+        except ValueError:
+            continue
+        if not line[end:].strip() and isinstance(rec, dict) and isinstance(rec.get("kind"), str):
+            return rec, True
+    return None, False
+
+
+def _read_records(path):
+    """(line number, record) pairs. Unreadable lines at the end (a write cut by a kill, or the
+    zeros a power loss leaves) are skipped with one warning; anywhere else they are an error."""
+    with open(path, "rb") as f:
+        lines = f.read().decode("utf-8", errors="replace").split("\n")
+    records, bad, cut = [], [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        rec, recovered = _decode(line)
+        if rec is None:
+            bad.append(n)
+            continue
+        if bad:
+            raise UserError(f"{path}:{bad[0]} is not a metrics record (a JSON object with a \"kind\"), "
+                            "and records follow it: the file is damaged or is not train_gpt2.py's")
+        if recovered:
+            cut.append(n)
+        records.append((n, rec))
+    if (bad or cut) and path not in _warned:
+        _warned.add(path)
+        where = ", ".join(map(str, cut + bad))
+        print(f"warning: {path}: skipped {len(cut) + len(bad)} record(s) cut short by a kill "
+              f"(line {where})", file=sys.stderr, flush=True)
+    return records
+
+
+def _state(kind, step):
+    """How many steps the model had taken when this record was written."""
+    return step + 1 if kind == "train" else step
+
+
+def read_metrics(log_dir):
+    """Parse log_dir/metrics.jsonl into {"path", "launches", "train", "val", "hellaswag",
+    "checkpoint"}: the step kinds are lists sorted by step, one record per step (the later wins,
+    see the module docstring); "launches" has one dict per launch, in order:
+    {"run": its run record, "start": its time, "last_time": time of its last record,
+    "first_train_step": step of its first train record, "end": its end record or None}."""
+    log_dir = os.fspath(log_dir)
+    path = os.path.join(log_dir, METRICS_FILE)
+    if not os.path.isdir(log_dir):
+        raise UserError(f"{log_dir} is not a directory: pass the --log-dir of a train_gpt2.py run")
+    if not os.path.isfile(path):
+        raise UserError(f"{log_dir} has no {METRICS_FILE}: is it a log directory written by train_gpt2.py?")
+    by_step = {kind: {} for kind in STEP_KINDS}
+    launches = []
+    for n, rec in _read_records(path):
+        kind = rec["kind"]
+        if kind not in REQUIRED:
+            continue
+        for field in REQUIRED[kind]:
+            if rec.get(field) is None:
+                raise UserError(f"{path}:{n}: a {kind!r} record without {field!r}: the file is damaged "
+                                "or was written by another program")
+        if not isinstance(rec["step"], int):
+            raise UserError(f"{path}:{n}: step {rec['step']!r} is not an integer")
+        if kind == "run" or not launches:
+            launches.append({"run": rec if kind == "run" else None, "start": rec.get("time"),
+                             "last_time": None, "first_train_step": None, "end": None})
+        if kind == "run":
+            for k, recs in by_step.items():  # drop the abandoned branch
+                for step in [s for s in recs if _state(k, s) > rec["step"]]:
+                    del recs[step]
+        launch = launches[-1]
+        if rec.get("time") is not None:
+            launch["last_time"] = rec["time"]
+        if kind in by_step:
+            by_step[kind][rec["step"]] = rec
+        if kind == "train" and launch["first_train_step"] is None:
+            launch["first_train_step"] = rec["step"]
+        if kind == "end":
+            launch["end"] = rec
+    if not launches:
+        raise UserError(f"{path} has no records: the run has not logged anything yet")
+    metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
+    return dict(metrics, path=path, launches=launches)
+
+
+# ----------------------------------------------------------------------------------------------
+# Summary
+
+
+def warmed_up(metrics):
+    """Train records without the first step of each launch (torch.compile and CUDA warm-up)."""
+    firsts = {launch["first_train_step"] for launch in metrics["launches"]}
+    return [r for r in metrics["train"] if r["step"] not in firsts]
+
+
+def steady_records(metrics):
+    """Train records past warm-up: without the first 10% of the steps and without the first
+    step of each launch."""
+    train = metrics["train"]
+    cut = (train[-1]["step"] + 1) // 10 if train else 0
+    return [r for r in warmed_up(metrics) if r["step"] >= cut]
+
+
+def _median(values):
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(values) if values else None
+
+
+def _checkpoint(log_dir, metrics):
+    """The checkpoint `train_gpt2.py --log-dir DIR --resume` continues from, and its step: the
+    newest ckpt_*.pt in the directory, else the newest recorded checkpoint that still exists."""
+    path = common.latest_checkpoint(log_dir)
+    if path is not None:
+        return path, int(common.CHECKPOINT_RE.match(os.path.basename(path)).group(1))
+    for rec in reversed(metrics["checkpoint"]):
+        if os.path.isfile(rec["path"]):
+            return rec["path"], rec["step"]
+    return None, None
+
+
+def summarize(log_dir):
+    """The numbers of one run, as a dict (None where the log has nothing to say):
+    log_dir, launches (how many times train_gpt2.py started), max_steps, tokens_per_step,
+    device_name, world_size, dtype (from the last run record);
+    steps (train steps done: last logged step + 1), tokens (tokens seen);
+    wall_time_s; tok_per_s_mean, tok_per_s_steady, mfu (steady-state median, a fraction);
+    val_loss_best, val_loss_best_step, val_loss_final, val_loss_final_step;
+    hellaswag_best, hellaswag_best_step, hellaswag_final, hellaswag_final_step (acc_norm);
+    status ("finished", "signal", "nonfinite", "error" from the last launch's end record, or
+    "stopped" when it has none: killed, or still running); stop_step (the end record's step, or
+    the last logged train step); checkpoint, checkpoint_step (what --resume continues from; the
+    final model of a finished run). Definitions: see the module docstring."""
+    m = read_metrics(log_dir)
+    train, val, hs = m["train"], m["val"], m["hellaswag"]
+    runs = [launch["run"] for launch in m["launches"] if launch["run"]]
+    run = runs[-1] if runs else {}
+    steady = steady_records(m)
+    step_time = sum(r["dt_ms"] for r in train)
+    best_val = min((r for r in val if math.isfinite(r["val_loss"])), key=lambda r: r["val_loss"], default=None)
+    best_hs = max(hs, key=lambda r: r["acc_norm"], default=None)
+    end = m["launches"][-1]["end"]
+    checkpoint, checkpoint_step = _checkpoint(log_dir, m)
+    return {
+        "log_dir": os.fspath(log_dir),
+        "launches": len(runs),
+        "max_steps": run.get("max_steps"),
+        "tokens_per_step": run.get("tokens_per_step"),
+        "device_name": run.get("device_name"),
+        "world_size": run.get("world_size"),
+        "dtype": run.get("dtype"),
+        "steps": train[-1]["step"] + 1 if train else 0,
+        "tokens": train[-1]["tokens"] if train else 0,
+        "wall_time_s": sum(launch["last_time"] - launch["start"] for launch in m["launches"]
+                           if launch["start"] is not None and launch["last_time"] is not None),
+        "tok_per_s_mean": (sum(r["tok_per_s"] * r["dt_ms"] for r in train) / step_time
+                           if step_time > 0 else None),
+        "tok_per_s_steady": _median([r["tok_per_s"] for r in steady]),
+        "mfu": _median([r.get("mfu") for r in steady]),
+        "val_loss_best": best_val["val_loss"] if best_val else None,
+        "val_loss_best_step": best_val["step"] if best_val else None,
+        "val_loss_final": val[-1]["val_loss"] if val else None,
+        "val_loss_final_step": val[-1]["step"] if val else None,
+        "hellaswag_best": best_hs["acc_norm"] if best_hs else None,
+        "hellaswag_best_step": best_hs["step"] if best_hs else None,
+        "hellaswag_final": hs[-1]["acc_norm"] if hs else None,
+        "hellaswag_final_step": hs[-1]["step"] if hs else None,
+        "status": end["reason"] if end else "stopped",
+        "stop_step": end["step"] if end else (train[-1]["step"] if train else None),
+        "checkpoint": checkpoint,
+        "checkpoint_step": checkpoint_step,
+    }
+
+
+def human(n):
+    """1234567 -> '1.23M': tokens and tokens/s at a glance."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def format_duration(seconds):
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s" if m else f"{seconds:.1f}s"
+
+
+STATUS_WORDS = {"signal": "stopped by a signal at step {}", "nonfinite": "stopped on a non-finite loss at step {}",
+                "error": "stopped by an error at step {}",
+                "stopped": "stopped at step {} (no end record: killed, or still running)"}
+
+
+def format_summary(s):
+    """The lines printed for one run, from summarize()'s dict."""
+    def na(value, fmt):
+        return "n/a" if value is None else fmt.format(value)
+
+    lines = [f"{s['log_dir']}"]
+    if s["device_name"]:
+        ranks = f" x{s['world_size']}" if s["world_size"] else ""
+        lines.append(f"  device      {s['device_name']}{ranks}, {s['dtype']}")
+    of = f" / {s['max_steps']:,}" if s["max_steps"] else ""
+    per = f" ({s['tokens_per_step']:,} per step)" if s["tokens_per_step"] else ""
+    launches = f", {s['launches']} launches" if s["launches"] > 1 else ""
+    lines.append(f"  steps       {s['steps']:,}{of}, {human(s['tokens'])} tokens{per}{launches}")
+    lines.append(f"  wall time   {format_duration(s['wall_time_s'])}")
+    lines.append(f"  tokens/s    mean {na(s['tok_per_s_mean'], '{:,.0f}')}, "
+                 f"steady {na(s['tok_per_s_steady'], '{:,.0f}')} (median past warm-up)")
+    lines.append(f"  MFU         " + (f"{s['mfu']:.1%} (steady median)" if s["mfu"] is not None
+                                      else "n/a (peak FLOPs of this device unknown)"))
+    for name, key, references, missing in (
+            ("val loss", "val_loss", f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}", "no evaluation logged"),
+            ("HellaSwag", "hellaswag", f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}", "not evaluated")):
+        if s[f"{key}_best"] is None:
+            lines.append(f"  {name:<11} n/a ({missing})")
+        else:
+            lines.append(f"  {name:<11} best {s[f'{key}_best']:.4f} at step {s[f'{key}_best_step']}, "
+                         f"final {s[f'{key}_final']:.4f} at step {s[f'{key}_final_step']} ({references})")
+    if s["status"] == "finished":
+        final = f"; final checkpoint {s['checkpoint']}" if s["checkpoint"] else ""
+        lines.append(f"  status      finished at step {s['stop_step']}{final}")
+    else:
+        words = STATUS_WORDS.get(s["status"], f"ended ({s['status']}) at step {{}}")
+        lines.append(f"  status      {words.format(s['stop_step'])}")
+        if s["checkpoint"]:
+            lines.append(f"  resume      python train_gpt2.py --log-dir {s['log_dir']} --resume "
+                         f"(continues at step {s['checkpoint_step']} from {s['checkpoint']})")
+        else:
+            lines.append("  resume      no checkpoint written: a new launch starts from step 0")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plot
+
+
+def ema(values, span):
+    """Exponential moving average, alpha = 2 / (span + 1); non-finite values are skipped."""
+    alpha, avg, out = 2 / (span + 1), None, []
+    for v in values:
+        if math.isfinite(v):
+            avg = v if avg is None else avg + alpha * (v - avg)
+        out.append(math.nan if avg is None else avg)
+    return out
+
+
+def auto_span(n_steps):
+    """Default smoothing: about 4% of the run, at most 100 steps."""
+    return max(1, min(100, n_steps // 25))
+
+
+def default_labels(log_dirs):
+    """Directory names, or the paths as given where two names would be the same."""
+    names = [os.path.basename(os.path.normpath(os.path.abspath(d))) for d in log_dirs]
+    return names if len(set(names)) == len(names) else [os.fspath(d) for d in log_dirs]
+
+
+def thin(x, y, buckets=1500):
+    """At most 2 * buckets points: the lowest and highest of each run of consecutive points, so
+    spikes survive. A panel is about 600 pixels wide; 19,073 points per line made a plot take
+    seconds to draw."""
+    k = math.ceil(len(x) / buckets)
+    if k <= 1:
+        return x, y
+    keep = []
+    for i in range(0, len(x), k):
+        bucket = range(i, min(i + k, len(x)))
+        keep += sorted({min(bucket, key=y.__getitem__), max(bucket, key=y.__getitem__)})
+    return [x[j] for j in keep], [y[j] for j in keep]
+
+
+def _curve(ax, x, y, color, label, span):
+    """Faint per-step values and their EMA on top; returns the EMA."""
+    if span > 1:
+        ax.plot(*thin(x, y), color=color, alpha=0.25, linewidth=0.7)  # no label: the title says it
+        y = ema(y, span)
+    ax.plot(*thin(x, y), color=color, linewidth=1.5, label=label)
+    return y
+
+
+def _late(values):
+    """The values after the first 10%: where a y range should look, past the first drop."""
+    return [v for v in values[len(values) // 10:] if math.isfinite(v)]
+
+
+def write_plot(log_dirs, out_png, labels=None, smooth=None):
+    """Plot one or more runs (a log directory, or a list of them) into out_png, written
+    atomically (a viewer never sees half a file). Labels default to the directory names;
+    smooth is the EMA span in steps (default auto_span of the longest run). Returns False, writing nothing,
+    when matplotlib is not installed. No pyplot: a Figure renders with Agg directly, so this
+    is headless, keeps no global state and can run beside a training loop."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        return False
+    log_dirs = [log_dirs] if isinstance(log_dirs, (str, os.PathLike)) else list(log_dirs)
+    labels = list(labels) if labels else default_labels(log_dirs)
+    if len(labels) != len(log_dirs):
+        raise UserError(f"{len(labels)} label(s) for {len(log_dirs)} log directories: give one each")
+    out_dir = os.path.dirname(os.path.abspath(out_png))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"cannot write {out_png}: directory {out_dir} does not exist")
+    runs = [read_metrics(d) for d in log_dirs]
+
+    # one span for every run, so that an ablation and its baseline are smoothed alike
+    span = smooth or auto_span(max(len(m["train"]) for m in runs))
+    smoothing = f"EMA over {span} steps" if span > 1 else "per step"
+    fig = Figure(figsize=(14, 9), dpi=100, layout="constrained")
+    (ax_loss, ax_hs), (ax_tps, ax_mfu) = fig.subplots(2, 2)
+    loss_late, loss_all = [GPT2_VAL_LOSS], [GPT2_VAL_LOSS]
+    for i, (m, label) in enumerate(zip(runs, labels)):
+        color, train, val, hs = f"C{i}", m["train"], m["val"], m["hellaswag"]
+        loss = [r["loss"] for r in train]
+        smoothed = _curve(ax_loss, [r["tokens"] for r in train], loss, color, f"{label} train", span)
+        if val:
+            ax_loss.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "--o", color=color,
+                         markersize=3, linewidth=1.2, label=f"{label} val")
+        resumes = [launch["run"] for launch in m["launches"][1:] if launch["run"] and launch["run"].get("tokens_per_step")]
+        for j, run in enumerate(resumes):
+            at = ", ".join(str(r["step"]) for r in resumes)
+            ax_loss.axvline(run["step"] * run["tokens_per_step"], color=color, linestyle=(0, (1, 3)),
+                            label=None if j else f"{label}: resumed at step {at}")
+        if hs:
+            ax_hs.plot([r["tokens"] for r in hs], [r["acc_norm"] for r in hs], "-o", color=color,
+                       markersize=3, linewidth=1.2, label=label)
+        steps = warmed_up(m)
+        if steps:
+            _curve(ax_tps, [r["tokens"] for r in steps], [r["tok_per_s"] for r in steps], color, label, span)
+        steps = [r for r in steps if r.get("mfu") is not None]
+        if steps:
+            _curve(ax_mfu, [r["tokens"] for r in steps], [100 * r["mfu"] for r in steps], color, label, span)
+        loss_late += _late(smoothed) + _late([r["val_loss"] for r in val])
+        loss_all += [v for v in loss + [r["val_loss"] for r in val] if math.isfinite(v)]
+
+    for value, text in LOSS_REFERENCES:
+        ax_loss.axhline(value, color="black", linestyle=":", linewidth=1.2, label=text)
+    for (value, text), color in zip(HELLASWAG_REFERENCES, ("firebrick", "black")):
+        ax_hs.axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
+    # from the lowest loss up to where the curves are past their first drop from ~11: where runs
+    # differ and the GPT-2 line sits
+    low, high = min(loss_all), max(loss_late)
+    ax_loss.set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
+    scores = [r["acc_norm"] for m in runs for r in m["hellaswag"]]
+    ax_hs.set_ylim(min([0.24] + scores) - 0.005, max([0.35] + scores) + 0.01)
+    ax_tps.set_ylim(bottom=0)
+    ax_mfu.set_ylim(bottom=0)
+
+    ax_loss.set_title(f"Loss (train: faint per step, solid {smoothing}; val: dashed)" if span > 1
+                      else "Loss (train: per step; val: dashed)")
+    ax_loss.set_ylabel("cross-entropy loss (nats/token)")
+    ax_hs.set_title("HellaSwag (acc_norm, 0-shot)")
+    ax_hs.set_ylabel("accuracy")
+    ax_tps.set_title(f"Throughput ({smoothing}; first step of each launch left out)")
+    ax_tps.set_ylabel("tokens/s (all ranks)")
+    ax_tps.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v)))
+    ax_mfu.set_title(f"Model FLOPs utilisation ({smoothing})")
+    ax_mfu.set_ylabel("MFU (% of the device's peak FLOPs)")
+    if not scores:
+        ax_hs.text(0.5, 0.6, "not evaluated", transform=ax_hs.transAxes, ha="center", color="gray")
+    if not ax_mfu.lines:
+        ax_mfu.text(0.5, 0.5, "MFU not measured (peak FLOPs of the device unknown, e.g. CPU)",
+                    transform=ax_mfu.transAxes, ha="center", color="gray")
+
+    max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m[k]])
+    scale, unit = next((s, u) for s, u in ((1e9, "billions"), (1e6, "millions"), (1e3, "thousands"), (1, ""))
+                       if max_tokens >= s)
+    for ax, where in ((ax_loss, "upper right"), (ax_hs, "lower right"), (ax_tps, "lower right"),
+                      (ax_mfu, "lower right")):
+        ax.set_xlim(-0.02 * max_tokens, 1.02 * max_tokens)  # the same on every panel, empty ones too
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / scale:g}"))
+        ax.set_xlabel(f"tokens seen ({unit})" if unit else "tokens seen")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc=where)
+    fig.suptitle("GPT-2 training: " + ", ".join(labels))
+    common.atomic_write(out_png, lambda f: fig.savefig(f, format="png"))
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Summarise training runs and plot them against GPT-2's baselines.")
+    p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR",
+                   help="log directories of train_gpt2.py (its --log-dir); several overlay in one plot")
+    p.add_argument("--out", help="PNG to write (default: LOG_DIR/plot.png for one run, runs.png for several)")
+    p.add_argument("--labels", nargs="+", metavar="NAME",
+                   help="legend names, one per LOG_DIR (default: the directory names)")
+    p.add_argument("--smooth", type=int, metavar="N",
+                   help="EMA span in steps for the per-step curves (default: 4%% of the run, at most 100; 1: none)")
+    args = p.parse_args(argv)
+    if args.labels and len(args.labels) != len(args.log_dirs):
+        raise UserError(f"--labels has {len(args.labels)} name(s) for {len(args.log_dirs)} log directories")
+    if args.smooth is not None and args.smooth < 1:
+        raise UserError(f"--smooth {args.smooth}: give a span of at least 1 step (1 means no smoothing)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    summaries = [summarize(d) for d in args.log_dirs]  # every directory checked before anything prints
+    for s in summaries:
+        print(format_summary(s) + "\n", flush=True)
+    out = args.out or (os.path.join(args.log_dirs[0], "plot.png") if len(args.log_dirs) == 1 else "runs.png")
+    if write_plot(args.log_dirs, out, args.labels, args.smooth):
+        print(f"wrote {out}")
+    else:
+        print("matplotlib is not installed: pip install matplotlib to get plots")
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,223 @@
+"""plot.py: summaries checked against numbers computed here from metrics files written here,
+valid PNGs, one-line errors, and the summary without matplotlib."""
+
+import json
+import math
+import os
+import random
+import statistics
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import common
+import plot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TPS = 8192  # tokens per step
+CUT_LINE = '{"kind": "train", "step": 40, "loss": 5.1'  # a write cut by a kill
+
+
+def launch(first, last, t0, seed, max_steps=50, val_every=10, hellaswag=True, mfu=True,
+           checkpoints=(), resumed_from=None, end=None):
+    """Records of one launch of the trainer running steps first..last (inclusive)."""
+    rng = random.Random(seed)
+    t = t0
+    recs = [{"kind": "run", "step": first, "time": t, "max_steps": max_steps, "tokens_per_step": TPS,
+             "resumed_from": resumed_from, "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3",
+             "dtype": "bfloat16", "world_size": 1, "config": {"seed": seed}}]
+    for step in range(first, last + 2):
+        if val_every and (step % val_every == 0 or step == max_steps) and step <= max_steps:
+            t += 0.5
+            recs.append({"kind": "val", "step": step, "val_loss": 4 + 6 * math.exp(-step / 15) + rng.random() / 10,
+                         "tokens": step * TPS, "time": t})
+            if hellaswag:
+                recs.append({"kind": "hellaswag", "step": step, "acc": 0.25 + step / 1000, "n": 10042,
+                             "acc_norm": 0.25 + step / 800 + rng.random() / 100, "tokens": step * TPS, "time": t})
+        if step in checkpoints:
+            recs.append({"kind": "checkpoint", "step": step, "path": f"ckpt_{step:06d}.pt", "time": t})
+        if step > last:
+            break
+        tok_per_s = 900.0 if step == first else 40000 + rng.uniform(-3000, 3000)  # compile warm-up
+        dt = TPS / tok_per_s
+        t += dt
+        recs.append({"kind": "train", "step": step, "loss": 4 + 7 * math.exp(-step / 12) + rng.uniform(-0.3, 0.3),
+                     "lr": 6e-4, "grad_norm": 1.0, "dt_ms": 1000 * dt, "tok_per_s": tok_per_s,
+                     "mfu": tok_per_s / 1e5 if mfu else None, "tokens": (step + 1) * TPS, "time": t})
+    if end:
+        recs.append({"kind": "end", "step": last + 1, "reason": end, "time": t + 0.1})
+    return recs
+
+
+def write_log(log_dir, records, tail="", checkpoints=()):
+    os.makedirs(log_dir, exist_ok=True)
+    with open(os.path.join(log_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.write(tail)
+    for step in checkpoints:
+        open(common.checkpoint_path(log_dir, step), "wb").close()
+    return str(log_dir)
+
+
+def of(records, kind):
+    return [r for r in records if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    """Three runs, and what summarize() must say about each, computed from the records."""
+    root = tmp_path_factory.mktemp("logs")
+    # a run that finished
+    full = launch(0, 49, 1000.0, seed=1, checkpoints=(25, 50), end="finished")
+    # killed at step 29 (no end record), resumed from step 20, killed again mid-write after step 39
+    first = launch(0, 29, 1000.0, seed=2, checkpoints=(20,))
+    second = launch(20, 39, 5000.0, seed=3, checkpoints=(30,), resumed_from="ckpt_000020.pt")
+    # a CPU run: no evaluation at all, MFU unknown
+    cpu = launch(0, 29, 1000.0, seed=4, max_steps=30, val_every=0, mfu=False, end="finished")
+    dirs = {"full": write_log(root / "full", full, checkpoints=(25, 50)),
+            "resumed": write_log(root / "resumed", first + second, tail=CUT_LINE, checkpoints=(20, 30)),
+            "cpu": write_log(root / "cpu", cpu)}
+    # the records that stand, as the test knows them: the resumed launch replaces steps 20 on
+    train = {"full": of(full, "train"),
+             "resumed": of(first, "train")[:20] + of(second, "train"),
+             "cpu": of(cpu, "train")}
+    val = {"full": of(full, "val"), "resumed": of(first, "val")[:2] + of(second, "val"), "cpu": []}
+    hs = {"full": of(full, "hellaswag"), "resumed": of(first, "hellaswag")[:2] + of(second, "hellaswag"), "cpu": []}
+    launches = {"full": [full], "resumed": [first, second], "cpu": [cpu]}
+    expected = {}
+    for name in dirs:
+        t = train[name]
+        firsts = {of(recs, "train")[0]["step"] for recs in launches[name]}
+        steady = [r for r in t if r["step"] >= len(t) // 10 and r["step"] not in firsts]
+        mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
+        expected[name] = {
+            "launches": len(launches[name]), "steps": len(t), "tokens": len(t) * TPS,
+            "wall_time_s": sum(recs[-1]["time"] - recs[0]["time"] for recs in launches[name]),
+            "tok_per_s_mean": len(t) * TPS / sum(r["dt_ms"] / 1000 for r in t),
+            "tok_per_s_steady": statistics.median(r["tok_per_s"] for r in steady),
+            "mfu": statistics.median(mfus) if mfus else None,
+            "val_loss_best": min((r["val_loss"] for r in val[name]), default=None),
+            "val_loss_final": val[name][-1]["val_loss"] if val[name] else None,
+            "hellaswag_best": max((r["acc_norm"] for r in hs[name]), default=None),
+            "hellaswag_final_step": hs[name][-1]["step"] if hs[name] else None,
+        }
+    expected["full"].update(status="finished", stop_step=50, checkpoint_step=50,
+                            checkpoint=common.checkpoint_path(dirs["full"], 50))
+    expected["resumed"].update(status="stopped", stop_step=39, checkpoint_step=30,
+                               checkpoint=common.checkpoint_path(dirs["resumed"], 30))
+    expected["cpu"].update(status="finished", stop_step=30, checkpoint=None)
+    return dirs, expected
+
+
+@pytest.mark.parametrize("name", ["full", "resumed", "cpu"])
+def test_summary_numbers_match_the_file(logs, name):
+    dirs, expected = logs
+    s = plot.summarize(dirs[name])
+    for key, want in expected[name].items():
+        assert s[key] == (pytest.approx(want) if isinstance(want, float) else want), key
+    text = plot.format_summary(s)
+    assert f"{expected[name]['steps']:,} / " in text
+    if name == "resumed":
+        assert f"--log-dir {dirs[name]} --resume" in text and "ckpt_000030.pt" in text
+    if name == "cpu":
+        assert "MFU         n/a" in text and "HellaSwag   n/a" in text
+
+
+def test_cut_last_line_warns_once(logs, capsys):
+    dirs, _ = logs
+    plot._warned.clear()
+    plot.summarize(dirs["resumed"])
+    plot.summarize(dirs["resumed"])
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "cut short" in err
+
+
+def test_resume_that_dies_early_drops_the_abandoned_branch(tmp_path):
+    # the first launch reached step 29; the resumed one (from 20) died after step 24: steps 25-29 of
+    # the first launch are a branch nobody continues, so the run stands at 25 steps
+    first = launch(0, 29, 1000.0, seed=5, checkpoints=(20,))
+    second = launch(20, 24, 5000.0, seed=6)
+    # and the cut write of the first launch shares its line with the second's run record
+    text = "".join(json.dumps(r) + "\n" for r in first) + CUT_LINE + "".join(json.dumps(r) + "\n" for r in second)
+    (tmp_path / "metrics.jsonl").write_text(text)
+    m = plot.read_metrics(tmp_path)
+    assert [r["step"] for r in m["train"]] == list(range(25))
+    assert m["train"][-1] == of(second, "train")[-1] and len(m["launches"]) == 2
+    assert [r["step"] for r in m["checkpoint"]] == [20]
+    assert plot.summarize(tmp_path)["tokens"] == 25 * TPS
+
+
+def png_size(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_plot_of_one_run_and_an_overlay(logs, tmp_path):
+    pytest.importorskip("matplotlib")
+    dirs, _ = logs
+    out = os.path.join(dirs["full"], "plot.png")
+    plot.main([dirs["full"]])  # the default output: LOG_DIR/plot.png
+    width, height = png_size(out)
+    assert width > 400 and height > 300 and os.path.getsize(out) > 20_000
+    out = str(tmp_path / "runs.png")
+    assert plot.write_plot([dirs["full"], dirs["resumed"], dirs["cpu"]], out, labels=["base", "resumed", "cpu"])
+    width, height = png_size(out)
+    assert width > 400 and height > 300
+
+
+@pytest.fixture(scope="module", autouse=True)
+def missing_dir_cli(tmp_path_factory):
+    """The real command line on a directory that does not exist. It pays about 3 s for importing
+    torch (through common), so it starts with the module's first test and runs beside the rest."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "plot.py"),
+                             str(tmp_path_factory.mktemp("cli") / "no_such_dir")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield proc
+    proc.kill()  # a no-op once it has finished
+
+
+def test_missing_log_dir_is_one_line(missing_dir_cli):
+    out, err = missing_dir_cli.communicate(timeout=120)
+    assert missing_dir_cli.returncode == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and "no_such_dir is not a directory" in err
+
+
+def test_without_matplotlib_the_summary_still_prints(logs, monkeypatch, capsys):
+    dirs, _ = logs
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.ticker"):
+        monkeypatch.setitem(sys.modules, name, None)  # any import of it raises ImportError
+    assert plot.write_plot(dirs["full"], os.path.join(dirs["full"], "never.png")) is False
+    plot.main([dirs["full"], "--out", os.path.join(dirs["full"], "never.png")])
+    out = capsys.readouterr().out
+    assert "val loss    best" in out and "status      finished at step 50" in out
+    assert out.strip().splitlines()[-1] == "matplotlib is not installed: pip install matplotlib to get plots"
+    assert not os.path.exists(os.path.join(dirs["full"], "never.png"))
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("no_metrics", "has no metrics.jsonl"),
+    ("empty", "has no records"),
+    ("only_unknown_kinds", "has no records"),
+    ("garbage", "is not a metrics record"),
+    ("not_an_object", "is not a metrics record"),
+    ("missing_field", "without 'tokens'"),
+    ("labels", "--labels has 1 name(s) for 2"),
+])
+def test_errors_in_process(tmp_path, capsys, case, needle):
+    good = "".join(json.dumps(r) + "\n" for r in launch(0, 3, 0.0, seed=7))
+    lines = {"empty": "\n", "only_unknown_kinds": '{"kind": "from_a_newer_trainer", "step": 0}\n',
+             "garbage": good + "this is not json\n" + good,
+             "not_an_object": "[1, 2]\n" + json.dumps(launch(0, 1, 0.0, seed=8)[0]) + "\n",
+             "missing_field": json.dumps({"kind": "val", "step": 0, "val_loss": 3.0}) + "\n"}
+    tmp_path.joinpath("run").mkdir()
+    if case in lines:
+        tmp_path.joinpath("run", "metrics.jsonl").write_text(lines[case])
+    argv = [str(tmp_path / "run")] + ([str(tmp_path), "--labels", "a"] if case == "labels" else [])
+    with pytest.raises(SystemExit) as e:
+        common.run_main(lambda: plot.main(argv))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err
