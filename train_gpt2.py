@@ -96,7 +96,8 @@ def build_parser():
       help="deterministic kernels for reproducibility studies (slower; data order never depends on it)")
     a("--seed", type=int, default=1337, help="seed for initialisation and sampling (default: 1337)")
     a("--timing-breakdown", type=int, default=0, metavar="N",
-      help="every N steps print where the time went (data, forward, backward, optimizer, eval); "
+      help="every N steps print where the time went (batch preparation, host-to-device copy, forward, "
+           "backward, optimizer, evaluation); "
            "adds synchronisation, so off (0) by default")
     return p
 
@@ -271,7 +272,7 @@ def git_commit():
 class PhaseTimer:
     """--timing-breakdown: wall time per phase, synchronising the GPU at each boundary."""
 
-    PHASES = ("data", "forward", "backward", "optimizer", "eval")
+    PHASES = ("data", "copy", "forward", "backward", "optimizer", "eval")  # copy: host to device
 
     def __init__(self, device, enabled):
         self.enabled, self.device = enabled, device
@@ -702,8 +703,11 @@ def _train(args, dist, log):
         model.train()
         loss_accum = torch.zeros((), device=dist.device)
         for micro_step in range(grad_accum):
-            x, y = train_loader.next_batch()
+            host = train_loader.next_host_batch()
             timer.mark("data")
+            x, y = train_loader.to_device(host)
+            train_loader.prefetch_next()
+            timer.mark("copy")
             # all-reduce the gradients only once, on the last micro-step
             sync = micro_step == grad_accum - 1
             with model.no_sync() if dist.ddp and not sync else nullcontext():

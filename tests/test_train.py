@@ -328,7 +328,7 @@ def test_timing_breakdown_reports_phases(data_dir, tmp_path):
     p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "4", "--timing-breakdown", "2"])
     lines = [l for l in p.stdout.splitlines() if l.startswith("timing |")]
     assert len(lines) == 2
-    for phase in ("data_ms", "forward_ms", "backward_ms", "optimizer_ms", "eval_ms"):
+    for phase in ("data_ms", "copy_ms", "forward_ms", "backward_ms", "optimizer_ms", "eval_ms"):
         assert phase in lines[0]
     t = records(log_dir, "timing")
     assert len(t) == 2 and all(t[0][k] >= 0 for k in ("data_ms", "forward_ms", "backward_ms"))
