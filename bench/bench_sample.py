@@ -1,0 +1,86 @@
+"""
+Generation speed: our KV-cache generate (model.GPT.generate) against transformers'
+GPT2LMHeadModel.generate on the same weights (model.to_hf()), greedy, same prompt, same number of
+new tokens, use_cache=True, batch 1. A 124M GPT-2 with random weights (speed does not depend on them).
+
+    python bench/bench_sample.py                       # CPU, 256 new tokens
+    python bench/bench_sample.py --device cuda --dtype bfloat16 --new-tokens 512
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+PROMPT = "Hello, I'm a language model, and today I would like to tell you about"
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fns, device, repeats):
+    """Median seconds of each fn over repeats runs, the fns taking turns (a load that comes and goes
+    on the machine then hits both sides alike), after one warm-up run each; and their last results."""
+    outs = [fn() for fn in fns]
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            sync(device)
+            t0 = time.perf_counter()
+            outs[i] = fn()
+            sync(device)
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times], outs
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per run (default 256)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per side, median reported (default 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = p.parse_args()
+    device = common.pick_device(args.device)
+    dtype = common.pick_dtype(args.dtype, device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig()).to(device).eval()
+    hf = model.to_hf().to(device).eval()
+    idx = torch.tensor([common.get_tokenizer().encode(PROMPT)], device=device)
+    n = args.new_tokens
+
+    def ours():
+        with torch.no_grad(), common.autocast(device, dtype):
+            return model.generate(idx, n, temperature=0)[0, idx.size(1):].tolist()
+
+    def theirs():
+        with torch.no_grad(), common.autocast(device, dtype):
+            out = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, use_cache=True, pad_token_id=common.EOT_TOKEN)
+            return out[0, idx.size(1):].tolist()
+
+    import transformers
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {common.device_name(device)}, "
+          f"{torch.get_num_threads()} threads, {dtype}; prompt {idx.size(1)} tokens, {n} new tokens, greedy, "
+          f"batch 1, median of {args.repeats}")
+    (t_ours, t_hf), (tok_ours, tok_hf) = timed([ours, theirs], device, args.repeats)
+    same = next((i for i, (a, b) in enumerate(zip(tok_ours, tok_hf)) if a != b), len(tok_ours))
+    print(f"ours (model.GPT.generate, KV cache):  {n / t_ours:8.1f} tokens/s  ({t_ours:.2f} s)")
+    print(f"transformers generate (use_cache):    {n / t_hf:8.1f} tokens/s  ({t_hf:.2f} s)")
+    print(f"ratio ours/transformers: {t_hf / t_ours:.2f}x; greedy tokens identical for the first {same} of {n}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""
+Sample text from a GPT-2 model, streamed to the terminal token by token (KV-cache generation).
+
+    python sample.py                                   # latest checkpoint in log/, unconditional
+    python sample.py --model gpt2 --prompt "Hello, I'm a language model,"
+    echo "Once upon a time" | python sample.py --model log/ckpt_019072.pt --num-samples 3
+
+With no prompt, generation starts from <|endoftext|>, the token GPT-2 saw between documents.
+The samples go to stdout (and nothing else does); where the model came from goes to stderr.
+"""
+
+import argparse
+import codecs
+import os
+import sys
+
+import torch
+
+import common
+
+SEPARATOR = "\n" + "-" * 40 + "\n"  # printed between samples
+
+# ----------------------------------------------------------------------------------------------
+# Prompt
+
+
+def read_prompt(args, stdin=None):
+    """The prompt text: --prompt, --prompt-file (- for stdin), piped stdin, or '' (unconditional).
+    One trailing newline of a file or stdin is dropped: editors and echo add it."""
+    stdin = stdin if stdin is not None else sys.stdin
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file == "-" or (args.prompt_file is None and stdin is not None and not stdin.isatty()):
+        text = stdin.read()
+    elif args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise common.UserError(f"cannot read --prompt-file {args.prompt_file}: {e}")
+    else:
+        return ""
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+
+
+def encode_prompt(enc, prompt, block_size):
+    """Token ids to start from: the prompt's, or <|endoftext|> alone for an empty prompt."""
+    tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [common.EOT_TOKEN]
+    if len(tokens) > block_size:
+        raise common.UserError(f"the prompt is {len(tokens)} tokens, longer than the model's context of "
+                               f"{block_size}: shorten it")
+    return tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming
+
+
+class TokenPrinter:
+    """Writes tokens as text the moment they arrive. A GPT-2 token can end in the middle of a UTF-8
+    character (emoji, CJK): the incremental decoder holds such bytes until the character is whole."""
+
+    def __init__(self, enc, out):
+        self.enc, self.out = enc, out
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write_tokens(self, tokens):
+        self._emit(self.decoder.decode(b"".join(self.enc.decode_single_token_bytes(t) for t in tokens)))
+
+    def close(self):
+        self._emit(self.decoder.decode(b"", final=True))
+        self.decoder.reset()
+
+    def _emit(self, text):
+        if text:
+            self.out.write(text)
+            self.out.flush()
+
+
+def stream_sample(model, tokens, printer, device, dtype="float32", max_new_tokens=200, temperature=1.0,
+                  top_k=None, top_p=None, generator=None):
+    """Print the prompt, then each new token as it is generated; return the new token ids."""
+    if tokens != [common.EOT_TOKEN]:
+        printer.write_tokens(tokens)
+    idx = torch.tensor([tokens], dtype=torch.long, device=device)
+    new = []
+    with common.autocast(device, dtype):
+        for nxt in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                         top_p=top_p, generator=generator):
+            new.append(int(nxt[0]))
+            printer.write_tokens(new[-1:])
+    printer.close()
+    return new
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Sample from a GPT-2 model, streaming tokens as they come.")
+    p.add_argument("--model", default="log",
+                   help="checkpoint written by train_gpt2.py, a log directory (its latest checkpoint), or a "
+                        "Hugging Face name or directory such as gpt2 (default: log)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="text to continue (default: stdin if piped, "
+                                                       "else unconditional from <|endoftext|>)")
+    prompt.add_argument("--prompt-file", default=None, help="read the prompt from this file (- for stdin)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples to draw, one after another (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature; 0 = greedy, < 1 = more conservative (default 0.8)")
+    p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = off "
+                                                          "(default 200)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the smallest set of tokens with this much mass; 1 = off (default 1)")
+    p.add_argument("--seed", type=int, default=1337, help="random seed; the same seed gives the same samples "
+                                                          "on the same device (default 1337)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
+    p.add_argument("--dtype", default="auto", help="autocast dtype: auto, bfloat16, float16, float32 "
+                                                   "(default auto: bf16 on recent GPUs, fp32 on CPU)")
+    args = p.parse_args(argv)
+    if args.num_samples < 1:
+        raise common.UserError(f"--num-samples must be at least 1, got {args.num_samples}")
+    if args.max_new_tokens < 1:
+        raise common.UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise common.UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise common.UserError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise common.UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    return args
+
+
+def main(argv=None, stdin=None, stdout=None):
+    args = parse_args(argv)
+    out = stdout if stdout is not None else sys.stdout
+    if args.model == "log" and not os.path.isdir("log"):
+        raise common.UserError("no log/ directory here: train a model first (python train_gpt2.py) "
+                               "or pass --model (a checkpoint, a log directory or a name such as gpt2)")
+    device = common.pick_device(args.device)
+    dtype = common.pick_dtype(args.dtype, device)
+    prompt = read_prompt(args, stdin)
+    model, what = common.load_model(args.model, device)
+    enc = common.get_tokenizer()
+    tokens = encode_prompt(enc, prompt, model.config.block_size)
+    print(f"sampling from {what} on {common.device_name(device)} ({dtype}), seed {args.seed}",
+          file=sys.stderr, flush=True)
+    if len(tokens) + args.max_new_tokens > model.config.block_size + 1:
+        print(f"note: prompt + new tokens exceed the context of {model.config.block_size}: later tokens see only "
+              "the last part of the text, and generation slows down (no key/value cache)", file=sys.stderr, flush=True)
+    torch.manual_seed(args.seed)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    printer = TokenPrinter(enc, out)
+    for i in range(args.num_samples):
+        if i:
+            out.write(SEPARATOR)
+        stream_sample(model, tokens, printer, device, dtype, args.max_new_tokens, args.temperature,
+                      args.top_k or None, args.top_p, generator)
+    out.write("\n")
+    out.flush()
+
+
+if __name__ == "__main__":
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")  # a console that can't show a character gets '?'
+    try:
+        common.run_main(main)
+    except BrokenPipeError:  # the reader went away (python sample.py | head): stop without a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -1,0 +1,185 @@
+"""sample.py on a tiny random GPT: end to end from a checkpoint, a log directory and a local
+Hugging Face directory; streaming (token by token, UTF-8 split across tokens); seeds; bad input."""
+
+import io
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# shared with the HellaSwag tests: the tiny GPT fixture, one thread, the subprocess environment
+from test_hellaswag import ENV, REPO, model, one_thread  # noqa: E402,F401
+
+import common  # noqa: E402
+import sample  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory, model):
+    d = tmp_path_factory.mktemp("run") / "log"
+    d.mkdir()
+    common.save_checkpoint(str(d / "ckpt_000005.pt"), {"model_config": asdict(model.config), "model": model.state_dict()})
+    return d
+
+
+def run(argv, stdin=""):
+    """sample.main in-process; returns what it wrote to stdout."""
+    out = io.StringIO()
+    sample.main(argv, stdin=io.StringIO(stdin), stdout=out)
+    return out.getvalue()
+
+
+def test_end_to_end_from_log_dir(log_dir):
+    # the default --model is log/ in the working directory: its latest checkpoint
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), "--prompt", "Hello, I'm",
+                           "--max-new-tokens", "12", "--num-samples", "2", "--device", "cpu"],
+                          cwd=log_dir.parent, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    samples = proc.stdout.split(sample.SEPARATOR)
+    assert len(samples) == 2 and all(s.startswith("Hello, I'm") for s in samples)
+    assert samples[0] != samples[1]  # the generator moves on between samples
+    assert "ckpt_000005.pt" in proc.stderr  # where the model came from goes to stderr, not into the text
+
+
+def test_checkpoint_and_hf_dir_agree(model, log_dir, tmp_path):
+    hf_dir = model.export_hf(str(tmp_path / "hf"), tokenizer_files=common.gpt2_bpe_files())
+    args = ["--prompt", "The meaning of life is", "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu"]
+    from_ckpt = run(["--model", str(log_dir / "ckpt_000005.pt")] + args)
+    assert from_ckpt == run(["--model", hf_dir] + args)
+    assert from_ckpt.startswith("The meaning of life is") and len(from_ckpt) > len("The meaning of life is")
+
+
+def test_seeds_reproduce(log_dir):
+    args = ["--model", str(log_dir), "--max-new-tokens", "16", "--top-k", "50", "--top-p", "0.9"]
+    first = run(args + ["--seed", "7"])
+    assert first == run(args + ["--seed", "7"])
+    assert first != run(args + ["--seed", "8"])
+
+
+def test_stream_equals_generate(model):
+    """The streamed text is the decoded output of GPT.generate with the same generator state."""
+    enc = common.get_tokenizer()
+    tokens = [common.EOT_TOKEN]  # unconditional: the start token is not printed
+    out = io.StringIO()
+    new = sample.stream_sample(model, tokens, sample.TokenPrinter(enc, out), "cpu", max_new_tokens=20,
+                               temperature=1.0, generator=torch.Generator().manual_seed(3))
+    ref = model.generate(torch.tensor([tokens]), 20, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert new == ref[0, 1:].tolist()
+    assert out.getvalue() == enc.decode(new)
+
+
+class Recorder(io.StringIO):
+    """A stdout that notes, at each flush, how many forward passes the model has made."""
+
+    def __init__(self, counter):
+        super().__init__()
+        self.counter, self.flushes = counter, []
+
+    def flush(self):
+        self.flushes.append((self.counter[0], self.getvalue()))
+
+
+def test_tokens_stream_as_generated(model):
+    counter = [0]
+    hook = model.register_forward_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
+    try:
+        out = Recorder(counter)
+        enc = common.get_tokenizer()
+        sample.stream_sample(model, enc.encode("Hi"), sample.TokenPrinter(enc, out), "cpu", max_new_tokens=8,
+                             temperature=0)
+    finally:
+        hook.remove()
+    # the prompt is shown before the first forward pass; then text appears after each one
+    # (a flush can only be missing where a token ends inside a UTF-8 character)
+    assert out.flushes[0] == (0, "Hi")
+    steps = [n for n, _ in out.flushes[1:]]
+    assert steps == sorted(steps) and steps[0] == 1 and len(steps) >= 4
+
+
+def test_utf8_split_across_tokens_is_held_back():
+    enc = common.get_tokenizer()
+    text = "naïve café 😀 世界 👋🏽!"
+    tokens = enc.encode(text)
+    assert any(_is_partial(enc.decode_single_token_bytes(t)) for t in tokens)  # the case being tested
+    out = io.StringIO()
+    printer = sample.TokenPrinter(enc, out)
+    pieces = []
+    for t in tokens:
+        before = out.getvalue()
+        printer.write_tokens([t])
+        pieces.append(out.getvalue()[len(before):])
+    printer.close()
+    assert "".join(pieces) == out.getvalue() == text
+    assert "\ufffd" not in "".join(pieces)
+
+
+def _is_partial(b):
+    try:
+        b.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
+
+
+def test_prompt_sources(log_dir, tmp_path):
+    args = ["--model", str(log_dir), "--max-new-tokens", "3", "--temperature", "0"]
+    piped = run(args, stdin="Once upon a time\n")  # echo's newline is dropped
+    assert piped.startswith("Once upon a time") and not piped.startswith("Once upon a time\n")
+    f = tmp_path / "prompt.txt"
+    f.write_text("Once upon a time\n", encoding="utf-8")
+    assert run(args + ["--prompt-file", str(f)]) == piped == run(args + ["--prompt", "Once upon a time"])
+    assert run(args + ["--prompt-file", "-"], stdin="Once upon a time") == piped
+    unconditional = run(args)  # empty stdin: starts from <|endoftext|>, which is not printed
+    assert not unconditional.startswith("<|endoftext|>")
+
+
+def cli_error(argv, capsys, cwd=None):
+    """Run the CLI in-process as `python sample.py` would; return its one error line."""
+    with pytest.raises(SystemExit) as e:
+        common.run_main(lambda: sample.main(argv, stdin=io.StringIO(""), stdout=io.StringIO()))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_bad_input(log_dir, tmp_path, capsys, monkeypatch):
+    assert "--num-samples" in cli_error(["--model", str(log_dir), "--num-samples", "0"], capsys)
+    assert "--top-p" in cli_error(["--model", str(log_dir), "--top-p", "1.5"], capsys)
+    assert "--prompt-file" in cli_error(["--model", str(log_dir), "--prompt-file", str(tmp_path / "no")], capsys)
+    truncated = tmp_path / "ckpt_000009.pt"
+    truncated.write_bytes((log_dir / "ckpt_000005.pt").read_bytes()[:2000])
+    assert "truncated" in cli_error(["--model", str(truncated)], capsys)
+    foreign = tmp_path / "foreign.pt"
+    torch.save([1, 2, 3], foreign)
+    assert "not a checkpoint written by train_gpt2.py" in cli_error(["--model", str(foreign)], capsys)
+    monkeypatch.chdir(tmp_path)  # no log/ here
+    assert "train a model first" in cli_error([], capsys)
+    (tmp_path / "log").mkdir()
+    assert "no ckpt_*.pt" in cli_error([], capsys)
+
+
+def test_prompt_longer_than_context_no_traceback(log_dir):
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), "--model", str(log_dir),
+                           "--prompt", "word " * 100], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "longer than the model's context of 64" in lines[0], proc.stderr
+
+
+def hub_reachable():
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not hub_reachable(), reason="offline: cannot reach huggingface.co")
+def test_openai_gpt2_from_the_hub():
+    text = run(["--model", "gpt2", "--prompt", "Hello, I'm a language model,", "--max-new-tokens", "5"])
+    assert text.startswith("Hello, I'm a language model,")
