@@ -1,0 +1,761 @@
+"""
+The training-speed ladder: what each well-known speed-up buys on *this* machine, measured.
+
+Each rung adds one change to the rung before it, in the order of the build-nanogpt story:
+fp32 -> TF32 -> bf16 autocast -> torch.compile -> flash attention -> padded vocabulary ->
+fused AdamW -> async data prefetch, then a few extras (cuDNN attention first, a 2x micro-batch,
+and, on request, compile's max-autotune). Every rung trains a fresh model (same seed, same
+weights, same data) with the trainer's step: B x T micro-batches, gradient accumulation,
+clip_grad_norm_ 1.0, AdamW with the learning rate set through the param groups. Warm-up steps
+(compilation happens there) are excluded; the timed steps are measured with CUDA events (a
+synchronised perf_counter elsewhere) and the median is reported. Each rung runs in a fresh
+process, so compile caches and memory don't leak between rungs and a crash or an out-of-memory
+marks that rung failed and the ladder goes on.
+
+    python bench/ladder.py                        # GPT-2 124M on a GPU, a tiny model on CPU
+    python bench/ladder.py --list-rungs
+    python bench/ladder.py --rungs fp32,bf16,compile --micro-batch-size 32 --json-out ladder.json
+    python bench/ladder.py --override compile=false   # every rung, without torch.compile
+
+It prints a table last and writes every rung's raw step times and the environment to JSON.
+MFU is model FLOPs (6N + 12LdT per token, nanoGPT's convention) over the GPU's dense bf16 peak
+(fp16 where the GPU has no bf16) for every rung, fp32 ones included: one yardstick for the table.
+"""
+
+import argparse
+import contextlib
+import datetime
+import inspect
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from common import UserError, atomic_write, autocast, device_name, pick_device, pick_dtype, run_main  # noqa: E402
+from model import GPT, GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, PRESETS, GPTConfig  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------
+# Defaults. The step's hyperparameters are train_gpt2.py's defaults; the learning rate stays
+# constant because the ladder times steps, it does not train.
+
+LEARNING_RATE = 6e-4
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+SEED = 1337
+MODELS = {"tiny": dict(n_layer=2, n_head=2, n_embd=64), **PRESETS}
+# GPT-2 124M on a GPU; elsewhere something that finishes in minutes on two cores
+CUDA_DEFAULTS = dict(model="gpt2", block_size=1024, micro_batch_size=16, warmup_steps=5, steps=20)
+OTHER_DEFAULTS = dict(model="tiny", block_size=64, micro_batch_size=4, warmup_steps=2, steps=5)
+GRAD_ACCUM = 2  # two micro-steps, so the 2x micro-batch rung keeps the same tokens per step
+
+
+# ----------------------------------------------------------------------------------------------
+# The rungs. A rung's settings are the baseline plus every change up to it in ladder order,
+# whether or not the earlier rungs are run: a rung name always means the same configuration.
+
+BASELINE = dict(
+    tf32=False,             # fp32 matmuls in full precision (torch's default)
+    dtype="float32",        # no autocast
+    compile=False,
+    compile_mode="default",  # used when compile is on; --compile-mode sets it
+    attention="math",       # SDPA forced to its math backend: "no flash"
+    padded_vocab=False,     # 50257 rows in the embedding / LM head
+    fused_adamw=False,      # torch's default AdamW (for-each on CUDA)
+    prefetch=False,         # batches read and copied on the training thread
+    batch_x2=False,         # 2x micro-batch, half the accumulation steps
+)
+
+ATTENTION_CHOICES = ("math", "auto", "flash", "efficient", "cudnn")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass
+class Rung:
+    name: str
+    change: dict
+    description: str
+    default: bool = True  # part of the ladder unless --rungs names otherwise
+    settings: dict = field(default_factory=dict)  # filled by plan_rungs
+    overridden: dict = field(default_factory=dict)  # what --override set for this rung
+
+
+RUNGS = [
+    Rung("fp32", {}, "fp32 eager, math attention, vocab 50257, for-each AdamW, synchronous data"),
+    Rung("tf32", dict(tf32=True), "+ TF32 tensor cores for fp32 matmuls (CUDA only)"),
+    Rung("bf16", dict(dtype="auto"), "+ bf16 autocast (fp16 + GradScaler on GPUs without bf16)"),
+    Rung("compile", dict(compile=True), "+ torch.compile"),
+    Rung("flash", dict(attention="auto"), "+ SDPA free to pick flash / cuDNN / mem-efficient attention"),
+    Rung("padded-vocab", dict(padded_vocab=True), f"+ vocabulary padded {GPT2_VOCAB_SIZE} -> {PADDED_VOCAB_SIZE}"),
+    Rung("fused-adamw", dict(fused_adamw=True), "+ fused AdamW"),
+    Rung("prefetch", dict(prefetch=True), "+ batches prefetched by a thread into pinned memory"),
+    Rung("cudnn-attn", dict(attention="cudnn"), "+ SDPA priority cuDNN > flash > mem-efficient > math"),
+    Rung("micro-batch-x2", dict(batch_x2=True), "+ 2x micro-batch, half the accumulation steps"),
+    Rung("max-autotune", dict(compile_mode="max-autotune-no-cudagraphs"),
+         "+ compile mode max-autotune-no-cudagraphs (minutes of autotuning)", default=False),
+]
+RUNG_NAMES = [r.name for r in RUNGS]
+
+
+def parse_bool(text):
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (true/false)")
+
+
+def parse_choice(choices):
+    def parse(text):
+        if text not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+    return parse
+
+
+SETTING_PARSERS = dict(tf32=parse_bool, dtype=parse_choice(DTYPE_CHOICES), compile=parse_bool,
+                       compile_mode=parse_choice(COMPILE_MODES), attention=parse_choice(ATTENTION_CHOICES),
+                       padded_vocab=parse_bool, fused_adamw=parse_bool, prefetch=parse_bool, batch_x2=parse_bool)
+assert set(SETTING_PARSERS) == set(BASELINE)
+
+
+def parse_override(text):
+    """'[RUNG:]KEY=VALUE' -> (rung name or None, key, parsed value)."""
+    rung = None
+    spec = text
+    if ":" in spec.split("=", 1)[0]:
+        rung, spec = spec.split(":", 1)
+        if rung not in RUNG_NAMES:
+            raise UserError(f"--override {text}: unknown rung {rung!r} (rungs: {', '.join(RUNG_NAMES)})")
+    if "=" not in spec:
+        raise UserError(f"--override {text}: write KEY=VALUE or RUNG:KEY=VALUE")
+    key, value = spec.split("=", 1)
+    key = key.strip().replace("-", "_")
+    if key not in SETTING_PARSERS:
+        raise UserError(f"--override {text}: unknown setting {key!r} (settings: {', '.join(SETTING_PARSERS)})")
+    try:
+        return rung, key, SETTING_PARSERS[key](value.strip())
+    except ValueError as e:
+        raise UserError(f"--override {text}: {e}")
+
+
+def plan_rungs(selected, compile_mode="default", overrides=()):
+    """The rungs to run, in ladder order, each a Rung with its cumulative settings, after
+    overrides: first those for every rung, then those naming the rung."""
+    plan, settings = [], dict(BASELINE, compile_mode=compile_mode)
+    for rung in RUNGS:
+        settings = dict(settings, **rung.change)
+        if rung.name not in selected:
+            continue
+        overridden = {}
+        for scope in (None, rung.name):
+            overridden.update({k: v for r, k, v in overrides if r == scope})
+        plan.append(Rung(rung.name, rung.change, rung.description, rung.default, dict(settings, **overridden),
+                         overridden))
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Measure tokens/s, MFU and peak memory of the training step, one speed-up at a time "
+                    "(fp32 -> TF32 -> bf16 -> compile -> flash -> padded vocab -> fused AdamW -> prefetch -> ...).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Rungs are cumulative; --list-rungs shows them. A table is printed last; the JSON holds "
+               "every step time.")
+    a = p.add_argument
+    a("--model", choices=sorted(MODELS), default=None,
+      help="model shape (default: gpt2 = 124M on CUDA, tiny = 2 layers x 64 wide elsewhere)")
+    a("--n-layer", type=int, metavar="N", default=None, help="layers (default: the --model's)")
+    a("--n-head", type=int, metavar="N", default=None, help="attention heads (default: the --model's)")
+    a("--n-embd", type=int, metavar="N", default=None, help="embedding width (default: the --model's)")
+    a("--block-size", type=int, metavar="T", default=None, help="sequence length T in tokens (default: 1024 on CUDA, 64 elsewhere)")
+    a("--micro-batch-size", type=int, metavar="B", default=None,
+      help="sequences per forward/backward B (default: 16 on CUDA, 4 elsewhere)")
+    a("--grad-accum", type=int, metavar="N", default=GRAD_ACCUM,
+      help=f"micro-batches per optimizer step (default: {GRAD_ACCUM})")
+    a("--warmup-steps", type=int, metavar="N", default=None,
+      help="untimed optimizer steps first; compilation happens here (default: 5 on CUDA, 2 elsewhere)")
+    a("--steps", type=int, metavar="N", default=None, help="timed optimizer steps; the median is reported (default: 20 on CUDA, 5 elsewhere)")
+    a("--device", metavar="DEVICE", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    a("--rungs", metavar="LIST", default="default",
+      help="comma-separated rung names to run, 'default' (all but max-autotune) or 'all' (default: default)")
+    a("--list-rungs", action="store_true", help="print the rungs and what each adds, then exit")
+    a("--compile-mode", choices=COMPILE_MODES, default="default",
+      help="torch.compile mode of the compile rungs (default: default); the max-autotune rung uses its own")
+    a("--override", action="append", default=[], metavar="[RUNG:]KEY=VALUE",
+      help="change a setting for every rung, or for one rung with RUNG: (repeatable); keys: "
+           + ", ".join(SETTING_PARSERS) + ". E.g. --override compile=false, --override flash:attention=cudnn")
+    a("--json-out", metavar="PATH", default=None, help="where to write the JSON (default: log/ladder-<device>-<time>.json)")
+    a("--rung-timeout", type=float, metavar="SECONDS", default=1200.0,
+      help="seconds a rung may take, compilation included, before it is killed and marked failed (default: 1200)")
+    a("--seed", type=int, metavar="N", default=SEED, help=f"seed for the weights and the random tokens (default: {SEED})")
+    a("--in-process", action="store_true",
+      help="run the rungs in this process (quicker start; for debugging and tests: compile caches and "
+           "memory carry over between rungs, and CPU peak memory is the whole process's)")
+    a("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one rung from a spec file
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        return args
+    if args.list_rungs:
+        return args
+
+    args.device = pick_device(args.device)
+    defaults = CUDA_DEFAULTS if args.device.startswith("cuda") else OTHER_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    shape = dict(MODELS[args.model])
+    for k in ("n_layer", "n_head", "n_embd"):
+        if getattr(args, k) is not None:
+            shape[k] = getattr(args, k)
+    for k in ("n_layer", "n_head", "n_embd", "block_size", "micro_batch_size", "grad_accum", "warmup_steps", "steps"):
+        value = shape[k] if k in shape else getattr(args, k)
+        if value < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be at least 1 (got {value})")
+    if shape["n_embd"] % shape["n_head"]:
+        raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}")
+    if args.rung_timeout <= 0:
+        raise UserError("--rung-timeout must be positive")
+    args.model_config = dict(shape, block_size=args.block_size)
+
+    if args.rungs in ("default", "all"):
+        args.rung_list = [r.name for r in RUNGS if r.default or args.rungs == "all"]
+    else:
+        args.rung_list = [n.strip() for n in args.rungs.split(",") if n.strip()]
+        unknown = [n for n in args.rung_list if n not in RUNG_NAMES]
+        if unknown or not args.rung_list:
+            raise UserError(f"--rungs: unknown rung(s) {', '.join(unknown) or '(none given)'}; "
+                            f"choose from {', '.join(RUNG_NAMES)} (see --list-rungs)")
+    args.overrides = [parse_override(o) for o in args.override]
+    if args.json_out is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        args.json_out = os.path.join("log", f"ladder-{args.device.replace(':', '')}-{stamp}.json")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# One rung, in its own process: build, warm up, time.
+
+
+def low_precision_dtype(device):
+    """bf16 where the device has it, fp16 on older GPUs (T4, V100); CPUs and MPS do bf16."""
+    return pick_dtype("auto", device) if device.startswith("cuda") else "bfloat16"
+
+
+def build_model(model_config, padded_vocab, seed, device):
+    """A fresh GPT with the same initial weights whatever the vocabulary: the unpadded model is
+    the padded one with its 47 extra rows cut off, so padding changes shapes, never the math."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = GPT(GPTConfig(**model_config, padded_vocab_size=PADDED_VOCAB_SIZE))
+        if padded_vocab:
+            return model
+        small = GPT(GPTConfig(**model_config, padded_vocab_size=GPT2_VOCAB_SIZE))
+    sd = model.state_dict()
+    for k in ("transformer.wte.weight", "lm_head.weight"):  # one tied tensor, listed twice
+        sd[k] = sd[k][:GPT2_VOCAB_SIZE]
+    small.load_state_dict(sd)
+    return small
+
+
+class SyncLoader:
+    """Stand-in for fineweb.TokenLoader when that is missing: one shard, read in order, copied
+    on the training thread."""
+
+    def __init__(self, path, batch_size, seq_len, device):
+        self.tokens = np.load(path)
+        self.B, self.T, self.device, self.pos = batch_size, seq_len, device, 0
+
+    def next_batch(self):
+        n = self.B * self.T
+        if self.pos + n + 1 > len(self.tokens):
+            self.pos = 0
+        buf = torch.from_numpy(self.tokens[self.pos:self.pos + n + 1].astype(np.int64))
+        self.pos += n
+        x, y = buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+        return x.to(self.device), y.to(self.device)
+
+
+def make_loader(data_dir, batch_size, seq_len, device, prefetch):
+    """(loader, description): the trainer's fineweb.TokenLoader, or the stand-in if it is absent."""
+    try:
+        from fineweb import TokenLoader
+    except ImportError as e:
+        why = f"import fineweb.TokenLoader failed: {str(e).splitlines()[0][:100]}"
+        return SyncLoader(os.path.join(data_dir, SHARD_NAME), batch_size, seq_len, device), f"in-script synchronous loader ({why})"
+    loader = TokenLoader(data_dir, "train", batch_size, seq_len, rank=0, world_size=1,
+                         vocab_size=GPT2_VOCAB_SIZE, shuffle_seed=None, device=device, prefetch=prefetch)
+    return loader, "fineweb.TokenLoader"
+
+
+def attention_context(choice):
+    """Which SDPA kernels attention may use: 'auto' lets PyTorch choose."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if choice == "auto":
+        return contextlib.nullcontext()
+    if choice == "cudnn":
+        if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+            raise RuntimeError(f"torch {torch.__version__}: sdpa_kernel has no set_priority; a newer torch is needed")
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+        return sdpa_kernel(order, set_priority=True)
+    only = dict(math=SDPBackend.MATH, flash=SDPBackend.FLASH_ATTENTION, efficient=SDPBackend.EFFICIENT_ATTENTION)
+    return sdpa_kernel([only[choice]])
+
+
+def synchronize(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    elif device.startswith("mps"):
+        torch.mps.synchronize()
+
+
+class StepTimer:
+    """Per-step milliseconds: CUDA events on CUDA (GPU timestamps, no extra syncs), else a
+    synchronised perf_counter. Each step also gets a wall-clock time as a cross-check."""
+
+    def __init__(self, device):
+        self.device, self.cuda = device, device.startswith("cuda")
+        self.events, self.wall = [], []
+
+    def start(self):
+        if self.cuda:
+            self._ev = torch.cuda.Event(enable_timing=True)
+            self._ev.record()
+        else:
+            synchronize(self.device)
+        self._t = time.perf_counter()
+
+    def stop(self):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self._ev, end))
+        synchronize(self.device)
+        self.wall.append(1e3 * (time.perf_counter() - self._t))
+
+    def times_ms(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return [s.elapsed_time(e) for s, e in self.events]
+        return list(self.wall)
+
+
+def train_step(model, optimizer, scaler, loader, grad_accum, device, dtype):
+    """One optimizer step, the same math as train_gpt2.py's; returns the step's mean loss (a
+    0-d tensor on the device)."""
+    loss_accum = torch.zeros((), device=device)
+    for _ in range(grad_accum):
+        x, y = loader.next_batch()
+        with autocast(device, dtype):
+            _, loss = model(x, y)
+        loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
+        loss_accum += loss.detach()
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+    for group in optimizer.param_groups:
+        group["lr"] = LEARNING_RATE  # through the param groups: never a Python float into compiled code
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return torch.stack([loss_accum, norm.float()])
+
+
+ATTENTION_OPS = [  # aten op name (substring) -> what the table calls it; most specific first
+    ("_scaled_dot_product_cudnn_attention", "cudnn"),
+    ("_scaled_dot_product_flash_attention_for_cpu", "flash (cpu)"),
+    ("_scaled_dot_product_flash_attention", "flash"),
+    ("_scaled_dot_product_efficient_attention", "mem-efficient"),
+    ("_scaled_dot_product_fused_attention_overrideable", "overrideable"),
+    ("_scaled_dot_product_attention_math", "math"),
+]
+
+
+def attention_kernel(model, loader, device, dtype, compiled):
+    """Which SDPA kernel a forward + backward really used, read from the profiler's op names."""
+    from torch.profiler import ProfilerActivity, profile
+    x, y = loader.next_batch()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with autocast(device, dtype):
+            _, loss = model(x, y)
+        loss.backward()
+    names = {e.key for e in prof.key_averages()}
+    for op, label in ATTENTION_OPS:
+        if any(op in n for n in names):
+            return label
+    return "fused by compile" if compiled else "unknown"  # inductor generated its own attention code
+
+
+def peak_memory(device):
+    """(bytes, what was measured) since the last reset_peak_memory_stats."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
+    try:
+        import resource
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss * (1 if sys.platform == "darwin" else 1024), "process peak RSS"
+    except ImportError:  # Windows
+        return None, None
+
+
+def one_line(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def run_rung(spec):
+    """Run one rung from its spec dict; return its result dict (status ok or failed)."""
+    s, device = spec["settings"], spec["device"]
+    result = dict(name=spec["name"], description=spec["description"], settings=s, status="failed", notes=[])
+    notes = result["notes"]
+    B, T, accum = spec["micro_batch_size"], spec["block_size"], spec["grad_accum"]
+    if s["batch_x2"]:
+        B *= 2
+        if accum % 2 == 0:
+            accum //= 2
+        else:
+            notes.append("odd --grad-accum: tokens per step doubled")
+    result.update(micro_batch_size=B, grad_accum=accum, tokens_per_step=B * T * accum)
+    loader = None
+    try:
+        kind = device.split(":")[0]
+        if kind == "cuda" and ":" in device:
+            torch.cuda.set_device(device)  # CUDA events record on the current device
+        result["env"] = rung_env(device)
+        changed = set(spec["changed"])  # notes only where this rung's own change does not apply
+        if kind != "cuda":
+            if s["tf32"] and "tf32" in changed:
+                notes.append(f"TF32 n/a on {kind}")
+            if s["attention"] == "cudnn" and "attention" in changed:
+                notes.append(f"cuDNN attention n/a on {kind}")
+        # TF32, the same switches as train_gpt2.py (cuDNN's for any convolution; there are none)
+        torch.backends.cuda.matmul.allow_tf32 = s["tf32"]
+        torch.backends.cudnn.allow_tf32 = s["tf32"]
+        dtype = low_precision_dtype(device) if s["dtype"] == "auto" else s["dtype"]
+        if dtype == "float16" and "dtype" in changed:
+            notes.append("fp16 + GradScaler (no bf16 here)")
+        result["dtype"] = dtype
+
+        t0 = time.perf_counter()
+        raw_model = build_model(spec["model_config"], s["padded_vocab"], spec["seed"], device)
+        raw_model.train()
+        optimizer = raw_model.configure_optimizers(WEIGHT_DECAY, LEARNING_RATE, device_type=kind,
+                                                   fused=s["fused_adamw"])
+        scaler = torch.amp.GradScaler(kind, enabled=(dtype == "float16"))
+        model = raw_model
+        if s["compile"]:
+            model = torch.compile(raw_model, mode=None if s["compile_mode"] == "default" else s["compile_mode"])
+        loader, result["data_loader"] = make_loader(spec["data_dir"], B, T, device, s["prefetch"])
+        if s["prefetch"] and "prefetch" in changed and not result["data_loader"].startswith("fineweb"):
+            notes.append("no prefetch: fineweb.TokenLoader missing")
+        result["build_s"] = time.perf_counter() - t0
+
+        step = lambda: train_step(model, optimizer, scaler, loader, accum, device, dtype)  # noqa: E731
+        with attention_context(s["attention"]):
+            t0 = time.perf_counter()
+            for _ in range(spec["warmup_steps"]):
+                step().tolist()  # compilation, allocator growth, optimizer state: all here
+            result["warmup_s"] = time.perf_counter() - t0
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats(device)
+            timer, losses = StepTimer(device), []
+            for _ in range(spec["steps"]):
+                timer.start()
+                stats = step()
+                timer.stop()
+                losses.append(stats.tolist()[0])  # the trainer's one host-device sync per step
+            step_ms = timer.times_ms()
+            result["peak_mem_bytes"], result["peak_mem_kind"] = peak_memory(device)
+            result["attention_kernel"] = attention_kernel(model, loader, device, dtype, s["compile"])
+        median = statistics.median(step_ms)
+        tps = result["tokens_per_step"] / (median / 1e3)
+        peak_dtype = low_precision_dtype(device)
+        result.update(status="ok", step_ms=step_ms, wall_ms=timer.wall, median_ms=median,
+                      min_ms=min(step_ms), max_ms=max(step_ms), tokens_per_s=tps, losses=losses,
+                      final_loss=losses[-1], mfu_peak_dtype=peak_dtype,
+                      mfu=raw_model.estimate_mfu(tps, device_name(device), peak_dtype, seq_len=T))
+        if not all(math.isfinite(v) for v in losses):
+            notes.append("non-finite loss")
+    except Exception as e:  # an out-of-memory or a missing kernel fails this rung, not the ladder
+        traceback.print_exc()
+        oom = isinstance(e, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
+        result["reason"] = ("out of memory: " if oom else "") + one_line(e)
+    finally:
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
+    return result
+
+
+@contextlib.contextmanager
+def keep_tf32_flags():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def rung_env(device):
+    env = dict(torch=torch.__version__, cuda=torch.version.cuda, device=device, device_name=device_name(device),
+               torch_threads=torch.get_num_threads())
+    if device.startswith("cuda"):
+        env.update(cudnn=torch.backends.cudnn.version(),
+                   capability=".".join(map(str, torch.cuda.get_device_capability(device))),
+                   gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory)
+    return env
+
+
+def worker_main(spec_path):
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = run_rung(spec)
+    with open(spec["result_path"], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The ladder: one process per rung, a JSON after every rung, the table last.
+
+SHARD_NAME = "ladder_train_000001.npy"
+
+
+def write_shards(data_dir, n_tokens, seed):
+    """Random GPT-2 token ids in fineweb's shard format (np.uint16 .npy); the same for every rung."""
+    tokens = np.random.default_rng(seed).integers(0, GPT2_VOCAB_SIZE, size=n_tokens, dtype=np.uint16)
+    np.save(os.path.join(data_dir, SHARD_NAME), tokens)
+    np.save(os.path.join(data_dir, "ladder_val_000000.npy"), tokens[:4096])  # for loaders that look for one
+
+
+def run_rung_subprocess(spec, work_dir, timeout):
+    """Run one rung in a fresh Python; a crash, hang or kill becomes a failed result."""
+    spec_path = os.path.join(work_dir, f"{spec['name']}.spec.json")
+    log_path = os.path.join(work_dir, f"{spec['name']}.log")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", spec_path]
+    with open(log_path, "w") as log:
+        # its own process group, so a kill takes its compile workers too; and on Linux it dies with
+        # the ladder, so a killed ladder leaves nothing running on the GPU
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True, preexec_fn=die_with_parent)
+        reason = None
+        try:
+            rc = proc.wait(timeout=timeout)
+        except BaseException as e:  # the timeout, or Ctrl-C: end the rung's process group, then go on / stop
+            kill_group(proc)
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            rc, reason = None, f"timed out after {timeout:.0f} s (--rung-timeout)"
+    with open(log_path) as f:
+        tail = f.read().strip().splitlines()[-20:]
+    if os.path.exists(spec["result_path"]):
+        with open(spec["result_path"]) as f:
+            result = json.load(f)
+        if rc != 0:
+            result["notes"].append(f"worker exit status {rc}")
+    else:
+        last = next((line for line in reversed(tail) if line.strip()), "no output")
+        reason = reason or f"worker died (exit status {rc}): {last[:300]}"
+        result = dict(name=spec["name"], description=spec["description"], settings=spec["settings"],
+                      status="failed", notes=[], reason=reason)
+    if result["status"] != "ok":
+        result["log_tail"] = tail
+    return result
+
+
+def die_with_parent():
+    """In the child, before exec: ask Linux to SIGKILL it when the ladder's process ends."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        try:
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (AttributeError, OSError):  # no prctl in this libc: the rung timeout still applies
+            pass
+
+
+def kill_group(proc):
+    try:
+        if hasattr(os, "killpg"):
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def add_speedups(rungs):
+    """Speed-up over the previous rung that ran and over the first rung of this ladder that ran."""
+    ok = [r for r in rungs if r["status"] == "ok"]
+    for i, r in enumerate(ok):
+        r["speedup_prev"] = r["tokens_per_s"] / ok[i - 1]["tokens_per_s"] if i else 1.0
+        r["speedup_base"] = r["tokens_per_s"] / ok[0]["tokens_per_s"]
+
+
+def environment():
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    commit = git("rev-parse", "--short", "HEAD")
+    return dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+                platform=platform.platform(), cpu=cpu, cpu_count=os.cpu_count(),
+                git=(commit + ("-dirty" if git("status", "--porcelain") else "")) or None)
+
+
+def fmt_bytes(n):
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1024:.0f} KiB"
+
+
+def format_table(doc):
+    """The fixed-width table: a title line, a header, one row per rung."""
+    c, env = doc["config"], doc.get("device_env") or {}
+    title = (f"Training-speed ladder | {env.get('device_name', c['device'])} | torch {doc['env']['torch']}"
+             + (f" CUDA {doc['env']['cuda']}" if doc["env"]["cuda"] else "")
+             + f" | L{c['model_config']['n_layer']} H{c['model_config']['n_head']} d{c['model_config']['n_embd']}"
+             f" B={c['micro_batch_size']} T={c['block_size']} accum={c['grad_accum']}"
+             f" | median of {c['steps']} steps after {c['warmup_steps']} warm-up"
+             f" | {doc['flops_per_token'] / 1e6:.0f} MFLOP/token")
+    cols = [("rung", 15, "<"), ("tok/s", 10, ">"), ("ms/step", 9, ">"), ("MFU", 6, ">"), ("peak mem", 10, ">"),
+            ("loss", 8, ">"), ("vs prev", 7, ">"), ("vs base", 7, ">"), ("warm-up", 8, ">"),
+            ("attention", 16, "<"), ("note", 0, "<")]
+    lines = [title, "  ".join(f"{h:{a}{w}}" for h, w, a in cols).rstrip()]
+    for r in doc["rungs"]:
+        notes = list(r.get("notes", []))
+        if r["status"] == "ok":
+            cells = [r["name"], f"{r['tokens_per_s']:,.0f}", f"{r['median_ms']:.1f}",
+                     "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", fmt_bytes(r["peak_mem_bytes"]),
+                     f"{r['final_loss']:.4f}", f"{r['speedup_prev']:.2f}x", f"{r['speedup_base']:.2f}x",
+                     f"{r['warmup_s']:.{0 if r['warmup_s'] >= 10 else 1}f} s", r["attention_kernel"]]
+        else:
+            cells = [r["name"], r["status"].upper()] + [""] * 8
+            notes.insert(0, r.get("reason", ""))
+        cells.append("; ".join(n for n in notes if n)[:110])
+        lines.append("  ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(cells, cols)).rstrip())
+    return "\n".join(lines)
+
+
+def run_ladder(args):
+    plan = plan_rungs(args.rung_list, args.compile_mode, args.overrides)
+    with torch.device("meta"):  # FLOPs from the shapes alone; the padded model, as the trainer runs it
+        flops_per_token = GPT(GPTConfig(**args.model_config)).flops_per_token(args.block_size)
+    config = {k: getattr(args, k) for k in ("device", "model", "model_config", "block_size", "micro_batch_size",
+                                            "grad_accum", "warmup_steps", "steps", "compile_mode", "seed",
+                                            "rung_timeout", "in_process")}
+    config["rungs"] = [r.name for r in plan]
+    config["overrides"] = args.override
+    doc = dict(schema="ladder-v1", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               command=shlex.join(["python", os.path.relpath(os.path.abspath(__file__)), *args.argv]),
+               env=environment(), device_env=None, config=config, flops_per_token=flops_per_token,
+               learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP, rungs=[])
+    tokens_per_step = args.micro_batch_size * args.block_size * args.grad_accum
+    print(f"ladder: {len(plan)} rung(s) on {args.device}, {args.model} {args.model_config}, "
+          f"{tokens_per_step:,} tokens/step, {args.warmup_steps} warm-up + {args.steps} timed steps each, "
+          f"{'in this process' if args.in_process else 'each in a fresh process'}", flush=True)
+    out_dir = os.path.dirname(os.path.abspath(args.json_out))
+    os.makedirs(out_dir, exist_ok=True)
+    work_dir = tempfile.mkdtemp(prefix="ladder-")
+    try:
+        steps_per_rung = args.warmup_steps + args.steps + 1  # + the profiled micro-batch
+        # twice that: the 2x micro-batch rung doubles tokens per step when --grad-accum is odd
+        write_shards(work_dir, 2 * steps_per_rung * tokens_per_step + 1, args.seed)
+        for i, rung in enumerate(plan):
+            spec = dict(name=rung.name, description=rung.description, settings=rung.settings,
+                        changed=sorted(set(rung.change) | set(rung.overridden)), device=args.device,
+                        model_config=args.model_config, block_size=args.block_size,
+                        micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
+                        warmup_steps=args.warmup_steps, steps=args.steps, seed=args.seed, data_dir=work_dir,
+                        result_path=os.path.join(work_dir, f"{rung.name}.result.json"))
+            print(f"[{i + 1}/{len(plan)}] {rung.name:15s} {rung.description}", flush=True)
+            if args.in_process:
+                torch._dynamo.reset()
+                with torch.random.fork_rng(devices=[]), keep_tf32_flags():  # leave the caller's state alone
+                    result = run_rung(spec)
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()  # give the next rung what this one held
+            else:
+                result = run_rung_subprocess(spec, work_dir, args.rung_timeout)
+            if rung.overridden:
+                result["notes"].append("override " + ",".join(f"{k}={v}" for k, v in rung.overridden.items()))
+            doc["device_env"] = doc["device_env"] or result.get("env")
+            doc["rungs"].append(result)
+            add_speedups(doc["rungs"])
+            if result["status"] == "ok":
+                print(f"    {result['tokens_per_s']:,.0f} tok/s, {result['median_ms']:.1f} ms/step, "
+                      f"loss {result['final_loss']:.4f}, warm-up {result['warmup_s']:.1f} s, "
+                      f"attention {result['attention_kernel']}", flush=True)
+            else:
+                print(f"    FAILED: {result.get('reason')}", flush=True)
+            atomic_write(args.json_out, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    loaders = sorted({r["data_loader"] for r in doc["rungs"] if r.get("data_loader")})
+    if any(not name.startswith("fineweb") for name in loaders):
+        print(f"note: data came from the {'; '.join(loaders)}", flush=True)
+    print(f"wrote {args.json_out}", flush=True)
+    print(format_table(doc), flush=True)
+    return doc
+
+
+def list_rungs():
+    for r in RUNGS:
+        print(f"{r.name:15s} {r.description}{'' if r.default else '  [opt-in: --rungs all or by name]'}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    if args.list_rungs:
+        list_rungs()
+        return 0
+    # SIGTERM (timeout, a job scheduler) unwinds like Ctrl-C, so the running rung is killed too
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        doc = run_ladder(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0 if any(r["status"] == "ok" for r in doc["rungs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -1,0 +1,139 @@
+"""bench/ladder.py on CPU with a tiny model: rungs are cumulative, rungs with the same math give
+the same losses, a failed or hung rung is reported and the ladder goes on, the table comes last.
+torch.compile is left out here (minutes on two cores); `python bench/ladder.py` runs it."""
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import ladder  # noqa: E402
+from common import UserError  # noqa: E402
+
+# 16 tokens per step: the 50257-wide LM head is most of the cost on CPU
+TINY = ["--device", "cpu", "--model", "tiny", "--block-size", "16", "--micro-batch-size", "1",
+        "--grad-accum", "1", "--warmup-steps", "1", "--steps", "2"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """One CPU thread, here and in the rung processes: on a small, shared machine two threads of
+    tiny ops spend most of their time waiting for each other (8x slower, seen under load)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(tmp_path, *extra):
+    out = tmp_path / "ladder.json"
+    rc = ladder.main(TINY + ["--json-out", str(out), *extra])
+    with open(out) as f:
+        doc = json.load(f)
+    return rc, doc, {r["name"]: r for r in doc["rungs"]}
+
+
+def test_rungs_are_cumulative_and_overrides_apply():
+    overrides = [ladder.parse_override(o) for o in ("compile=false", "padded-vocab:attention=cudnn")]
+    fp32, bf16, compiled, padded = ladder.plan_rungs(["padded-vocab", "fp32", "compile", "bf16"], "default",
+                                                     overrides)
+    assert [fp32.name, bf16.name, compiled.name, padded.name] == ["fp32", "bf16", "compile", "padded-vocab"]
+    assert fp32.settings == ladder.BASELINE
+    assert bf16.settings == dict(ladder.BASELINE, tf32=True, dtype="auto")  # tf32 came in though not run
+    assert compiled.settings["compile"] is False  # --override for every rung wins over the rung's change
+    assert padded.settings == dict(ladder.BASELINE, tf32=True, dtype="auto", attention="cudnn", padded_vocab=True)
+    auto = ladder.plan_rungs(["max-autotune"], "max-autotune")[0].settings
+    assert auto["compile"] and auto["compile_mode"] == "max-autotune-no-cudagraphs"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--rungs", "fp32,warp-speed"],
+    ["--override", "attention=fastest"],
+    ["--override", "nonsense"],
+    ["--override", "no-such-rung:tf32=true"],
+    ["--steps", "0"],
+    ["--n-embd", "65"],
+])
+def test_bad_arguments_are_one_line_errors(argv):
+    with pytest.raises(UserError):
+        ladder.parse_args(TINY + argv)
+
+
+def test_unpadded_model_is_the_padded_model_cut_down():
+    cfg = dict(n_layer=1, n_head=2, n_embd=16, block_size=16)
+    padded = ladder.build_model(cfg, True, 0, "cpu").eval()
+    plain = ladder.build_model(cfg, False, 0, "cpu").eval()
+    assert padded.lm_head.weight.shape[0] == 50304 and plain.lm_head.weight.shape[0] == 50257
+    assert plain.lm_head.weight is plain.transformer.wte.weight  # still tied
+    idx = torch.randint(0, 50257, (2, 16))
+    with torch.no_grad():
+        a, loss_a = padded(idx, idx)
+        b, loss_b = plain(idx, idx)
+    assert torch.allclose(a[..., :50257], b, atol=1e-6) and abs(loss_a.item() - loss_b.item()) < 1e-6
+
+
+def test_shards_read_alike_by_token_loader_and_stand_in(tmp_path):
+    ladder.write_shards(str(tmp_path), 1000, seed=0)
+    tokens = np.load(tmp_path / ladder.SHARD_NAME).astype(np.int64)
+    loaders = [ladder.SyncLoader(str(tmp_path / ladder.SHARD_NAME), 2, 8, "cpu")]
+    for prefetch in (False, True):
+        loader, what = ladder.make_loader(str(tmp_path), 2, 8, "cpu", prefetch)
+        if what.startswith("fineweb"):
+            loaders.append(loader)
+    for loader in loaders:
+        for i in range(3):
+            x, y = loader.next_batch()
+            assert x.shape == y.shape == (2, 8)
+            assert torch.equal(x.flatten(), torch.from_numpy(tokens[16 * i:16 * i + 16]))
+            assert torch.equal(y.flatten(), torch.from_numpy(tokens[16 * i + 1:16 * i + 17]))
+
+
+def test_ladder_in_process_same_math_same_loss_and_failure_reported(tmp_path, capsys):
+    rungs = "fp32,tf32,flash,padded-vocab,fused-adamw"
+    rc, doc, r = run(tmp_path, "--in-process", "--rungs", rungs, "--override", "dtype=float32",
+                     "--override", "compile=false", "--override", "fused-adamw:attention=efficient")
+    assert rc == 0
+    assert [x["name"] for x in doc["rungs"]] == rungs.split(",")
+    ok = [r[n] for n in ("fp32", "tf32", "flash", "padded-vocab")]
+    for x in ok:
+        assert x["status"] == "ok", x.get("reason")
+        assert x["tokens_per_s"] > 0 and len(x["step_ms"]) == 2 and x["median_ms"] > 0
+        assert all(math.isfinite(v) for v in x["losses"])
+        assert x["mfu"] is None  # no honest peak for a CPU
+        assert x["speedup_base"] == pytest.approx(x["tokens_per_s"] / r["fp32"]["tokens_per_s"])
+    # fp32 throughout: TF32 is a no-op on CPU, flash and padding change kernels and shapes, not math
+    for x in ok[1:]:
+        assert max(abs(a - b) for a, b in zip(x["losses"], r["fp32"]["losses"])) <= 1e-4
+    assert r["fp32"]["attention_kernel"] == "math" and r["flash"]["attention_kernel"] == "flash (cpu)"
+    assert "TF32 n/a on cpu" in r["tf32"]["notes"]
+    # CPUs have no memory-efficient SDPA kernel: that rung fails, the ladder reports it and finishes
+    failed = r["fused-adamw"]
+    assert failed["status"] == "failed" and "scaled_dot_product_attention" in failed["reason"]
+    assert doc["env"]["torch"] == torch.__version__ and doc["config"]["steps"] == 2
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert lines[-6].startswith("rung") and "tok/s" in lines[-6] and "MFU" in lines[-6]
+    assert [line.split()[0] for line in lines[-5:]] == rungs.split(",")
+    assert "FAILED" in lines[-1]
+
+
+def test_ladder_rung_in_its_own_process(tmp_path):
+    rc, doc, r = run(tmp_path, "--rungs", "bf16")  # cumulative: + TF32 + bf16 autocast, eager
+    x = r["bf16"]
+    assert rc == 0 and x["status"] == "ok", (x.get("reason"), x.get("log_tail"))
+    assert x["dtype"] == "bfloat16" and x["tokens_per_s"] > 0 and math.isfinite(x["final_loss"])
+    assert x["peak_mem_kind"] == "process peak RSS" and x["peak_mem_bytes"] > 0
+    assert doc["device_env"]["device"] == "cpu"
+
+
+def test_hung_rung_is_killed_and_reported(tmp_path, capsys):
+    rc, doc, r = run(tmp_path, "--rungs", "fp32", "--rung-timeout", "0.5")
+    assert rc == 1  # nothing ran: a failure exit status, but a report all the same
+    assert r["fp32"]["status"] == "failed" and "timed out" in r["fp32"]["reason"]
+    assert "FAILED" in capsys.readouterr().out.rstrip().splitlines()[-1]
