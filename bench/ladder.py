@@ -179,7 +179,8 @@ def plan_rungs(selected, compile_mode="default", overrides=()):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Measure tokens/s, MFU and peak memory of the training step, one speed-up at a time "
-                    "(fp32 -> TF32 -> bf16 -> compile -> flash -> padded vocab -> fused AdamW -> prefetch -> ...).",
+                    "(fp32 -> TF32 -> bf16 -> compile -> flash -> padded vocab -> fused AdamW -> prefetch "
+                    "-> ...).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Rungs are cumulative; --list-rungs shows them. A table is printed last; the JSON holds "
                "every step time.")
@@ -189,14 +190,16 @@ def parse_args(argv=None):
     a("--n-layer", type=int, metavar="N", default=None, help="layers (default: the --model's)")
     a("--n-head", type=int, metavar="N", default=None, help="attention heads (default: the --model's)")
     a("--n-embd", type=int, metavar="N", default=None, help="embedding width (default: the --model's)")
-    a("--block-size", type=int, metavar="T", default=None, help="sequence length T in tokens (default: 1024 on CUDA, 64 elsewhere)")
+    a("--block-size", type=int, metavar="T", default=None,
+      help="sequence length T in tokens (default: 1024 on CUDA, 64 elsewhere)")
     a("--micro-batch-size", type=int, metavar="B", default=None,
       help="sequences per forward/backward B (default: 16 on CUDA, 4 elsewhere)")
     a("--grad-accum", type=int, metavar="N", default=GRAD_ACCUM,
       help=f"micro-batches per optimizer step (default: {GRAD_ACCUM})")
     a("--warmup-steps", type=int, metavar="N", default=None,
       help="untimed optimizer steps first; compilation happens here (default: 5 on CUDA, 2 elsewhere)")
-    a("--steps", type=int, metavar="N", default=None, help="timed optimizer steps; the median is reported (default: 20 on CUDA, 5 elsewhere)")
+    a("--steps", type=int, metavar="N", default=None,
+      help="timed optimizer steps; the median is reported (default: 20 on CUDA, 5 elsewhere)")
     a("--device", metavar="DEVICE", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
     a("--rungs", metavar="LIST", default="default",
       help="comma-separated rung names to run, 'default' (all but max-autotune) or 'all' (default: default)")
@@ -206,10 +209,12 @@ def parse_args(argv=None):
     a("--override", action="append", default=[], metavar="[RUNG:]KEY=VALUE",
       help="change a setting for every rung, or for one rung with RUNG: (repeatable); keys: "
            + ", ".join(SETTING_PARSERS) + ". E.g. --override compile=false, --override flash:attention=cudnn")
-    a("--json-out", metavar="PATH", default=None, help="where to write the JSON (default: log/ladder-<device>-<time>.json)")
+    a("--json-out", metavar="PATH", default=None,
+      help="where to write the JSON, rewritten after every rung (default: log/ladder-<device>-<time>.json)")
     a("--rung-timeout", type=float, metavar="SECONDS", default=1200.0,
       help="seconds a rung may take, compilation included, before it is killed and marked failed (default: 1200)")
-    a("--seed", type=int, metavar="N", default=SEED, help=f"seed for the weights and the random tokens (default: {SEED})")
+    a("--seed", type=int, metavar="N", default=SEED,
+      help=f"seed for the weights and the random tokens (default: {SEED})")
     a("--in-process", action="store_true",
       help="run the rungs in this process (quicker start; for debugging and tests: compile caches and "
            "memory carry over between rungs, and CPU peak memory is the whole process's)")
@@ -230,7 +235,8 @@ def parse_args(argv=None):
     for k in ("n_layer", "n_head", "n_embd"):
         if getattr(args, k) is not None:
             shape[k] = getattr(args, k)
-    for k in ("n_layer", "n_head", "n_embd", "block_size", "micro_batch_size", "grad_accum", "warmup_steps", "steps"):
+    for k in ("n_layer", "n_head", "n_embd", "block_size", "micro_batch_size", "grad_accum", "warmup_steps",
+              "steps"):
         value = shape[k] if k in shape else getattr(args, k)
         if value < 1:
             raise UserError(f"--{k.replace('_', '-')} must be at least 1 (got {value})")
@@ -304,7 +310,8 @@ def make_loader(data_dir, batch_size, seq_len, device, prefetch):
         from fineweb import TokenLoader
     except ImportError as e:
         why = f"import fineweb.TokenLoader failed: {str(e).splitlines()[0][:100]}"
-        return SyncLoader(os.path.join(data_dir, SHARD_NAME), batch_size, seq_len, device), f"in-script synchronous loader ({why})"
+        loader = SyncLoader(os.path.join(data_dir, SHARD_NAME), batch_size, seq_len, device)
+        return loader, f"in-script synchronous loader ({why})"
     loader = TokenLoader(data_dir, "train", batch_size, seq_len, rank=0, world_size=1,
                          vocab_size=GPT2_VOCAB_SIZE, shuffle_seed=None, device=device, prefetch=prefetch)
     return loader, "fineweb.TokenLoader"
@@ -317,7 +324,8 @@ def attention_context(choice):
         return contextlib.nullcontext()
     if choice == "cudnn":
         if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
-            raise RuntimeError(f"torch {torch.__version__}: sdpa_kernel has no set_priority; a newer torch is needed")
+            raise RuntimeError(f"torch {torch.__version__}: sdpa_kernel has no set_priority; "
+                               "a newer torch is needed")
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                  SDPBackend.MATH]
         return sdpa_kernel(order, set_priority=True)
@@ -622,7 +630,8 @@ def add_speedups(rungs):
 def environment():
     def git(*cmd):
         try:
-            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+            done = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10)
+            return done.stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
     cpu = platform.processor()
@@ -726,13 +735,16 @@ def run_ladder(args):
             else:
                 print(f"    FAILED: {result.get('reason')}", flush=True)
             atomic_write(args.json_out, lambda f: f.write(json.dumps(doc, indent=1).encode()))
-    finally:
+    finally:  # also when stopped (Ctrl-C, SIGTERM): the table of what did run still comes last
         shutil.rmtree(work_dir, ignore_errors=True)
-    loaders = sorted({r["data_loader"] for r in doc["rungs"] if r.get("data_loader")})
-    if any(not name.startswith("fineweb") for name in loaders):
-        print(f"note: data came from the {'; '.join(loaders)}", flush=True)
-    print(f"wrote {args.json_out}", flush=True)
-    print(format_table(doc), flush=True)
+        loaders = sorted({r["data_loader"] for r in doc["rungs"] if r.get("data_loader")})
+        if any(not name.startswith("fineweb") for name in loaders):
+            print(f"note: data came from the {'; '.join(loaders)}", flush=True)
+        if len(doc["rungs"]) < len(plan):
+            print(f"stopped after {len(doc['rungs'])} of {len(plan)} rungs", flush=True)
+        if doc["rungs"]:
+            print(f"wrote {args.json_out}", flush=True)
+            print(format_table(doc), flush=True)
     return doc
 
 
