@@ -30,16 +30,17 @@ def read_prompt(args, stdin=None):
     stdin = stdin if stdin is not None else sys.stdin
     if args.prompt is not None:
         return args.prompt
-    if args.prompt_file == "-" or (args.prompt_file is None and stdin is not None and not stdin.isatty()):
-        text = stdin.read()
-    elif args.prompt_file is not None:
-        try:
+    from_stdin = args.prompt_file == "-" or (args.prompt_file is None and stdin is not None and not stdin.isatty())
+    if not from_stdin and args.prompt_file is None:
+        return ""
+    try:
+        if from_stdin:
+            text = stdin.read()
+        else:
             with open(args.prompt_file, encoding="utf-8") as f:
                 text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise common.UserError(f"cannot read --prompt-file {args.prompt_file}: {e}")
-    else:
-        return ""
+    except (OSError, UnicodeDecodeError) as e:
+        raise common.UserError(f"cannot read the prompt from {'stdin' if from_stdin else args.prompt_file}: {e}")
     return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
 
 
