@@ -148,7 +148,7 @@ def ending_losses(logits, idx, mask):
 
 
 @torch.no_grad()
-def score_items(model, items, device, dtype="float32", batch_size=16, progress=False):
+def score_items(model, items, device, dtype="float32", batch_size=4, progress=False):
     """Summed ending loss and ending token count, each (n, 4) float64 on the CPU, for items in the
     order given. The 4 * n rows (context + ending) are sorted by length and 4 * batch_size of them
     share a forward pass, so rows of nearly equal length are padded together. Rows are padded on
@@ -190,19 +190,27 @@ def shard(n, rank, world_size):
     return range(rank, n, world_size)
 
 
-def evaluate(model, items, device, dtype="float32", batch_size=16, rank=0, world_size=1, progress=False):
+def default_batch_size(device):
+    """Items per forward pass: 16 on a GPU; 4 on CPU, where a forward is compute-bound already and
+    larger batches measured slower (BENCHMARKS.md)."""
+    return 16 if device.startswith("cuda") else 4
+
+
+def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False):
     """{"acc", "acc_norm", "n"} over all items. Each rank scores its share (items rank::world_size);
     the counts are summed over ranks when torch.distributed is initialised and world_size > 1, so
     every rank must call this. model: GPT or anything with model(idx) -> (logits, loss), also
     torch.compile'd; pass the model itself, not a DDP wrapper. It is put in eval mode and its
-    train/eval state restored afterwards."""
+    train/eval state restored afterwards. batch_size: items per forward pass, 4 rows each
+    (default: default_batch_size(device))."""
     mine = [items[i] for i in shard(len(items), rank, world_size)]
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
     try:
         if mine:
-            sums, counts = score_items(model, mine, device, dtype, batch_size, progress)
+            sums, counts = score_items(model, mine, device, dtype, batch_size or default_batch_size(device),
+                                       progress)
             labels = torch.tensor([item["label"] for item in mine])
             correct = int((sums.argmin(dim=1) == labels).sum())
             correct_norm = int(((sums / counts).argmin(dim=1) == labels).sum())
@@ -232,7 +240,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", default=None,
                    help="where the download is kept (default $HELLASWAG_CACHE or ~/.cache/gpt2-hellaswag)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N items (default: all)")
-    p.add_argument("--batch-size", type=int, default=16, help="items per forward pass, 4 rows each (default 16)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="items per forward pass, 4 rows each (default: 16 on a GPU; 4 on CPU, where larger "
+                        "batches measured slower, see BENCHMARKS.md)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     p.add_argument("--dtype", default="auto",
                    help="autocast dtype: auto, bfloat16, float16, float32 (default auto: bf16 on recent "
@@ -243,7 +253,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         raise common.UserError(f"--limit must be at least 1, got {args.limit}")
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise common.UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     return args
 

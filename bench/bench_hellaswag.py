@@ -22,6 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import common  # noqa: E402
 import hellaswag  # noqa: E402
+from bench_sample import add_device_args, setup, sync  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 WORDS = ("the a man woman he she they is are was holding playing running into on with and then his her "
@@ -62,41 +63,36 @@ def one_item_per_forward(model, items, device, dtype):
 
 
 def timed(fn, device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     out = fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - t0, out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    add_device_args(p)
     p.add_argument("--items", type=int, default=40, help="synthetic items (default 40: ~3 minutes on 2 CPU cores)")
-    p.add_argument("--batch-sizes", default="16", help="items per forward for evaluate, comma-separated (default 16)")
+    p.add_argument("--batch-sizes", default="1,4,16",
+                   help="items per forward for evaluate, comma-separated (default 1,4,16)")
     p.add_argument("--rounds", type=int, default=4,
                    help="the items are split into this many parts and the methods take turns on each, so a "
                         "load that comes and goes on the machine hits all of them alike (default 4)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--n-layer", type=int, default=12, help="model shape (default: GPT-2 124M, 12/12/768)")
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
     args = p.parse_args()
-    device = common.pick_device(args.device)
-    dtype = common.pick_dtype(args.dtype, device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    device, dtype = setup(args)
     model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)).to(device).eval()
     items = synthetic_items(args.items)
     enc = common.get_tokenizer()
     rows = [len(enc.encode_ordinary(it["ctx"] + " " + e)) for it in items for e in it["endings"]]
     print(f"torch {torch.__version__}, {common.device_name(device)}, {torch.get_num_threads()} threads, {dtype}; "
-          f"GPT {model.num_params() / 1e6:.0f}M ({args.n_layer}/{args.n_head}/{args.n_embd}), {len(items)} items, rows of {min(rows)}-{max(rows)} tokens (mean {sum(rows) / len(rows):.0f})")
-    methods = {"one item per forward (build-nanogpt loop)": lambda part: one_item_per_forward(model, part, device, dtype)}
+          f"GPT {model.num_params() / 1e6:.0f}M ({args.n_layer}/{args.n_head}/{args.n_embd}), {len(items)} items, "
+          f"rows of {min(rows)}-{max(rows)} tokens (mean {sum(rows) / len(rows):.0f})")
+    methods = {"one item per forward (build-nanogpt loop)":
+               lambda part: one_item_per_forward(model, part, device, dtype)}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         methods[f"hellaswag.evaluate, batch {bs} items"] = (
             lambda part, bs=bs: hellaswag.evaluate(model, part, device, dtype, batch_size=bs))

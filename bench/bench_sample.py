@@ -23,6 +23,23 @@ from model import GPT, GPTConfig  # noqa: E402
 PROMPT = "Hello, I'm a language model, and today I would like to tell you about"
 
 
+def add_device_args(p):
+    """The flags both benchmarks share (bench_hellaswag.py imports these helpers)."""
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default cpu)")
+    p.add_argument("--dtype", default="float32", help="autocast dtype (default float32)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def setup(args):
+    """(device, dtype) from the flags; CPU threads set; torch seeded, so both runs get the same weights."""
+    device = common.pick_device(args.device)
+    dtype = common.pick_dtype(args.dtype, device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    return device, dtype
+
+
 def sync(device):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -45,17 +62,11 @@ def timed(fns, device, repeats):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    add_device_args(p)
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per run (default 256)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side, median reported (default 3)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args()
-    device = common.pick_device(args.device)
-    dtype = common.pick_dtype(args.dtype, device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    device, dtype = setup(args)
     model = GPT(GPTConfig()).to(device).eval()
     hf = model.to_hf().to(device).eval()
     idx = torch.tensor([common.get_tokenizer().encode(PROMPT)], device=device)

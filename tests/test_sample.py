@@ -23,7 +23,8 @@ import sample  # noqa: E402
 def log_dir(tmp_path_factory, model):
     d = tmp_path_factory.mktemp("run") / "log"
     d.mkdir()
-    common.save_checkpoint(str(d / "ckpt_000005.pt"), {"model_config": asdict(model.config), "model": model.state_dict()})
+    common.save_checkpoint(str(d / "ckpt_000005.pt"),
+                           {"model_config": asdict(model.config), "model": model.state_dict()})
     return d
 
 
@@ -150,7 +151,8 @@ def cli_error(argv, capsys, cwd=None):
 def test_bad_input(log_dir, tmp_path, capsys, monkeypatch):
     assert "--num-samples" in cli_error(["--model", str(log_dir), "--num-samples", "0"], capsys)
     assert "--top-p" in cli_error(["--model", str(log_dir), "--top-p", "1.5"], capsys)
-    assert "cannot read the prompt" in cli_error(["--model", str(log_dir), "--prompt-file", str(tmp_path / "no")], capsys)
+    missing = str(tmp_path / "no")
+    assert "cannot read the prompt" in cli_error(["--model", str(log_dir), "--prompt-file", missing], capsys)
     truncated = tmp_path / "ckpt_000009.pt"
     truncated.write_bytes((log_dir / "ckpt_000005.pt").read_bytes()[:2000])
     assert "truncated" in cli_error(["--model", str(truncated)], capsys)
