@@ -653,14 +653,14 @@ def _train(args, dist, log):
 
     # the run header: what produced this run
     name = common.device_name(dist.device)
-    flops_per_token = raw_model.flops_per_token(args.block_size)
+    commit = git_commit()
     log.record("run", step=start_step, max_steps=args.max_steps, tokens_per_step=args.total_batch_size,
                resumed_from=resume_path, device=dist.device, device_name=name, dtype=dtype,
-               world_size=dist.world_size, versions=versions(), git=git_commit(), config=run_config)
+               world_size=dist.world_size, versions=versions(), git=commit, config=run_config)
     log.line(f"run: {'resuming ' + resume_path + ' at step ' + str(start_step) if resume_path else 'new run'} "
              f"| model {origin}, {raw_model.num_params() / 1e6:.1f}M parameters")
     log.line(f"device {dist.device} ({name}) | dtype {dtype} | world size {dist.world_size} | "
-             f"compile {'on' if args.compile else 'off'} | git {git_commit()} | torch {torch.__version__}")
+             f"compile {'on' if args.compile else 'off'} | git {commit} | torch {torch.__version__}")
     log.line(f"batch {args.total_batch_size} tokens/step = micro-batch {micro_batch} x {args.block_size} tokens "
              f"x {dist.world_size} rank(s) x {grad_accum} accumulation step(s)"
              f"{' (auto-fit)' if args.micro_batch_size == 'auto' and start_step == 0 else ''}")
