@@ -108,18 +108,38 @@ def load_items(data_file=None, cache_dir=None, limit=None):
 
 
 def render(item, enc, block_size):
-    """The 4 rows of an item as (tokens, start): tokens = context + " " + ending, and the ending's
-    tokens are tokens[start:]. A row longer than block_size loses tokens from the front of the
-    context (the ending is what gets scored). An empty context becomes <|endoftext|>, so that
-    something predicts the ending's first token."""
+    """An item as (context tokens, [ending tokens] * 4); ending j is scored after context + " " +
+    ending j. When context + the longest ending exceeds block_size, the context loses tokens from
+    the front, the same for all 4 endings (the endings are what gets scored); an ending longer than
+    block_size - 1 keeps its first block_size - 1 tokens. An empty context becomes <|endoftext|>,
+    so that something predicts the ending's first token."""
     ctx = enc.encode_ordinary(item["ctx"]) or [common.EOT_TOKEN]
-    rows = []
-    for ending in item["endings"]:
-        end = enc.encode_ordinary(" " + ending)  # the space belongs to the ending, as in GPT-2's eval
-        tokens, start = ctx + end, len(ctx)
-        cut = max(0, len(tokens) - block_size)
-        rows.append((tokens[cut:], max(start - cut, 1)))  # position 0 has nothing before it
-    return rows
+    endings = [enc.encode_ordinary(" " + e)[:block_size - 1] for e in item["endings"]]  # GPT-2's eval: the space goes with the ending
+    cut = max(0, len(ctx) + max(len(e) for e in endings) - block_size)
+    return ctx[cut:], endings
+
+
+def pack(ctx, endings):
+    """One row holding the context once and then the 4 endings side by side, as lists:
+    tokens; pos, each token's position in its own sequence (an ending starts where the context
+    ends); seg, 0 for the context and j + 1 for ending j. Each ending attends to the context and
+    to itself only (see attention_mask), so it is scored exactly as in its own row, while the
+    context is run once instead of 4 times (about half the tokens for HellaSwag's lengths)."""
+    tokens, pos, seg = list(ctx), list(range(len(ctx))), [0] * len(ctx)
+    for j, e in enumerate(endings):
+        tokens += e
+        pos += range(len(ctx), len(ctx) + len(e))
+        seg += [j + 1] * len(e)
+    return tokens, pos, seg
+
+
+def attention_mask(seg):
+    """(B, 1, T, T) bool from seg (B, T): token i sees token j <= i when j is context (seg 0) or in
+    i's own segment. Padding (seg -1) sees the context and padding, so no row is all False."""
+    T = seg.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
+    sees = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (B, T, T)
+    return (sees & causal)[:, None]
 
 
 def model_block_size(model):
@@ -129,59 +149,60 @@ def model_block_size(model):
     return getattr(getattr(model, "config", None), "block_size", 1024)
 
 
-def ending_losses(logits, idx, mask):
-    """Summed loss per row over the masked target positions, in float32.
-    Only the scored positions are upcast and normalised (the context and the padding are most of
-    the sequence), a few rows at a time so bf16 logits don't double in memory. logits (B, T, V)
-    hold -inf for padded ids: logsumexp and a gather never multiply -inf by zero."""
-    B, T, V = logits.shape
-    step = max(1, LOGIT_CHUNK // (T * V))
-    sums = []
-    for r in range(0, B, step):
-        m = mask[r:r + step]                                       # (b, T-1)
-        lg = logits[r:r + step, :-1][m].float()                    # (scored positions, V)
-        target = idx[r:r + step, 1:][m]
-        nll = torch.zeros(m.shape, dtype=torch.float32, device=logits.device)
-        nll[m] = torch.logsumexp(lg, dim=-1) - lg.gather(-1, target[:, None]).squeeze(-1)
-        sums.append(nll.sum(dim=1))
-    return torch.cat(sums)
+def target_losses(logits, where, targets):
+    """Loss (float32) of targets at flat positions `where` of logits (B, T, V). Only the scored
+    positions are upcast and normalised, a chunk at a time so bf16 logits don't double in memory.
+    Padded ids hold -inf: logsumexp and a gather never multiply -inf by zero."""
+    flat = logits.view(-1, logits.size(-1))
+    step = max(1, LOGIT_CHUNK // flat.size(1))
+    out = []
+    for i in range(0, len(where), step):
+        lg = flat[where[i:i + step]].float()  # (scored positions, V)
+        out.append(torch.logsumexp(lg, dim=-1) - lg.gather(-1, targets[i:i + step, None]).squeeze(-1))
+    return torch.cat(out)
 
 
 @torch.no_grad()
 def score_items(model, items, device, dtype="float32", batch_size=4, progress=False):
     """Summed ending loss and ending token count, each (n, 4) float64 on the CPU, for items in the
-    order given. The 4 * n rows (context + ending) are sorted by length and 4 * batch_size of them
-    share a forward pass, so rows of nearly equal length are padded together. Rows are padded on
-    the right, which causal attention keeps invisible to the real tokens; padded positions are
-    not scored."""
+    order given. Each item is one packed row (pack()); the rows are sorted by length and
+    batch_size of them share a forward pass, padded on the right to a common length."""
     enc = common.get_tokenizer()
     block_size = model_block_size(model)
-    rows = [row for item in items for row in render(item, enc, block_size)]  # row 4*i + j: item i, ending j
+    rendered = [render(item, enc, block_size) for item in items]
+    packed = [pack(ctx, endings) for ctx, endings in rendered]
     compiled = hasattr(model, "_orig_mod")  # torch.compile'd: recompiles for every new shape
     bucket = SEQ_BUCKET if compiled else 8  # eager: just enough rounding for tensor-core shapes
-    rows_per_batch = N_ENDINGS * batch_size
-    order = sorted(range(len(rows)), key=lambda r: -len(rows[r][0]))  # longest first: an OOM shows at once
-    batches = [order[i:i + rows_per_batch] for i in range(0, len(order), rows_per_batch)]
-    sums = torch.zeros(len(rows), dtype=torch.float64)
-    counts = torch.zeros(len(rows), dtype=torch.float64)
+    order = sorted(range(len(items)), key=lambda i: -len(packed[i][0]))  # longest first: an OOM shows at once
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    sums = torch.zeros(len(items) * N_ENDINGS, dtype=torch.float64)
+    counts = torch.tensor([len(e) for _, endings in rendered for e in endings], dtype=torch.float64)
     if progress:
         from tqdm import tqdm
         batches = tqdm(batches, desc="hellaswag", unit="batch", dynamic_ncols=True)
     for batch in batches:
-        longest = max(len(rows[r][0]) for r in batch)
-        T = min(-(-longest // bucket) * bucket, block_size)  # render() kept rows <= block_size
-        B = min(rows_per_batch, len(rows)) if compiled else len(batch)  # compiled: the last batch too
+        T = -(-max(len(packed[i][0]) for i in batch) // bucket) * bucket
+        B = min(batch_size, len(items)) if compiled else len(batch)  # compiled: the last batch too
         idx = torch.zeros(B, T, dtype=torch.long)
-        mask = torch.zeros(B, T - 1, dtype=torch.bool)  # mask[:, t]: the target idx[:, t+1] is scored
-        for i, r in enumerate(batch):
-            tokens, start = rows[r]
-            idx[i, :len(tokens)] = torch.tensor(tokens)
-            mask[i, start - 1:len(tokens) - 1] = True
-        idx, mask = idx.to(device), mask.to(device)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        seg = torch.full((B, T), -1, dtype=torch.long)
+        where, targets, ending_of = [], [], []  # per scored token: flat position predicting it, token, ending
+        for b, i in enumerate(batch):
+            tokens, p, s = packed[i]
+            idx[b, :len(tokens)], pos[b, :len(tokens)], seg[b, :len(tokens)] = (torch.tensor(x) for x in (tokens, p, s))
+            ctx, endings = rendered[i]
+            at = len(ctx)
+            for j, e in enumerate(endings):
+                # the last context token predicts each ending's first token, then each ending token the next
+                where += [b * T + len(ctx) - 1] + list(range(b * T + at, b * T + at + len(e) - 1))
+                targets += e
+                ending_of += [i * N_ENDINGS + j] * len(e)
+                at += len(e)
+        idx, pos, seg = idx.to(device), pos.to(device), seg.to(device)
         with common.autocast(device, dtype):
-            logits, _ = model(idx)
-        sums[batch] = ending_losses(logits, idx, mask)[:len(batch)].double().cpu()
-        counts[batch] = mask[:len(batch)].sum(dim=1).double().cpu()
+            logits, _ = model(idx, pos=pos, mask=attention_mask(seg))
+        losses = target_losses(logits, torch.tensor(where, device=device), torch.tensor(targets, device=device))
+        sums.index_add_(0, torch.tensor(ending_of), losses.double().cpu())
     return sums.view(-1, N_ENDINGS), counts.view(-1, N_ENDINGS)
 
 
@@ -199,10 +220,10 @@ def default_batch_size(device):
 def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False):
     """{"acc", "acc_norm", "n"} over all items. Each rank scores its share (items rank::world_size);
     the counts are summed over ranks when torch.distributed is initialised and world_size > 1, so
-    every rank must call this. model: GPT or anything with model(idx) -> (logits, loss), also
+    every rank must call this. model: a GPT (model(idx, pos=, mask=) -> (logits, loss)), also
     torch.compile'd; pass the model itself, not a DDP wrapper. It is put in eval mode and its
-    train/eval state restored afterwards. batch_size: items per forward pass, 4 rows each
-    (default: default_batch_size(device))."""
+    train/eval state restored afterwards. batch_size: items per forward pass, one packed row
+    each (default: default_batch_size(device))."""
     mine = [items[i] for i in shard(len(items), rank, world_size)]
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
@@ -241,7 +262,7 @@ def parse_args(argv=None):
                    help="where the download is kept (default $HELLASWAG_CACHE or ~/.cache/gpt2-hellaswag)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N items (default: all)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="items per forward pass, 4 rows each (default: 16 on a GPU; 4 on CPU, where larger "
+                   help="items per forward pass (default: 16 on a GPU; 4 on CPU, where larger "
                         "batches measured slower, see BENCHMARKS.md)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     p.add_argument("--dtype", default="auto",

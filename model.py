@@ -45,14 +45,16 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
 
-    def forward(self, x, cache=None, layer=0):
+    def forward(self, x, cache=None, layer=0, mask=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         hs = C // self.n_head
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        if cache is None:
+        if mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # mask: (B, 1, T, T), True = sees
+        elif cache is None:
             # flash / memory-efficient kernels; the causal mask is never materialised
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -93,8 +95,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None, layer=0):
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x, cache=None, layer=0, mask=None):
+        x = x + self.attn(self.ln_1(x), cache, layer, mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -191,15 +193,23 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, cache=None):
+    def forward(self, idx, targets=None, cache=None, pos=None, mask=None):
+        """idx (B, T) token ids -> (logits (B, T, padded_vocab), loss or None).
+        pos and mask pack several sequences into one row (hellaswag.py: a context once, then its
+        endings side by side): pos (B, T) is each token's position in its own sequence, and mask
+        (B, 1, T, T) bool says which tokens each token attends to (True = attends). Without them,
+        position t is t and attention is causal."""
         B, T = idx.size()
-        start = cache.pos if cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of length {start + T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+        if pos is None:
+            start = cache.pos if cache is not None else 0
+            if start + T > self.config.block_size:
+                raise ValueError(f"sequence of length {start + T} exceeds block_size {self.config.block_size}")
+            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+        elif cache is not None or mask is None:
+            raise ValueError("pos needs a mask, and works without a cache")
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, cache, i)
+            x = block(x, cache, i, mask)
         if cache is not None:
             cache.pos += T
         x = self.transformer.ln_f(x)

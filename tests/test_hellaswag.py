@@ -110,11 +110,39 @@ def test_batched_equals_one_at_a_time(model):
 def test_context_longer_than_block_size_is_cut_from_the_front(model):
     enc = common.get_tokenizer()
     item = {"ctx": "word " * 100, "endings": ["one two three", "four", "five six", "seven"], "label": 0}
-    for tokens, start in hellaswag.render(item, enc, model.config.block_size):
-        assert len(tokens) == 64
+    ctx, endings = hellaswag.render(item, enc, model.config.block_size)
+    assert endings == [enc.encode(" " + e) for e in item["endings"]]  # endings whole
+    assert len(ctx) + max(len(e) for e in endings) == 64  # the longest row just fits
+    assert ctx == enc.encode(item["ctx"])[-len(ctx):]  # the end of the context is kept
     sums, counts = hellaswag.score_items(model, [item], "cpu")
-    assert counts[0].tolist() == [len(enc.encode(" " + e)) for e in item["endings"]]
-    assert torch.isfinite(sums).all()
+    assert counts[0].tolist() == [len(e) for e in endings]
+    # each ending scored as in its own row: the cut context, then the ending
+    for j, e in enumerate(endings):
+        tokens = torch.tensor(ctx + e)
+        logits, _ = model(tokens[None, :-1])
+        loss = F.cross_entropy(logits[0], tokens[1:], reduction="none")[len(ctx) - 1:].sum()
+        assert sums[0, j].item() == pytest.approx(loss.item(), rel=1e-4)
+
+
+def test_packed_row_matches_separate_rows(model):
+    """The packing itself: positions restart after the context for each ending, and an ending
+    sees the context and itself only, so its logits equal those of its own unpacked row."""
+    ctx, endings = [5, 6, 7], [[8, 9], [10], [11, 12, 13], [14]]
+    tokens, pos, seg = hellaswag.pack(ctx, endings)
+    assert pos == [0, 1, 2, 3, 4, 3, 3, 4, 5, 3]
+    assert seg == [0, 0, 0, 1, 1, 2, 3, 3, 3, 4]
+    seg_t = torch.tensor([seg + [-1, -1]])  # two padding tokens
+    mask = hellaswag.attention_mask(seg_t)
+    assert mask[0, 0, 3].tolist() == [True] * 4 + [False] * 8  # ending 0's first token
+    assert mask[0, 0, 11].tolist() == [True] * 3 + [False] * 7 + [True] * 2  # padding: context + padding
+    idx = torch.tensor([tokens + [0, 0]])
+    packed, _ = model(idx, pos=torch.tensor([pos + [0, 0]]), mask=mask)
+    at = len(ctx)
+    for e in endings:
+        alone, _ = model(torch.tensor([ctx + e]))
+        torch.testing.assert_close(packed[0, at:at + len(e)], alone[0, len(ctx):], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[0, :len(ctx)], alone[0, :len(ctx)], rtol=1e-5, atol=1e-5)
+        at += len(e)
 
 
 def test_compiled_model_and_train_state(model):

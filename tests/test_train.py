@@ -91,8 +91,14 @@ def reference_run(data_dir, tmp_path_factory):
 
 def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
     log_dir = str(tmp_path / "log")
+    hs_file = tmp_path / "hellaswag_val.jsonl"
+    items = [{"ctx": f"The cat sees a red ball number {i}.", "endings": ["It runs.", "The dog likes books.",
+                                                                        "A.", "My friend paints the sky."],
+              "label": i % 4} for i in range(5)]
+    hs_file.write_text("".join(json.dumps(item) + "\n" for item in items))
     p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "30", "--max-lr", "1e-2",
-                    "--export-hf", "--sample-every", "15", "--num-samples", "2", "--sample-tokens", "8"])
+                    "--export-hf", "--sample-every", "15", "--num-samples", "2", "--sample-tokens", "8",
+                    "--hellaswag-every", "15", "--hellaswag-file", str(hs_file)])
     train = records(log_dir, "train")
     assert [r["step"] for r in train] == list(range(30))
     assert abs(train[0]["loss"] - math.log(50257)) < 0.5  # untrained: about uniform over the vocabulary
@@ -114,6 +120,13 @@ def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
     with open(os.path.join(log_dir, "log.txt")) as f:
         assert sum(1 for l in f if l.startswith("step ") and "| loss" in l) == 30
     assert sum(1 for l in p.stdout.splitlines() if l.startswith("sample ")) == 4  # steps 15 and 29
+    hs = records(log_dir, "hellaswag")
+    assert [r["step"] for r in hs] == [0, 15, 29] and all(r["n"] == 5 for r in hs)
+    assert all(0 <= r["acc_norm"] <= 1 and r["acc"] * 5 == round(r["acc"] * 5) for r in hs)
+    # the trainer's figure is the standalone script's on the final weights
+    import hellaswag
+    final, _ = common.load_model(log_dir)
+    assert hs[-1]["acc_norm"] == hellaswag.evaluate(final, items, "cpu")["acc_norm"]
     # the final export loads in transformers with the same logits as the checkpoint
     from transformers import GPT2LMHeadModel
     hf = GPT2LMHeadModel.from_pretrained(os.path.join(log_dir, "hf")).eval()
@@ -263,6 +276,7 @@ BAD = {
     "resume with another micro-batch": (["--log-dir", "{ref}", "--resume", "--micro-batch-size", "1"],
                                         "micro-batch-size"),
     "bad micro-batch": (["--micro-batch-size", "lots"], "micro-batch-size"),
+    "hellaswag file missing": (["--hellaswag-every", "1", "--hellaswag-file", "{base}/hs.jsonl"], "hellaswag-file"),
 }
 
 
