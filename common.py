@@ -8,7 +8,9 @@ import functools
 import glob
 import hashlib
 import os
+import platform
 import re
+import socket
 import sys
 
 import torch
@@ -196,6 +198,19 @@ def print0(*args, **kwargs):
         print(*args, **kwargs)
 
 
+def versions(*extra):
+    """Versions of Python, torch (and its CUDA), numpy, tiktoken and the `extra` modules that import:
+    what a run header or a data manifest records about the software that wrote it."""
+    import importlib
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("numpy", "tiktoken") + extra:
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: written atomically, recognised by a format tag, one loader for every script.
 
@@ -271,6 +286,24 @@ def model_from_checkpoint(ckpt):
     return model
 
 
+def hub_unreachable(timeout=5.0):
+    """Why the Hugging Face hub cannot be reached, or None when a connection opens (or when a proxy
+    is configured, which a direct probe cannot judge). Asked before a download, so that an offline
+    machine gets one line at once instead of a minute of retries and warnings."""
+    from urllib.parse import urlparse
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname, url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return None
+    except OSError as e:
+        return f"{host} cannot be reached ({getattr(e, 'strerror', None) or e})"
+
+
 def is_hf_dir(path):
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
 
@@ -293,8 +326,19 @@ def load_model(spec, device="cpu"):
                             "train one with python train_gpt2.py --log-dir " + spec)
         model, what = model_from_checkpoint(load_checkpoint(ckpt)), f"checkpoint {ckpt}"
     elif re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", spec) and not spec.endswith(".pt"):
+        what = f"Hugging Face model {spec}"
         try:
-            model, what = GPT.from_pretrained(spec), f"Hugging Face model {spec}"
+            model = GPT.from_pretrained(spec, local_files_only=True)  # downloaded before: no network
+        except OSError:
+            model = None
+        try:
+            if model is None:
+                problem = hub_unreachable()
+                if problem:
+                    raise UserError(f"model {spec!r} is not in the Hugging Face cache, and {problem}; "
+                                    "download it once on a machine with network access, or pass a local "
+                                    "checkpoint / directory")
+                model = GPT.from_pretrained(spec)
         except OSError as e:
             raise UserError(f"could not load model {spec!r} from the Hugging Face hub ({str(e).splitlines()[0][:160]}); "
                             "check the name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) and the network, "

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from common import EOT_TOKEN, UserError, atomic_write, get_tokenizer, run_main
+from common import EOT_TOKEN, UserError, atomic_write, get_tokenizer, run_main, versions
 from model import GPT2_VOCAB_SIZE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -533,7 +533,7 @@ def prepare(args):
                             f"from {known:,}: use another --out-dir")
         remove_stale(out_dir, args.prefix, keep)
         manifest = dict(format=FORMAT, **settings, max_tokens=args.max_tokens, command=args.command,
-                        versions=versions(), num_documents=n_docs or known, shards=keep, complete=False)
+                        versions=versions("datasets"), num_documents=n_docs or known, shards=keep, complete=False)
         write_manifest(out_dir, manifest)  # from here on the directory is ours, even if killed at once
         if keep:
             print(f"resuming {out_dir} after {len(keep)} shards ({sum(s['tokens'] for s in keep):,} tokens), "
@@ -565,18 +565,6 @@ def describe(source):
         return f"{len(source['data_files'])} local {source['kind']} file(s), column {source['text_column']!r}"
     name = f" ({source['name']})" if source["name"] else ""
     return f"{source['dataset']}{name} split {source['split']!r}, column {source['text_column']!r}"
-
-
-def versions():
-    import platform
-    import tiktoken
-    out = {"python": platform.python_version(), "numpy": np.__version__, "tiktoken": tiktoken.__version__}
-    try:
-        import datasets
-        out["datasets"] = datasets.__version__
-    except ImportError:
-        pass
-    return out
 
 
 def verify(out_dir):

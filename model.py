@@ -228,11 +228,12 @@ class GPT(nn.Module):
     # Hugging Face interop
 
     @classmethod
-    def from_pretrained(cls, name_or_path, block_size=None):
-        """Load OpenAI's GPT-2 weights (a hub name or a local Hugging Face directory)."""
+    def from_pretrained(cls, name_or_path, block_size=None, local_files_only=False):
+        """Load OpenAI's GPT-2 weights (a hub name or a local Hugging Face directory).
+        local_files_only: only from Hugging Face's cache, never the network (OSError if absent)."""
         from transformers import GPT2LMHeadModel
         with quiet_transformers():
-            hf = GPT2LMHeadModel.from_pretrained(name_or_path).float()
+            hf = GPT2LMHeadModel.from_pretrained(name_or_path, local_files_only=local_files_only).float()
         return cls.from_hf(hf, block_size=block_size)
 
     @classmethod

@@ -283,7 +283,7 @@ def format_summary(s):
     lines.append(f"  wall time   {format_duration(s['wall_time_s'])}")
     lines.append(f"  tokens/s    mean {na(s['tok_per_s_mean'], '{:,.0f}')}, "
                  f"steady {na(s['tok_per_s_steady'], '{:,.0f}')} (median past warm-up)")
-    lines.append(f"  MFU         " + (f"{s['mfu']:.1%} (steady median)" if s["mfu"] is not None
+    lines.append("  MFU         " + (f"{s['mfu']:.1%} (steady median)" if s["mfu"] is not None
                                       else "n/a (peak FLOPs of this device unknown)"))
     for name, key, references, missing in (
             ("val loss", "val_loss", f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}", "no evaluation logged"),

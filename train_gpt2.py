@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -247,17 +246,6 @@ class RunLog:
         if self.text is not None:
             self.text.close()
             self.metrics.close()
-
-
-def versions():
-    v = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-         "cuda": torch.version.cuda}
-    try:
-        import tiktoken
-        v["tiktoken"] = tiktoken.__version__
-    except ImportError:
-        pass
-    return v
 
 
 def git_commit():
@@ -659,7 +647,7 @@ def _train(args, dist, log):
     commit = git_commit()
     log.record("run", step=start_step, max_steps=args.max_steps, tokens_per_step=args.total_batch_size,
                resumed_from=resume_path, device=dist.device, device_name=name, dtype=dtype,
-               world_size=dist.world_size, versions=versions(), git=commit, config=run_config)
+               world_size=dist.world_size, versions=common.versions(), git=commit, config=run_config)
     log.line(f"run: {'resuming ' + resume_path + ' at step ' + str(start_step) if resume_path else 'new run'} "
              f"| model {origin}, {raw_model.num_params() / 1e6:.1f}M parameters")
     log.line(f"device {dist.device} ({name}) | dtype {dtype} | world size {dist.world_size} | "

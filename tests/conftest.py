@@ -1,8 +1,11 @@
+"""Fixtures shared by the test modules: network probes for the tests that need the internet,
+and the tiny random GPT that the HellaSwag and sampling tests score and sample from."""
 import os
 import socket
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -21,3 +24,27 @@ def reachable(host, port=443, timeout=3.0):
 def hf_hub_online():
     if os.environ.get("HF_HUB_OFFLINE") == "1" or not reachable("huggingface.co"):
         pytest.skip("the Hugging Face hub is not reachable from this machine (offline)")
+
+
+@pytest.fixture(scope="session")
+def github_online():
+    if not reachable("raw.githubusercontent.com"):
+        pytest.skip("raw.githubusercontent.com (the official HellaSwag file) is not reachable (offline)")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine OpenMP's barriers make each
+    small op wait for a descheduled thread (milliseconds per op)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A 2-layer GPT with a 64-token context, random weights, in eval mode."""
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()

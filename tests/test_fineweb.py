@@ -122,6 +122,8 @@ def test_shards_and_manifest(tmp_path):
     assert m["num_documents"] == m["documents"] == len(docs)
     assert (m["tokenizer"], m["vocab_size"], m["eot_token"], m["dtype"]) == ("gpt2", 50257, 50256, "uint16")
     assert m["source"]["data_files"] == [data] and m["source"]["text_column"] == "text"
+    import datasets, tiktoken  # noqa: E401
+    assert (m["versions"]["tiktoken"], m["versions"]["datasets"]) == (tiktoken.__version__, datasets.__version__)
     for s in m["shards"]:
         arr = np.load(out / s["name"])
         assert arr.dtype == np.uint16 and len(arr) == s["tokens"] and arr.max() == s["max_token"]

@@ -19,7 +19,6 @@ sys.path.insert(0, REPO)
 
 import common  # noqa: E402
 import hellaswag  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")  # for the scripts run as subprocesses (see one_thread)
 
@@ -41,20 +40,7 @@ ITEMS = [{"ind": i, "activity_label": "test", "ctx_a": ctx, "ctx_b": "", "ctx": 
          for i, (ctx, endings, label) in enumerate(CONTEXTS)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine OpenMP's barriers make each
-    small op wait for a descheduled thread (milliseconds per op)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -265,16 +251,7 @@ def test_download_once_and_offline_error(tmp_path, monkeypatch):
         hellaswag.load_items(cache_dir=str(tmp_path / "elsewhere"))
 
 
-def online(host):
-    try:
-        socket.create_connection((host, 443), timeout=3).close()
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not online("raw.githubusercontent.com"), reason="offline: cannot reach raw.githubusercontent.com")
-def test_download_official_file(tmp_path):
+def test_download_official_file(tmp_path, github_online):
     items = hellaswag.load_items(cache_dir=str(tmp_path))
     assert len(items) == hellaswag.HELLASWAG_VAL_ITEMS
 

@@ -3,7 +3,6 @@ Hugging Face directory; streaming (token by token, UTF-8 split across tokens); s
 
 import io
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import asdict
@@ -11,12 +10,12 @@ from dataclasses import asdict
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# shared with the HellaSwag tests: the tiny GPT fixture, one thread, the subprocess environment
-from test_hellaswag import ENV, REPO, model, one_thread  # noqa: E402,F401
+import common
+import sample
 
-import common  # noqa: E402
-import sample  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, OMP_NUM_THREADS="1")  # for the scripts run as subprocesses (see one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny `model` comes from conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -173,15 +172,31 @@ def test_prompt_longer_than_context_no_traceback(log_dir):
     assert len(lines) == 1 and "longer than the model's context of 64" in lines[0], proc.stderr
 
 
-def hub_reachable():
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not hub_reachable(), reason="offline: cannot reach huggingface.co")
-def test_openai_gpt2_from_the_hub():
+def test_openai_gpt2_from_the_hub(hf_hub_online):
     text = run(["--model", "gpt2", "--prompt", "Hello, I'm a language model,", "--max-new-tokens", "5"])
     assert text.startswith("Hello, I'm a language model,")
+
+
+def test_hub_name_offline(model, tmp_path):
+    """A hub name loads from Hugging Face's cache without the network; one that is not cached
+    fails at once with one line, not after minutes of retries."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny-org--tiny-gpt2" / "snapshots" / ("0" * 40)  # the hub cache's layout
+    model.export_hf(str(snapshot), tokenizer_files=common.gpt2_bpe_files())
+    (cache / "models--tiny-org--tiny-gpt2" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-gpt2" / "refs" / "main").write_text("0" * 40)
+    env = dict(ENV, HF_HUB_CACHE=str(cache), HF_ENDPOINT="http://127.0.0.1:9")  # a port nothing serves
+    env.pop("HF_HUB_OFFLINE", None)
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        env.pop(proxy, None)
+    cmd = [sys.executable, os.path.join(REPO, "sample.py"), "--device", "cpu", "--max-new-tokens", "4",
+           "--prompt", "Hi", "--seed", "1", "--model"]
+    proc = subprocess.run(cmd + ["tiny-org/tiny-gpt2"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == run(["--model", str(snapshot), "--device", "cpu", "--max-new-tokens", "4",
+                               "--prompt", "Hi", "--seed", "1"])
+    proc = subprocess.run(cmd + ["tiny-org/not-cached"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'tiny-org/not-cached' is not in the Hugging Face cache" in lines[0], proc.stderr
+    assert "127.0.0.1 cannot be reached" in lines[0]
