@@ -21,12 +21,13 @@ PADDED_VOCAB_SIZE = 50304  # next multiple of 128: tensor-core friendly shapes f
 
 
 class KVCache:
-    """Pre-allocated keys and values for every layer, filled as generation goes."""
+    """Pre-allocated keys and values for every layer, filled as generation goes. Only positions
+    below pos are ever read, so the memory is left uninitialised."""
 
     def __init__(self, n_layer, batch_size, n_head, max_len, head_dim, device, dtype):
         shape = (n_layer, batch_size, n_head, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
         self.pos = 0  # number of positions already written
 
     @property
@@ -65,6 +66,8 @@ class CausalSelfAttention(nn.Module):
             v = cache.v[layer, :, :, :p + T]
             if p == 0:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            elif T == 1:
+                y = F.scaled_dot_product_attention(q, k, v)  # one new token sees every cached key
             else:
                 # query i (absolute position p+i) sees keys 0..p+i
                 mask = torch.ones(T, p + T, dtype=torch.bool, device=x.device).tril(diagonal=p)
@@ -355,13 +358,16 @@ class GPT(nn.Module):
         the stream ends when every row has (or after max_new_tokens)."""
         B = idx.size(0)
         cache = None
+        # the cache holds the prompt and the new tokens, up to the context: sampling during training
+        # adds megabytes, not the full block_size's worth per layer
+        cache_len = min(self.config.block_size, idx.size(1) + max_new_tokens)
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if use_cache and cache is None and idx.size(1) < self.config.block_size:
                 param = self.lm_head.weight
                 hs = self.config.n_embd // self.config.n_head
-                cache = KVCache(self.config.n_layer, B, self.config.n_head, self.config.block_size, hs,
-                                idx.device, param.dtype)
+                cache = KVCache(self.config.n_layer, B, self.config.n_head, cache_len, hs, idx.device,
+                                param.dtype)
                 logits, _ = self(idx, cache=cache)  # prefill: the whole prompt at once
             elif cache is not None and cache.pos < cache.max_len:
                 logits, _ = self(idx[:, -1:], cache=cache)  # one new token per forward

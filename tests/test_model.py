@@ -159,6 +159,8 @@ def test_kv_cache_greedy_equals_no_cache():
     b = m.generate(prompt, 40, temperature=0, use_cache=False)
     assert a.shape == (3, 47)
     assert torch.equal(a, b)
+    # a cache sized to prompt + new tokens (12 of 32 positions), never full
+    assert torch.equal(m.generate(prompt, 5, temperature=0), b[:, :12])
 
 
 def test_cached_logits_match_full_forward():
