@@ -1,0 +1,196 @@
+"""
+Run the real scripts on one machine, end to end, and print one table: the check for the paths
+that CI never runs (CUDA autocast in bf16 and fp16, torch.compile, fused AdamW, flash attention,
+pinned prefetch, the memory probe, compiled evaluation, SIGTERM and resume on a GPU).
+
+    python bench/device_check.py --data-dir DIR                      # GPT-2 124M on a GPU
+    python bench/device_check.py --data-dir DIR --device cpu --small  # the same steps, tiny, on CPU
+
+DIR holds shards from fineweb.py (a few million tokens are enough: the loader wraps around).
+Steps, each a subprocess with its own time limit; a failure is reported and the rest go on:
+  train      train_gpt2.py with the defaults of the 124M recipe (batch, compile, dtype, auto
+             micro-batch), validation, HellaSwag, samples and --timing-breakdown; stopped with
+             SIGTERM part-way
+  resume     --resume to the end: steps continue from the checkpoint the signal wrote
+  fp16       a short run with --dtype float16 (the T4/V100 path, with the gradient scaler)
+  eager      a short run with --no-compile, for the compile speed-up
+  hellaswag  hellaswag.py --compile on the run's checkpoint
+  sample     sample.py on the run's checkpoint
+  bench_hellaswag, bench_sample   the benchmarks of BENCHMARKS.md on this device
+HellaSwag uses synthetic items written next to the results (the machine may be offline).
+Every step's command, exit status, time and output tail go to --out as JSON and text files.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+PY = sys.executable
+
+
+def run_step(name, cmd, out_dir, timeout, env, stop_at=None):
+    """Run cmd, its output teed to out_dir/name.log. stop_at: (line prefix, signal) sent once a
+    line starting with the prefix is printed. Returns {name, cmd, rc, seconds, tail}."""
+    t0 = time.time()
+    log_path = os.path.join(out_dir, f"{name}.log")
+    lines = []
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            deadline = t0 + timeout
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                lines.append(line.rstrip("\n"))
+                if stop_at and line.startswith(stop_at[0]):
+                    proc.send_signal(stop_at[1])
+                    stop_at = None
+                if time.time() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+            rc = proc.wait(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
+    return {"name": name, "cmd": " ".join(cmd), "rc": rc, "seconds": round(time.time() - t0, 1),
+            "tail": lines[-15:]}
+
+
+def records(log_dir, kind):
+    path = os.path.join(log_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("kind") == kind:
+                out.append(r)
+    return out
+
+
+def steady(log_dir, skip=3):
+    """Median tok/s and MFU of the last launch's train steps, past its first `skip` (compile) when
+    it has more than that."""
+    runs = records(log_dir, "run")
+    first = runs[-1]["step"] if runs else 0
+    train = [r for r in records(log_dir, "train") if r["step"] >= first]
+    train = train[skip:] or train
+    if not train:
+        return None, None
+    tok = statistics.median(r["tok_per_s"] for r in train)
+    mfus = [r["mfu"] for r in train if r.get("mfu") is not None]
+    return tok, (statistics.median(mfus) if mfus else None)
+
+
+def write_items(path, n):
+    from bench_hellaswag import synthetic_items
+    with open(path, "w") as f:
+        for item in synthetic_items(n):
+            f.write(json.dumps(item) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", required=True, help="token shards from fineweb.py")
+    p.add_argument("--out", default="device_check", help="results folder (default: device_check)")
+    p.add_argument("--device", default="cuda", help="cuda (default), cpu, ...")
+    p.add_argument("--small", action="store_true", help="a tiny model and batch: to try the script on CPU")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps of the train/resume run (default 40)")
+    p.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
+    p.add_argument("--step-timeout", type=int, default=240, help="seconds per step (default 240)")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.abspath(args.out)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    items = os.path.join(out, "hellaswag_synthetic.jsonl")
+    write_items(items, 500)
+
+    bench_dtype = ["--dtype", "bfloat16" if args.device.startswith("cuda") else "float32"]
+    if args.small:
+        shape = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64",
+                 "--total-batch-size", "2048"]
+        bench_hs = ["--items", "40", "--n-layer", "2", "--n-head", "2", "--n-embd", "64"]
+        bench_gen = ["--new-tokens", "16", "--repeats", "1"]
+    else:
+        shape, bench_hs, bench_gen = [], ["--items", "2000"], []
+    log_dir = os.path.join(out, "run")
+    every = max(2, args.steps // 2)
+    train = ([PY, "train_gpt2.py", "--data-dir", args.data_dir, "--log-dir", log_dir, "--device", args.device,
+              "--max-steps", str(args.steps), "--warmup-steps", "10", "--eval-every", str(every),
+              "--val-tokens", "1048576" if not args.small else "4096", "--hellaswag-every", str(every),
+              "--hellaswag-file", items, "--hellaswag-limit", "200", "--sample-every", str(every),
+              "--checkpoint-every", str(every), "--timing-breakdown", "10"] + shape)
+    short = ["--data-dir", args.data_dir, "--device", args.device, "--max-steps", "12", "--warmup-steps", "2",
+             "--eval-every", "0", "--hellaswag-every", "0", "--sample-every", "0", "--no-export-hf",
+             "--no-plot"] + shape
+    stop_step = (3 * args.steps) // 4
+    steps = {
+        "train": (train, (f"step {stop_step:5d} |", signal.SIGTERM)),
+        "resume": (train + ["--resume"], None),
+        "fp16": ([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "fp16"), "--dtype", "float16"] + short, None),
+        "eager": ([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "eager"), "--no-compile"] + short, None),
+        "hellaswag": ([PY, "hellaswag.py", "--model", log_dir, "--data-file", items, "--device", args.device,
+                       "--compile", "--json"], None),
+        "sample": ([PY, "sample.py", "--model", log_dir, "--device", args.device, "--num-samples", "2",
+                    "--max-new-tokens", "64", "--seed", "1"], None),
+        "bench_hellaswag": ([PY, "bench/bench_hellaswag.py", "--device", args.device, "--batch-sizes", "1,16,64"]
+                            + bench_dtype + bench_hs, None),
+        "bench_sample": ([PY, "bench/bench_sample.py", "--device", args.device] + bench_dtype + bench_gen, None),
+    }
+    if not args.device.startswith("cuda"):
+        del steps["fp16"]  # float16 autocast is a CUDA path; the trainer refuses it elsewhere
+    only = set(args.only.split(",")) if args.only else set(steps)
+    results = []
+    for name, (cmd, stop_at) in steps.items():
+        if name not in only:
+            continue
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        r = run_step(name, cmd, out, args.step_timeout, env, stop_at)
+        results.append(r)
+        print("\n".join(r["tail"][-5:]), flush=True)
+        with open(os.path.join(out, "device_check.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+    # ---- the table: what ran, and the one figure that matters for each step
+    figures = {}
+    tok, mfu = steady(log_dir)
+    if tok:
+        figures["resume"] = f"{tok:,.0f} tok/s" + (f", MFU {mfu:.1%}" if mfu is not None else "")
+    timing = records(log_dir, "timing")
+    if timing:
+        t = timing[-1]
+        figures["train"] = " ".join(f"{k[:-3]} {v:.0f}" for k, v in t.items() if k.endswith("_ms")) + " (ms)"
+    for name in ("fp16", "eager"):
+        tok, mfu = steady(os.path.join(out, name))
+        if tok:
+            figures[name] = f"{tok:,.0f} tok/s" + (f", MFU {mfu:.1%}" if mfu is not None else "")
+    for r in results:
+        if r["name"] == "hellaswag":
+            figures["hellaswag"] = next((l.split("  ")[2] for l in r["tail"] if "items/s" in l and
+                                         len(l.split("  ")) > 2), "")
+        if r["name"].startswith("bench_"):  # the speed ratios the benchmark printed last
+            figures[r["name"]] = " / ".join(m for l in r["tail"] for m in re.findall(r"(\d+\.\d+x)", l))
+    print(f"\n{'step':16s} {'result':8s} {'seconds':>8s}  figure")
+    for r in results:
+        ok = "ok" if r["rc"] == 0 else f"rc {r['rc']}"
+        print(f"{r['name']:16s} {ok:8s} {r['seconds']:8.1f}  {figures.get(r['name'], '')}")
+    sys.exit(0 if all(r["rc"] == 0 for r in results) else 1)
+
+
+if __name__ == "__main__":
+    main()
