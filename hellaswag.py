@@ -114,7 +114,8 @@ def render(item, enc, block_size):
     block_size - 1 keeps its first block_size - 1 tokens. An empty context becomes <|endoftext|>,
     so that something predicts the ending's first token."""
     ctx = enc.encode_ordinary(item["ctx"]) or [common.EOT_TOKEN]
-    endings = [enc.encode_ordinary(" " + e)[:block_size - 1] for e in item["endings"]]  # GPT-2's eval: the space goes with the ending
+    # as in GPT-2's evaluation, the space belongs to the ending
+    endings = [enc.encode_ordinary(" " + e)[:block_size - 1] for e in item["endings"]]
     cut = max(0, len(ctx) + max(len(e) for e in endings) - block_size)
     return ctx[cut:], endings
 
@@ -189,7 +190,8 @@ def score_items(model, items, device, dtype="float32", batch_size=4, progress=Fa
         where, targets, ending_of = [], [], []  # per scored token: flat position predicting it, token, ending
         for b, i in enumerate(batch):
             tokens, p, s = packed[i]
-            idx[b, :len(tokens)], pos[b, :len(tokens)], seg[b, :len(tokens)] = (torch.tensor(x) for x in (tokens, p, s))
+            n = len(tokens)
+            idx[b, :n], pos[b, :n], seg[b, :n] = torch.tensor(tokens), torch.tensor(p), torch.tensor(s)
             ctx, endings = rendered[i]
             at = len(ctx)
             for j, e in enumerate(endings):
