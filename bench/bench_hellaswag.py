@@ -2,10 +2,11 @@
 HellaSwag scoring speed: hellaswag.evaluate (many items per forward pass) against a loop that
 scores one item (its 4 rows) per forward pass, as build-nanogpt's hellaswag.py does, on the same
 model (default GPT-2 124M, random weights: speed does not depend on them), device and synthetic
-items whose lengths resemble HellaSwag's (context 25-70 words, endings 8-30 words). Both must
-give the same answers.
+items whose lengths resemble HellaSwag's (context 25-70 words, endings 8-30 words). In float32
+all methods must give the same answers; in bf16/fp16 a difference is reported (rounding differs
+between shapes and can flip a near-tie).
 
-    python bench/bench_hellaswag.py                     # CPU, 100 items
+    python bench/bench_hellaswag.py                     # CPU, 40 items
     python bench/bench_hellaswag.py --device cuda --dtype bfloat16 --items 2000
 """
 
@@ -110,7 +111,11 @@ def main():
     base = next(iter(seconds.values()))
     for name, t in seconds.items():
         print(f"{name:44s} {len(items) / t:7.3f} items/s  ({t:6.1f} s)  {base / t:5.2f}x")
-    assert all(c == next(iter(correct.values())) for c in correct.values()), correct  # same answers
+    same = all(c == next(iter(correct.values())) for c in correct.values())
+    if dtype == "float32":
+        assert same, correct  # the same answers: packing and batching change no score beyond rounding
+    elif not same:  # bf16/fp16 rounding differs between shapes and can flip a near-tie
+        print(f"note: correct answers (acc, acc_norm) differ across methods in {dtype}: {correct}")
 
 
 if __name__ == "__main__":
