@@ -304,6 +304,25 @@ def hub_unreachable(timeout=5.0):
         return f"{host} cannot be reached ({getattr(e, 'strerror', None) or e})"
 
 
+def model_from_hub(name):
+    """A GPT from a hub name: from Hugging Face's cache when it was downloaded before (no
+    network), else downloaded; one-line errors when the hub cannot be reached or has no such model."""
+    try:
+        return GPT.from_pretrained(name, local_files_only=True)
+    except OSError:
+        pass  # not cached
+    problem = hub_unreachable()
+    if problem:
+        raise UserError(f"model {name!r} is not in the Hugging Face cache, and {problem}; download it once "
+                        "on a machine with network access, or pass a local checkpoint / directory")
+    try:
+        return GPT.from_pretrained(name)
+    except OSError as e:
+        raise UserError(f"could not load model {name!r} from the Hugging Face hub ({str(e).splitlines()[0][:160]}); "
+                        "check the name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) and the network, "
+                        "or pass a local checkpoint / directory")
+
+
 def is_hf_dir(path):
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
 
@@ -326,23 +345,7 @@ def load_model(spec, device="cpu"):
                             "train one with python train_gpt2.py --log-dir " + spec)
         model, what = model_from_checkpoint(load_checkpoint(ckpt)), f"checkpoint {ckpt}"
     elif re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", spec) and not spec.endswith(".pt"):
-        what = f"Hugging Face model {spec}"
-        try:
-            model = GPT.from_pretrained(spec, local_files_only=True)  # downloaded before: no network
-        except OSError:
-            model = None
-        try:
-            if model is None:
-                problem = hub_unreachable()
-                if problem:
-                    raise UserError(f"model {spec!r} is not in the Hugging Face cache, and {problem}; "
-                                    "download it once on a machine with network access, or pass a local "
-                                    "checkpoint / directory")
-                model = GPT.from_pretrained(spec)
-        except OSError as e:
-            raise UserError(f"could not load model {spec!r} from the Hugging Face hub ({str(e).splitlines()[0][:160]}); "
-                            "check the name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) and the network, "
-                            "or pass a local checkpoint / directory")
+        model, what = model_from_hub(spec), f"Hugging Face model {spec}"
     else:
         raise UserError(f"model {spec!r} not found: pass a checkpoint file, a log directory, "
                         "a Hugging Face directory, or a name such as gpt2")

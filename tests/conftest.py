@@ -22,8 +22,10 @@ def reachable(host, port=443, timeout=3.0):
 
 @pytest.fixture(scope="session")
 def hf_hub_online():
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or not reachable("huggingface.co"):
-        pytest.skip("the Hugging Face hub is not reachable from this machine (offline)")
+    import common
+    problem = common.hub_unreachable(timeout=3.0)  # the probe the scripts make before a download
+    if problem:
+        pytest.skip(f"the Hugging Face hub is not reachable from this machine: {problem}")
 
 
 @pytest.fixture(scope="session")
