@@ -22,14 +22,11 @@ TINY = ["--device", "cpu", "--model", "tiny", "--block-size", "16", "--micro-bat
 
 
 @pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """One CPU thread, here and in the rung processes: on a small, shared machine two threads of
-    tiny ops spend most of their time waiting for each other (8x slower, seen under load)."""
+def one_thread_in_rungs(monkeypatch, one_thread):
+    """One CPU thread in the rung processes too (conftest's one_thread covers this one): on a
+    small, shared machine two threads of tiny ops spend most of their time waiting for each other
+    (8x slower, seen under load)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run(tmp_path, *extra):
