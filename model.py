@@ -70,8 +70,8 @@ class CausalSelfAttention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v)  # one new token sees every cached key
             else:
                 # query i (absolute position p+i) sees keys 0..p+i
-                mask = torch.ones(T, p + T, dtype=torch.bool, device=x.device).tril(diagonal=p)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                sees = torch.ones(T, p + T, dtype=torch.bool, device=x.device).tril(diagonal=p)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=sees)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
         return self.c_proj(y)
 
