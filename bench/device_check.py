@@ -26,7 +26,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +33,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import plot  # noqa: E402
+from common import UserError  # noqa: E402
 
 PY = sys.executable
 
@@ -67,34 +69,26 @@ def run_step(name, cmd, out_dir, timeout, env, stop_at=None):
             "tail": lines[-15:]}
 
 
-def records(log_dir, kind):
-    path = os.path.join(log_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("kind") == kind:
-                out.append(r)
-    return out
+def speed(log_dir):
+    """Steady-state tok/s and MFU of a run, as plot.py summarises them ('' if it logged none)."""
+    try:
+        s = plot.summarize(log_dir)
+    except UserError:
+        return ""
+    if s["tok_per_s_steady"] is None:
+        return ""
+    return f"{s['tok_per_s_steady']:,.0f} tok/s" + (f", MFU {s['mfu']:.1%}" if s["mfu"] is not None else "")
 
 
-def steady(log_dir, skip=3):
-    """Median tok/s and MFU of the last launch's train steps, past its first `skip` (compile) when
-    it has more than that."""
-    runs = records(log_dir, "run")
-    first = runs[-1]["step"] if runs else 0
-    train = [r for r in records(log_dir, "train") if r["step"] >= first]
-    train = train[skip:] or train
-    if not train:
-        return None, None
-    tok = statistics.median(r["tok_per_s"] for r in train)
-    mfus = [r["mfu"] for r in train if r.get("mfu") is not None]
-    return tok, (statistics.median(mfus) if mfus else None)
+def last_timing(log_path):
+    """The last --timing-breakdown line in a step's log, as 'data 0.4 copy 0.1 ... (ms)', or ''."""
+    if not os.path.isfile(log_path):
+        return ""
+    with open(log_path) as f:
+        lines = [line for line in f if line.startswith("timing |")]
+    if not lines:
+        return ""
+    return " ".join(f"{k} {float(v):.0f}" for k, v in re.findall(r"(\w+)_ms ([\d.]+)", lines[-1])) + " (ms)"
 
 
 def write_items(path, n):
@@ -167,18 +161,8 @@ def main():
             json.dump(results, f, indent=1)
 
     # ---- the table: what ran, and the one figure that matters for each step
-    figures = {}
-    tok, mfu = steady(log_dir)
-    if tok:
-        figures["resume"] = f"{tok:,.0f} tok/s" + (f", MFU {mfu:.1%}" if mfu is not None else "")
-    timing = records(log_dir, "timing")
-    if timing:
-        t = timing[-1]
-        figures["train"] = " ".join(f"{k[:-3]} {v:.0f}" for k, v in t.items() if k.endswith("_ms")) + " (ms)"
-    for name in ("fp16", "eager"):
-        tok, mfu = steady(os.path.join(out, name))
-        if tok:
-            figures[name] = f"{tok:,.0f} tok/s" + (f", MFU {mfu:.1%}" if mfu is not None else "")
+    figures = {"train": last_timing(os.path.join(out, "train.log")), "resume": speed(log_dir),
+               "fp16": speed(os.path.join(out, "fp16")), "eager": speed(os.path.join(out, "eager"))}
     for r in results:
         if r["name"] == "hellaswag":
             figures["hellaswag"] = next((l.split("  ")[2] for l in r["tail"] if "items/s" in l and
