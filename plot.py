@@ -1,6 +1,6 @@
 """
 Plots and a text summary of training runs, read from the metrics.jsonl that train_gpt2.py
-writes into its log directory.
+writes into its log directory (metrics.py: the format, and the reader used here).
 
     python plot.py log                                   # summary, and log/plot.png
     python plot.py log log_ablation --labels baseline ablation --out runs.png
@@ -11,10 +11,8 @@ GPT-2 124M and GPT-3 124M; tokens/s; MFU. Several runs overlay, one colour each.
 matplotlib is optional: without it the summaries still print.
 
 How the numbers are defined (summarize() returns them, format_summary() prints them):
-- A resumed run appends a new "run" record that starts at step s, then logs steps from s on
-  again. The later record for a step wins; what the earlier launch logged past s (up to its
-  crash) belongs to an abandoned branch and is dropped, even where the new launch has not
-  reached it yet.
+- A resumed run: the later record for a step wins, and what an earlier launch logged past the
+  step the next launch resumed from is dropped (metrics.read_metrics).
 - wall time: the sum over launches of (time of its last record - time of its "run" record).
 - mean tokens/s: all logged steps weighted by their step time (tokens / step time), so the
   warm-up steps count for what they cost.
@@ -26,16 +24,13 @@ How the numbers are defined (summarize() returns them, format_summary() prints t
 """
 
 import argparse
-import json
 import math
 import os
 import statistics
-import sys
 
 import common
 from common import UserError
-
-METRICS_FILE = "metrics.jsonl"
+from metrics import read_metrics
 
 # Reference lines, each with where its number comes from.
 GPT2_VAL_LOSS = 3.2924   # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as measured by build-nanogpt
@@ -44,120 +39,6 @@ GPT3_HELLASWAG = 0.337   # GPT-3 Small (125M), zero-shot HellaSwag (Brown et al.
 LOSS_REFERENCES = [(GPT2_VAL_LOSS, f"OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: {GPT2_VAL_LOSS})")]
 HELLASWAG_REFERENCES = [(GPT3_HELLASWAG, f"GPT-3 124M {GPT3_HELLASWAG} (Brown et al. 2020)"),
                         (GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {GPT2_HELLASWAG}")]
-
-# fields a record of each kind must have; kinds not listed here are ignored (newer trainers may add some)
-REQUIRED = {"run": ("step",),
-            "train": ("step", "loss", "tokens", "tok_per_s", "dt_ms"),
-            "val": ("step", "val_loss", "tokens"),
-            "hellaswag": ("step", "acc_norm", "tokens"),
-            "checkpoint": ("step", "path"),
-            "end": ("step", "reason")}
-STEP_KINDS = ("train", "val", "hellaswag", "checkpoint")
-
-_warned = set()  # metrics files already warned about: once per file per process
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading metrics.jsonl
-
-
-def _decode(line):
-    """(record, recovered) for one line, or (None, False). A write cut by a kill leaves a partial
-    line, and the next launch appends its first record right after it: then the complete record
-    at the end of the line is returned, with recovered=True."""
-    try:
-        rec = json.loads(line)
-        return (rec, False) if isinstance(rec, dict) and isinstance(rec.get("kind"), str) else (None, False)
-    except ValueError:
-        pass
-    decoder = json.JSONDecoder()
-    for start in [i for i, c in enumerate(line) if c == "{" and i > 0]:
-        try:
-            rec, end = decoder.raw_decode(line, start)
-        except ValueError:
-            continue
-        if not line[end:].strip() and isinstance(rec, dict) and isinstance(rec.get("kind"), str):
-            return rec, True
-    return None, False
-
-
-def _read_records(path):
-    """(line number, record) pairs. Unreadable lines at the end (a write cut by a kill, or the
-    zeros a power loss leaves) are skipped with one warning; anywhere else they are an error."""
-    with open(path, "rb") as f:
-        lines = f.read().decode("utf-8", errors="replace").split("\n")
-    records, bad, cut = [], [], []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        rec, recovered = _decode(line)
-        if rec is None:
-            bad.append(n)
-            continue
-        if bad:
-            raise UserError(f"{path}:{bad[0]} is not a metrics record (a JSON object with a \"kind\"), "
-                            "and records follow it: the file is damaged or is not train_gpt2.py's")
-        if recovered:
-            cut.append(n)
-        records.append((n, rec))
-    if (bad or cut) and path not in _warned:
-        _warned.add(path)
-        where = ", ".join(map(str, cut + bad))
-        print(f"warning: {path}: skipped {len(cut) + len(bad)} record(s) cut short by a kill "
-              f"(line {where})", file=sys.stderr, flush=True)
-    return records
-
-
-def _state(kind, step):
-    """How many steps the model had taken when this record was written."""
-    return step + 1 if kind == "train" else step
-
-
-def read_metrics(log_dir):
-    """Parse log_dir/metrics.jsonl into {"path", "launches", "train", "val", "hellaswag",
-    "checkpoint"}: the step kinds are lists sorted by step, one record per step (the later wins,
-    see the module docstring); "launches" has one dict per launch, in order:
-    {"run": its run record, "start": its time, "last_time": time of its last record,
-    "first_train_step": step of its first train record, "end": its end record or None}."""
-    log_dir = os.fspath(log_dir)
-    path = os.path.join(log_dir, METRICS_FILE)
-    if not os.path.isdir(log_dir):
-        raise UserError(f"{log_dir} is not a directory: pass the --log-dir of a train_gpt2.py run")
-    if not os.path.isfile(path):
-        raise UserError(f"{log_dir} has no {METRICS_FILE}: is it a log directory written by train_gpt2.py?")
-    by_step = {kind: {} for kind in STEP_KINDS}
-    launches = []
-    for n, rec in _read_records(path):
-        kind = rec["kind"]
-        if kind not in REQUIRED:
-            continue
-        for field in REQUIRED[kind]:
-            if rec.get(field) is None:
-                raise UserError(f"{path}:{n}: a {kind!r} record without {field!r}: the file is damaged "
-                                "or was written by another program")
-        if not isinstance(rec["step"], int):
-            raise UserError(f"{path}:{n}: step {rec['step']!r} is not an integer")
-        if kind == "run" or not launches:
-            launches.append({"run": rec if kind == "run" else None, "start": rec.get("time"),
-                             "last_time": None, "first_train_step": None, "end": None})
-        if kind == "run":
-            for k, recs in by_step.items():  # drop the abandoned branch
-                for step in [s for s in recs if _state(k, s) > rec["step"]]:
-                    del recs[step]
-        launch = launches[-1]
-        if rec.get("time") is not None:
-            launch["last_time"] = rec["time"]
-        if kind in by_step:
-            by_step[kind][rec["step"]] = rec
-        if kind == "train" and launch["first_train_step"] is None:
-            launch["first_train_step"] = rec["step"]
-        if kind == "end":
-            launch["end"] = rec
-    if not launches:
-        raise UserError(f"{path} has no records: the run has not logged anything yet")
-    metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
-    return dict(metrics, path=path, launches=launches)
-
 
 # ----------------------------------------------------------------------------------------------
 # Summary

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 import common
+import metrics
 import plot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,7 +128,7 @@ def test_summary_numbers_match_the_file(logs, name):
 
 def test_cut_last_line_warns_once(logs, capsys):
     dirs, _ = logs
-    plot._warned.clear()
+    metrics._warned.clear()
     plot.summarize(dirs["resumed"])
     plot.summarize(dirs["resumed"])
     err = capsys.readouterr().err
@@ -142,7 +143,7 @@ def test_resume_that_dies_early_drops_the_abandoned_branch(tmp_path):
     # and the cut write of the first launch shares its line with the second's run record
     text = "".join(json.dumps(r) + "\n" for r in first) + CUT_LINE + "".join(json.dumps(r) + "\n" for r in second)
     (tmp_path / "metrics.jsonl").write_text(text)
-    m = plot.read_metrics(tmp_path)
+    m = metrics.read_metrics(tmp_path)
     assert [r["step"] for r in m["train"]] == list(range(25))
     assert m["train"][-1] == of(second, "train")[-1] and len(m["launches"]) == 2
     assert [r["step"] for r in m["checkpoint"]] == [20]

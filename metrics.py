@@ -1,0 +1,194 @@
+"""
+The metrics.jsonl format in one place: RunLog writes it (train_gpt2.py, rank 0), read_metrics
+reads it (plot.py and whatever else summarises a run).
+
+A log directory holds log.txt (the lines printed during the run, for people and grep) and
+metrics.jsonl: one JSON object per line, appended, flushed after each record. Every record has
+"kind" and "time" (Unix seconds when written). The kinds and their other keys:
+
+  run         one per launch of the trainer, first: step (the step it starts at: 0, or the
+              resumed checkpoint's), max_steps, tokens_per_step, resumed_from (checkpoint path
+              or null), device, device_name, dtype, world_size, versions ({python, torch, ...}),
+              git (commit, "-dirty" if changed, or null), config (every resolved setting)
+  train       one per optimizer step: step, loss, lr, grad_norm, dt_ms, tok_per_s (all ranks),
+              mfu (a fraction, null where the device's peak is unknown), tokens (seen after the
+              step: (step + 1) * tokens_per_step), skipped (true: a non-finite step not applied)
+  val         step, val_loss, tokens (seen before the step: step * tokens_per_step)
+  hellaswag   step, acc, acc_norm, n (items scored), tokens (as for val)
+  checkpoint  step (steps completed: a resume starts there), path
+  timing      step, data_ms, copy_ms, forward_ms, backward_ms, optimizer_ms, eval_ms: mean ms
+              per step of each phase since the last timing record (--timing-breakdown)
+  end         step, reason: finished, signal or nonfinite; absent when the process was killed
+              or is still running
+
+read_metrics skips the kinds it does not use (timing, and any a newer trainer adds), so kinds
+can be added without breaking readers; a kind it uses without one of its REQUIRED keys is an
+error.
+"""
+
+import json
+import os
+import sys
+import time
+
+from common import UserError
+
+METRICS_FILE = "metrics.jsonl"
+TEXT_LOG_FILE = "log.txt"
+
+# the keys a reader relies on, per kind; the other keys above are optional for a reader
+REQUIRED = {"run": ("step",),
+            "train": ("step", "loss", "tokens", "tok_per_s", "dt_ms"),
+            "val": ("step", "val_loss", "tokens"),
+            "hellaswag": ("step", "acc_norm", "tokens"),
+            "checkpoint": ("step", "path"),
+            "end": ("step", "reason")}
+STEP_KINDS = ("train", "val", "hellaswag", "checkpoint")  # read_metrics keeps one record per step
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+class RunLog:
+    """log.txt and metrics.jsonl of one run. Rank 0 writes; other ranks hold a RunLog that does
+    nothing, so the training loop calls it without asking which rank it is."""
+
+    def __init__(self, log_dir, active):
+        self.active = active
+        self.log_dir = log_dir
+        self.text = self.metrics = None  # opened at the first write: bad input leaves no trace
+
+    def _open(self):
+        if self.text is None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            # line-buffered: a crash or a kill loses at most the line being written
+            self.text = open(os.path.join(self.log_dir, TEXT_LOG_FILE), "a", buffering=1)
+            self.metrics = open(os.path.join(self.log_dir, METRICS_FILE), "a", buffering=1)
+
+    def line(self, msg):
+        """Print msg and append it to log.txt."""
+        if self.active:
+            self._open()
+            print(msg, flush=True)
+            self.text.write(msg + "\n")
+
+    def record(self, kind, **fields):
+        """Append {"kind": kind, **fields, "time": now} to metrics.jsonl."""
+        if self.active:
+            self._open()
+            self.metrics.write(json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
+            self.metrics.flush()
+
+    def close(self):
+        if self.text is not None:
+            self.text.close()
+            self.metrics.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+_warned = set()  # metrics files already warned about: once per file per process
+
+
+def _decode(line):
+    """(record, recovered) for one line, or (None, False). A write cut by a kill leaves a partial
+    line, and the next launch appends its first record right after it: then the complete record
+    at the end of the line is returned, with recovered=True."""
+    try:
+        rec = json.loads(line)
+        return (rec, False) if isinstance(rec, dict) and isinstance(rec.get("kind"), str) else (None, False)
+    except ValueError:
+        pass
+    decoder = json.JSONDecoder()
+    for start in [i for i, c in enumerate(line) if c == "{" and i > 0]:
+        try:
+            rec, end = decoder.raw_decode(line, start)
+        except ValueError:
+            continue
+        if not line[end:].strip() and isinstance(rec, dict) and isinstance(rec.get("kind"), str):
+            return rec, True
+    return None, False
+
+
+def read_records(path):
+    """(line number, record) pairs of a metrics file, every kind, in file order. Unreadable lines
+    at the end (a write cut by a kill, or the zeros a power loss leaves) are skipped with one
+    warning; anywhere else they are an error."""
+    with open(path, "rb") as f:
+        lines = f.read().decode("utf-8", errors="replace").split("\n")
+    records, bad, cut = [], [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        rec, recovered = _decode(line)
+        if rec is None:
+            bad.append(n)
+            continue
+        if bad:
+            raise UserError(f"{path}:{bad[0]} is not a metrics record (a JSON object with a \"kind\"), "
+                            "and records follow it: the file is damaged or is not train_gpt2.py's")
+        if recovered:
+            cut.append(n)
+        records.append((n, rec))
+    if (bad or cut) and path not in _warned:
+        _warned.add(path)
+        where = ", ".join(map(str, cut + bad))
+        print(f"warning: {path}: skipped {len(cut) + len(bad)} record(s) cut short by a kill "
+              f"(line {where})", file=sys.stderr, flush=True)
+    return records
+
+
+def _state(kind, step):
+    """How many steps the model had taken when this record was written."""
+    return step + 1 if kind == "train" else step
+
+
+def read_metrics(log_dir):
+    """Parse log_dir/metrics.jsonl into {"path", "launches", "train", "val", "hellaswag",
+    "checkpoint"}: the step kinds are lists sorted by step, one record per step; "launches" has
+    one dict per launch, in order: {"run": its run record, "start": its time, "last_time": time
+    of its last record, "first_train_step": step of its first train record, "end": its end
+    record or None}.
+    A resumed run appends a new "run" record that starts at step s, then logs steps from s on
+    again. The later record for a step wins; what the earlier launch logged past s (up to its
+    crash) belongs to an abandoned branch and is dropped, even where the new launch has not
+    reached it yet."""
+    log_dir = os.fspath(log_dir)
+    path = os.path.join(log_dir, METRICS_FILE)
+    if not os.path.isdir(log_dir):
+        raise UserError(f"{log_dir} is not a directory: pass the --log-dir of a train_gpt2.py run")
+    if not os.path.isfile(path):
+        raise UserError(f"{log_dir} has no {METRICS_FILE}: is it a log directory written by train_gpt2.py?")
+    by_step = {kind: {} for kind in STEP_KINDS}
+    launches = []
+    for n, rec in read_records(path):
+        kind = rec["kind"]
+        if kind not in REQUIRED:
+            continue
+        for field in REQUIRED[kind]:
+            if rec.get(field) is None:
+                raise UserError(f"{path}:{n}: a {kind!r} record without {field!r}: the file is damaged "
+                                "or was written by another program")
+        if not isinstance(rec["step"], int):
+            raise UserError(f"{path}:{n}: step {rec['step']!r} is not an integer")
+        if kind == "run" or not launches:
+            launches.append({"run": rec if kind == "run" else None, "start": rec.get("time"),
+                             "last_time": None, "first_train_step": None, "end": None})
+        if kind == "run":
+            for k, recs in by_step.items():  # drop the abandoned branch
+                for step in [s for s in recs if _state(k, s) > rec["step"]]:
+                    del recs[step]
+        launch = launches[-1]
+        if rec.get("time") is not None:
+            launch["last_time"] = rec["time"]
+        if kind in by_step:
+            by_step[kind][rec["step"]] = rec
+        if kind == "train" and launch["first_train_step"] is None:
+            launch["first_train_step"] = rec["step"]
+        if kind == "end":
+            launch["end"] = rec
+    if not launches:
+        raise UserError(f"{path} has no records: the run has not logged anything yet")
+    metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
+    return dict(metrics, path=path, launches=launches)

@@ -1,0 +1,67 @@
+"""metrics.py: what RunLog writes, read_metrics reads back, over a launch and a resume; the
+writer leaves no trace until it writes, and nothing at all on ranks other than 0."""
+
+import json
+import os
+
+import metrics
+
+
+def write_launch(log_dir, start, last, tps=1024, resumed_from=None, end=None):
+    """One launch as train_gpt2.py logs it: the record kinds and keys listed in metrics.py."""
+    log = metrics.RunLog(str(log_dir), active=True)
+    log.record("run", step=start, max_steps=10, tokens_per_step=tps, resumed_from=resumed_from, device="cpu",
+               device_name="cpu", dtype="float32", world_size=1, versions={"torch": "x"}, git=None,
+               config={"seed": 1})
+    log.line(f"run: starting at step {start}")
+    for step in range(start, last + 1):
+        if step % 4 == 0:
+            log.record("val", step=step, val_loss=5.0 - step / 10, tokens=step * tps)
+            log.record("hellaswag", step=step, tokens=step * tps, acc=0.25, acc_norm=0.25 + step / 100, n=7)
+        log.record("train", step=step, loss=6.0 - step / 10 + start / 100, lr=1e-3, grad_norm=1.0, dt_ms=10.0,
+                   tok_per_s=tps / 0.01, mfu=None, tokens=(step + 1) * tps, skipped=False)
+        log.record("timing", step=step, data_ms=1.0, copy_ms=0.1, forward_ms=3.0, backward_ms=5.0,
+                   optimizer_ms=1.0, eval_ms=0.0)
+        log.line(f"step {step} | loss ...")
+    log.record("checkpoint", step=last + 1, path=os.path.join(str(log_dir), f"ckpt_{last + 1:06d}.pt"))
+    if end:
+        log.record("end", step=last + 1, reason=end)
+    log.close()
+
+
+def test_round_trip_with_a_resume(tmp_path, capsys):
+    # a launch that ran steps 0-7 and was killed, resumed from its checkpoint at step 4
+    write_launch(tmp_path, 0, 7)
+    write_launch(tmp_path, 4, 9, resumed_from="ckpt_000004.pt", end="finished")
+    m = metrics.read_metrics(tmp_path)
+    assert m["path"] == os.path.join(str(tmp_path), metrics.METRICS_FILE)
+    assert [r["step"] for r in m["train"]] == list(range(10))
+    # steps 4-7 come from the second launch (loss offset by start / 100), the first's are dropped
+    assert [r["loss"] for r in m["train"]] == [6.0 - s / 10 + (0.04 if s >= 4 else 0) for s in range(10)]
+    assert m["train"][5]["tokens"] == 6 * 1024 and m["train"][5]["skipped"] is False
+    assert [r["step"] for r in m["val"]] == [0, 4, 8] == [r["step"] for r in m["hellaswag"]]
+    assert m["hellaswag"][2]["acc_norm"] == 0.25 + 8 / 100 and m["val"][1]["val_loss"] == 5.0 - 0.4
+    assert [r["step"] for r in m["checkpoint"]] == [10]  # the first launch's step 8 is past the resume
+    first, second = m["launches"]
+    assert first["run"]["step"] == 0 and first["end"] is None and first["first_train_step"] == 0
+    assert second["run"]["resumed_from"] == "ckpt_000004.pt" and second["first_train_step"] == 4
+    assert second["end"]["reason"] == "finished" and second["end"]["step"] == 10
+    assert second["start"] <= second["last_time"] and first["last_time"] <= second["start"]
+    # every record is one line with a kind and a time; log.txt holds the printed lines
+    lines = (tmp_path / metrics.METRICS_FILE).read_text().splitlines()
+    assert all({"kind", "time"} <= json.loads(line).keys() for line in lines)
+    assert sum(json.loads(line)["kind"] == "timing" for line in lines) == 8 + 6  # written, skipped by the reader
+    text = (tmp_path / metrics.TEXT_LOG_FILE).read_text()
+    assert text.startswith("run: starting at step 0\n") and "step 9 | loss ..." in text
+    assert "step 9 | loss ..." in capsys.readouterr().out
+
+
+def test_no_trace_before_the_first_write(tmp_path, capsys):
+    log = metrics.RunLog(str(tmp_path / "never"), active=True)
+    log.close()  # e.g. the run stopped on bad input
+    assert not (tmp_path / "never").exists()
+    quiet = metrics.RunLog(str(tmp_path / "rank1"), active=False)  # a rank other than 0
+    quiet.line("hello")
+    quiet.record("train", step=0)
+    quiet.close()
+    assert not (tmp_path / "rank1").exists() and capsys.readouterr().out == ""
