@@ -1,5 +1,5 @@
 """
-Text in, uint16 GPT-2 token shards out; and TokenLoader, which reads them back for training.
+Data preparation: text in, uint16 GPT-2 token shards out (dataloader.py reads them back for training).
 
     python fineweb.py                       # FineWeb-Edu sample-10BT -> edu_fineweb10B/ (~10B tokens)
     python fineweb.py --data-files 'corpus/*.jsonl' --out-dir data/corpus --shard-size 10000000
@@ -18,7 +18,6 @@ number of workers. A writer thread writes finished shards while tokenization goe
 """
 
 import argparse
-import bisect
 import glob
 import hashlib
 import json
@@ -32,9 +31,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import torch
 
 from common import EOT_TOKEN, UserError, atomic_write, get_tokenizer, run_main, versions
+from dataloader import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, first_line, read_manifest
 from model import GPT2_VOCAB_SIZE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,10 +41,6 @@ DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
 DEFAULT_NAME = "sample-10BT"
 DEFAULT_OUT_DIR = os.path.join(HERE, "edu_fineweb10B")
 DEFAULT_PREFIX = "edufineweb"  # build-nanogpt's shard names, so its scripts find ours
-MANIFEST = "manifest.json"
-FORMAT = "gpt2-token-shards-v1"
-TOKEN_DTYPE = np.uint16
-SHARD_RE = re.compile(r"^(?P<prefix>.+)_(?P<split>val|train)_(?P<index>\d{6})\.npy$")
 FILE_KINDS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 READ_DOCS = 256          # documents per Arrow read
@@ -206,11 +201,6 @@ def load_source(args, source):
     return ds
 
 
-def first_line(e):
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
 def text_bytes(column):
     """UTF-8 bytes of an Arrow string column (nulls count 0), without touching the text."""
     import pyarrow.compute as pc
@@ -301,20 +291,6 @@ def _encode_task(task):
 
 def shard_name(prefix, index):
     return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
-
-
-def read_manifest(out_dir):
-    path = os.path.join(out_dir, MANIFEST)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            m = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is unreadable ({first_line(e)}): delete {out_dir} and prepare it again")
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise UserError(f"{path} was not written by fineweb.py: use another --out-dir or delete {out_dir}")
-    return m
 
 
 def write_manifest(out_dir, manifest):
@@ -579,230 +555,6 @@ def verify(out_dir):
             raise UserError(f"{path} does not match its checksum: delete it and re-run {manifest['command']}")
     state = "complete" if manifest.get("complete") else f"incomplete (re-run {manifest['command']})"
     print(f"{out_dir}: {len(manifest['shards'])} shards match their checksums; {state}")
-
-
-# ----------------------------------------------------------------------------------------------
-# The training data loader
-
-
-def find_shards(data_dir, split, vocab_size):
-    """Paths of a split's shards, in order, checked against the manifest when there is one.
-    Shards without a manifest (e.g. build-nanogpt's edufineweb_train_000001.npy) load too."""
-    fix = f"prepare it with: python fineweb.py --out-dir {data_dir}"
-    if not os.path.isdir(data_dir):
-        raise UserError(f"data directory {data_dir} does not exist: {fix}  (or point --data-dir at your shards)")
-    manifest = read_manifest(data_dir)
-    if manifest is not None and manifest.get("command"):
-        fix = f"prepare it with: {manifest['command']}"  # the command that made it
-    if manifest is None:
-        names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(data_dir), f"*_{split}_*.npy")))
-    else:
-        if not manifest.get("complete"):
-            raise UserError(f"preparation of {data_dir} has not finished: run {manifest.get('command')} to complete it")
-        if manifest.get("dtype") != "uint16":
-            raise UserError(f"{data_dir} holds {manifest.get('dtype')} tokens, this loader reads uint16: {fix}")
-        entries = [s for s in manifest["shards"] if s["split"] == split]
-        too_big = [s for s in entries if s["max_token"] >= vocab_size]
-        if too_big:
-            raise UserError(f"{too_big[0]['name']} holds token id {too_big[0]['max_token']}, but the model's "
-                            f"vocabulary has {vocab_size} ids (tokenizer {manifest.get('tokenizer')}): "
-                            "use a model with a larger vocab_size, or re-create the shards with python fineweb.py")
-        names = [s["name"] for s in entries]
-    if not names:
-        raise UserError(f"no {split} shards (*_{split}_*.npy) in {data_dir}: {fix}")
-    paths = [os.path.join(data_dir, n) for n in names]
-    shards = [open_shard(p, fix) for p in paths]
-    if manifest is not None:
-        for s, arr in zip(entries, shards):
-            if len(arr) != s["tokens"]:
-                raise UserError(f"{s['name']} has {len(arr):,} tokens, its manifest says {s['tokens']:,}: "
-                                f"delete {data_dir} and {fix}")
-    return paths, shards
-
-
-def open_shard(path, fix):
-    """A read-only memory map of one shard: pages are read on use, so data may exceed RAM."""
-    if not os.path.isfile(path):
-        raise UserError(f"shard {path} is missing: {fix}")
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise UserError(f"shard {path} is unreadable or truncated ({first_line(e)}): {fix}")
-    if arr.dtype != TOKEN_DTYPE or arr.ndim != 1:
-        raise UserError(f"shard {path} holds a {arr.dtype} array of shape {arr.shape}, expected 1-D uint16 "
-                        f"tokens: {fix}")
-    return arr
-
-
-class TokenLoader:
-    """(x, y) batches of B×T int64 next-token pairs from one split's shards.
-
-    Order: the split's shards form one token stream (in name order, or permuted per epoch with
-    shuffle_seed), cut into windows of B*T+1 tokens that overlap by one (x = window[:-1],
-    y = window[1:]), so no token is skipped or repeated at shard boundaries. Window k goes to rank
-    k % world_size; the last, incomplete round of windows (fewer than world_size*B*T tokens) is
-    left out of an epoch, and after it the loader starts the next epoch (wraps). Default
-    (shuffle_seed=None): the shards in order, the windows in order, the same every epoch.
-    With a seed, epoch e permutes the shard order and the window order with rng(seed, e).
-
-    Every rank consumes batches in lockstep, so the position is one number, the batches consumed;
-    state_dict() from any rank restores every rank. With prefetch (default on CUDA) the next
-    batch is made by a background thread into pinned memory and copied with non_blocking=True.
-    """
-
-    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1,
-                 vocab_size=GPT2_VOCAB_SIZE, shuffle_seed=None, device="cpu", prefetch=None):
-        if split not in ("train", "val"):
-            raise UserError(f"split must be 'train' or 'val', not {split!r}")
-        for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
-            if not isinstance(v, int) or v < 1:
-                raise UserError(f"{name} must be a positive integer (got {v!r})")
-        if not 0 <= rank < world_size:
-            raise UserError(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
-        if shuffle_seed is not None and not (isinstance(shuffle_seed, int) and shuffle_seed >= 0):
-            raise UserError(f"shuffle_seed must be None or an integer >= 0 (got {shuffle_seed!r})")
-        self.data_dir, self.split = data_dir, split
-        self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
-        self.vocab_size, self.shuffle_seed = vocab_size, shuffle_seed
-        self.device = torch.device(device)
-        self.paths, self.shards = find_shards(data_dir, split, vocab_size)
-        self.sizes = [len(s) for s in self.shards]
-        self.num_tokens = sum(self.sizes)
-        self.tokens_per_batch = batch_size * seq_len
-        self.num_windows = (self.num_tokens - 1) // self.tokens_per_batch  # in one epoch, all ranks
-        self.batches_per_epoch = self.num_windows // world_size  # per rank
-        if self.batches_per_epoch == 0:
-            need = world_size * self.tokens_per_batch + 1
-            raise UserError(f"the {split} split of {data_dir} has {self.num_tokens:,} tokens, fewer than one batch "
-                            f"on every rank ({world_size}×{batch_size}×{seq_len}+1 = {need:,}): use a smaller "
-                            "batch size / sequence length, or prepare more data with python fineweb.py")
-        names = [os.path.basename(p) for p in self.paths]
-        self.fingerprint = hashlib.sha256(json.dumps([split, names, self.sizes]).encode()).hexdigest()[:16]
-        self.consumed = 0
-        self._layout_cache = None
-        if prefetch is None:
-            prefetch = self.device.type == "cuda"
-        self._pin = self.device.type == "cuda"
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="TokenLoader") if prefetch else None
-        self._ahead = None  # (batch index, future) being made in the background
-
-    # -- order --------------------------------------------------------------------------------
-
-    def _layout(self, epoch):
-        """Shard order, where each shard starts in the epoch's stream, and the window order."""
-        if self._layout_cache is None or self._layout_cache[0] != epoch:
-            order = np.arange(len(self.shards))
-            windows = None
-            if self.shuffle_seed is not None:
-                rng = np.random.default_rng([self.shuffle_seed, epoch])
-                order = rng.permutation(len(self.shards))
-                windows = rng.permutation(self.num_windows)
-            starts = np.concatenate(([0], np.cumsum([self.sizes[i] for i in order])[:-1])).tolist()
-            self._layout_cache = (epoch, order.tolist(), starts, windows)
-        return self._layout_cache[1:]
-
-    def window_start(self, i):
-        """(epoch, stream position) of this rank's i-th batch since the start."""
-        epoch, j = divmod(i, self.batches_per_epoch)
-        _, _, windows = self._layout(epoch)
-        k = j * self.world_size + self.rank
-        return epoch, (k if windows is None else int(windows[k])) * self.tokens_per_batch
-
-    def _make(self, i):
-        """This rank's i-th batch as one CPU int64 tensor of B*T+1 tokens (pinned for CUDA)."""
-        epoch, start = self.window_start(i)
-        order, starts, _ = self._layout(epoch)
-        n = self.tokens_per_batch + 1
-        buf = torch.empty(n, dtype=torch.int64, pin_memory=self._pin)
-        out = buf.numpy()
-        k = bisect.bisect_right(starts, start) - 1
-        filled = 0
-        while filled < n:  # a window may span shards
-            shard = self.shards[order[k]]
-            lo = start + filled - starts[k]
-            take = min(n - filled, len(shard) - lo)
-            out[filled:filled + take] = shard[lo:lo + take]
-            filled += take
-            k += 1
-        top = int(out.max())
-        if top >= self.vocab_size:
-            raise UserError(f"token id {top} in the {self.split} data of {self.data_dir} is >= the model's "
-                            f"vocab_size {self.vocab_size}: the shards were made with another tokenizer; "
-                            "re-create them with python fineweb.py")
-        return buf
-
-    # -- batches --------------------------------------------------------------------------------
-
-    def next_batch(self):
-        x, y = self.to_device(self.next_host_batch())
-        self.prefetch_next()
-        return x, y
-
-    def next_host_batch(self):
-        """The next batch as B*T+1 tokens in host memory (pinned for CUDA). The trainer's timing
-        breakdown calls this, to_device() and prefetch_next() apart, to tell preparation from copy."""
-        i = self.consumed
-        if self._ahead is not None and self._ahead[0] == i:
-            buf = self._ahead[1].result()
-            self._ahead = None
-        else:
-            self._cancel_ahead()
-            buf = self._make(i)
-        self.consumed = i + 1
-        return buf
-
-    def to_device(self, buf):
-        """(x, y) views on the loader's device of a next_host_batch() buffer (an async copy on CUDA)."""
-        if self.device.type != "cpu":
-            buf = buf.to(self.device, non_blocking=self._pin)
-        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
-
-    def prefetch_next(self):
-        """Start making the next batch in the background (if prefetching); call it after the copy,
-        so the thread works while the caller computes."""
-        if self._thread is not None and self._ahead is None:
-            self._ahead = (self.consumed, self._thread.submit(self._make, self.consumed))
-
-    def _cancel_ahead(self):
-        if self._ahead is not None:
-            _, future = self._ahead
-            self._ahead = None
-            if not future.cancel():
-                try:
-                    future.result()  # let it finish: it uses the layout cache
-                except UserError:
-                    pass  # raised again if that batch is ever asked for
-
-    @property
-    def epoch(self):
-        return self.consumed // self.batches_per_epoch
-
-    def reset(self):
-        """Back to the first batch of the split (the trainer calls this before each validation)."""
-        self._cancel_ahead()
-        self.consumed = 0
-
-    # -- resume -----------------------------------------------------------------------------------
-
-    def state_dict(self):
-        """Position after the batches consumed so far (a prefetched batch does not count)."""
-        return {"format": "token-loader-v1", "batches": self.consumed, "epoch": self.epoch,
-                "split": self.split, "world_size": self.world_size, "batch_size": self.B,
-                "seq_len": self.T, "shuffle_seed": self.shuffle_seed, "num_tokens": self.num_tokens,
-                "fingerprint": self.fingerprint}
-
-    def load_state_dict(self, sd):
-        if not isinstance(sd, dict) or sd.get("format") != "token-loader-v1":
-            raise UserError("the loader state is not from TokenLoader: start without resuming the data position")
-        mine = self.state_dict()
-        for key, what in (("split", "split"), ("world_size", "number of processes (world size)"),
-                          ("batch_size", "batch size"), ("seq_len", "sequence length"),
-                          ("shuffle_seed", "shuffle seed"), ("fingerprint", "data (shard names and sizes)")):
-            if sd.get(key) != mine[key]:
-                raise UserError(f"the loader state was saved with another {what} ({sd.get(key)!r}, now "
-                                f"{mine[key]!r}): resume with the same settings and data as the saved run")
-        self._cancel_ahead()
-        self.consumed = int(sd["batches"])
 
 
 def main(argv=None):

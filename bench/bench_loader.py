@@ -25,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from fineweb import TokenLoader  # noqa: E402
+from dataloader import TokenLoader  # noqa: E402
 
 
 def make_shards(d, n_shards, shard_tokens):

@@ -1,4 +1,4 @@
-"""TokenLoader: every token read once per epoch across 1/2/3 ranks (shard boundaries included),
+"""dataloader.TokenLoader: every token read once per epoch across 1/2/3 ranks (shard boundaries included),
 exact resume, shuffling, and one-line errors for bad input. Shards are tiny and made here."""
 
 import json
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+import dataloader  # noqa: E402
 import fineweb  # noqa: E402
 from common import UserError  # noqa: E402
-from fineweb import TokenLoader  # noqa: E402
+from dataloader import TokenLoader  # noqa: E402
 
 # odd sizes, one a single token, so windows cross shard ends at every offset
 TRAIN_SIZES = [37, 50, 13, 1, 61, 29]
@@ -35,9 +36,9 @@ def make_shards(d, train_sizes=TRAIN_SIZES, val_size=VAL_SIZE, prefix="edufinewe
 
 
 def write_manifest(d, entries, complete=True, dtype="uint16"):
-    m = {"format": fineweb.FORMAT, "dtype": dtype, "tokenizer": "gpt2", "complete": complete,
+    m = {"format": dataloader.FORMAT, "dtype": dtype, "tokenizer": "gpt2", "complete": complete,
          "command": "python fineweb.py --out-dir " + str(d), "shards": entries}
-    with open(os.path.join(d, fineweb.MANIFEST), "w") as f:
+    with open(os.path.join(d, dataloader.MANIFEST), "w") as f:
         json.dump(m, f)
 
 
@@ -222,7 +223,7 @@ def test_broken_shards_and_manifests(tmp_path):
     with pytest.raises(UserError, match="unreadable or truncated"):
         TokenLoader(d, "train", 2, 3)
     d = make_shards(tmp_path / "inc", manifest=True)
-    m = json.load(open(os.path.join(d, fineweb.MANIFEST)))
+    m = json.load(open(os.path.join(d, dataloader.MANIFEST)))
     write_manifest(d, m["shards"], complete=False)
     with pytest.raises(UserError, match="not finished: run python fineweb.py"):
         TokenLoader(d, "train", 2, 3)
