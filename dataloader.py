@@ -12,7 +12,6 @@ the writer, imports it from here.
 """
 
 import bisect
-import glob
 import hashlib
 import json
 import os
@@ -50,20 +49,47 @@ def read_manifest(out_dir):
     return m
 
 
+def remedy(data_dir, manifest):
+    """What to do about a missing, damaged or unfinished shard directory. The directory may be a
+    copy of the one fineweb.py wrote: its manifest names the original, and the command that made it."""
+    if manifest is None or not manifest.get("command"):
+        return f"prepare it with: python fineweb.py --out-dir {data_dir}"
+    origin = manifest.get("out_dir")
+    if origin and not (os.path.isdir(origin) and os.path.samefile(origin, data_dir)):
+        return (f"{data_dir} is a copy of {origin}, made by: {manifest['command']}; copy it from there again, "
+                f"or re-run that command with --out-dir {data_dir}")
+    return f"re-run the command that made it (it redoes only what is missing): {manifest['command']}"
+
+
+def unlisted_shards(data_dir, split, fix):
+    """A split's shard names in a directory without a manifest (build-nanogpt's, or copied ones)."""
+    npy = sorted(f for f in os.listdir(data_dir) if f.endswith(".npy"))
+    matches = [SHARD_RE.match(f) for f in npy]
+    names = [m.group(0) for m in matches if m and m.group("split") == split]
+    if not names and npy and not any(matches):
+        raise UserError(f"{data_dir} holds {len(npy)} .npy file(s) ({npy[0]}, ...) but none named like "
+                        f"PREFIX_{split}_000001.npy, as fineweb.py writes them: {fix}")
+    prefixes = sorted({SHARD_RE.match(n).group("prefix") for n in names})
+    if len(prefixes) > 1:
+        raise UserError(f"{data_dir} holds {split} shards of several data sets ({', '.join(prefixes)}): "
+                        "keep one set of shards per directory")
+    return names
+
+
 def find_shards(data_dir, split, vocab_size):
     """Paths of a split's shards, in order, checked against the manifest when there is one.
     Shards without a manifest (e.g. build-nanogpt's edufineweb_train_000001.npy) load too."""
     fix = f"prepare it with: python fineweb.py --out-dir {data_dir}"
     if not os.path.isdir(data_dir):
-        raise UserError(f"data directory {data_dir} does not exist: {fix}  (or point --data-dir at your shards)")
+        what = "is a file, not a directory" if os.path.exists(data_dir) else "does not exist"
+        raise UserError(f"data directory {data_dir} {what}: {fix}  (or point --data-dir at your shards)")
     manifest = read_manifest(data_dir)
-    if manifest is not None and manifest.get("command"):
-        fix = f"prepare it with: {manifest['command']}"  # the command that made it
+    fix = remedy(data_dir, manifest)
     if manifest is None:
-        names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(glob.escape(data_dir), f"*_{split}_*.npy")))
+        names = unlisted_shards(data_dir, split, fix)
     else:
         if not manifest.get("complete"):
-            raise UserError(f"preparation of {data_dir} has not finished: run {manifest.get('command')} to complete it")
+            raise UserError(f"preparation of {data_dir} has not finished: {fix}")
         if manifest.get("dtype") != "uint16":
             raise UserError(f"{data_dir} holds {manifest.get('dtype')} tokens, this loader reads uint16: {fix}")
         entries = [s for s in manifest["shards"] if s["split"] == split]
@@ -78,10 +104,9 @@ def find_shards(data_dir, split, vocab_size):
     paths = [os.path.join(data_dir, n) for n in names]
     shards = [open_shard(p, fix) for p in paths]
     if manifest is not None:
-        for s, arr in zip(entries, shards):
+        for path, s, arr in zip(paths, entries, shards):
             if len(arr) != s["tokens"]:
-                raise UserError(f"{s['name']} has {len(arr):,} tokens, its manifest says {s['tokens']:,}: "
-                                f"delete {data_dir} and {fix}")
+                raise UserError(f"shard {path} has {len(arr):,} tokens, its manifest says {s['tokens']:,}: {fix}")
     return paths, shards
 
 
@@ -91,11 +116,13 @@ def open_shard(path, fix):
         raise UserError(f"shard {path} is missing: {fix}")
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise UserError(f"shard {path} is unreadable or truncated ({first_line(e)}): {fix}")
+    except (OSError, ValueError, EOFError) as e:
+        # a short file fails the memory map; a damaged header fails numpy's parser (it then
+        # guesses "pickled data", which would mislead here)
+        raise UserError(f"shard {path} is truncated or not a .npy file ({first_line(e)}): {fix}")
     if arr.dtype != TOKEN_DTYPE or arr.ndim != 1:
         raise UserError(f"shard {path} holds a {arr.dtype} array of shape {arr.shape}, expected 1-D uint16 "
-                        f"tokens: {fix}")
+                        f"tokens as fineweb.py writes them: {fix}")
     return arr
 
 

@@ -10,7 +10,7 @@ import torch
 
 import dataloader  # noqa: E402
 import fineweb  # noqa: E402
-from common import UserError  # noqa: E402
+from common import UserError, run_main  # noqa: E402
 from dataloader import TokenLoader  # noqa: E402
 
 # odd sizes, one a single token, so windows cross shard ends at every offset
@@ -37,7 +37,7 @@ def make_shards(d, train_sizes=TRAIN_SIZES, val_size=VAL_SIZE, prefix="edufinewe
 
 def write_manifest(d, entries, complete=True, dtype="uint16"):
     m = {"format": dataloader.FORMAT, "dtype": dtype, "tokenizer": "gpt2", "complete": complete,
-         "command": "python fineweb.py --out-dir " + str(d), "shards": entries}
+         "command": "python fineweb.py --out-dir " + str(d), "out_dir": str(d), "shards": entries}
     with open(os.path.join(d, dataloader.MANIFEST), "w") as f:
         json.dump(m, f)
 
@@ -171,7 +171,78 @@ def test_cuda_prefetch_matches_cpu(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# bad input
+# bad input: what the trainer shows is one line (common.run_main), exit status 2, no traceback
+
+
+def fails(capsys, *args, **kw):
+    """TokenLoader(*args, **kw) run as the scripts run main(): the one line it prints."""
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda: TokenLoader(*args, **kw))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_missing_empty_or_file_data_dir(tmp_path, capsys):
+    assert "does not exist" in fails(capsys, str(tmp_path / "nope"), "train", 2, 3)
+    os.makedirs(tmp_path / "empty")
+    err = fails(capsys, str(tmp_path / "empty"), "train", 2, 3)
+    assert "no train shards" in err and f"python fineweb.py --out-dir {tmp_path / 'empty'}" in err
+    (tmp_path / "afile").write_text("x")
+    assert "is a file, not a directory" in fails(capsys, str(tmp_path / "afile"), "train", 2, 3)
+
+
+@pytest.mark.parametrize("kind", ["float32", "2-D", "names"])
+def test_npy_files_not_written_by_fineweb(tmp_path, capsys, kind):
+    d = tmp_path / "d"
+    os.makedirs(d)
+    if kind == "names":  # token arrays, but under names the loader cannot order or split
+        for i in range(3):
+            np.save(d / f"tokens_{i}.npy", np.arange(100, dtype=np.uint16))
+        err = fails(capsys, str(d), "train", 2, 3)
+        assert "3 .npy file(s) (tokens_0.npy, ...)" in err and "PREFIX_train_000001.npy" in err
+        return
+    arr = np.zeros(100, dtype=np.float32) if kind == "float32" else np.zeros((10, 10), dtype=np.uint16)
+    for name in ("x_val_000000.npy", "x_train_000001.npy"):
+        np.save(d / name, arr)
+    err = fails(capsys, str(d), "train", 2, 3)
+    assert f"holds a {arr.dtype} array of shape {arr.shape}, expected 1-D uint16" in err
+
+
+def test_two_sets_of_shards_in_one_directory(tmp_path, capsys):
+    d = make_shards(tmp_path, prefix="a")
+    make_shards(tmp_path, prefix="b")
+    assert "several data sets (a, b)" in fails(capsys, d, "train", 2, 3)
+
+
+def test_corrupted_shard_header(tmp_path, capsys):
+    d = make_shards(tmp_path)
+    path = os.path.join(d, "edufineweb_train_000003.npy")
+    with open(path, "r+b") as f:
+        f.write(b"garbage!")  # over the magic string and version
+    err = fails(capsys, d, "train", 2, 3)
+    assert f"shard {path} is truncated or not a .npy file" in err
+
+
+def test_truncated_shard_in_a_copied_directory(tmp_path, capsys):
+    """The error names the directory being read, and the original and its command from the manifest."""
+    import shutil
+    orig = make_shards(tmp_path / "orig", manifest=True)
+    copy = str(tmp_path / "copy")
+    shutil.copytree(orig, copy)
+    path = os.path.join(copy, "edufineweb_train_000002.npy")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 10)
+    err = fails(capsys, copy, "train", 2, 3)
+    assert f"shard {path} is truncated" in err
+    assert f"{copy} is a copy of {orig}, made by: python fineweb.py --out-dir {orig}" in err
+    assert f"with --out-dir {copy}" in err
+    TokenLoader(orig, "train", 2, 3)  # the original is intact
+    path = os.path.join(orig, "edufineweb_train_000002.npy")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 10)
+    err = fails(capsys, orig, "train", 2, 3)  # not a copy: re-running the command mends it
+    assert "re-run the command that made it" in err and "is a copy" not in err
 
 
 def test_missing_directory_and_split(tmp_path):
@@ -220,12 +291,12 @@ def test_broken_shards_and_manifests(tmp_path):
     path = os.path.join(d, "edufineweb_train_000002.npy")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 10)
-    with pytest.raises(UserError, match="unreadable or truncated"):
+    with pytest.raises(UserError, match="truncated"):
         TokenLoader(d, "train", 2, 3)
     d = make_shards(tmp_path / "inc", manifest=True)
     m = json.load(open(os.path.join(d, dataloader.MANIFEST)))
     write_manifest(d, m["shards"], complete=False)
-    with pytest.raises(UserError, match="not finished: run python fineweb.py"):
+    with pytest.raises(UserError, match="not finished: re-run .*python fineweb.py"):
         TokenLoader(d, "train", 2, 3)
     write_manifest(d, m["shards"] + [{"name": "edufineweb_train_000009.npy", "split": "train", "tokens": 5,
                                      "max_token": 5}])
