@@ -10,7 +10,7 @@ Pass --resume always: it continues the run in --log-dir if there is one, else st
 """
 
 import argparse
-import json
+import functools
 import math
 import os
 import random
@@ -20,17 +20,22 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+import checkpoint
 import common
-from common import UserError, print0
+from common import UserError
+from metrics import RunLog
 from model import GPT, GPTConfig, PRESETS
 
 # ----------------------------------------------------------------------------------------------
 # Configuration: every knob is a flag; defaults are the GPT-2 124M reproduction.
+
+DEFAULT_WARMUP = 715  # build-nanogpt's 375M tokens of warm-up, as in the GPT-3 paper, at 2**19 tokens/step
+DEFAULT_VAL_TOKENS = 10485760
 
 
 def build_parser():
@@ -59,7 +64,8 @@ def build_parser():
     a("--max-steps", type=int, default=19073, help="optimizer steps (default: 19073 = 10B tokens / 2**19)")
     a("--max-lr", type=float, default=6e-4, help="peak learning rate (default: 6e-4)")
     a("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --max-lr (default: 0.1)")
-    a("--warmup-steps", type=int, default=715, help="linear LR warm-up steps (default: 715)")
+    a("--warmup-steps", type=int, help=f"linear LR warm-up steps (default: {DEFAULT_WARMUP}, or 10%% of "
+                                       "--max-steps when that is fewer, so a short run leaves warm-up)")
     a("--weight-decay", type=float, default=0.1, help="AdamW weight decay on 2-D weights (default: 0.1)")
     a("--beta1", type=float, default=0.9, help="AdamW beta1 (default: 0.9)")
     a("--beta2", type=float, default=0.95, help="AdamW beta2 (default: 0.95)")
@@ -69,7 +75,9 @@ def build_parser():
       help="a NaN/inf loss or gradient norm: stop the run (default) or skip that step")
     # evaluation, sampling, checkpoints
     a("--eval-every", type=int, default=250, help="validation loss every N steps; 0 = off (default: 250)")
-    a("--val-tokens", type=int, default=10485760, help="tokens per validation (default: 10485760 = 20 x 2**19)")
+    a("--val-tokens", type=int, help=f"tokens per validation, never more than the whole val split (default: "
+                                     f"{DEFAULT_VAL_TOKENS} = 20 x 2**19, or a quarter of the tokens trained "
+                                     "between two validations when that is fewer)")
     a("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps; 0 = off (default: 250)")
     a("--hellaswag-file", help="local hellaswag_val.jsonl (default: download once to the cache)")
     a("--hellaswag-limit", type=int, help="score only the first N HellaSwag items (default: all 10,042)")
@@ -112,12 +120,14 @@ def parse_args(argv=None):
             raise UserError("--micro-batch-size must be at least 1")
     positive = ["block_size", "total_batch_size", "max_steps", "keep_checkpoints", "val_tokens"]
     for name in positive:
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ["warmup_steps", "eval_every", "hellaswag_every", "sample_every", "checkpoint_every",
+    for name in ["eval_every", "hellaswag_every", "sample_every", "checkpoint_every",
                  "timing_breakdown", "num_samples", "sample_tokens"]:
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} cannot be negative")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise UserError("--warmup-steps cannot be negative")
     if not (math.isfinite(args.max_lr) and args.max_lr > 0):
         raise UserError(f"--max-lr must be a positive number (got {args.max_lr})")
     if not 0 <= args.min_lr_ratio <= 1:
@@ -128,13 +138,20 @@ def parse_args(argv=None):
     if args.hellaswag_file is not None and not os.path.isfile(args.hellaswag_file):
         raise UserError(f"--hellaswag-file {args.hellaswag_file} does not exist; give the path of a "
                         f"hellaswag_val.jsonl, or leave it out to download the file once")
+    # defaults that scale with the run, resolved here so that the rest reads one value
+    args.warmup_auto = args.warmup_steps is None
+    if args.warmup_auto:
+        args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)
+    if args.val_tokens is None:
+        between = args.eval_every * args.total_batch_size // 4  # validation costs at most ~10% of training
+        args.val_tokens = min(DEFAULT_VAL_TOKENS, between) if args.eval_every else DEFAULT_VAL_TOKENS
     return args
 
 
 def get_lr(step, args):
     """Linear warm-up, then cosine decay to min_lr at max_steps (GPT-3 paper, appendix B)."""
     max_lr, min_lr = args.max_lr, args.max_lr * args.min_lr_ratio
-    if step < args.warmup_steps:
+    if step < args.warmup_steps:  # warmup_steps > 0 here
         return max_lr * (step + 1) / args.warmup_steps
     if step >= args.max_steps:
         return min_lr
@@ -213,39 +230,7 @@ def choose_micro_batch(args, dist, model, dtype):
 
 
 # ----------------------------------------------------------------------------------------------
-# Logging: one line per step in log.txt and stdout, the same keys in metrics.jsonl
-
-
-class RunLog:
-    """Rank 0 writes; other ranks hold a RunLog that does nothing."""
-
-    def __init__(self, log_dir, active):
-        self.active = active
-        self.log_dir = log_dir
-        self.text = self.metrics = None  # opened at the first write: bad input leaves no trace
-
-    def _open(self):
-        if self.text is None:
-            os.makedirs(self.log_dir, exist_ok=True)
-            self.text = open(os.path.join(self.log_dir, "log.txt"), "a", buffering=1)
-            self.metrics = open(os.path.join(self.log_dir, "metrics.jsonl"), "a", buffering=1)
-
-    def line(self, msg):
-        if self.active:
-            self._open()
-            print(msg, flush=True)
-            self.text.write(msg + "\n")
-
-    def record(self, kind, **fields):
-        if self.active:
-            self._open()
-            self.metrics.write(json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
-            self.metrics.flush()
-
-    def close(self):
-        if self.text is not None:
-            self.text.close()
-            self.metrics.close()
+# What produced a run (for its header)
 
 
 def git_commit():
@@ -260,6 +245,11 @@ def git_commit():
         return None
 
 
+# ----------------------------------------------------------------------------------------------
+# The optimizer step: one function, called by the training loop and by bench/ladder.py, so that a
+# speed-up the ladder measures is a speed-up of training.
+
+
 class PhaseTimer:
     """--timing-breakdown: wall time per phase, synchronising the GPU at each boundary."""
 
@@ -271,18 +261,14 @@ class PhaseTimer:
         self.steps = 0
         self._t = None
 
-    def _sync(self):
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize(self.device)
-
     def start(self):
         if self.enabled:
-            self._sync()
+            common.synchronize(self.device)
             self._t = time.perf_counter()
 
     def mark(self, phase):
         if self.enabled:
-            self._sync()
+            common.synchronize(self.device)
             now = time.perf_counter()
             self.totals[phase] += now - self._t
             self._t = now
@@ -296,87 +282,75 @@ class PhaseTimer:
         return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints
-
-
-def rng_state():
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def gather(obj, dist):
-    """A list with every rank's obj (on every rank)."""
-    if not dist.ddp:
-        return [obj]
-    import torch.distributed as tdist
-    out = [None] * dist.world_size
-    tdist.all_gather_object(out, obj)
-    return out
-
-
-# the settings a checkpoint cannot be resumed under if they change
-RESUME_INVARIANTS = ("block_size", "total_batch_size", "micro_batch_size", "world_size", "shuffle_seed")
-
-
-def write_checkpoint(args, dist, log, raw_model, optimizer, scaler, train_loader, step, run_config):
-    per_rank = gather({"train_loader": train_loader.state_dict(), "rng": rng_state()}, dist)
-    if not dist.is_master:
-        return None
-    path = common.checkpoint_path(args.log_dir, step)
-    common.save_checkpoint(path, {
-        "step": step,  # steps completed: a resume starts at this step
-        "model_config": asdict(raw_model.config),
-        "model": raw_model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),
-        "ranks": per_rank,
-        "config": run_config,
-    })
-    for old in common.list_checkpoints(args.log_dir)[:-args.keep_checkpoints]:
-        os.remove(old)
-    log.record("checkpoint", step=step, path=path)
-    log.line(f"checkpoint {path}")
-    return path
-
-
-def find_resume(args):
-    """Checkpoint path to resume from, or None to start fresh."""
-    if args.resume is None:
-        return None
-    if args.resume == "latest":
-        return common.latest_checkpoint(args.log_dir)
-    if os.path.isdir(args.resume):
-        found = common.latest_checkpoint(args.resume)
-        if found is None:
-            raise UserError(f"--resume {args.resume}: no ckpt_*.pt in that directory")
-        return found
-    if not os.path.exists(args.resume):
-        raise UserError(f"--resume {args.resume}: no such file; pass a ckpt_*.pt file, a log directory, "
-                        "or --resume alone for the latest in --log-dir")
-    return args.resume
+def train_step(model, optimizer, scaler, loader, grad_accum, dist, dtype, grad_clip=0.0, stop=False,
+               timer=None):
+    """One optimizer step: forward and backward over grad_accum micro-batches (DDP all-reduces the
+    gradients on the last one only), unscale, clip, and the update itself unless the loss or the
+    gradient norm is not finite (with fp16 the gradient scaler decides). The step's one host-device
+    sync also carries this rank's stop request to the others.
+    Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
+    timer = timer or PhaseTimer(dist.device, False)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    model.train()
+    loss_accum = torch.zeros((), device=dist.device)
+    for micro_step in range(grad_accum):
+        host = loader.next_host_batch()
+        timer.mark("data")
+        x, y = loader.to_device(host)
+        loader.prefetch_next()
+        timer.mark("copy")
+        last = micro_step == grad_accum - 1
+        with model.no_sync() if dist.ddp and not last else nullcontext():
+            with common.autocast(dist.device, dtype):
+                _, loss = model(x, y)
+            loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
+            loss_accum += loss.detach()
+            timer.mark("forward")
+            scaler.scale(loss).backward()
+            timer.mark("backward")
+    scaler.unscale_(optimizer)
+    # the gradients are already all-reduced, so every rank computes the same global norm
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    stats = torch.stack([loss_accum, norm.float(), torch.tensor(float(stop), device=dist.device)])
+    if dist.ddp:
+        import torch.distributed as tdist
+        stats /= dist.world_size
+        tdist.all_reduce(stats)  # mean loss, the same norm, and > 0 if any rank was signalled
+    loss_val, norm_val, stop_any = stats.tolist()
+    finite = math.isfinite(loss_val) and math.isfinite(norm_val)
+    if finite or dtype == "float16":
+        scaler.step(optimizer)  # with fp16 it skips the update by itself when gradients overflowed
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    timer.mark("optimizer")
+    return loss_val, norm_val, stop_any > 0, finite
 
 
 # ----------------------------------------------------------------------------------------------
-# Evaluation
+# Evaluation: validation loss, HellaSwag and samples, each stoppable between batches
+
+
+def stop_requested(stop, dist):
+    """True on every rank when any rank was signalled (a collective in a multi-process run)."""
+    flag = stop.signal is not None
+    if dist.ddp:
+        import torch.distributed as tdist
+        t = torch.tensor([float(flag)], device=dist.device)
+        tdist.all_reduce(t)
+        flag = t.item() > 0
+    return flag
 
 
 @torch.no_grad()
-def validation_loss(model, loader, steps, dist, dtype):
+def validation_loss(model, loader, steps, dist, dtype, should_stop):
+    """Mean loss over the first `steps` batches of the val split; None if a stop request came."""
     model.eval()
     loader.reset()
     total = torch.zeros((), device=dist.device)
     for _ in range(steps):
+        if should_stop():
+            model.train()
+            return None
         x_val, y_val = loader.next_batch()
         with common.autocast(dist.device, dtype):
             _, loss_val = model(x_val, y_val)
@@ -396,7 +370,7 @@ class HellaSwagHook:
         self.args, self.dist, self.log = args, dist, log
         self.items, self.failed = None, False
 
-    def __call__(self, raw_model, dtype):
+    def __call__(self, raw_model, dtype, should_stop):
         if self.failed:
             return None
         import hellaswag
@@ -416,22 +390,57 @@ class HellaSwagHook:
                 return None
             self.items = items
         raw_model.eval()
-        result = hellaswag.evaluate(raw_model, self.items, self.dist.device, dtype,
-                                    rank=self.dist.rank, world_size=self.dist.world_size)
+        result = hellaswag.evaluate(raw_model, self.items, self.dist.device, dtype, rank=self.dist.rank,
+                                    world_size=self.dist.world_size, should_stop=should_stop)
         raw_model.train()
         return result
 
 
-def print_samples(raw_model, args, dist, step, log):
+def print_samples(raw_model, args, dist, step, log, stop):
+    """Rank 0 only: a stop request ends generation at the next token (the others wait in a collective)."""
     enc = common.get_tokenizer()
     prompt = torch.tensor([enc.encode(args.sample_prompt)] * args.num_samples, device=dist.device)
     gen = torch.Generator(device=dist.device).manual_seed(args.seed + step)
     raw_model.eval()
-    out = raw_model.generate(prompt, args.sample_tokens, temperature=1.0, top_k=50, generator=gen)
+    new = []
+    for tokens in raw_model.generate_stream(prompt, args.sample_tokens, temperature=1.0, top_k=50, generator=gen):
+        new.append(tokens)
+        if stop.signal is not None:
+            break
     raw_model.train()
-    for i, row in enumerate(out.tolist()):
-        text = enc.decode(row).replace("\n", " ")
-        log.line(f"sample {i} | {text}")
+    rows = torch.cat([prompt] + [t[:, None] for t in new], dim=1).tolist()
+    for i, row in enumerate(rows):
+        log.line(f"sample {i} | {enc.decode(row).replace(chr(10), ' ')}")
+
+
+def evaluate(run, args, dist, log, step, stop):
+    """Validation, HellaSwag and samples due at the top of this step. False if a stop request cut
+    it short (then nothing of it is logged)."""
+    last_step = step == args.max_steps - 1
+    due = lambda every: every and (step % every == 0 or last_step)  # noqa: E731
+    should_stop = lambda: stop_requested(stop, dist)  # noqa: E731
+    evaluated = False
+    if run.val_loader is not None and due(args.eval_every):
+        val_loss = validation_loss(run.eval_model, run.val_loader, run.val_steps, dist, run.dtype, should_stop)
+        if val_loss is None:
+            return False
+        evaluated = True
+        log.line(f"step {step} | val_loss {val_loss:.4f}")
+        log.record("val", step=step, val_loss=val_loss, tokens=step * args.total_batch_size)
+    if due(args.hellaswag_every):
+        result = run.hella(run.raw_model, run.dtype, should_stop)
+        if result is None and should_stop():
+            return False
+        if result is not None:
+            evaluated = True
+            log.line(f"step {step} | hellaswag acc_norm {result['acc_norm']:.4f} "
+                     f"acc {result['acc']:.4f} n {result['n']}")
+            log.record("hellaswag", step=step, tokens=step * args.total_batch_size, **result)
+    if dist.is_master and step > 0 and due(args.sample_every):
+        print_samples(run.raw_model, args, dist, step, log, stop)
+    if evaluated and dist.is_master:
+        run.plotter.kick()
+    return True
 
 
 class PlotWriter:
@@ -464,7 +473,8 @@ class PlotWriter:
 
 
 # ----------------------------------------------------------------------------------------------
-# Signals: SIGTERM / Ctrl-C finish the current step, write a checkpoint and exit cleanly.
+# Signals: SIGTERM / Ctrl-C end the run within seconds, wherever it is: after the current step, or
+# between two evaluation batches; a checkpoint of the last finished step is written either way.
 
 
 class StopFlag:
@@ -483,7 +493,7 @@ class StopFlag:
 
 
 # ----------------------------------------------------------------------------------------------
-# Set-up helpers
+# Set-up: everything the loop needs, built once
 
 
 def build_model(args, ckpt):
@@ -510,27 +520,7 @@ def build_model(args, ckpt):
     return GPT(config), f"{args.model} preset" if shape == PRESETS[args.model] else "custom shape"
 
 
-def check_resume_compatible(ckpt, args, dist, path):
-    saved = ckpt["config"]
-    now = dict(vars(args), world_size=dist.world_size)
-    for key in RESUME_INVARIANTS:
-        if key == "micro_batch_size" and now[key] == "auto":
-            continue  # auto on resume means: the size the run was fitted with
-        if saved.get(key) != now.get(key):
-            flag = "world size (GPUs)" if key == "world_size" else "--" + key.replace("_", "-")
-            raise UserError(f"cannot resume {path}: it was trained with {flag} = {saved.get(key)}, "
-                            f"this run has {now.get(key)}; use the same setting, or a new --log-dir")
-    shape_flags = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd}
-    for key, value in shape_flags.items():
-        if value is not None and value != ckpt["model_config"][key]:
-            raise UserError(f"cannot resume {path}: its model has {key} = {ckpt['model_config'][key]}, "
-                            f"--{key.replace('_', '-')} asks for {value}; drop the flag or use a new --log-dir")
-    if os.path.abspath(saved["data_dir"]) != os.path.abspath(args.data_dir):
-        print0(f"note: resuming with --data-dir {args.data_dir} (the run began with {saved['data_dir']}); "
-               "the data loader checks that it is the same data")
-
-
-def startup_warnings(args, dist, dtype, micro_batch):
+def startup_warnings(args, dist, dtype, compile_on, micro_batch):
     warn = []
     if dist.device_type == "cpu" and torch.cuda.is_available():
         warn.append("training on the CPU although a CUDA GPU is present: drop --device cpu")
@@ -539,12 +529,111 @@ def startup_warnings(args, dist, dtype, micro_batch):
     if dist.device_type == "cuda":
         if dtype == "float32" and common.bf16_supported(dist.device):
             warn.append("float32 on a GPU with bfloat16: several times slower; use --dtype auto")
-        if not args.compile:
+        if not compile_on:
             warn.append("torch.compile is off on CUDA: expect ~1.5-2x slower steps; drop --no-compile")
         if micro_batch * args.block_size < 8192:
             warn.append(f"micro-batch of {micro_batch} x {args.block_size} tokens is small enough for the GPU "
                         "to idle; raise --micro-batch-size (or use auto)")
     return warn
+
+
+def setup(args, dist, log):
+    """Model, optimizer, scaler, loaders and position of this run, fresh or resumed: a namespace."""
+    import dataloader  # imported here so --help stays instant
+    run = SimpleNamespace(dtype=common.pick_dtype(args.dtype, dist.device))
+    compile_on = dist.device_type == "cuda" if args.compile is None else args.compile
+    if dist.device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
+        torch.backends.cudnn.allow_tf32 = True
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+    run.resume_path, ckpt = checkpoint.load_resume(args, dist, log)  # never silently write over an earlier run
+    run.last_ckpt = run.resume_path
+    run.saved_step = ckpt["step"] if ckpt is not None else None
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    raw_model, origin = build_model(args, ckpt)
+    if args.block_size > raw_model.config.block_size:
+        raise UserError(f"--block-size {args.block_size} exceeds the model's {raw_model.config.block_size}")
+    run.raw_model = raw_model.to(dist.device)
+    block_size = raw_model.config.block_size
+
+    # batch geometry: say each number once, derive the rest and assert it
+    if ckpt is not None:
+        micro_batch = ckpt["config"]["micro_batch_size"]
+    elif args.micro_batch_size == "auto":
+        micro_batch = choose_micro_batch(args, dist, raw_model, run.dtype)
+    else:
+        micro_batch = args.micro_batch_size
+    tokens_per_micro = micro_batch * block_size * dist.world_size
+    if args.total_batch_size % tokens_per_micro:
+        raise UserError(f"--total-batch-size {args.total_batch_size} is not divisible by micro-batch x block "
+                        f"size x GPUs = {micro_batch} x {block_size} x {dist.world_size} = {tokens_per_micro}")
+    run.grad_accum = args.total_batch_size // tokens_per_micro
+    assert run.grad_accum * tokens_per_micro == args.total_batch_size
+    run.config = dict(vars(args), block_size=block_size, micro_batch_size=micro_batch, compile=compile_on,
+                      world_size=dist.world_size, grad_accum=run.grad_accum, dtype=run.dtype, device=dist.device)
+
+    loader = functools.partial(dataloader.TokenLoader, args.data_dir, batch_size=micro_batch, seq_len=block_size,
+                               rank=dist.rank, world_size=dist.world_size, vocab_size=raw_model.config.vocab_size,
+                               device=dist.device)
+    run.train_loader = loader("train", shuffle_seed=args.shuffle_seed)
+    run.val_loader = loader("val") if args.eval_every else None
+    val_note = ""
+    if run.val_loader is not None:  # never more than the whole split: repeating it measures nothing new
+        run.val_steps = min(max(1, args.val_tokens // tokens_per_micro), run.val_loader.batches_per_epoch)
+        whole = run.val_steps == run.val_loader.batches_per_epoch
+        val_note = f" | val: {run.val_steps * tokens_per_micro:,} tokens{' (the whole split)' if whole else ''}"
+
+    run.optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, (args.beta1, args.beta2),
+                                                   args.eps, dist.device_type)
+    # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not
+    run.scaler = torch.amp.GradScaler(dist.device_type, enabled=(run.dtype == "float16"))
+    run.start_step = 0
+    if ckpt is not None:
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+        run.scaler.load_state_dict(ckpt["scaler"])
+        try:  # every rank moves in lockstep, so any rank's loader state restores this one
+            run.train_loader.load_state_dict(ckpt["ranks"][0]["train_loader"])
+        except UserError as e:
+            raise UserError(f"cannot resume {run.resume_path}: {e}")
+        checkpoint.set_rng_state(ckpt["ranks"][dist.rank]["rng"])
+        run.start_step = ckpt["step"]
+        del ckpt
+
+    model = torch.compile(raw_model) if compile_on else raw_model
+    run.eval_model = model  # compiled but not DDP-wrapped: evaluation runs on every rank, no gradient sync
+    if dist.ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[dist.local_rank] if dist.device_type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    run.model = model
+
+    # the run header: what produced this run
+    run.device_name = common.device_name(dist.device)
+    commit = git_commit()
+    log.record("run", step=run.start_step, max_steps=args.max_steps, tokens_per_step=args.total_batch_size,
+               resumed_from=run.resume_path, device=dist.device, device_name=run.device_name, dtype=run.dtype,
+               world_size=dist.world_size, versions=common.versions(), git=commit, config=run.config)
+    start = f"resuming {run.resume_path} at step {run.start_step}" if run.resume_path else "new run"
+    log.line(f"run: {start} | model {origin}, {raw_model.num_params() / 1e6:.1f}M parameters")
+    log.line(f"device {dist.device} ({run.device_name}) | dtype {run.dtype} | world size {dist.world_size} | "
+             f"compile {'on' if compile_on else 'off'} | git {commit} | torch {torch.__version__}")
+    log.line(f"batch {args.total_batch_size} tokens/step = micro-batch {micro_batch} x {block_size} tokens "
+             f"x {dist.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
+             f"{' (auto-fit)' if args.micro_batch_size == 'auto' and run.start_step == 0 else ''}{val_note}")
+    log.line(f"lr {args.max_lr:g}: {args.warmup_steps} warm-up steps"
+             f"{' (10% of --max-steps; --warmup-steps sets it)' if args.warmup_auto and args.warmup_steps < DEFAULT_WARMUP else ''}"
+             f", cosine to {args.max_lr * args.min_lr_ratio:g} at step {args.max_steps}")
+    for w in startup_warnings(args, dist, run.dtype, compile_on, micro_batch):
+        log.line(f"warning: {w}")
+    run.plotter = PlotWriter(args.log_dir, args.plot and dist.is_master)
+    run.hella = HellaSwagHook(args, dist, log)
+    return run
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,193 +651,41 @@ def train(args):
 
 
 def _train(args, dist, log):
-    import fineweb  # the shard reader; imported here so --help stays instant
-    dtype = common.pick_dtype(args.dtype, dist.device)
-    if args.compile is None:
-        args.compile = dist.device_type == "cuda"
-    if dist.device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
-        torch.backends.cudnn.allow_tf32 = True
-    if args.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-
-    # resume or fresh start: never silently write over an earlier run
-    resume_path = find_resume(args)
-    ckpt = common.load_checkpoint(resume_path) if resume_path else None
-    if ckpt is None and args.resume is None and os.path.exists(os.path.join(args.log_dir, "metrics.jsonl")):
-        raise UserError(f"{args.log_dir} already holds a run: pass --resume to continue it, "
-                        "or a new --log-dir for a new run")
-    if ckpt is not None:
-        check_resume_compatible(ckpt, args, dist, resume_path)
-
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    raw_model, origin = build_model(args, ckpt)
-    if args.block_size > raw_model.config.block_size:
-        raise UserError(f"--block-size {args.block_size} exceeds the model's {raw_model.config.block_size}")
-    raw_model.to(dist.device)
-    args.block_size = raw_model.config.block_size
-
-    # batch geometry: say each number once, derive the rest and assert it
-    if ckpt is not None:
-        micro_batch = ckpt["config"]["micro_batch_size"]
-    elif args.micro_batch_size == "auto":
-        micro_batch = choose_micro_batch(args, dist, raw_model, dtype)
-    else:
-        micro_batch = args.micro_batch_size
-    tokens_per_micro = micro_batch * args.block_size * dist.world_size
-    if args.total_batch_size % tokens_per_micro:
-        raise UserError(f"--total-batch-size {args.total_batch_size} is not divisible by micro-batch x block "
-                        f"size x GPUs = {micro_batch} x {args.block_size} x {dist.world_size} = {tokens_per_micro}")
-    grad_accum = args.total_batch_size // tokens_per_micro
-    assert grad_accum * tokens_per_micro == args.total_batch_size
-    run_config = dict(vars(args), micro_batch_size=micro_batch, world_size=dist.world_size,
-                      grad_accum=grad_accum, dtype=dtype, device=dist.device)
-
-    vocab = raw_model.config.vocab_size
-    train_loader = fineweb.TokenLoader(args.data_dir, "train", micro_batch, args.block_size, dist.rank,
-                                       dist.world_size, vocab_size=vocab, shuffle_seed=args.shuffle_seed,
-                                       device=dist.device)
-    val_loader = None
-    if args.eval_every:
-        val_loader = fineweb.TokenLoader(args.data_dir, "val", micro_batch, args.block_size, dist.rank,
-                                         dist.world_size, vocab_size=vocab, device=dist.device)
-    val_steps = max(1, args.val_tokens // tokens_per_micro)
-
-    optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, (args.beta1, args.beta2),
-                                               args.eps, dist.device_type)
-    # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not
-    scaler = torch.amp.GradScaler(dist.device_type, enabled=(dtype == "float16"))
-    start_step = 0
-    if ckpt is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scaler.load_state_dict(ckpt["scaler"])
-        mine = ckpt["ranks"][dist.rank]
-        try:
-            train_loader.load_state_dict(mine["train_loader"])
-        except UserError as e:
-            raise UserError(f"cannot resume {resume_path}: {e}")
-        set_rng_state(mine["rng"])
-        start_step = ckpt["step"]
-        del ckpt
-
-    model = torch.compile(raw_model) if args.compile else raw_model
-    eval_model = model  # compiled but not DDP-wrapped: evaluation runs on every rank, no gradient sync
-    if dist.ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[dist.local_rank] if dist.device_type == "cuda" else None,
-                    gradient_as_bucket_view=True)
-
-    # the run header: what produced this run
-    name = common.device_name(dist.device)
-    commit = git_commit()
-    log.record("run", step=start_step, max_steps=args.max_steps, tokens_per_step=args.total_batch_size,
-               resumed_from=resume_path, device=dist.device, device_name=name, dtype=dtype,
-               world_size=dist.world_size, versions=common.versions(), git=commit, config=run_config)
-    log.line(f"run: {'resuming ' + resume_path + ' at step ' + str(start_step) if resume_path else 'new run'} "
-             f"| model {origin}, {raw_model.num_params() / 1e6:.1f}M parameters")
-    log.line(f"device {dist.device} ({name}) | dtype {dtype} | world size {dist.world_size} | "
-             f"compile {'on' if args.compile else 'off'} | git {commit} | torch {torch.__version__}")
-    log.line(f"batch {args.total_batch_size} tokens/step = micro-batch {micro_batch} x {args.block_size} tokens "
-             f"x {dist.world_size} rank(s) x {grad_accum} accumulation step(s)"
-             f"{' (auto-fit)' if args.micro_batch_size == 'auto' and start_step == 0 else ''}")
-    for w in startup_warnings(args, dist, dtype, micro_batch):
-        log.line(f"warning: {w}")
-
+    run = setup(args, dist, log)
     stop = StopFlag()
     timer = PhaseTimer(dist.device, args.timing_breakdown > 0)
-    plotter = PlotWriter(args.log_dir, args.plot and dist.is_master)
-    hella = HellaSwagHook(args, dist, log)
-    last_ckpt = resume_path
-    reason = "finished"
-    step = start_step
-    for step in range(start_step, args.max_steps):
-        last_step = step == args.max_steps - 1
-
+    reason, step = "finished", run.start_step
+    for step in range(run.start_step, args.max_steps):
         # ---- evaluation, at the top of the step (so step 0 shows the untrained model)
         timer.start()
-        evaluated = False
-        if val_loader is not None and (step % args.eval_every == 0 or last_step):
-            evaluated = True
-            val_loss = validation_loss(eval_model, val_loader, val_steps, dist, dtype)
-            log.line(f"step {step} | val_loss {val_loss:.4f}")
-            log.record("val", step=step, val_loss=val_loss, tokens=step * args.total_batch_size)
-        if args.hellaswag_every and (step % args.hellaswag_every == 0 or last_step):
-            result = hella(raw_model, dtype)
-            if result is not None:
-                evaluated = True
-                log.line(f"step {step} | hellaswag acc_norm {result['acc_norm']:.4f} "
-                         f"acc {result['acc']:.4f} n {result['n']}")
-                log.record("hellaswag", step=step, tokens=step * args.total_batch_size, **result)
-        if args.sample_every and dist.is_master and step > 0 and (step % args.sample_every == 0 or last_step):
-            print_samples(raw_model, args, dist, step, log)
-        if evaluated and dist.is_master:
-            plotter.kick()
+        if not evaluate(run, args, dist, log, step, stop):
+            reason = "signal"
+            break
         timer.mark("eval")
 
         # ---- one optimizer step over grad_accum micro-batches
         t0 = time.perf_counter()
-        model.train()
-        loss_accum = torch.zeros((), device=dist.device)
-        for micro_step in range(grad_accum):
-            host = train_loader.next_host_batch()
-            timer.mark("data")
-            x, y = train_loader.to_device(host)
-            train_loader.prefetch_next()
-            timer.mark("copy")
-            # all-reduce the gradients only once, on the last micro-step
-            sync = micro_step == grad_accum - 1
-            with model.no_sync() if dist.ddp and not sync else nullcontext():
-                with common.autocast(dist.device, dtype):
-                    _, loss = model(x, y)
-                loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
-                loss_accum += loss.detach()
-                timer.mark("forward")
-                scaler.scale(loss).backward()
-                timer.mark("backward")
-        scaler.unscale_(optimizer)
-        # the gradients are already all-reduced, so every rank computes the same global norm
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                              args.grad_clip if args.grad_clip > 0 else float("inf"))
-        stop_flag = torch.tensor(float(stop.signal is not None), device=dist.device)
-        stats = torch.stack([loss_accum, norm.float(), stop_flag])
-        if dist.ddp:
-            import torch.distributed as tdist
-            stats /= dist.world_size
-            tdist.all_reduce(stats)  # mean loss, the same norm, and > 0 if any rank was signalled
-        loss_val, norm_val, stop_any = stats.tolist()  # the step's one host-device sync
         lr = get_lr(step, args)
-        for group in optimizer.param_groups:
+        for group in run.optimizer.param_groups:
             group["lr"] = lr
-        finite = math.isfinite(loss_val) and math.isfinite(norm_val)
-        skipped = False
-        if not finite and dtype != "float16":
-            if args.on_nonfinite == "stop":
-                log.line(f"step {step} | loss {loss_val} | grad_norm {norm_val}: non-finite; stopping. "
-                         f"The last good checkpoint is {last_ckpt or 'none (no checkpoint yet)'}: resume from it "
-                         "with a lower --max-lr, or pass --on-nonfinite skip")
-                log.record("end", step=step, reason="nonfinite")
-                return 3
-            skipped = True
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            scaler.step(optimizer)  # with fp16, skips the update by itself when gradients overflowed
-            scaler.update()
-            skipped = not finite
-        optimizer.zero_grad(set_to_none=True)
-        timer.mark("optimizer")
+        loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
+                                                  run.grad_accum, dist, run.dtype, args.grad_clip,
+                                                  stop.signal is not None, timer)
+        if not finite and run.dtype != "float16" and args.on_nonfinite == "stop":
+            log.line(f"step {step} | loss {loss} | grad_norm {norm}: non-finite; stopping. "
+                     f"The last good checkpoint is {run.last_ckpt or 'none (no checkpoint yet)'}: resume from "
+                     "it with a lower --max-lr, or pass --on-nonfinite skip")
+            log.record("end", step=step, reason="nonfinite")
+            return 3
         dt = time.perf_counter() - t0
         tok_per_s = args.total_batch_size / dt
-        mfu = raw_model.estimate_mfu(tok_per_s / dist.world_size, name, dtype, args.block_size)
+        mfu = run.raw_model.estimate_mfu(tok_per_s / dist.world_size, run.device_name, run.dtype)
         mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
-        log.line(f"step {step:5d} | loss {loss_val:.6f} | lr {lr:.4e} | grad_norm {norm_val:.4f} | "
+        log.line(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | grad_norm {norm:.4f} | "
                  f"dt_ms {1000 * dt:.1f} | tok_per_s {tok_per_s:.0f} | mfu {mfu_text}"
-                 + (" | skipped (non-finite)" if skipped else ""))
-        log.record("train", step=step, loss=loss_val, lr=lr, grad_norm=norm_val, dt_ms=1000 * dt,
-                   tok_per_s=tok_per_s, mfu=mfu, tokens=(step + 1) * args.total_batch_size, skipped=skipped)
+                 + ("" if finite else " | skipped (non-finite)"))
+        log.record("train", step=step, loss=loss, lr=lr, grad_norm=norm, dt_ms=1000 * dt, tok_per_s=tok_per_s,
+                   mfu=mfu, tokens=(step + 1) * args.total_batch_size, skipped=not finite)
         timer.steps += 1
         if args.timing_breakdown and timer.steps >= args.timing_breakdown:
             ms = timer.report()
@@ -757,26 +694,27 @@ def _train(args, dist, log):
                                               for k, v in ms.items()))
             log.record("timing", step=step, **{f"{k}_ms": v for k, v in ms.items()})
 
-        # ---- checkpoint: on schedule, at the end, and when asked to stop
+        # ---- checkpoint: on schedule and at the end
         done = step + 1
-        stopping = stop_any > 0
-        if stopping or done == args.max_steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
-            last_ckpt = write_checkpoint(args, dist, log, raw_model, optimizer, scaler, train_loader, done,
-                                         run_config) or last_ckpt
         if stopping:
-            reason = "signal"
-            log.line(f"stopped by {stop.signal or 'a signal on another rank'} after step {step}; "
-                     f"continue with: python train_gpt2.py --log-dir {args.log_dir} --resume")
+            reason, step = "signal", done
             break
+        if done == args.max_steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
+            checkpoint.write_checkpoint(run, args, dist, log, done)
 
-    if reason == "finished" and dist.is_master and args.export_hf:
+    if reason == "signal":  # `step` steps are done: keep them, unless the last checkpoint has them already
+        if run.saved_step != step:
+            checkpoint.write_checkpoint(run, args, dist, log, step)
+        log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {step} steps; "
+                 f"continue with: python train_gpt2.py --log-dir {args.log_dir} --resume")
+    elif dist.is_master and args.export_hf:
         out = os.path.join(args.log_dir, "hf")
-        raw_model.export_hf(out, tokenizer_files=common.gpt2_bpe_files())
+        run.raw_model.export_hf(out, tokenizer_files=common.gpt2_bpe_files())
         log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
-    log.record("end", step=step + 1 if reason == "finished" else step, reason=reason)
+    log.record("end", step=args.max_steps if reason == "finished" else step - 1, reason=reason)  # last step run
     if dist.is_master:
-        plotter.kick()
-        plotter.join()
+        run.plotter.kick()
+        run.plotter.join()
     return 0
 
 
