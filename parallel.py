@@ -1,0 +1,319 @@
+"""
+How the model is spread over processes: DDP (every rank holds everything, the default) or FSDP2
+(PyTorch's torch.distributed.fsdp.fully_shard: parameters, gradients and AdamW state sharded over
+the ranks), optional activation checkpointing, and the few places where the two differ for the
+trainer: gradient sync during accumulation, gradient clipping, full state dicts for checkpoints,
+and a per-GPU memory plan.
+
+Imports only torch, the standard library and model.py.
+
+Order the trainer follows (FSDP replaces the parameters with sharded DTensors, so anything that
+holds parameters is built after it):
+    raw_model.to(device)                       # load the checkpoint's model weights here (or later,
+                                               #   with load_model_state)
+    model = wrap_model(raw_model, ...)         # compiles, checkpoints and wraps/shards
+    optimizer = raw_model.configure_optimizers(...)   # after wrap_model: FSDP's sharded parameters
+    load_optimizer_state(model, optimizer, ckpt["optimizer"])
+    ... with grad_sync(model, last_micro_step): forward, backward
+    norm = clip_grad_norm(model, max_norm)
+    checkpoint: model_state(model), optimizer_state(model, optimizer) on every rank, saved by rank 0
+"""
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from model import PADDED_VOCAB_SIZE, Block
+
+SHARDINGS = ("none", "fsdp")
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapping
+
+
+def is_fsdp(model):
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(unwrap(model), FSDPModule)
+
+
+def unwrap(model):
+    """The GPT under DDP's .module and torch.compile's ._orig_mod. Under FSDP2 the GPT itself is
+    the sharded module (fully_shard works in place), so it is returned as is."""
+    from torch.nn.parallel import DistributedDataParallel
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        # non-reentrant: works with keyword arguments, with FSDP2's hooks and inside torch.compile
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def _set_block_forwards(raw_model, activation_checkpointing, compile_blocks):
+    """Replace each Block's forward by an instance attribute rather than wrapping the module:
+    checkpoint_wrapper and torch.compile(module) add '_checkpoint_wrapped_module.' / '_orig_mod.' to
+    the parameter names, and we want the names, and so the checkpoints, unchanged."""
+    for block in raw_model.transformer.h:
+        assert isinstance(block, Block)
+        forward = block.forward  # the bound Block.forward
+        if activation_checkpointing:
+            forward = _checkpointed(forward)  # keep each block's input, recompute the rest in backward
+        if compile_blocks:
+            forward = torch.compile(forward)  # compile sees the checkpoint (as torchtitan orders them)
+        block.forward = forward
+
+
+def mixed_precision_policy(dtype):
+    """FSDP2's mixed precision: 16-bit parameters in forward/backward (so the all-gathers move half
+    the bytes), fp32 gradient reduce-scatter and fp32 sharded master weights for AdamW."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    if dtype in ("bfloat16", "float16"):
+        return MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()  # fp32 throughout
+
+
+def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_checkpointing=False,
+               compile=False):
+    """The model to train. raw_model: the GPT, already on its device, not compiled.
+    sharding "none": the (compiled) model, DDP-wrapped when the world has more than one process;
+    raw_model keeps its plain parameters. "fsdp": raw_model itself, sharded in place (each Block,
+    then the root). Under FSDP every forward all-gathers parameters, so evaluation and sampling must
+    run on every rank through it, never on rank 0 alone; and the optimizer must be built after this.
+    dtype: 'float32' | 'bfloat16' | 'float16' (FSDP's parameter dtype in forward/backward)."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, not {sharding!r}")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if sharding == "none":
+        _set_block_forwards(raw_model, activation_checkpointing, compile_blocks=False)
+        model = torch.compile(raw_model) if compile else raw_model  # compile before DDP, as the trainer does
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(model, device_ids=[local_rank] if device_type == "cuda" else None,
+                        gradient_as_bucket_view=True)
+        return model
+
+    if not dist.is_initialized():
+        raise ValueError("sharding 'fsdp' needs torch.distributed initialised (torchrun, or a world of 1)")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(device_type, (world,))
+    policy = mixed_precision_policy(dtype)
+    # compile each block rather than the whole model: FSDP2's hooks run between blocks, and this is
+    # what torchtitan does with FSDP2 (one graph per block, compiled once and reused for all layers)
+    _set_block_forwards(raw_model, activation_checkpointing, compile_blocks=compile)
+    for block in raw_model.transformer.h:
+        # each block its own unit: only one or two blocks' full parameters exist at a time
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    # the root unit holds wte, wpe, ln_f and lm_head: the tied wte/lm_head weight (one Parameter)
+    # stays inside one unit, so FSDP sees it once; sharding wte and lm_head apart would break the tie
+    fully_shard(raw_model, mesh=mesh, mp_policy=policy)
+    return raw_model
+
+
+@contextmanager
+def grad_sync(model, enabled):
+    """Around forward and backward of a micro-step: enabled=False accumulates the gradients locally
+    without communication (DDP's no_sync, FSDP2's set_requires_gradient_sync(False)); the last
+    micro-step of a batch runs with enabled=True and reduces the sum."""
+    from torch.nn.parallel import DistributedDataParallel
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif is_fsdp(model):
+        fsdp = unwrap(model)
+        fsdp.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            fsdp.set_requires_gradient_sync(True)
+    else:
+        yield  # one process: nothing to sync
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip the global gradient norm to max_norm (inf: only measure); returns the norm before clipping
+    as a plain tensor, the same on every rank. Under FSDP the gradients are DTensor shards and
+    clip_grad_norm_ returns a replicated DTensor (already all-reduced over the shards)."""
+    norm = torch.nn.utils.clip_grad_norm_(unwrap(model).parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm
+
+
+# ----------------------------------------------------------------------------------------------
+# Full state dicts
+#
+# Checkpoints stay one ordinary file with the unsharded model and optimizer, gathered on rank 0,
+# rather than torch.distributed.checkpoint's directory of per-rank shards: sample.py, hellaswag.py
+# and the Hugging Face export keep one loader (GPT.load_state_dict), and DDP and FSDP runs write the
+# same format. The cost is gathering everything on rank 0's CPU when saving: ~6 GB of weights and
+# ~12 GB of AdamW moments at 1.5B parameters, fine at that size; much larger models would want
+# sharded checkpoints.
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def model_state(model):
+    """The full state dict of the GPT (same keys as GPT.state_dict(), CPU tensors). Call on every
+    rank under FSDP (it gathers); only rank 0's result is complete, the others get an empty dict."""
+    raw = unwrap(model)
+    if not is_fsdp(raw):
+        return {k: v.detach().cpu() for k, v in raw.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(raw, options=_options(cpu_offload=True))
+
+
+def load_model_state(model, state, from_rank0=False):
+    """Load a full state dict (GPT.state_dict() keys) into the model, sharded or not.
+    from_rank0: only rank 0 passes the dict (the others pass {}), which broadcasts it; otherwise
+    every rank passes the whole dict (each read the file)."""
+    raw = unwrap(model)
+    if not is_fsdp(raw):
+        raw.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(raw, state, options=_options(broadcast_from_rank0=from_rank0))
+
+
+def _param_names(raw):
+    """Parameter -> its name, in named_parameters order (the tied wte/lm_head weight once, as
+    transformer.wte.weight, like the optimizer sees it once)."""
+    return {p: name for name, p in raw.named_parameters()}
+
+
+def optimizer_state(model, optimizer):
+    """The optimizer's full state dict in the format optimizer.state_dict() has on the unsharded model
+    (parameters numbered in param-group order), CPU tensors; so a DDP checkpoint resumes under FSDP and
+    the other way round. Call on every rank under FSDP; rank 0 gets the whole dict, the others {}."""
+    raw = unwrap(model)
+    if not is_fsdp(raw):
+        return _to_cpu(optimizer.state_dict())
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    by_name = get_optimizer_state_dict(raw, optimizer, options=_options(cpu_offload=True))
+    if not by_name:
+        return {}
+    # torch.distributed.checkpoint names the parameters; number them back as optimizer.state_dict() does
+    names = [n for group in by_name["param_groups"] for n in group["params"]]
+    index = {n: i for i, n in enumerate(names)}
+    groups = []
+    for group in by_name["param_groups"]:
+        groups.append({**group, "params": [index[n] for n in group["params"]]})
+    return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
+
+
+def load_optimizer_state(model, optimizer, state, from_rank0=False):
+    """Load a state dict written by optimizer_state (or optimizer.state_dict() of an unsharded model)
+    into the optimizer, sharding it under FSDP. Build the optimizer after wrap_model and call this
+    before the first backward. from_rank0 as in load_model_state."""
+    raw = unwrap(model)
+    if not is_fsdp(raw):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    by_name = {}
+    if state:
+        names = _param_names(raw)
+        ordered = [names[p] for group in optimizer.param_groups for p in group["params"]]
+        saved = [i for group in state["param_groups"] for i in group["params"]]
+        if len(saved) != len(ordered):
+            raise ValueError(f"optimizer state has {len(saved)} parameters, the optimizer {len(ordered)}")
+        name_of = dict(zip(saved, ordered))
+        by_name = {
+            "state": {name_of[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
+    set_optimizer_state_dict(raw, optimizer, by_name, options=_options(broadcast_from_rank0=from_rank0))
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory plan
+
+
+def _dtype_bytes(dtype):
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
+def block_params(n_embd):
+    """Parameters of one GPT-2 block: attention 4h^2 + 4h, MLP 8h^2 + 5h, two LayerNorms 4h."""
+    return 12 * n_embd * n_embd + 13 * n_embd
+
+
+def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, n_layer, n_embd,
+                activation_checkpointing=False, vocab_size=PADDED_VOCAB_SIZE):
+    """Estimated bytes each GPU holds at the peak of a training step, as a dict with params, grads,
+    optimizer, activations and total. An estimate to choose settings by, not a measurement: it leaves
+    out the CUDA context, allocator fragmentation and communication buffers (plan ~10% margin).
+
+    - params: fp32 weights, 1/world of them under FSDP; under FSDP also the unsharded copies in the
+      compute dtype of the root (embeddings, ln_f) and two blocks (the current one and the prefetched
+      next); under DDP with 16-bit autocast, autocast's cached 16-bit copy of every weight.
+    - grads: fp32, 1/world under FSDP (DDP's buckets are the gradients: gradient_as_bucket_view).
+    - optimizer: AdamW's two fp32 moments, 1/world under FSDP.
+    - activations, s = block_size, b = micro_batch, h = n_embd: per layer 34*s*b*h bytes for 16-bit
+      (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+      s*b*h*(34 + 5*a*s/h) without tensor parallelism; flash attention (SDPA is_causal) stores no
+      s x s scores, dropping the 5*a*s/h term; GPT-2 has no dropout masks, which leaves the 34 a little
+      generous), twice that in fp32. With activation checkpointing only each block's input is kept,
+      4*s*b*h bytes (the residual stream is fp32 under autocast), plus one block's full activations
+      recomputed in backward. Plus the logits: s*b*V*(2 for the 16-bit logits + 4 for their fp32 copy
+      in cross_entropy + 4 for log-softmax), s*b*V*8 in fp32."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}, not {sharding!r}")
+    cb = _dtype_bytes(dtype)
+    shards = world_size if sharding == "fsdp" else 1
+    params = 4 * n_params / shards
+    if sharding == "fsdp":
+        per_block = block_params(n_embd)
+        root = n_params - n_layer * per_block
+        params += cb * (root + 2 * per_block)
+    elif cb == 2:
+        params += cb * n_params
+    grads = 4 * n_params / shards
+    optimizer = 8 * n_params / shards
+    sbh = block_size * micro_batch * n_embd
+    per_layer = 34 * sbh * cb // 2  # 34 sbh bytes in 16-bit, 68 sbh in fp32
+    if activation_checkpointing:
+        layers = n_layer * 4 * sbh + per_layer
+    else:
+        layers = n_layer * per_layer
+    logits = block_size * micro_batch * vocab_size * (10 if cb == 2 else 8)
+    activations = layers + logits
+    total = params + grads + optimizer + activations
+    return dict(params=params, grads=grads, optimizer=optimizer, activations=activations, total=total)
+
+
+def format_memory_plan(plan, capacity=None):
+    """One line: 'per GPU: params 3.1 GiB + grads 3.1 GiB + AdamW 6.2 GiB + activations ~9.0 GiB =
+    21.4 GiB of 24.0 GiB'. capacity: the GPU's bytes (torch.cuda.get_device_properties().total_memory)."""
+    gib = 2 ** 30
+    text = (f"per GPU: params {plan['params'] / gib:.1f} GiB + grads {plan['grads'] / gib:.1f} GiB "
+            f"+ AdamW {plan['optimizer'] / gib:.1f} GiB + activations ~{plan['activations'] / gib:.1f} GiB "
+            f"= {plan['total'] / gib:.1f} GiB")
+    if capacity:
+        text += f" of {capacity / gib:.1f} GiB"
+    return text

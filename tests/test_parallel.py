@@ -1,0 +1,281 @@
+"""parallel.py: FSDP2 and DDP on two CPU processes (gloo) against one process, activation
+checkpointing against none, an exact resume from full state dicts, and the memory plan's arithmetic."""
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import parallel
+from model import GPT, GPTConfig
+
+CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=100, padded_vocab_size=128)
+BATCH = 4     # sequences per optimizer step, over all ranks
+STEPS = 4
+RESUME_AT = 2
+
+
+def tiny_gpt(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**CONFIG))
+
+
+def batches():
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"] + 1), generator=g)
+            for _ in range(STEPS)]
+
+
+def train(model, optimizer, data, rank, world, accum):
+    """One optimizer step per batch, each rank on its slice, accum micro-steps each; returns the
+    step's mean loss and gradient norm (before clipping) as floats."""
+    per = BATCH // world
+    micro = per // accum
+    losses, norms = [], []
+    for batch in data:
+        mine = batch[rank * per:(rank + 1) * per]
+        loss_sum = torch.zeros(())
+        for m in range(accum):
+            xy = mine[m * micro:(m + 1) * micro]
+            with parallel.grad_sync(model, m == accum - 1):
+                _, loss = model(xy[:, :-1], xy[:, 1:])
+                loss = loss / accum
+                loss_sum += loss.detach()
+                loss.backward()
+        norm = parallel.clip_grad_norm(model, 1.0)
+        if world > 1:
+            dist.all_reduce(loss_sum)
+            loss_sum /= world
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss_sum.item())
+        norms.append(norm.item())
+    return losses, norms
+
+
+def run(raw, sharding, data, rank, world, accum, checkpointing=False, compile=False):
+    model = parallel.wrap_model(raw, sharding, "cpu", rank, "float32", checkpointing, compile)
+    optimizer = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
+    losses, norms = train(model, optimizer, data, rank, world, accum)
+    return model, optimizer, losses, norms
+
+
+def worker(rank, world, tmp):
+    """Every two-process scenario in one spawn (starting processes is the slow part)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    data = batches()
+    out = {}
+    try:
+        for name, sharding, ckpt in (("ddp", "none", False), ("fsdp", "fsdp", False),
+                                     ("fsdp_ac", "fsdp", True), ("ddp_ac", "none", True)):
+            model, opt, losses, norms = run(tiny_gpt(), sharding, data, rank, world, accum=2,
+                                            checkpointing=ckpt)
+            out[name] = dict(losses=losses, norms=norms, state=parallel.model_state(model))
+
+        # interrupted FSDP run: full state dicts after RESUME_AT steps, written by rank 0 only
+        model, opt, losses, _ = run(tiny_gpt(), "fsdp", data[:RESUME_AT], rank, world, accum=2)
+        m_state, o_state = parallel.model_state(model), parallel.optimizer_state(model, opt)
+        if rank == 0:
+            torch.save({"model": m_state, "optimizer": o_state}, f"{tmp}/ckpt.pt")
+        dist.barrier()
+        # a fresh, differently initialised model: the model state every rank reads from the file,
+        # the optimizer state broadcast from rank 0
+        ckpt = torch.load(f"{tmp}/ckpt.pt", weights_only=True)
+        raw = tiny_gpt(seed=1)
+        model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
+        opt = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
+        parallel.load_model_state(model, ckpt["model"])
+        parallel.load_optimizer_state(model, opt, ckpt["optimizer"] if rank == 0 else {}, from_rank0=True)
+        more, _ = train(model, opt, data[RESUME_AT:], rank, world, accum=2)
+        out["resumed"] = dict(losses=losses + more, state=parallel.model_state(model),
+                              optimizer_at_resume=o_state)
+
+        # per-block torch.compile under FSDP, with the aot_eager backend: the same graphs as
+        # inductor's up to code generation, without a C++ compile on a small CPU
+        real_compile = torch.compile
+        torch.compile = functools.partial(real_compile, backend="aot_eager")
+        try:
+            model, _, losses, _ = run(tiny_gpt(), "fsdp", data[:2], rank, world, accum=2,
+                                      checkpointing=True, compile=True)
+        finally:
+            torch.compile = real_compile
+        out["fsdp_ac_compile"] = dict(losses=losses, keys=list(parallel.model_state(model)))
+
+        # fp16 loss scaling: an inf in one rank's shard of the gradients must skip the step on every rank
+        raw = tiny_gpt()
+        model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
+        opt = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        x = data[0][:, :-1]
+        scaler.scale(model(x, x)[1]).backward()
+        if rank == 1:
+            raw.transformer.h[0].mlp.c_fc.weight.grad.to_local().view(-1)[0] = float("inf")
+        scaler.unscale_(opt)
+        out["found_inf"] = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
+    finally:
+        dist.destroy_process_group()
+    torch.save(out, f"{tmp}/out{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parallel")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(worker, args=(2, str(tmp)), nprocs=2, join=True)
+    return [torch.load(tmp / f"out{r}.pt", weights_only=False) for r in range(2)], tmp
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """The reference: one process, plain model, the same 4 sequences as 4 micro-steps of 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    raw = tiny_gpt()
+    _, _, losses, norms = run(raw, "none", batches(), 0, 1, accum=4)
+    half = tiny_gpt()
+    _, opt, _, _ = run(half, "none", batches()[:RESUME_AT], 0, 1, accum=4)
+    torch.set_num_threads(threads)
+    return dict(losses=losses, norms=norms, state=raw.state_dict(), optimizer_at_resume=opt.state_dict())
+
+
+def assert_states_close(a, b, rtol=1e-5, atol=1e-6):
+    assert list(a) == list(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=k)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_ac", "ddp_ac"])
+def test_two_processes_match_one_process(two_ranks, one_process, name):
+    (r0, r1), _ = two_ranks
+    got = r0[name]
+    assert got["losses"] == r1[name]["losses"]  # the reduced loss is the same on every rank
+    assert got["losses"] == pytest.approx(one_process["losses"], rel=1e-5)
+    assert got["norms"] == pytest.approx(one_process["norms"], rel=1e-5)
+    assert_states_close(got["state"], one_process["state"])
+    if name.startswith("fsdp"):
+        assert r1[name]["state"] == {}  # the full state dict is gathered on rank 0 only
+
+
+def test_activation_checkpointing_gives_the_same_training(two_ranks):
+    (r0, _), _ = two_ranks
+    assert r0["fsdp_ac"]["losses"] == pytest.approx(r0["fsdp"]["losses"], rel=1e-6)
+    assert_states_close(r0["fsdp_ac"]["state"], r0["fsdp"]["state"], rtol=1e-6, atol=1e-7)
+    assert r0["ddp_ac"]["losses"] == r0["ddp"]["losses"]  # recomputation, not approximation
+
+
+def test_fsdp_checkpoint_is_a_plain_gpt_state_dict(two_ranks):
+    """Activation checkpointing and sharding leave the names alone: sample.py's GPT.load_state_dict
+    reads the checkpoint, weight tying included."""
+    (r0, _), _ = two_ranks
+    state = r0["fsdp_ac"]["state"]
+    assert list(state) == list(tiny_gpt().state_dict())
+    assert all(v.device.type == "cpu" and not hasattr(v, "to_local") for v in state.values())
+    fresh = tiny_gpt(seed=1)
+    fresh.load_state_dict(state)  # strict
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+    assert r0["fsdp_ac_compile"]["keys"] == list(state)
+
+
+def test_fsdp_resume_from_full_state_dicts_is_exact(two_ranks):
+    (r0, _), _ = two_ranks
+    assert r0["resumed"]["losses"] == r0["fsdp"]["losses"]
+    for k, v in r0["fsdp"]["state"].items():
+        assert torch.equal(r0["resumed"]["state"][k], v), k
+
+
+def test_fsdp_optimizer_state_has_the_unsharded_format(two_ranks, one_process):
+    """optimizer_state numbers parameters as optimizer.state_dict() does on one process, so DDP and
+    FSDP checkpoints are interchangeable."""
+    (r0, _), _ = two_ranks
+    got, ref = r0["resumed"]["optimizer_at_resume"], one_process["optimizer_at_resume"]
+    assert got["param_groups"] == ref["param_groups"]
+    assert list(got["state"]) == list(ref["state"])
+    for i, s in ref["state"].items():
+        assert list(got["state"][i]) == list(s)
+        for key in s:
+            torch.testing.assert_close(got["state"][i][key], s[key], rtol=1e-4, atol=1e-7)
+
+
+def test_fsdp_per_block_compile_matches_eager(two_ranks):
+    (r0, _), _ = two_ranks
+    assert r0["fsdp_ac_compile"]["losses"] == pytest.approx(r0["fsdp"]["losses"][:2], rel=1e-6)
+
+
+def test_fsdp_grad_scaler_skips_on_every_rank_when_one_shard_overflows(two_ranks):
+    (r0, r1), _ = two_ranks
+    assert r0["found_inf"] > 0 and r1["found_inf"] > 0
+
+
+def test_grad_sync_and_clip_on_one_process():
+    raw = tiny_gpt()
+    model = parallel.wrap_model(raw, "none", "cpu", 0, "float32", activation_checkpointing=True)
+    assert model is raw  # no DDP in a world of one
+    x = batches()[0][:, :-1]
+    with parallel.grad_sync(model, False):
+        model(x, x)[1].backward()
+    norm = parallel.clip_grad_norm(model, float("inf"))
+    assert type(norm) is torch.Tensor and norm.item() > 0
+    with pytest.raises(ValueError, match="sharding"):
+        parallel.wrap_model(tiny_gpt(), "zero3", "cpu", 0, "float32")
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory plan: hand-computed numbers
+
+GIB = 2 ** 30
+
+
+def test_gpt2_xl_parameter_count():
+    # wte 50304*1600 + wpe 1024*1600 + 48 blocks * (12*1600^2 + 13*1600) + ln_f 2*1600
+    n = 50304 * 1600 + 1024 * 1600 + 48 * (12 * 1600 ** 2 + 13 * 1600) + 2 * 1600
+    assert n == 1_557_686_400
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=48, n_head=25, n_embd=1600))
+    assert sum(p.numel() for p in model.parameters()) == n
+    assert parallel.block_params(1600) * 48 == 48 * (12 * 1600 ** 2 + 13 * 1600)
+
+
+def test_memory_plan_ddp_gpt2_xl_fp32_does_not_shard():
+    n = 1_557_686_400
+    plan = parallel.memory_plan(n, 8, "none", "float32", micro_batch=1, block_size=1024, n_layer=48,
+                                n_embd=1600)
+    assert plan["params"] == 4 * n and plan["grads"] == 4 * n and plan["optimizer"] == 8 * n
+    sbh = 1024 * 1600
+    assert plan["activations"] == 48 * 68 * sbh + 1024 * 50304 * 8
+    assert plan["total"] == 16 * n + plan["activations"]
+    assert round(16 * n / 1e9, 1) == 24.9  # the ~25 GB that does not fit a 24 GB card before any activation
+
+
+def test_memory_plan_fsdp_gpt2_xl_bf16_with_checkpointing():
+    n, world, b, s, h, L = 1_557_686_400, 8, 8, 1024, 1600, 48
+    plan = parallel.memory_plan(n, world, "fsdp", "bfloat16", micro_batch=b, block_size=s, n_layer=L,
+                                n_embd=h, activation_checkpointing=True)
+    block = 12 * h * h + 13 * h
+    root = n - L * block  # wte, wpe, ln_f: 82,127,600
+    assert root == 50304 * 1600 + 1024 * 1600 + 3200
+    assert plan["params"] == 4 * n / 8 + 2 * (root + 2 * block)
+    assert plan["grads"] == 4 * n / 8
+    assert plan["optimizer"] == 8 * n / 8
+    sbh = s * b * h
+    assert plan["activations"] == L * 4 * sbh + 34 * sbh + s * b * 50304 * 10
+    # by hand, GiB: params 0.7254 shard + 0.2675 gathered (root + 2 blocks in bf16), grads 0.7254,
+    # AdamW 1.4507; activations 2.3438 block inputs + 0.4150 one block + 3.8379 logits
+    assert plan["params"] / GIB == pytest.approx(0.9928, abs=1e-4)
+    assert plan["activations"] / GIB == pytest.approx(6.5967, abs=1e-4)
+    assert plan["total"] / GIB == pytest.approx(9.7656, abs=1e-4)
+    line = parallel.format_memory_plan(plan, capacity=24 * GIB)
+    assert line == ("per GPU: params 1.0 GiB + grads 0.7 GiB + AdamW 1.5 GiB + activations ~6.6 GiB "
+                    "= 9.8 GiB of 24.0 GiB")
+
+
+def test_memory_plan_activations_without_checkpointing_and_ddp_autocast_copy():
+    plan = parallel.memory_plan(1000, 2, "none", "bfloat16", micro_batch=2, block_size=8, n_layer=3,
+                                n_embd=4, vocab_size=16)
+    assert plan["params"] == 4 * 1000 + 2 * 1000  # fp32 weights + autocast's bf16 copies
+    assert plan["activations"] == 3 * 34 * (8 * 2 * 4) + 8 * 2 * 16 * 10
+    with pytest.raises(ValueError):
+        parallel.memory_plan(1000, 2, "zero", "bfloat16", 2, 8, 3, 4)
