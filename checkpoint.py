@@ -6,6 +6,7 @@ trained with, and agreeing on it across ranks. The file format itself (atomic wr
 tag, the one loader every script uses) is common.py's.
 """
 
+import glob
 import os
 import random
 from dataclasses import asdict
@@ -48,7 +49,22 @@ def write_checkpoint(run, args, dist, log, step):
     if not dist.is_master:
         return
     path = common.checkpoint_path(args.log_dir, step)
-    common.save_checkpoint(path, {
+    for stale in glob.glob(os.path.join(glob.escape(args.log_dir), ".ckpt_*.pt.tmp*")):
+        os.remove(stale)  # left by a process killed mid-write; never read, since never renamed
+    try:
+        common.save_checkpoint(path, checkpoint_dict(run, step, per_rank))
+    except OSError as e:  # a full disk or a vanished mount: atomic_write left the earlier files whole
+        raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); the previous checkpoint "
+                        f"{run.last_ckpt or '(none yet)'} is intact: free space under --log-dir, then --resume")
+    for old in common.list_checkpoints(args.log_dir)[:-args.keep_checkpoints]:
+        os.remove(old)
+    log.record("checkpoint", step=step, path=path)
+    log.line(f"checkpoint {path}")
+    run.last_ckpt = path
+
+
+def checkpoint_dict(run, step, per_rank):
+    return {
         "step": step,  # steps completed: a resume starts at this step
         "model_config": asdict(run.raw_model.config),
         "model": run.raw_model.state_dict(),
@@ -56,12 +72,7 @@ def write_checkpoint(run, args, dist, log, step):
         "scaler": run.scaler.state_dict(),
         "ranks": per_rank,
         "config": run.config,
-    })
-    for old in common.list_checkpoints(args.log_dir)[:-args.keep_checkpoints]:
-        os.remove(old)
-    log.record("checkpoint", step=step, path=path)
-    log.line(f"checkpoint {path}")
-    run.last_ckpt = path
+    }
 
 
 # the settings a checkpoint cannot be resumed under if they change

@@ -237,6 +237,20 @@ def latest_checkpoint(log_dir):
     return ckpts[-1] if ckpts else None
 
 
+def check_output_dir(path, flag):
+    """UserError unless `path` is, or can be made as, a directory this process may write in; made
+    only later, by whatever writes first, so that bad input leaves nothing behind."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a file, not a directory: pass a directory (it is made if missing)")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f"{flag} {path} cannot be made: {parent} is a file; pass a directory path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: {parent} is not writable by this user; pass a directory you can write to")
+
+
 def atomic_write(path, write_fn):
     """write_fn(f) into a temporary file beside path, fsync, then rename over path: a kill at any
     moment leaves either the old file or the new one, never half of one."""
@@ -273,8 +287,10 @@ def load_checkpoint(path, map_location="cpu"):
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as e:  # truncated zip, pickle garbage, ...
-        raise UserError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:120]}); "
-                        "it may be truncated: use an earlier ckpt_*.pt from the same directory")
+        # the first sentence only: torch's messages run on for lines of advice
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0].rstrip(".")
+        raise UserError(f"{path} is not a readable checkpoint, truncated or corrupt ({reason}); use an "
+                        "earlier ckpt_*.pt from the same directory, or --resume alone for the newest that loads")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"{path} is not a checkpoint written by train_gpt2.py")
     return ckpt

@@ -135,6 +135,7 @@ def parse_args(argv=None):
     if args.total_batch_size % args.block_size:
         raise UserError(f"--total-batch-size {args.total_batch_size} is not a multiple of "
                         f"--block-size {args.block_size}")
+    common.check_output_dir(args.log_dir, "--log-dir")
     if args.hellaswag_file is not None and not os.path.isfile(args.hellaswag_file):
         raise UserError(f"--hellaswag-file {args.hellaswag_file} does not exist; give the path of a "
                         f"hellaswag_val.jsonl, or leave it out to download the file once")

@@ -1,9 +1,11 @@
 """train_gpt2.py end to end on a tiny model: learning, DDP equivalence, multi-node launch,
 kill -9 / SIGTERM and resume, bad input, export."""
+import errno
 import json
 import math
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -276,6 +278,10 @@ BAD = {
                                         "micro-batch-size"),
     "bad micro-batch": (["--micro-batch-size", "lots"], "micro-batch-size"),
     "hellaswag file missing": (["--hellaswag-every", "1", "--hellaswag-file", "{base}/hs.jsonl"], "hellaswag-file"),
+    "log dir is a file": (["--log-dir", "{junk}"], "is a file"),
+    "log dir under a file": (["--log-dir", "{junk}/run1"], "cannot be made"),
+    "resume with a larger block size": (["--log-dir", "{ref}", "--resume", "--block-size", "64"], "--block-size = 32"),
+    "negative warm-up": (["--warmup-steps", "-1"], "warmup-steps"),
 }
 
 
@@ -346,3 +352,96 @@ def test_timing_breakdown_reports_phases(data_dir, tmp_path):
     t = records(log_dir, "timing")
     assert len(t) == 2 and all(t[0][k] >= 0 for k in ("data_ms", "forward_ms", "backward_ms"))
     assert t[0]["forward_ms"] > 0 and t[0]["eval_ms"] > 0  # step 0 ran a validation
+
+
+def test_short_run_leaves_warmup():
+    import train_gpt2
+    args = train_gpt2.parse_args(["--max-steps", "50"])
+    assert args.warmup_steps == 5  # 10% of the run, not 715 steps the run never reaches
+    assert train_gpt2.get_lr(5, args) == pytest.approx(6e-4)
+    assert train_gpt2.parse_args(["--max-steps", "50", "--warmup-steps", "40"]).warmup_steps == 40  # as asked
+
+
+def test_validation_covers_the_val_split_at_most_once(data_dir, tmp_path):
+    import dataloader
+    args = [a if a != "128" else "1000000000" for a in TINY]  # --val-tokens 1e9 (and the batch stays 128)
+    args[args.index("--total-batch-size") + 1] = "128"
+    p = run(args + ["--data-dir", data_dir, "--log-dir", str(tmp_path / "log"), "--max-steps", "1"])
+    whole = dataloader.TokenLoader(data_dir, "val", 2, 32).batches_per_epoch * 2 * 32
+    assert f"val: {whole:,} tokens (the whole split)" in p.stdout
+    assert len(records(str(tmp_path / "log"), "val")) == 1
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint(data_dir, reference_run, tmp_path):
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    older, newest = common.list_checkpoints(reference_run)  # steps 9 and 10
+    for path in (older, newest):
+        shutil.copy(path, log_dir)
+    cut = log_dir / os.path.basename(newest)
+    cut.write_bytes(cut.read_bytes()[:5000])  # as a full disk or a copy cut short would leave it
+    args = TINY + ["--data-dir", data_dir, "--log-dir", str(log_dir), "--max-steps", "10", "--checkpoint-every", "3",
+                   "--resume"]
+    p = run(args)
+    skipped = [l for l in p.stdout.splitlines() if l.startswith("resume: skipped")]
+    assert len(skipped) == 1 and cut.name in skipped[0] and "truncated or corrupt" in skipped[0]
+    assert f"resuming {log_dir / os.path.basename(older)} at step 9" in p.stdout
+    _, model_a, _ = final_state(reference_run)
+    _, model_b, _ = final_state(str(log_dir))
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+    for path in common.list_checkpoints(str(log_dir)):  # none loads: one line, nothing written
+        with open(path, "wb") as f:
+            f.write(b"garbage")
+    p = run(args, check=False)
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "none of the 2 checkpoints" in lines[0], p.stderr
+
+
+def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_path):
+    """A stop request in the middle of a long HellaSwag pass ends it at the next batch: no figure
+    is logged for it, the run keeps the steps it finished, and a resume continues exactly."""
+    hs = tmp_path / "hellaswag_val.jsonl"
+    item = {"ctx": "The cat sees a red ball and", "endings": ["it runs.", "the dog likes books.", "a.", "we paint."]}
+    hs.write_text("".join(json.dumps(dict(item, label=i % 4)) + "\n" for i in range(20000)))  # minutes to score
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "3"]
+    proc = subprocess.Popen([sys.executable, TRAIN] + args + ["--hellaswag-every", "5", "--hellaswag-file", str(hs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("step 0 | val_loss"):  # HellaSwag comes next
+            proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=600)
+    text = "".join(out)
+    assert proc.returncode == 0 and "stopped by SIGTERM after 0 steps" in text, text[-2000:]
+    assert records(log_dir, "hellaswag") == [] and records(log_dir, "end")[-1]["reason"] == "signal"
+    assert [os.path.basename(p) for p in common.list_checkpoints(log_dir)] == ["ckpt_000000.pt"]
+    run(args + ["--resume"])
+    assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch):
+    import train_gpt2
+    real_save = torch.save
+
+    def save(obj, f, *a, **kw):
+        if obj.get("step") == 6:
+            f.write(b"half a checkpoint")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *a, **kw)
+    monkeypatch.setattr(torch, "save", save)
+    # the trainer installs its own signal handlers: pytest's come back afterwards
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    log_dir = str(tmp_path / "log")
+    args = train_gpt2.parse_args(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10",
+                                         "--checkpoint-every", "3"])
+    try:
+        with pytest.raises(common.UserError, match="No space left on device") as e:
+            train_gpt2.train(args)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert "ckpt_000003.pt is intact" in str(e.value) and "\n" not in str(e.value)
+    assert sorted(f for f in os.listdir(log_dir) if "ckpt" in f) == ["ckpt_000003.pt"]  # no half file left
+    assert common.load_checkpoint(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
