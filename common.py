@@ -165,8 +165,10 @@ class Dist:
         return self.device.split(":")[0]
 
 
-def setup_distributed(requested_device="auto"):
-    """Initialise torch.distributed when launched by torchrun (NCCL on CUDA, gloo on CPU)."""
+def setup_distributed(requested_device="auto", timeout_s=None):
+    """Initialise torch.distributed when launched by torchrun (NCCL on CUDA, gloo on CPU). A
+    collective that waits longer than timeout_s fails (NCCL's watchdog aborts the process), so a
+    dead or hung rank ends the group in bounded time and torchrun --max-restarts can start it again."""
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Dist(device=pick_device(requested_device))  # plain python, or torchrun with one process
     import torch.distributed as dist
@@ -181,7 +183,9 @@ def setup_distributed(requested_device="auto"):
     else:
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        import datetime
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     return Dist(rank, local_rank, world_size, device)
 
 

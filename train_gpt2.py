@@ -99,6 +99,16 @@ def build_parser():
                                       "bfloat16, float16 or float32")
     a("--compile", action=argparse.BooleanOptionalAction, default=None,
       help="torch.compile the model (default: on for CUDA, off elsewhere)")
+    a("--sharding", choices=["none", "fsdp"], default="none",
+      help="none (default): DDP, every GPU holds the whole model and optimizer; fsdp: FSDP2 shards "
+           "parameters, gradients and AdamW state over the GPUs (GPT-2 XL on 16-24 GB cards)")
+    a("--fsdp", dest="sharding", action="store_const", const="fsdp", help="the same as --sharding fsdp")
+    a("--activation-checkpointing", action="store_true",
+      help="recompute each block's activations in backward: ~30%% more compute, far less memory")
+    a("--dist-timeout", type=float, default=15.0,
+      help="minutes a collective may wait for the other ranks before the group fails, so that a dead or "
+           "hung rank ends the run (and torchrun --max-restarts starts it again) instead of hanging it "
+           "(default: 15; raise it if a checkpoint takes longer to write)")
     a("--deterministic", action="store_true",
       help="deterministic kernels for reproducibility studies (slower; data order never depends on it)")
     a("--seed", type=int, default=1337, help="seed for initialisation and sampling (default: 1337)")
@@ -128,6 +138,8 @@ def parse_args(argv=None):
             raise UserError(f"--{name.replace('_', '-')} cannot be negative")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise UserError("--warmup-steps cannot be negative")
+    if not (math.isfinite(args.dist_timeout) and args.dist_timeout > 0):
+        raise UserError(f"--dist-timeout must be a positive number of minutes (got {args.dist_timeout})")
     if not (math.isfinite(args.max_lr) and args.max_lr > 0):
         raise UserError(f"--max-lr must be a positive number (got {args.max_lr})")
     if not 0 <= args.min_lr_ratio <= 1:
@@ -617,10 +629,14 @@ def setup(args, dist, log):
     # the run header: what produced this run
     run.device_name = common.device_name(dist.device)
     commit = git_commit()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun for its workers
     log.record("run", step=run.start_step, max_steps=args.max_steps, tokens_per_step=args.total_batch_size,
                resumed_from=run.resume_path, device=dist.device, device_name=run.device_name, dtype=run.dtype,
-               world_size=dist.world_size, versions=common.versions(), git=commit, config=run.config)
+               world_size=dist.world_size, versions=common.versions(), git=commit, config=run.config,
+               restart=restart)
     start = f"resuming {run.resume_path} at step {run.start_step}" if run.resume_path else "new run"
+    if restart:
+        start += f" | torchrun restart {restart} (after a worker failed)"
     log.line(f"run: {start} | model {origin}, {raw_model.num_params() / 1e6:.1f}M parameters")
     log.line(f"device {dist.device} ({run.device_name}) | dtype {run.dtype} | world size {dist.world_size} | "
              f"compile {'on' if compile_on else 'off'} | git {commit} | torch {torch.__version__}")
@@ -642,7 +658,7 @@ def setup(args, dist, log):
 
 
 def train(args):
-    dist = common.setup_distributed(args.device)
+    dist = common.setup_distributed(args.device, timeout_s=60 * args.dist_timeout)
     log = RunLog(args.log_dir, dist.is_master)
     try:
         return _train(args, dist, log)
@@ -651,12 +667,28 @@ def train(args):
         common.teardown_distributed()
 
 
+# For tests only: "RANK:STEP" makes that rank SIGKILL itself at the start of that step, in the first
+# launch only (not after a torchrun restart), to check that --max-restarts with --resume recovers.
+TEST_KILL_ENV = "TRAIN_GPT2_TEST_KILL"
+
+
+def kill_step_for_tests(dist):
+    spec = os.environ.get(TEST_KILL_ENV)
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return None
+    rank, step = (int(v) for v in spec.split(":"))
+    return step if rank == dist.rank else None
+
+
 def _train(args, dist, log):
     run = setup(args, dist, log)
+    kill_at = kill_step_for_tests(dist)
     stop = StopFlag()
     timer = PhaseTimer(dist.device, args.timing_breakdown > 0)
     reason, step = "finished", run.start_step
     for step in range(run.start_step, args.max_steps):
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         # ---- evaluation, at the top of the step (so step 0 shows the untrained model)
         timer.start()
         if not evaluate(run, args, dist, log, step, stop):

@@ -445,3 +445,25 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path
     assert "ckpt_000003.pt is intact" in str(e.value) and "\n" not in str(e.value)
     assert sorted(f for f in os.listdir(log_dir) if "ckpt" in f) == ["ckpt_000003.pt"]  # no half file left
     assert common.load_checkpoint(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
+
+
+def test_torchrun_restart_after_a_killed_rank_resumes_by_itself(data_dir, tmp_path):
+    """torchrun --max-restarts with --resume: rank 1 dies with SIGKILL mid-run, the group is started
+    again, resumes from the last checkpoint, and ends with the weights of a run that never failed."""
+    args = TINY + ["--data-dir", data_dir, "--max-steps", "8", "--checkpoint-every", "3", "--eval-every", "0",
+                   "--resume"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    ref = str(tmp_path / "ref")
+    p = subprocess.run(launch + [TRAIN] + args + ["--log-dir", ref], capture_output=True, text=True, env=ENV,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    log_dir = str(tmp_path / "log")
+    env = dict(ENV, TRAIN_GPT2_TEST_KILL="1:5")  # rank 1 kills itself at step 5, two steps past a checkpoint
+    p = subprocess.run(launch + ["--max-restarts=1", TRAIN] + args + ["--log-dir", log_dir], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert [h["restart"] for h in records(log_dir, "run")] == [0, 1]
+    assert "torchrun restart 1" in p.stdout and "resuming" in p.stdout
+    _, model_a, optim_a = final_state(ref)
+    _, model_b, optim_b = final_state(log_dir)
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)  # bit for bit on CPU
