@@ -111,9 +111,11 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
     # compile each block rather than the whole model: FSDP2's hooks run between blocks, and this is
     # what torchtitan does with FSDP2 (one graph per block, compiled once and reused for all layers)
     _set_block_forwards(raw_model, activation_checkpointing, compile_blocks=compile)
-    for block in raw_model.transformer.h:
-        # each block its own unit: only one or two blocks' full parameters exist at a time
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+    blocks = raw_model.transformer.h
+    for i, block in enumerate(blocks):
+        # each block its own unit: only one or two blocks' full parameters exist at a time. The last
+        # block stays gathered after forward, since backward starts with it (as torchtitan does)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
     # the root unit holds wte, wpe, ln_f and lm_head: the tied wte/lm_head weight (one Parameter)
     # stays inside one unit, so FSDP sees it once; sharding wte and lm_head apart would break the tie
     fully_shard(raw_model, mesh=mesh, mp_policy=policy)

@@ -57,6 +57,7 @@ def train(model, optimizer, data, rank, world, accum):
 
 def run(raw, sharding, data, rank, world, accum, checkpointing=False, compile=False):
     model = parallel.wrap_model(raw, sharding, "cpu", rank, "float32", checkpointing, compile)
+    assert parallel.is_fsdp(model) == (sharding == "fsdp")
     optimizer = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
     losses, norms = train(model, optimizer, data, rank, world, accum)
     return model, optimizer, losses, norms
@@ -81,17 +82,20 @@ def worker(rank, world, tmp):
         if rank == 0:
             torch.save({"model": m_state, "optimizer": o_state}, f"{tmp}/ckpt.pt")
         dist.barrier()
-        # a fresh, differently initialised model: the model state every rank reads from the file,
-        # the optimizer state broadcast from rank 0
-        ckpt = torch.load(f"{tmp}/ckpt.pt", weights_only=True)
-        raw = tiny_gpt(seed=1)
-        model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
-        opt = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
-        parallel.load_model_state(model, ckpt["model"])
-        parallel.load_optimizer_state(model, opt, ckpt["optimizer"] if rank == 0 else {}, from_rank0=True)
-        more, _ = train(model, opt, data[RESUME_AT:], rank, world, accum=2)
-        out["resumed"] = dict(losses=losses + more, state=parallel.model_state(model),
-                              optimizer_at_resume=o_state)
+        # into a fresh, differently initialised model, each state once read by every rank from the
+        # file and once broadcast from rank 0
+        for model_from_rank0 in (False, True):
+            ckpt = torch.load(f"{tmp}/ckpt.pt", weights_only=True)
+            raw = tiny_gpt(seed=1)
+            model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
+            opt = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
+            parallel.load_model_state(model, ckpt["model"] if rank == 0 or not model_from_rank0 else {},
+                                      from_rank0=model_from_rank0)
+            parallel.load_optimizer_state(model, opt, ckpt["optimizer"] if rank == 0 or model_from_rank0 else {},
+                                          from_rank0=not model_from_rank0)
+            more, _ = train(model, opt, data[RESUME_AT:], rank, world, accum=2)
+            out[f"resumed{int(model_from_rank0)}"] = dict(losses=losses + more, state=parallel.model_state(model))
+        out["optimizer_at_resume"] = o_state
 
         # per-block torch.compile under FSDP, with the aot_eager backend: the same graphs as
         # inductor's up to code generation, without a C++ compile on a small CPU
@@ -180,18 +184,19 @@ def test_fsdp_checkpoint_is_a_plain_gpt_state_dict(two_ranks):
     assert r0["fsdp_ac_compile"]["keys"] == list(state)
 
 
-def test_fsdp_resume_from_full_state_dicts_is_exact(two_ranks):
+@pytest.mark.parametrize("resumed", ["resumed0", "resumed1"])
+def test_fsdp_resume_from_full_state_dicts_is_exact(two_ranks, resumed):
     (r0, _), _ = two_ranks
-    assert r0["resumed"]["losses"] == r0["fsdp"]["losses"]
+    assert r0[resumed]["losses"] == r0["fsdp"]["losses"]
     for k, v in r0["fsdp"]["state"].items():
-        assert torch.equal(r0["resumed"]["state"][k], v), k
+        assert torch.equal(r0[resumed]["state"][k], v), k
 
 
 def test_fsdp_optimizer_state_has_the_unsharded_format(two_ranks, one_process):
     """optimizer_state numbers parameters as optimizer.state_dict() does on one process, so DDP and
     FSDP checkpoints are interchangeable."""
     (r0, _), _ = two_ranks
-    got, ref = r0["resumed"]["optimizer_at_resume"], one_process["optimizer_at_resume"]
+    got, ref = r0["optimizer_at_resume"], one_process["optimizer_at_resume"]
     assert got["param_groups"] == ref["param_groups"]
     assert list(got["state"]) == list(ref["state"])
     for i, s in ref["state"].items():
@@ -221,6 +226,30 @@ def test_grad_sync_and_clip_on_one_process():
     assert type(norm) is torch.Tensor and norm.item() > 0
     with pytest.raises(ValueError, match="sharding"):
         parallel.wrap_model(tiny_gpt(), "zero3", "cpu", 0, "float32")
+
+
+def saved_for_backward_bytes(model, x):
+    """Bytes autograd keeps between forward and backward (what checkpointing is for)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(x, x)
+    loss.backward()
+    return sum(saved)
+
+
+def test_activation_checkpointing_keeps_less_for_backward():
+    x = batches()[0][:, :-1]
+    plain = saved_for_backward_bytes(tiny_gpt(), x)
+    raw = tiny_gpt()
+    names = list(raw.state_dict())
+    parallel.wrap_model(raw, "none", "cpu", 0, "float32", activation_checkpointing=True)
+    assert list(raw.state_dict()) == names
+    checkpointed = saved_for_backward_bytes(raw, x)
+    assert checkpointed < 0.5 * plain  # 0.26 here: the logits stay, the blocks do not
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,3 +308,17 @@ def test_memory_plan_activations_without_checkpointing_and_ddp_autocast_copy():
     assert plan["activations"] == 3 * 34 * (8 * 2 * 4) + 8 * 2 * 16 * 10
     with pytest.raises(ValueError):
         parallel.memory_plan(1000, 2, "zero", "bfloat16", 2, 8, 3, 4)
+
+
+def test_whole_model_compile_with_checkpointing_matches_eager(monkeypatch):
+    """sharding 'none' compiles the whole model (before DDP), checkpointed blocks inside it."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    x = batches()[0][:, :-1]
+    _, want = tiny_gpt()(x, x)
+    raw = tiny_gpt()
+    model = parallel.wrap_model(raw, "none", "cpu", 0, "float32", activation_checkpointing=True, compile=True)
+    assert parallel.unwrap(model) is raw and list(raw.state_dict()) == list(tiny_gpt().state_dict())
+    _, loss = model(x, x)
+    loss.backward()
+    torch.testing.assert_close(loss, want)
+    assert raw.transformer.h[0].attn.c_attn.weight.grad is not None
