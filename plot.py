@@ -27,6 +27,7 @@ import argparse
 import math
 import os
 import statistics
+import textwrap
 
 import common
 from common import UserError
@@ -37,6 +38,7 @@ GPT2_VAL_LOSS = 3.2924   # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as 
 GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, HellaSwag acc_norm on the 10,042 validation examples (build-nanogpt)
 GPT3_HELLASWAG = 0.337   # GPT-3 Small (125M), zero-shot HellaSwag (Brown et al. 2020, "Language Models are Few-Shot Learners")
 LOSS_REFERENCES = [(GPT2_VAL_LOSS, f"OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: {GPT2_VAL_LOSS})")]
+LEGEND_WIDTH = 30  # characters per legend line: longer labels wrap, so legends stay narrow
 HELLASWAG_REFERENCES = [(GPT3_HELLASWAG, f"GPT-3 124M {GPT3_HELLASWAG} (Brown et al. 2020)"),
                         (GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {GPT2_HELLASWAG}")]
 
@@ -243,28 +245,39 @@ def _late(values):
 
 def write_plot(log_dirs, out_png, labels=None, smooth=None):
     """Plot one or more runs (a log directory, or a list of them) into out_png, written
-    atomically (a viewer never sees half a file). Labels default to the directory names;
-    smooth is the EMA span in steps (default auto_span of the longest run). Returns False, writing nothing,
-    when matplotlib is not installed. No pyplot: a Figure renders with Agg directly, so this
-    is headless, keeps no global state and can run beside a training loop."""
+    atomically (a viewer never sees half a file); see build_figure for labels and smooth.
+    Returns False, writing nothing, when matplotlib is not installed."""
+    out_dir = os.path.dirname(os.path.abspath(out_png))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"cannot write {out_png}: directory {out_dir} does not exist")
+    fig = build_figure(log_dirs, labels, smooth)
+    if fig is None:
+        return False
+    common.atomic_write(out_png, lambda f: fig.savefig(f, format="png"))
+    return True
+
+
+def build_figure(log_dirs, labels=None, smooth=None):
+    """The four panels of one or more runs as a matplotlib Figure, or None when matplotlib is not
+    installed. Labels default to the directory names; smooth is the EMA span in steps (default
+    auto_span of the longest run). No pyplot: a Figure renders with Agg directly, so this is
+    headless, keeps no global state and can run beside a training loop."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import FuncFormatter
     except ImportError:
-        return False
+        return None
     log_dirs = [log_dirs] if isinstance(log_dirs, (str, os.PathLike)) else list(log_dirs)
     labels = list(labels) if labels else default_labels(log_dirs)
     if len(labels) != len(log_dirs):
         raise UserError(f"{len(labels)} label(s) for {len(log_dirs)} log directories: give one each")
-    out_dir = os.path.dirname(os.path.abspath(out_png))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"cannot write {out_png}: directory {out_dir} does not exist")
     runs = [read_metrics(d) for d in log_dirs]
 
     # one span for every run, so that an ablation and its baseline are smoothed alike
     span = smooth or auto_span(max(len(m["train"]) for m in runs))
     smoothing = f"EMA over {span} steps" if span > 1 else "per step"
-    fig = Figure(figsize=(14, 9), dpi=100, layout="constrained")
+    # wider than the panels need: each panel's legend sits to its right (see below)
+    fig = Figure(figsize=(17, 9), dpi=100, layout="constrained")
     (ax_loss, ax_hs), (ax_tps, ax_mfu) = fig.subplots(2, 2)
     loss_late, loss_all = [GPT2_VAL_LOSS], [GPT2_VAL_LOSS]
     for i, (m, label) in enumerate(zip(runs, labels)):
@@ -323,17 +336,20 @@ def write_plot(log_dirs, out_png, labels=None, smooth=None):
     max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m[k]])
     scale, unit = next((s, u) for s, u in ((1e9, "billions"), (1e6, "millions"), (1e3, "thousands"), (1, ""))
                        if max_tokens >= s)
-    for ax, where in ((ax_loss, "upper right"), (ax_hs, "lower right"), (ax_tps, "lower right"),
-                      (ax_mfu, "lower right")):
+    for ax in (ax_loss, ax_hs, ax_tps, ax_mfu):
         ax.set_xlim(-0.02 * max_tokens, 1.02 * max_tokens)  # the same on every panel, empty ones too
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / scale:g}"))
         ax.set_xlabel(f"tokens seen ({unit})" if unit else "tokens seen")
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc=where)
+        handles, texts = ax.get_legend_handles_labels()
+        if handles:
+            # outside the panel, to its right: any corner inside covers some run's curves (a short
+            # run's loss starts top left, a long one's ends bottom right), and loc="best" only
+            # picks the least bad spot. Constrained layout makes room for it.
+            ax.legend(handles, [textwrap.fill(t, LEGEND_WIDTH) for t in texts], fontsize=8,
+                      loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.suptitle("GPT-2 training: " + ", ".join(labels))
-    common.atomic_write(out_png, lambda f: fig.savefig(f, format="png"))
-    return True
+    return fig
 
 
 # ----------------------------------------------------------------------------------------------

@@ -170,6 +170,49 @@ def test_plot_of_one_run_and_an_overlay(logs, tmp_path):
     assert width > 400 and height > 300
 
 
+def legend_problems(fig):
+    """What each legend of a drawn figure covers: plotted points, a panel, a title, an axis
+    label or tick label (all in display coordinates), or the figure's edge."""
+    renderer = fig.canvas.get_renderer()
+    problems = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent(renderer)
+        if not fig.bbox.contains(box.x0, box.y0) or not fig.bbox.contains(box.x1, box.y1):
+            problems.append(f"{ax.get_title()!r}: legend cut off by the figure's edge")
+        for other in fig.axes:
+            if box.overlaps(other.bbox):
+                problems.append(f"{ax.get_title()!r}: legend over the panel {other.get_title()!r}")
+            texts = [other.title, other.xaxis.label, other.yaxis.label]
+            texts += other.get_xticklabels() + other.get_yticklabels()
+            for t in texts:
+                if t.get_visible() and t.get_text() and box.overlaps(t.get_window_extent(renderer)):
+                    problems.append(f"{ax.get_title()!r}: legend over the text {t.get_text()!r}")
+            for line in other.lines:
+                xy = other.transData.transform(line.get_xydata())
+                # the points and 20 more along each segment: a legend can cover a line between points
+                points = [a + (b - a) * k / 20 for a, b in zip(xy[:-1], xy[1:]) for k in range(20)] + list(xy[-1:])
+                if any(other.bbox.contains(x, y) and box.contains(x, y) for x, y in points):
+                    problems.append(f"{ax.get_title()!r}: legend over points of {line.get_label()!r}")
+    return problems
+
+
+def test_legends_hide_nothing(logs, tmp_path):
+    """A short run's loss starts in the top left corner and a long run's ends bottom right: no
+    corner inside a panel is free for every run, so each legend must sit where no data is."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    dirs, _ = logs
+    short = write_log(tmp_path / "short", launch(0, 9, 0.0, seed=9, max_steps=10, val_every=5, end="finished"))
+    for runs in ([short], [dirs["full"], dirs["resumed"], dirs["cpu"], short]):
+        fig = plot.build_figure(runs)
+        FigureCanvasAgg(fig).draw()  # constrained layout places everything at draw time
+        assert sum(ax.get_legend() is not None for ax in fig.axes) == 4  # the check below has work to do
+        assert legend_problems(fig) == []
+
+
 @pytest.fixture(scope="module", autouse=True)
 def missing_dir_cli(tmp_path_factory):
     """The real command line on a directory that does not exist. It pays about 3 s for importing
