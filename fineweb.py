@@ -2,14 +2,18 @@
 Data preparation: text in, uint16 GPT-2 token shards out (dataloader.py reads them back for training).
 
     python fineweb.py                       # FineWeb-Edu sample-10BT -> edu_fineweb10B/ (~10B tokens)
-    python fineweb.py --data-files 'corpus/*.jsonl' --out-dir data/corpus --shard-size 10000000
+    python fineweb.py --data-files 'corpus/*.jsonl' --out-dir data/corpus   # works offline
     python fineweb.py --out-dir data/corpus --verify
 
-Every document is preceded by <|endoftext|>; the first shard is the validation split, the rest
-are train: <prefix>_val_000000.npy, <prefix>_train_000001.npy, ... (plain .npy files, as in
-build-nanogpt), with manifest.json beside them (source, tokenizer, shards, token counts, sha256).
-Shards are written atomically and the manifest after each one, so a re-run after a kill goes on
-from the last whole shard and produces the same bytes as an uninterrupted run.
+Every document is preceded by <|endoftext|>. The stream's first --val-tokens (10M) are the
+validation split, <prefix>_val_000000.npy, or a tenth of a corpus under ten times that; the rest
+are train shards of --shard-size (100M), <prefix>_train_000001.npy, ... (plain .npy, as in
+build-nanogpt), so a corpus smaller than one shard works with the defaults. manifest.json records
+source, tokenizer, shards, token counts, sha256 and the command. Shards are written atomically and
+the manifest after each, so a re-run after a kill goes on from the last whole shard and produces
+the same bytes as an uninterrupted run. The output directory is made only once the source has
+been read and checked: bad input leaves nothing behind. Offline, a hub dataset loads from the
+datasets cache or fails at once, naming --data-files.
 
 Speed: the main process reads text (Arrow, memory-mapped by `datasets`) and hands batches of
 documents to one worker process per core; workers tokenize with tiktoken into numpy and send
@@ -18,22 +22,23 @@ number of workers. A writer thread writes finished shards while tokenization goe
 """
 
 import argparse
+import codecs
+import contextlib
 import glob
-import hashlib
-import json
 import multiprocessing
 import os
 import re
 import shlex
 import sys
+import tempfile
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from common import EOT_TOKEN, UserError, atomic_write, get_tokenizer, run_main, versions
-from dataloader import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, first_line, read_manifest
+from common import EOT_TOKEN, UserError, get_tokenizer, hub_unreachable, run_main, versions
+from dataloader import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, VAL_SHARE, ShardWriter, first_line, intact,
+                        plan_resume, read_manifest, verify, write_manifest)
 from model import GPT2_VOCAB_SIZE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +48,7 @@ DEFAULT_OUT_DIR = os.path.join(HERE, "edu_fineweb10B")
 DEFAULT_PREFIX = "edufineweb"  # build-nanogpt's shard names, so its scripts find ours
 FILE_KINDS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+HUB_NAME = re.compile(r"[\w.\-]+(/[\w.\-]+)?")  # a hub id (owner/name), not a local path
 READ_DOCS = 256          # documents per Arrow read
 TASK_BYTES = 1 << 20     # text per worker task: ~250k tokens, ~0.1 s of tiktoken, IPC cost < 1%
 TASKS_PER_WORKER = 4     # in flight per worker: enough to hide a slow read, bounded memory
@@ -67,6 +73,9 @@ def parse_args(argv=None):
                           "instead of --dataset; works offline")
     src.add_argument("--sample-by", default="document", choices=("document", "paragraph", "line"),
                      help="for .txt files: what one document is")
+    src.add_argument("--encoding-errors", default="strict", choices=("strict", "replace"),
+                     help="for .txt / .json / .jsonl files, bytes that are not UTF-8: strict stops before any "
+                          "work, naming the file and byte offset; replace reads them as U+FFFD")
     src.add_argument("--streaming", action="store_true",
                      help="read the dataset as it downloads instead of caching it first "
                           "(less disk; a resume re-reads the skipped documents)")
@@ -77,8 +86,12 @@ def parse_args(argv=None):
                           "dataset; required otherwise)")
     out.add_argument("--prefix", default=None,
                      help=f"shard name prefix (default: {DEFAULT_PREFIX} for the default dataset, data otherwise)")
-    out.add_argument("--shard-size", type=int, default=10**8, help="tokens per shard")
-    out.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (quick experiments)")
+    out.add_argument("--shard-size", type=int, default=10**8, help="tokens per train shard")
+    out.add_argument("--val-tokens", type=int, default=10**7,
+                     help=f"tokens of the validation split (the stream's first ones); a corpus with fewer than "
+                          f"{VAL_SHARE}x this many gives a tenth of its tokens instead")
+    out.add_argument("--max-tokens", type=int, default=None,
+                     help="stop after this many tokens, validation included (quick experiments)")
     out.add_argument("--workers", type=int, default=cpu_count(), help="tokenizer processes (1: no subprocesses)")
     out.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
                      help="multiprocessing start method (default: the platform's)")
@@ -100,12 +113,10 @@ def parse_args(argv=None):
         args.prefix = DEFAULT_PREFIX if default_source else "data"
     if not re.fullmatch(r"[A-Za-z0-9.\-]+", args.prefix):
         raise UserError(f"--prefix {args.prefix!r}: use letters, digits, '.' and '-' only")
-    if args.shard_size < 1:
-        raise UserError(f"--shard-size must be >= 1 token (got {args.shard_size})")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise UserError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
-    if args.workers < 1:
-        raise UserError(f"--workers must be >= 1 (got {args.workers})")
+    # --max-tokens: a token for validation and one for training, at least
+    for flag, least in (("shard_size", 1), ("val_tokens", 1), ("max_tokens", 2), ("workers", 1)):
+        if getattr(args, flag) is not None and getattr(args, flag) < least:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= {least} (got {getattr(args, flag)})")
     args.command = "python fineweb.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     return args
 
@@ -146,14 +157,71 @@ def describe_source(args):
                   "split": args.split}
         if kind == "text":
             source["sample_by"] = args.sample_by
+        if kind in ("text", "json"):
+            source["encoding_errors"] = args.encoding_errors
     else:
         source = {"dataset": args.dataset, "name": args.name, "split": args.split}
     source["text_column"] = args.text_column
     return source
 
 
-def load_source(args, source):
-    """The documents as a datasets.Dataset (or IterableDataset with --streaming), one column."""
+def first_bad_utf8(path, chunk=1 << 23):
+    """Offset of the first byte of a file that is not UTF-8, or None."""
+    decoder, pos = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(chunk)
+            held = len(decoder.getstate()[0])  # the start of a character cut by the last chunk's end
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                return pos - held + e.start
+            if not data:
+                return None
+            pos += len(data)
+
+
+def check_utf8(files):
+    """Stop at the first byte that is not UTF-8, naming the file: `datasets` fails on one in a
+    .txt file without saying which file, and keeps one from a .json file for a later crash.
+    Compressed files are left to `datasets` (load_source words its error)."""
+    for path in files:
+        offset = None if path.endswith(COMPRESSED) else first_bad_utf8(path)
+        if offset is not None:
+            raise UserError(f"{path} is not UTF-8 text: byte {offset:,} is not valid UTF-8; convert the file to "
+                            "UTF-8, or pass --encoding-errors replace to read such bytes as U+FFFD")
+
+
+def hub_problem(args, source):
+    """Why the hub cannot be reached, when the source is a hub dataset; None otherwise. A quick
+    probe, so that an offline machine is told at once instead of after a minute of retries."""
+    if "data_files" in source or os.path.exists(args.dataset) or not HUB_NAME.fullmatch(args.dataset):
+        return None
+    return hub_unreachable()
+
+
+def load_cached(args, kwargs):
+    """A hub dataset from the datasets cache without the network, or None if it is not there.
+    `datasets` and huggingface_hub read HF_HUB_OFFLINE at import, so their copies are set."""
+    import datasets
+    import datasets.config as dconf
+    import huggingface_hub.constants as hconf
+    from datasets.load import CachedDatasetModuleFactory
+    try:  # the lookup load_dataset itself falls back on when the hub fails: a glob of the cache
+        CachedDatasetModuleFactory(args.dataset, cache_dir=args.cache_dir).get_module()
+    except OSError:
+        return None
+    saved = dconf.HF_HUB_OFFLINE, hconf.HF_HUB_OFFLINE
+    dconf.HF_HUB_OFFLINE = hconf.HF_HUB_OFFLINE = True
+    try:
+        return datasets.load_dataset(args.dataset, name=args.name, **kwargs)
+    finally:
+        dconf.HF_HUB_OFFLINE, hconf.HF_HUB_OFFLINE = saved
+
+
+def load_source(args, source, offline=None):
+    """The documents as a datasets.Dataset (or IterableDataset with --streaming), one column.
+    offline: why the hub cannot be reached (then only the datasets cache is tried)."""
     import datasets
     from datasets.exceptions import DatasetNotFoundError, DatasetGenerationError
     offline_hint = ("to work offline, prepare local files instead: "
@@ -165,7 +233,14 @@ def load_source(args, source):
             what = f"--data-files ({len(source['data_files'])} {source['kind']} files)"
             if source["kind"] == "text":
                 kwargs["sample_by"] = source["sample_by"]
+            if source["kind"] in ("text", "json"):
+                kwargs["encoding_errors"] = source["encoding_errors"]
             ds = datasets.load_dataset(source["kind"], data_files=source["data_files"], **kwargs)
+        elif offline:
+            ds = None if args.streaming else load_cached(args, kwargs)
+            if ds is None:
+                raise UserError(f"cannot download {what}: {offline}, and it is not in the datasets cache "
+                                f"(--streaming never is); {offline_hint}")
         else:
             ds = datasets.load_dataset(args.dataset, name=args.name, **kwargs)
     except DatasetNotFoundError as e:
@@ -175,6 +250,9 @@ def load_source(args, source):
         raise UserError(f"could not reach the Hugging Face hub for {what} ({first_line(e)}); {offline_hint}")
     except DatasetGenerationError as e:
         cause = e.__cause__ or e
+        if isinstance(cause, UnicodeDecodeError):  # from a compressed file the UTF-8 check could not open
+            raise UserError(f"{what} holds bytes that are not UTF-8 ({first_line(cause)}): convert the files "
+                            "to UTF-8, or pass --encoding-errors replace")
         raise UserError(f"could not read {what}: {type(cause).__name__}: {first_line(cause)} "
                         "(an empty or malformed file?)")
     except ValueError as e:
@@ -207,16 +285,28 @@ def text_bytes(column):
     return pc.sum(pc.binary_length(column)).as_py() or 0
 
 
-def read_tasks(ds, start_doc, column):
+def read_tasks(ds, start_doc, column, encoding_errors="strict"):
     """Yield (texts, bytes): runs of consecutive documents of about TASK_BYTES, from start_doc."""
+    import pyarrow as pa
     import pyarrow.compute as pc
     if start_doc:
         ds = ds.skip(start_doc)
+    doc = start_doc
     for table in ds.with_format("arrow").iter(batch_size=READ_DOCS):
         if table.num_rows == 0:
             continue
+        if column not in table.column_names:  # a streamed source may say its columns only now
+            raise UserError(f"the source has no column {column!r}; its columns are: "
+                            f"{', '.join(table.column_names)} (choose one with --text-column)")
         col = table.column(column)
-        texts = col.to_pylist()
+        try:
+            texts = col.to_pylist()
+        except UnicodeDecodeError as e:  # `datasets` puts json text into Arrow without checking its UTF-8
+            if encoding_errors == "strict":
+                raise UserError(f"a document from number {doc:,} on is not UTF-8 ({first_line(e)}): convert the "
+                                "input to UTF-8, or pass --encoding-errors replace")
+            texts = [b and b.decode("utf-8", "replace") for b in col.cast(pa.large_binary()).to_pylist()]
+        doc += table.num_rows
         sizes = np.cumsum(pc.fill_null(pc.binary_length(col), 0).to_numpy())
         # cut where the running byte count crosses each multiple of TASK_BYTES
         cuts = np.searchsorted(sizes, np.arange(TASK_BYTES, sizes[-1], TASK_BYTES), side="left") + 1
@@ -286,38 +376,27 @@ def _encode_task(task):
 
 
 # ----------------------------------------------------------------------------------------------
-# The output directory and its manifest
+# The output directory
 
 
-def shard_name(prefix, index):
-    return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
-
-
-def write_manifest(out_dir, manifest):
-    data = json.dumps(manifest, indent=1).encode()
-    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(data))
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def open_out_dir(out_dir, settings):
-    """Create or check the output directory; return its manifest if it holds our shards of the
+def check_out_dir(out_dir, settings):
+    """Check the output directory without creating it (prepare() does, once the source has been
+    read, so bad input leaves nothing behind). Return its manifest if it holds our shards of the
     same source and settings (to continue them), None if it is new or empty."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"--out-dir {out_dir} is a file, not a directory")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, f".write-test{os.getpid()}"), "wb"):
-            pass
-        os.remove(os.path.join(out_dir, f".write-test{os.getpid()}"))
+    parent = os.path.abspath(out_dir)
+    while not os.path.exists(parent):  # the nearest existing directory is where it will be made
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError(f"cannot write to --out-dir {out_dir}: {parent} is a file; choose another directory")
+    try:  # a real write, not os.access: that says yes to root on a read-only file system
+        os.rmdir(tempfile.mkdtemp(prefix=".write-test", dir=parent))
     except OSError as e:
-        raise UserError(f"cannot write to --out-dir {out_dir} ({e.strerror or e}): choose a writable directory")
+        raise UserError(f"cannot write to --out-dir {out_dir} ({e.strerror or e} in {parent}): "
+                        "choose a writable directory")
+    if not os.path.isdir(out_dir):
+        return None
     manifest = read_manifest(out_dir)
     if manifest is None:
         if [f for f in os.listdir(out_dir) if not f.startswith(".")]:
@@ -331,21 +410,6 @@ def open_out_dir(out_dir, settings):
     return manifest
 
 
-def plan_resume(out_dir, manifest, max_tokens):
-    """Shards of an earlier run to keep: the leading full ones (a partial last shard is made
-    again, so stopping early with --max-tokens and going on later gives the same bytes)."""
-    keep = []
-    for s in manifest["shards"]:
-        if s["tokens"] != manifest["shard_size"] or not os.path.isfile(os.path.join(out_dir, s["name"])):
-            break
-        keep.append(s)
-    done = sum(s["tokens"] for s in keep)
-    if max_tokens is not None and done > max_tokens:
-        raise UserError(f"{out_dir} already holds {done:,} tokens, more than --max-tokens {max_tokens:,}: "
-                        "use another --out-dir")
-    return keep
-
-
 def remove_stale(out_dir, prefix, keep):
     """Delete shards past the kept ones and temporary files left by a kill."""
     kept = {s["name"] for s in keep}
@@ -356,61 +420,19 @@ def remove_stale(out_dir, prefix, keep):
             os.remove(os.path.join(out_dir, f))
 
 
+def discard(out_dir, manifest, created):
+    """Undo a run that leaves nothing worth keeping: its shards, the manifest, and the directory
+    if this run made it, so that the next try starts clean."""
+    for f in [s["name"] for s in manifest["shards"]] + [MANIFEST]:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out_dir, f))
+    if created:
+        with contextlib.suppress(OSError):  # not empty after all: leave it, and the error that brought us here
+            os.rmdir(out_dir)
+
+
 # ----------------------------------------------------------------------------------------------
 # Preparation
-
-
-class ShardWriter:
-    """Fills shard_size-token buffers; a background thread writes each full one (shard, then
-    manifest, both atomically) while the caller goes on filling the next."""
-
-    def __init__(self, out_dir, manifest, log):
-        self.out_dir, self.manifest, self.log = out_dir, manifest, log
-        self.size = manifest["shard_size"]
-        self.index = len(manifest["shards"])
-        self.buf = np.empty(self.size, dtype=TOKEN_DTYPE)
-        self.fill = 0
-        self.thread = ThreadPoolExecutor(1)
-        self.pending = None
-
-    def add(self, tokens, end_at):
-        """Append tokens; end_at(n) -> [document, offset] just after the first n of them."""
-        pos = 0
-        while pos < len(tokens):
-            take = min(self.size - self.fill, len(tokens) - pos)
-            self.buf[self.fill:self.fill + take] = tokens[pos:pos + take]
-            self.fill += take
-            pos += take
-            if self.fill == self.size:
-                self.flush(end_at(pos))
-
-    def flush(self, end):
-        if self.fill == 0:
-            return
-        self.wait()
-        buf, n, index = self.buf, self.fill, self.index
-        self.pending = self.thread.submit(self._write, buf, n, index, end)
-        self.buf = np.empty(self.size, dtype=TOKEN_DTYPE)  # the thread owns the old one now
-        self.fill, self.index = 0, index + 1
-
-    def _write(self, buf, n, index, end):
-        name = shard_name(self.manifest["prefix"], index)
-        path = os.path.join(self.out_dir, name)
-        atomic_write(path, lambda f: np.save(f, buf[:n]))
-        entry = {"name": name, "split": "val" if index == 0 else "train", "tokens": int(n),
-                 "max_token": int(buf[:n].max()), "sha256": sha256_file(path), "end": [int(e) for e in end]}
-        self.manifest["shards"].append(entry)
-        write_manifest(self.out_dir, self.manifest)
-        self.log(f"wrote {name} ({n:,} tokens)")
-
-    def wait(self):
-        if self.pending is not None:
-            self.pending.result()  # re-raises the writer's error here
-            self.pending = None
-
-    def close(self):
-        self.wait()
-        self.thread.shutdown()
 
 
 def position_after(n, first_doc, ends, skip):
@@ -457,7 +479,7 @@ def tokenize_into_shards(args, ds, pool, manifest):
     writer = ShardWriter(args.out_dir, manifest, progress.bar.write)
     end = [doc, skip]
     try:
-        tasks = read_tasks(ds, doc, args.text_column)
+        tasks = read_tasks(ds, doc, args.text_column, args.encoding_errors)
         for tokens, lens, nbytes in ordered_map(_encode_task, tasks, pool, TASKS_PER_WORKER * args.workers):
             if skip:  # the document where the last kept shard ended: drop what that shard has
                 tokens, lens = tokens[skip:], lens.copy()
@@ -473,9 +495,12 @@ def tokenize_into_shards(args, ds, pool, manifest):
             progress.update(len(tokens), nbytes)
             if args.max_tokens is not None and done >= args.max_tokens:
                 break
-        writer.flush(end)
+        writer.finish(end)
     finally:
-        writer.close()  # on an error too: let a shard being written finish, with its manifest entry
+        try:
+            writer.close()  # on an error too: let a shard being written finish, with its manifest entry
+        finally:
+            progress.bar.close()  # so that an error starts a line of its own
     return done, progress.close()
 
 
@@ -484,15 +509,21 @@ def prepare(args):
     out_dir = args.out_dir
     source = describe_source(args)
     settings = {"source": source, "tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "eot_token": EOT_TOKEN,
-                "dtype": np.dtype(TOKEN_DTYPE).name, "shard_size": args.shard_size, "prefix": args.prefix}
-    previous = open_out_dir(out_dir, settings)
-    if previous is not None and previous.get("complete") and previous.get("max_tokens") == args.max_tokens:
+                "dtype": np.dtype(TOKEN_DTYPE).name, "shard_size": args.shard_size, "val_tokens": args.val_tokens,
+                "prefix": args.prefix}
+    previous = check_out_dir(out_dir, settings)
+    if (previous is not None and previous.get("complete") and previous.get("max_tokens") == args.max_tokens
+            and all(intact(out_dir, s) for s in previous["shards"])):
         print(f"{out_dir} is complete ({previous['total_tokens']:,} tokens in {len(previous['shards'])} shards); "
               "nothing to do")
         return previous
     keep = plan_resume(out_dir, previous, args.max_tokens) if previous else []
+    if source.get("encoding_errors") == "strict":
+        check_utf8(source["data_files"])
+    offline = hub_problem(args, source)
 
-    pool = None
+    pool = manifest = None
+    created = not os.path.isdir(out_dir)
     if args.workers > 1:
         # the pool starts before `datasets` and the writer thread exist: forking a threaded
         # process is unsafe. Workers get the tokenizer built here (with --workers 1 it is
@@ -501,32 +532,44 @@ def prepare(args):
         pool = ctx.Pool(args.workers, _init_worker, (get_tokenizer(),))
     try:
         print(f"loading {describe(source)}")
-        ds = load_source(args, source)
+        ds = load_source(args, source, offline)
         n_docs = None if args.streaming else len(ds)  # unknown when streaming
+        # too little text for a val and a train split (a token each) is known before tokenizing: each
+        # token of GPT-2's byte-level BPE has a byte of text at least, plus one <|endoftext|> a document
+        if n_docs is not None and text_bytes(ds.data.column(args.text_column)) + n_docs < 2:
+            raise UserError(f"{describe(source)} makes at most 1 token, too few for a validation and a train "
+                            "split: add text")
         known = previous.get("num_documents") if previous else None
         if None not in (n_docs, known) and n_docs != known:
             raise UserError(f"the source now has {n_docs:,} documents, the shards in {out_dir} were made "
                             f"from {known:,}: use another --out-dir")
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create --out-dir {out_dir} ({e.strerror or e}): choose a writable directory")
         remove_stale(out_dir, args.prefix, keep)
         manifest = dict(format=FORMAT, **settings, max_tokens=args.max_tokens, command=args.command,
-                        versions=versions("datasets"), num_documents=n_docs or known, shards=keep, complete=False)
+                        out_dir=os.path.abspath(out_dir), versions=versions("datasets"),
+                        num_documents=n_docs or known, shards=keep, complete=False)
         write_manifest(out_dir, manifest)  # from here on the directory is ours, even if killed at once
         if keep:
             print(f"resuming {out_dir} after {len(keep)} shards ({sum(s['tokens'] for s in keep):,} tokens), "
                   f"at document {keep[-1]['end'][0]:,}")
         done, rate = tokenize_into_shards(args, ds, pool, manifest)
+        n_train = sum(s["tokens"] for s in manifest["shards"] if s["split"] == "train")
+        if n_train == 0:  # known only now for a streamed source
+            discard(out_dir, manifest, created)
+            raise UserError(f"the source makes {done:,} token(s), too few for a validation and a train split: "
+                            "add text")
+    except BaseException:
+        if manifest is not None and not manifest["shards"]:
+            discard(out_dir, manifest, created)  # failed before its first shard: nothing to resume
+        raise
     finally:
         if pool is not None:
             pool.terminate()
 
     shards = manifest["shards"]
-    n_train = sum(s["tokens"] for s in shards if s["split"] == "train")
-    if n_train == 0:
-        for s in shards:
-            os.remove(os.path.join(out_dir, s["name"]))
-        os.remove(os.path.join(out_dir, MANIFEST))
-        raise UserError(f"all {done:,} tokens fit in the validation shard (--shard-size {args.shard_size:,}), "
-                        f"leaving nothing to train on: use a smaller --shard-size, e.g. {max(done // 10, 1):,}")
     last_doc, offset = shards[-1]["end"]
     manifest.update(complete=True, total_tokens=done, documents=last_doc + (offset > 0),
                     split_tokens={"val": shards[0]["tokens"], "train": n_train})
@@ -541,20 +584,6 @@ def describe(source):
         return f"{len(source['data_files'])} local {source['kind']} file(s), column {source['text_column']!r}"
     name = f" ({source['name']})" if source["name"] else ""
     return f"{source['dataset']}{name} split {source['split']!r}, column {source['text_column']!r}"
-
-
-def verify(out_dir):
-    manifest = read_manifest(out_dir)
-    if manifest is None:
-        raise UserError(f"{out_dir} has no {MANIFEST}: nothing to verify (prepare it with python fineweb.py)")
-    for s in manifest["shards"]:
-        path = os.path.join(out_dir, s["name"])
-        if not os.path.isfile(path):
-            raise UserError(f"{path} is missing: re-run {manifest['command']}")
-        if sha256_file(path) != s["sha256"]:
-            raise UserError(f"{path} does not match its checksum: delete it and re-run {manifest['command']}")
-    state = "complete" if manifest.get("complete") else f"incomplete (re-run {manifest['command']})"
-    print(f"{out_dir}: {len(manifest['shards'])} shards match their checksums; {state}")
 
 
 def main(argv=None):

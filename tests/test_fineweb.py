@@ -1,9 +1,11 @@
 """fineweb.py: tokens equal tiktoken's, shard layout and manifest, resume after a kill gives the
 same bytes, and one-line errors for bad input. Every test makes its own small corpus."""
 
+import errno
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -14,8 +16,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conftest.py puts it on sys.path
 
+import dataloader  # noqa: E402
 import fineweb  # noqa: E402
-from common import EOT_TOKEN, UserError, get_tokenizer  # noqa: E402
+from common import EOT_TOKEN, UserError, get_tokenizer, run_main  # noqa: E402
 
 # Real text (public domain) and the cases a tokenizer gets wrong: unicode, long whitespace runs,
 # a literal "<|endoftext|>" (ordinary text, not the special token), an empty document.
@@ -107,18 +110,21 @@ def test_tokens_equal_tiktoken(tmp_path, kind):
 def test_shards_and_manifest(tmp_path):
     docs = big_docs(300)
     want = expected_stream(docs)
-    size = len(want) // 5 + 1
+    size, val = len(want) // 5 + 1, 1000  # 10 x 1000 < len(want): the val split is --val-tokens
     data = write_parquet(tmp_path / "d.parquet", docs)
-    prepare(tmp_path, tmp_path / "out", "--data-files", data, "--shard-size", str(size), "--prefix", "mine")
+    prepare(tmp_path, tmp_path / "out", "--data-files", data, "--shard-size", str(size), "--prefix", "mine",
+            "--val-tokens", str(val))
     out = tmp_path / "out"
     m = json.load(open(out / "manifest.json"))
     names = [s["name"] for s in m["shards"]]
     assert names == ["mine_val_000000.npy"] + [f"mine_train_{i:06d}.npy" for i in range(1, len(names))]
     assert sorted(os.listdir(out)) == sorted(names + ["manifest.json"])
     assert [s["split"] for s in m["shards"]] == ["val"] + ["train"] * (len(names) - 1)
-    assert all(s["tokens"] == size for s in m["shards"][:-1]) and 0 < m["shards"][-1]["tokens"] <= size
+    assert m["shards"][0]["tokens"] == val and all(s["tokens"] == size for s in m["shards"][1:-1])
+    assert 0 < m["shards"][-1]["tokens"] <= size and len(names) == 1 + -(-(len(want) - val) // size)
     assert m["complete"] and m["total_tokens"] == len(want) == sum(s["tokens"] for s in m["shards"])
-    assert m["split_tokens"] == {"val": size, "train": len(want) - size}
+    assert m["split_tokens"] == {"val": val, "train": len(want) - val}
+    assert m["out_dir"] == str(out) and m["val_tokens"] == val
     assert m["num_documents"] == m["documents"] == len(docs)
     assert (m["tokenizer"], m["vocab_size"], m["eot_token"], m["dtype"]) == ("gpt2", 50257, 50256, "uint16")
     assert m["source"]["data_files"] == [data] and m["source"]["text_column"] == "text"
@@ -127,7 +133,7 @@ def test_shards_and_manifest(tmp_path):
     for s in m["shards"]:
         arr = np.load(out / s["name"])
         assert arr.dtype == np.uint16 and len(arr) == s["tokens"] and arr.max() == s["max_token"]
-        assert fineweb.sha256_file(out / s["name"]) == s["sha256"]
+        assert dataloader.sha256_file(out / s["name"]) == s["sha256"]
     assert np.load(out / names[0])[0] == EOT_TOKEN  # every document starts with <|endoftext|>
     np.testing.assert_array_equal(stream_of(out), want)
     fineweb.main(["--out-dir", str(out), "--verify"])
@@ -143,11 +149,14 @@ def test_max_tokens_then_continue_and_rerun(tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", docs)
     want = expected_stream(docs)
     size = len(want) // 6
-    args = ["--data-files", data, "--shard-size", str(size)]
+    # the val size is settled after 10 x --val-tokens, inside the first run: the second keeps it
+    args = ["--data-files", data, "--shard-size", str(size), "--val-tokens", str(size // 5)]
     prepare(tmp_path, tmp_path / "out", *args, "--max-tokens", str(2 * size + size // 2))
     np.testing.assert_array_equal(stream_of(tmp_path / "out"), want[:2 * size + size // 2])
+    capsys.readouterr()
     # go on to the end, streamed this time (IterableDataset.skip): the partial shard is made again
     prepare(tmp_path, tmp_path / "out", *args, "--streaming")
+    assert "resuming" in capsys.readouterr().out
     np.testing.assert_array_equal(stream_of(tmp_path / "out"), want)
     prepare(tmp_path, tmp_path / "ref", *args)
     assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "ref")
@@ -161,7 +170,8 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     re-run with one worker: the shards equal those of an uninterrupted run."""
     docs = big_docs(2500, seed=2)
     data = write_parquet(tmp_path / "d.parquet", docs)
-    args = ["--data-files", data, "--shard-size", "20000", "--cache-dir", str(tmp_path / "hf")]
+    # --val-tokens 2000: the val size is settled after 20,000 tokens, so shards come early enough to be killed
+    args = ["--data-files", data, "--shard-size", "20000", "--val-tokens", "2000", "--cache-dir", str(tmp_path / "hf")]
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "fineweb.py"), *args, "--out-dir", str(out),
                              "--workers", "2", "--start-method", "spawn"],
@@ -181,8 +191,8 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     m = json.load(open(out / "manifest.json"))
     assert not m["complete"], f"the run ended before it could be killed: {err.decode()[-500:]}"
     (out / ".data_train_000099.npy.tmp12345").write_bytes(b"half a shard")  # a kill inside atomic_write
-    prepare(tmp_path, out, "--data-files", data, "--shard-size", "20000")
-    prepare(tmp_path, tmp_path / "ref", "--data-files", data, "--shard-size", "20000")
+    prepare(tmp_path, out, "--data-files", data, "--shard-size", "20000", "--val-tokens", "2000")
+    prepare(tmp_path, tmp_path / "ref", "--data-files", data, "--shard-size", "20000", "--val-tokens", "2000")
     assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "ref"))
     assert shard_bytes(out) == shard_bytes(tmp_path / "ref")
     np.testing.assert_array_equal(stream_of(out), expected_stream(docs))
@@ -198,6 +208,105 @@ def test_worker_processes_give_same_bytes(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # bad input: one UserError line that says what to do
+
+
+def fails(capsys, tmp_path, out, *args):
+    """fineweb run as the command line runs it (common.run_main): exit status 2, and the one
+    line it prints, which starts with "error: " (a traceback would fail the test instead)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda: prepare(tmp_path, out, *args))
+    err = capsys.readouterr().err
+    *before, line = err.rstrip("\n").split("\n")
+    assert e.value.code == 2 and line.startswith("error: ") and "Traceback" not in err, err
+    # what `datasets` shows of the work it did before the problem was found: progress bars only
+    assert all(re.search(r"examples/s|tok/s|it/s", b) for b in before), err
+    return line
+
+
+def test_non_utf8_input(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("héllo wörld\n".encode() * 1000 + b"caf\xe9\n" + b"more text\n")
+    offset = len("héllo wörld\n".encode()) * 1000 + 3
+    err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", str(bad))
+    assert f"{bad} is not UTF-8 text: byte {offset:,}" in err and "--encoding-errors replace" in err
+    assert not os.path.exists(tmp_path / "out")  # failed before making it
+    js = tmp_path / "bad.jsonl"  # `datasets` alone would keep these bytes, and fail later
+    js.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    assert f"{js} is not UTF-8 text: byte 30" in fails(capsys, tmp_path, tmp_path / "out", "--data-files", str(js))
+    for path, docs in ((bad, ["héllo wörld\n" * 1000 + "caf\ufffd\nmore text\n"]), (js, ["fine", "caf\ufffd"])):
+        out = tmp_path / ("rep_" + path.suffix[1:])
+        prepare(tmp_path, out, "--data-files", str(path), "--encoding-errors", "replace")
+        np.testing.assert_array_equal(stream_of(out), expected_stream(docs))
+
+
+def test_first_bad_utf8_across_chunk_ends(tmp_path):
+    """Characters of 2, 3 and 4 bytes cut by every chunk size are not errors; a bad byte is found exactly."""
+    text = "aé€😀" * 5
+    (tmp_path / "ok").write_bytes(text.encode())
+    (tmp_path / "bad").write_bytes(text.encode() + b"\xe2\x82" + b"x")  # a 3-byte character cut short
+    for chunk in range(1, 12):
+        assert fineweb.first_bad_utf8(str(tmp_path / "ok"), chunk) is None
+        assert fineweb.first_bad_utf8(str(tmp_path / "bad"), chunk) == len(text.encode())
+
+
+def test_missing_column_and_empty_text_leave_no_out_dir(tmp_path, capsys):
+    data = write_parquet(tmp_path / "d.parquet", DOCS, column="content")
+    err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", data)
+    assert "no column 'text'" in err and "content" in err and "--text-column" in err
+    (tmp_path / "empty.txt").write_text("")
+    assert "empty" in fails(capsys, tmp_path, tmp_path / "out", "--data-files", str(tmp_path / "empty.txt"))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_unwritable_out_dir(tmp_path, capsys):
+    """A path under a regular file cannot be made even by root (ENOTDIR); a read-only directory
+    stops everyone but root, so that part is skipped as root."""
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    (tmp_path / "afile").write_text("mine")
+    err = fails(capsys, tmp_path, tmp_path / "afile" / "out", "--data-files", data)
+    assert f"cannot write to --out-dir {tmp_path / 'afile' / 'out'}: {tmp_path / 'afile'} is a file" in err
+    assert "is a file, not a directory" in fails(capsys, tmp_path, tmp_path / "afile", "--data-files", data)
+    assert (tmp_path / "afile").read_text() == "mine"
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only directories")
+    os.makedirs(tmp_path / "ro")
+    os.chmod(tmp_path / "ro", 0o500)
+    try:
+        assert "cannot write to --out-dir" in fails(capsys, tmp_path, tmp_path / "ro" / "out", "--data-files", data)
+    finally:
+        os.chmod(tmp_path / "ro", 0o700)
+
+
+def test_disk_full_keeps_earlier_shards(tmp_path, capsys, monkeypatch):
+    """ENOSPC half-way through the fourth shard: one line naming the disk; the three before it,
+    the manifest and nothing else stay; a re-run goes on to the bytes of an uninterrupted run."""
+    data = write_jsonl(tmp_path / "d.jsonl", big_docs(200, seed=5))
+    args = ["--data-files", data, "--shard-size", "4000", "--val-tokens", "300"]
+    real = dataloader.atomic_write
+
+    def full_disk(path, write_fn):
+        if not str(path).endswith("_000003.npy"):
+            return real(path, write_fn)
+
+        def half_then_full(f):
+            f.write(b"\x93NUMPY half a shard")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, half_then_full)
+    monkeypatch.setattr(dataloader, "atomic_write", full_disk)
+    out = tmp_path / "out"
+    err = fails(capsys, tmp_path, out, *args)
+    assert f"the disk holding {out} is full (No space left on device) at data_train_000003.npy" in err
+    assert "the 3 shard(s) before it are intact" in err and "re-run python fineweb.py" in err
+    monkeypatch.setattr(dataloader, "atomic_write", real)
+    prepare(tmp_path, tmp_path / "ref", *args)
+    ref = shard_bytes(tmp_path / "ref")
+    names = [s["name"] for s in json.load(open(tmp_path / "ref" / "manifest.json"))["shards"][:3]]
+    assert sorted(os.listdir(out)) == sorted(names + ["manifest.json"])
+    assert [s["name"] for s in json.load(open(out / "manifest.json"))["shards"]] == names
+    assert shard_bytes(out) == {n: ref[n] for n in names}
+    prepare(tmp_path, out, *args)
+    assert shard_bytes(out) == ref
 
 
 def test_missing_text_column_lists_columns(tmp_path):
@@ -248,12 +357,32 @@ def test_output_directory_checks(tmp_path):
         prepare(tmp_path, tmp_path / "out", "--data-files", other, "--shard-size", "2000")
 
 
-def test_too_small_for_a_train_shard(tmp_path):
-    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
-    with pytest.raises(UserError, match="smaller --shard-size"):
-        prepare(tmp_path, tmp_path / "out", "--data-files", data)
-    assert os.listdir(tmp_path / "out") == []  # so a re-run with a smaller shard size just works
-    prepare(tmp_path, tmp_path / "out", "--data-files", data, "--shard-size", "100")
+def test_corpus_smaller_than_a_shard_works_with_defaults(tmp_path, capsys):
+    """A tenth of a small corpus is validation, the rest one train shard; stopping early with
+    --max-tokens and going on later remakes the val shard (its size depends on where the stream
+    ended) and gives the bytes of an uninterrupted run."""
+    docs = DOCS * 3
+    want = expected_stream(docs)
+    data = write_jsonl(tmp_path / "d.jsonl", docs)
+    prepare(tmp_path, tmp_path / "out", "--data-files", data)
+    m = json.load(open(tmp_path / "out" / "manifest.json"))
+    assert m["split_tokens"] == {"val": len(want) // 10, "train": len(want) - len(want) // 10}
+    assert [s["name"] for s in m["shards"]] == ["data_val_000000.npy", "data_train_000001.npy"]
+    np.testing.assert_array_equal(stream_of(tmp_path / "out"), want)
+    prepare(tmp_path, tmp_path / "part", "--data-files", data, "--max-tokens", "200")
+    assert json.load(open(tmp_path / "part" / "manifest.json"))["split_tokens"]["val"] == 20
+    prepare(tmp_path, tmp_path / "part", "--data-files", data)
+    assert shard_bytes(tmp_path / "part") == shard_bytes(tmp_path / "out")
+
+
+def test_too_little_text_fails_before_tokenizing(tmp_path, capsys, monkeypatch):
+    def no_tokenizing(texts):
+        raise AssertionError("tokenized a corpus known to be too small")
+    monkeypatch.setattr(fineweb, "encode_documents", no_tokenizing)
+    data = write_jsonl(tmp_path / "d.jsonl", [""])  # one empty document: its <|endoftext|> only
+    err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", data)
+    assert "at most 1 token, too few for a validation and a train split" in err
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_token_id_beyond_uint16():
@@ -276,14 +405,48 @@ def test_config_and_split_not_found(tmp_path):
         prepare(tmp_path, tmp_path / "out", "--dataset", str(tmp_path / "no_such_dir"))
 
 
-def test_cli_offline_error_is_one_line(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "fineweb.py"), "--dataset", "someone/no-such-dataset",
-                        "--out-dir", str(tmp_path / "out"), "--workers", "1", "--cache-dir", str(tmp_path / "hf")],
-                       capture_output=True, text=True, env=env, cwd=str(tmp_path))
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: ") and "--data-files" in lines[-1] and "Traceback" not in r.stderr
+def offline_env():
+    """The environment of a machine whose hub does not answer: a closed local port, no proxy."""
+    env = {k: v for k, v in os.environ.items()
+           if k.lower() not in ("https_proxy", "http_proxy", "all_proxy") and not k.startswith("HF_")}
+    return dict(env, HF_ENDPOINT="http://127.0.0.1:9")
+
+
+@pytest.mark.parametrize("how", ["unreachable", "HF_HUB_OFFLINE"])
+def test_cli_offline_fails_at_once_in_one_line(tmp_path, how):
+    """The default source and any hub name, offline: one line naming --data-files, no retries."""
+    env = offline_env() if how == "unreachable" else dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    for source in ([], ["--dataset", "someone/no-such-dataset"]):
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "fineweb.py"), *source, "--out-dir", str(tmp_path / "out"),
+                            "--workers", "1", "--cache-dir", str(tmp_path / "hf")],
+                           capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
+        assert time.perf_counter() - t0 < 60  # generous for a busy machine; retries would take minutes
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr  # one line: no retry warnings
+        assert r.stderr.startswith("error: ") and "--data-files" in r.stderr and "not in the datasets cache" in r.stderr
+        assert not os.path.exists(tmp_path / "out")
+
+
+def test_offline_hub_dataset_loads_from_the_cache(tmp_path, monkeypatch):
+    """A hub dataset prepared in the datasets cache before loads with the hub unreachable. The cache
+    entry is made here from a local parquet file, laid out as `datasets` lays out a hub download."""
+    import datasets
+    import shutil
+    docs = DOCS * 2
+    cache = tmp_path / "hf"
+    datasets.load_dataset("parquet", data_files=[write_parquet(tmp_path / "d.parquet", docs)], split="train",
+                          cache_dir=str(cache))
+    built = next(p for p in (cache / "parquet").glob("*/*/*") if p.is_dir())
+    entry = cache / "someone___tiny" / "default" / "0.0.0" / built.name
+    shutil.copytree(built, entry)
+    for f in entry.glob("parquet-*"):
+        f.rename(entry / f.name.replace("parquet-", "tiny-", 1))
+    for k, v in offline_env().items():
+        monkeypatch.setenv(k, v)
+    for k in [k for k in os.environ if k.lower() in ("https_proxy", "http_proxy", "all_proxy")]:
+        monkeypatch.delenv(k)
+    prepare(tmp_path, tmp_path / "out", "--dataset", "someone/tiny")
+    np.testing.assert_array_equal(stream_of(tmp_path / "out"), expected_stream(docs))
 
 
 def test_default_fineweb_download(tmp_path, hf_hub_online):
