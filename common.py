@@ -146,6 +146,50 @@ def device_name(device):
     return kind
 
 
+def synchronize(device):
+    """Wait for the work queued on device: timings of GPU work are meaningless without it.
+    CPU work is synchronous, so nothing to wait for there."""
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+
+
+# Dense (no sparsity) tensor-core peak FLOP/s from the vendors' datasheets, as (bf16, fp16);
+# None where the chip has no bf16. Matched against torch.cuda.get_device_name() in order,
+# so more specific names come first ("A100" before "A10", "L40S" before "L4").
+PEAK_FLOPS = [
+    ("H100 PCIe", 756e12, 756e12),
+    ("H100 NVL", 835e12, 835e12),
+    ("H100", 989e12, 989e12),   # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989e12, 989e12),
+    ("GH200", 989e12, 989e12),
+    ("A100", 312e12, 312e12),
+    ("A10G", 70e12, 70e12),     # AWS variant of the A10, lower clocks
+    ("A10", 125e12, 125e12),
+    ("L40S", 362e12, 362e12),
+    ("L40", 181e12, 181e12),
+    ("L4", 121e12, 121e12),
+    ("RTX 4090", 165e12, 165e12),  # fp32 accumulate, which PyTorch uses
+    ("RTX 3090", 71e12, 71e12),    # fp32 accumulate
+    ("A6000", 155e12, 155e12),
+    ("V100", None, 125e12),
+    ("T4", None, 65e12),
+]
+
+
+def peak_flops(device_name, dtype):
+    """Peak dense FLOP/s for a GPU name (device_name()) and a dtype ('bfloat16'/'float16'), or
+    None if unknown: what GPT.estimate_mfu divides by."""
+    if not device_name or dtype not in ("bfloat16", "float16"):
+        return None  # fp32 and CPUs: no honest single number, so MFU is reported as unknown
+    for pattern, bf16, fp16 in PEAK_FLOPS:
+        if pattern in device_name:
+            return bf16 if dtype == "bfloat16" else fp16
+    return None
+
+
 class Dist:
     """Rank, local rank, world size and device of this process; works with and without torchrun."""
 

@@ -129,39 +129,6 @@ PRESETS = {
 }
 
 
-# Dense (no sparsity) tensor-core peak FLOP/s from the vendors' datasheets, as (bf16, fp16);
-# None where the chip has no bf16. Matched against torch.cuda.get_device_name() in order,
-# so more specific names come first ("A100" before "A10", "L40S" before "L4").
-PEAK_FLOPS = [
-    ("H100 PCIe", 756e12, 756e12),
-    ("H100 NVL", 835e12, 835e12),
-    ("H100", 989e12, 989e12),   # SXM ("NVIDIA H100 80GB HBM3")
-    ("H200", 989e12, 989e12),
-    ("GH200", 989e12, 989e12),
-    ("A100", 312e12, 312e12),
-    ("A10G", 70e12, 70e12),     # AWS variant of the A10, lower clocks
-    ("A10", 125e12, 125e12),
-    ("L40S", 362e12, 362e12),
-    ("L40", 181e12, 181e12),
-    ("L4", 121e12, 121e12),
-    ("RTX 4090", 165e12, 165e12),  # fp32 accumulate, which PyTorch uses
-    ("RTX 3090", 71e12, 71e12),    # fp32 accumulate
-    ("A6000", 155e12, 155e12),
-    ("V100", None, 125e12),
-    ("T4", None, 65e12),
-]
-
-
-def peak_flops(device_name, dtype):
-    """Peak dense FLOP/s for a GPU name and a dtype ('bfloat16'/'float16'), or None if unknown."""
-    if not device_name or dtype not in ("bfloat16", "float16"):
-        return None  # fp32 and CPUs: no honest single number, so MFU is reported as unknown
-    for pattern, bf16, fp16 in PEAK_FLOPS:
-        if pattern in device_name:
-            return bf16 if dtype == "bfloat16" else fp16
-    return None
-
-
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -340,12 +307,13 @@ class GPT(nn.Module):
         T = seq_len or c.block_size
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * T
 
-    def estimate_mfu(self, tokens_per_second, device_name, dtype, seq_len=None):
-        """Model FLOPs utilisation in [0, 1] per device, or None where the peak is not known."""
-        peak = peak_flops(device_name, dtype)
-        if peak is None:
+    def estimate_mfu(self, tokens_per_second, peak_flops, seq_len=None):
+        """Model FLOPs utilisation in [0, 1]: training FLOP/s achieved over peak_flops, the
+        device's peak FLOP/s (common.peak_flops looks it up by GPU name), or None where the peak
+        is None (not known). tokens_per_second: of one device."""
+        if peak_flops is None:
             return None
-        return self.flops_per_token(seq_len) * tokens_per_second / peak
+        return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
 
     # ------------------------------------------------------------------------------------------
     # Generation

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import common
-from model import GPT, GPTConfig, PRESETS, peak_flops, sample_next
+from common import peak_flops
+from model import GPT, GPTConfig, PRESETS, sample_next
 
 TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=32)
 
@@ -113,9 +114,13 @@ def test_presets_and_custom_sizes():
 def test_flops_and_mfu():
     m = GPT(GPTConfig(**PRESETS["gpt2"]))
     assert abs(m.flops_per_token(1024) / 1e6 - 855) < 2  # the issue's ~855M
-    assert m.estimate_mfu(1e6, "cpu", "float32") is None
-    assert m.estimate_mfu(1e6, "Some Future GPU", "bfloat16") is None
-    assert m.estimate_mfu(1.16e6, "NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(1.0, abs=0.01)
+    assert m.estimate_mfu(1e6, None) is None  # peak unknown
+    assert m.estimate_mfu(1.16e6, 989e12) == pytest.approx(1.0, abs=0.01)
+    assert m.estimate_mfu(1e6, 1e15, seq_len=64) == pytest.approx(m.flops_per_token(64) * 1e6 / 1e15)
+    assert peak_flops("cpu", "float32") is None and peak_flops("cpu", "bfloat16") is None
+    assert peak_flops("Some Future GPU", "bfloat16") is None
+    assert peak_flops("NVIDIA H100 80GB HBM3", "float32") is None  # no honest fp32 peak
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
     assert peak_flops("NVIDIA A10G", "bfloat16") == 70e12          # not the A100's entry
     assert peak_flops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312e12
     assert peak_flops("NVIDIA L40S", "bfloat16") == 362e12
@@ -124,6 +129,17 @@ def test_flops_and_mfu():
     assert peak_flops("Tesla T4", "bfloat16") is None
     assert peak_flops("Tesla T4", "float16") == 65e12
     assert peak_flops("Tesla V100-SXM2-16GB", "float16") == 125e12
+
+
+def test_synchronize_waits_on_the_device_it_is_given(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append(("mps", None)))
+    common.synchronize("cpu")
+    assert calls == []  # CPU work is synchronous
+    common.synchronize("cuda:1")
+    common.synchronize("mps")
+    assert calls == [("cuda", "cuda:1"), ("mps", None)]
 
 
 def test_optimizer_groups_and_step_match_adamw():
