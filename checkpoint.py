@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 import common
+import parallel
 from common import UserError, print0
 
 
@@ -46,13 +47,16 @@ def gather(obj, dist):
 def write_checkpoint(run, args, dist, log, step):
     run.saved_step = step  # on every rank: whether to write another is decided collectively
     per_rank = gather({"train_loader": run.train_loader.state_dict(), "rng": rng_state()}, dist)
+    states = None
+    if dist.is_master or run.fsdp:  # under FSDP every rank takes part in gathering the full state
+        states = parallel.model_state(run.model), parallel.optimizer_state(run.model, run.optimizer)
     if not dist.is_master:
         return
     path = common.checkpoint_path(args.log_dir, step)
     for stale in glob.glob(os.path.join(glob.escape(args.log_dir), ".ckpt_*.pt.tmp*")):
         os.remove(stale)  # left by a process killed mid-write; never read, since never renamed
     try:
-        common.save_checkpoint(path, checkpoint_dict(run, step, per_rank))
+        common.save_checkpoint(path, checkpoint_dict(run, step, per_rank, *states))
     except OSError as e:  # a full disk or a vanished mount: atomic_write left the earlier files whole
         raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); the previous checkpoint "
                         f"{run.last_ckpt or '(none yet)'} is intact: free space under --log-dir, then --resume")
@@ -63,12 +67,13 @@ def write_checkpoint(run, args, dist, log, step):
     run.last_ckpt = path
 
 
-def checkpoint_dict(run, step, per_rank):
+def checkpoint_dict(run, step, per_rank, model_state, optimizer_state):
+    """Full (unsharded) state, the same file whether the run used DDP or FSDP."""
     return {
         "step": step,  # steps completed: a resume starts at this step
         "model_config": asdict(run.raw_model.config),
-        "model": run.raw_model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "scaler": run.scaler.state_dict(),
         "ranks": per_rank,
         "config": run.config,

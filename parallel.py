@@ -309,13 +309,14 @@ def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, 
     return dict(params=params, grads=grads, optimizer=optimizer, activations=activations, total=total)
 
 
-def format_memory_plan(plan, capacity=None):
+def format_memory_plan(plan, capacity=None, per="GPU"):
     """One line: 'per GPU: params 3.1 GiB + grads 3.1 GiB + AdamW 6.2 GiB + activations ~9.0 GiB =
-    21.4 GiB of 24.0 GiB'. capacity: the GPU's bytes (torch.cuda.get_device_properties().total_memory)."""
-    gib = 2 ** 30
-    text = (f"per GPU: params {plan['params'] / gib:.1f} GiB + grads {plan['grads'] / gib:.1f} GiB "
-            f"+ AdamW {plan['optimizer'] / gib:.1f} GiB + activations ~{plan['activations'] / gib:.1f} GiB "
-            f"= {plan['total'] / gib:.1f} GiB")
+    21.4 GiB of 24.0 GiB'. capacity: the GPU's bytes (torch.cuda.get_device_properties().total_memory).
+    Small models are shown in MiB, so that their figures are not all 0.0."""
+    unit, scale = ("GiB", 2 ** 30) if max(plan["total"], capacity or 0) >= 2 ** 30 else ("MiB", 2 ** 20)
+    size = lambda n: f"{n / scale:.1f} {unit}"  # noqa: E731
+    text = (f"per {per}: params {size(plan['params'])} + grads {size(plan['grads'])} "
+            f"+ AdamW {size(plan['optimizer'])} + activations ~{size(plan['activations'])} = {size(plan['total'])}")
     if capacity:
-        text += f" of {capacity / gib:.1f} GiB"
+        text += f" of {size(capacity)}"
     return text

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,6 +26,7 @@ import torch
 
 import checkpoint
 import common
+import parallel
 from common import UserError
 from metrics import RunLog
 from model import GPT, GPTConfig, PRESETS
@@ -198,11 +198,14 @@ def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
     return [b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0]
 
 
-def cuda_memory_probe(model, block_size, device, dtype, margin=0.10):
-    """fits(b): one eager forward+backward at micro-batch b stays under (1 - margin) of the GPU's
-    memory, counting the AdamW state (two fp32 moments per parameter) that the real step adds."""
+def cuda_memory_probe(model, block_size, device, dtype, margin=0.10, agree=lambda ok: ok):
+    """fits(b): one forward+backward at micro-batch b stays under (1 - margin) of the GPU's memory,
+    counting the AdamW state (two fp32 moments per parameter it holds) that the real step adds.
+    `model` is the model as it will train (sharded, activation-checkpointed); agree(ok) makes every
+    rank take the same answer, since under FSDP each probe is a collective."""
     total = torch.cuda.get_device_properties(device).total_memory
-    optimizer_bytes = 2 * 4 * sum(p.numel() for p in model.parameters())
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731  (an FSDP shard)
+    optimizer_bytes = 2 * 4 * sum(local(p).numel() for p in model.parameters())
 
     def fits(b):
         torch.cuda.empty_cache()
@@ -218,27 +221,23 @@ def cuda_memory_probe(model, block_size, device, dtype, margin=0.10):
         finally:
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-        return peak + optimizer_bytes <= (1 - margin) * total
+        return agree(peak + optimizer_bytes <= (1 - margin) * total)
     return fits
 
 
-def choose_micro_batch(args, dist, model, dtype):
-    cands = micro_batch_candidates(args.total_batch_size, args.block_size, dist.world_size)
+def choose_micro_batch(args, dist, model, dtype, block_size):
+    cands = micro_batch_candidates(args.total_batch_size, block_size, dist.world_size)
     if not cands:
         raise UserError(f"--total-batch-size {args.total_batch_size} is not divisible by block size x GPUs "
-                        f"({args.block_size} x {dist.world_size}); use a multiple of {args.block_size * dist.world_size}")
+                        f"({block_size} x {dist.world_size}); use a multiple of {block_size * dist.world_size}")
     if dist.device_type == "cuda":
-        best = largest_fitting(cands, cuda_memory_probe(model, args.block_size, dist.device, dtype))
+        agree = lambda ok: all(checkpoint.gather(ok, dist))  # noqa: E731
+        best = largest_fitting(cands, cuda_memory_probe(model, block_size, dist.device, dtype, agree=agree))
         if best is None:
-            raise UserError(f"even a micro-batch of 1 x {args.block_size} tokens does not fit in GPU memory: "
-                            "use a smaller --model or --block-size")
+            raise UserError(f"even a micro-batch of 1 x {block_size} tokens does not fit in GPU memory: use "
+                            "--sharding fsdp over several GPUs, --activation-checkpointing, or a smaller --model")
     else:
-        best = max(b for b in cands if b <= 8)
-    if dist.ddp:  # every rank must use the same size: the smallest any of them can afford
-        import torch.distributed as tdist
-        t = torch.tensor([best], device=dist.device)
-        tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
-        best = int(t.item())
+        best = max(b for b in cands if b <= 8)  # the same on every rank
     return best
 
 
@@ -303,7 +302,6 @@ def train_step(model, optimizer, scaler, loader, grad_accum, dist, dtype, grad_c
     sync also carries this rank's stop request to the others.
     Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
     timer = timer or PhaseTimer(dist.device, False)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     model.train()
     loss_accum = torch.zeros((), device=dist.device)
     for micro_step in range(grad_accum):
@@ -313,7 +311,7 @@ def train_step(model, optimizer, scaler, loader, grad_accum, dist, dtype, grad_c
         loader.prefetch_next()
         timer.mark("copy")
         last = micro_step == grad_accum - 1
-        with model.no_sync() if dist.ddp and not last else nullcontext():
+        with parallel.grad_sync(model, last):
             with common.autocast(dist.device, dtype):
                 _, loss = model(x, y)
             loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
@@ -323,7 +321,7 @@ def train_step(model, optimizer, scaler, loader, grad_accum, dist, dtype, grad_c
             timer.mark("backward")
     scaler.unscale_(optimizer)
     # the gradients are already all-reduced, so every rank computes the same global norm
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    norm = parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
     stats = torch.stack([loss_accum, norm.float(), torch.tensor(float(stop), device=dist.device)])
     if dist.ddp:
         import torch.distributed as tdist
@@ -410,7 +408,8 @@ class HellaSwagHook:
 
 
 def print_samples(raw_model, args, dist, step, log, stop):
-    """Rank 0 only: a stop request ends generation at the next token (the others wait in a collective)."""
+    """Rank 0 (every rank under FSDP, where each forward is a collective; the log is rank 0's). A stop
+    request ends generation at the next token, except under FSDP (stop=None), where ranks must agree."""
     enc = common.get_tokenizer()
     prompt = torch.tensor([enc.encode(args.sample_prompt)] * args.num_samples, device=dist.device)
     gen = torch.Generator(device=dist.device).manual_seed(args.seed + step)
@@ -418,7 +417,7 @@ def print_samples(raw_model, args, dist, step, log, stop):
     new = []
     for tokens in raw_model.generate_stream(prompt, args.sample_tokens, temperature=1.0, top_k=50, generator=gen):
         new.append(tokens)
-        if stop.signal is not None:
+        if stop is not None and stop.signal is not None:
             break
     raw_model.train()
     rows = torch.cat([prompt] + [t[:, None] for t in new], dim=1).tolist()
@@ -449,8 +448,8 @@ def evaluate(run, args, dist, log, step, stop):
             log.line(f"step {step} | hellaswag acc_norm {result['acc_norm']:.4f} "
                      f"acc {result['acc']:.4f} n {result['n']}")
             log.record("hellaswag", step=step, tokens=step * args.total_batch_size, **result)
-    if dist.is_master and step > 0 and due(args.sample_every):
-        print_samples(run.raw_model, args, dist, step, log, stop)
+    if (dist.is_master or run.fsdp) and step > 0 and due(args.sample_every):
+        print_samples(run.raw_model, args, dist, step, log, None if run.fsdp else stop)
     if evaluated and dist.is_master:
         run.plotter.kick()
     return True
@@ -574,12 +573,21 @@ def setup(args, dist, log):
         raise UserError(f"--block-size {args.block_size} exceeds the model's {raw_model.config.block_size}")
     run.raw_model = raw_model.to(dist.device)
     block_size = raw_model.config.block_size
+    if args.sharding == "fsdp" and not dist.ddp:
+        raise UserError("--sharding fsdp shards the model over several processes: launch it with "
+                        "torchrun --nproc_per_node=N (N >= 2), or drop it on one GPU")
+    # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
+    run.model = parallel.wrap_model(raw_model, args.sharding, dist.device_type, dist.local_rank, run.dtype,
+                                    args.activation_checkpointing, compile_on)
+    # evaluation: compiled but without DDP's gradient hooks; under FSDP the sharded model on every rank
+    run.eval_model = getattr(run.model, "module", run.model)
+    run.fsdp = args.sharding == "fsdp"
 
     # batch geometry: say each number once, derive the rest and assert it
     if ckpt is not None:
         micro_batch = ckpt["config"]["micro_batch_size"]
     elif args.micro_batch_size == "auto":
-        micro_batch = choose_micro_batch(args, dist, raw_model, run.dtype)
+        micro_batch = choose_micro_batch(args, dist, raw_model, run.dtype, block_size)
     else:
         micro_batch = args.micro_batch_size
     tokens_per_micro = micro_batch * block_size * dist.world_size
@@ -608,7 +616,7 @@ def setup(args, dist, log):
     run.scaler = torch.amp.GradScaler(dist.device_type, enabled=(run.dtype == "float16"))
     run.start_step = 0
     if ckpt is not None:
-        run.optimizer.load_state_dict(ckpt["optimizer"])
+        parallel.load_optimizer_state(run.model, run.optimizer, ckpt["optimizer"])
         run.scaler.load_state_dict(ckpt["scaler"])
         try:  # every rank moves in lockstep, so any rank's loader state restores this one
             run.train_loader.load_state_dict(ckpt["ranks"][0]["train_loader"])
@@ -618,16 +626,9 @@ def setup(args, dist, log):
         run.start_step = ckpt["step"]
         del ckpt
 
-    model = torch.compile(raw_model) if compile_on else raw_model
-    run.eval_model = model  # compiled but not DDP-wrapped: evaluation runs on every rank, no gradient sync
-    if dist.ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[dist.local_rank] if dist.device_type == "cuda" else None,
-                    gradient_as_bucket_view=True)
-    run.model = model
-
     # the run header: what produced this run
     run.device_name = common.device_name(dist.device)
+    run.peak_flops = common.peak_flops(run.device_name, run.dtype)
     commit = git_commit()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun for its workers
     log.record("run", step=run.start_step, max_steps=args.max_steps, tokens_per_step=args.total_batch_size,
@@ -646,6 +647,14 @@ def setup(args, dist, log):
     log.line(f"lr {args.max_lr:g}: {args.warmup_steps} warm-up steps"
              f"{' (10% of --max-steps; --warmup-steps sets it)' if args.warmup_auto and args.warmup_steps < DEFAULT_WARMUP else ''}"
              f", cosine to {args.max_lr * args.min_lr_ratio:g} at step {args.max_steps}")
+    capacity = torch.cuda.get_device_properties(dist.device).total_memory if dist.device_type == "cuda" else None
+    plan = parallel.memory_plan(sum(p.numel() for p in raw_model.parameters()), dist.world_size, args.sharding,
+                                run.dtype, micro_batch, block_size, raw_model.config.n_layer, raw_model.config.n_embd,
+                                args.activation_checkpointing)
+    log.line(f"memory ({args.sharding if run.fsdp else 'DDP' if dist.ddp else 'one process'}"
+             f"{', activation checkpointing' if args.activation_checkpointing else ''}): "
+             + parallel.format_memory_plan(plan, capacity, "GPU" if dist.device_type == "cuda" else "process"))
+    log.record("memory", step=run.start_step, **plan)
     for w in startup_warnings(args, dist, run.dtype, compile_on, micro_batch):
         log.line(f"warning: {w}")
     run.plotter = PlotWriter(args.log_dir, args.plot and dist.is_master)
@@ -712,7 +721,7 @@ def _train(args, dist, log):
             return 3
         dt = time.perf_counter() - t0
         tok_per_s = args.total_batch_size / dt
-        mfu = run.raw_model.estimate_mfu(tok_per_s / dist.world_size, run.device_name, run.dtype)
+        mfu = run.raw_model.estimate_mfu(tok_per_s / dist.world_size, run.peak_flops)
         mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
         log.line(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | grad_norm {norm:.4f} | "
                  f"dt_ms {1000 * dt:.1f} | tok_per_s {tok_per_s:.0f} | mfu {mfu_text}"

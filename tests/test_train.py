@@ -214,6 +214,34 @@ def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_pat
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
     for va, vb in zip(records(single, "val"), records(ddp, "val")):
         assert vb["val_loss"] == pytest.approx(va["val_loss"], rel=1e-5)
+    # FSDP2 with activation checkpointing: the same steps again, to the same tolerance
+    fsdp = str(tmp_path / "fsdp")
+    p = torchrun(["--standalone", "--nproc_per_node=2"], common_args + ["--log-dir", fsdp, "--fsdp",
+                                                                         "--activation-checkpointing"])
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+    assert "memory (fsdp, activation checkpointing): per process: params" in out
+    c = records(fsdp, "train")
+    assert len(c) == 4
+    for ra, rc in zip(a, c):
+        assert rc["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+        assert rc["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+    for va, vc in zip(records(single, "val"), records(fsdp, "val")):
+        assert vc["val_loss"] == pytest.approx(va["val_loss"], rel=1e-5)
+    # the FSDP checkpoint is the ordinary full one: it loads as a plain GPT, whole and tied
+    model, _ = common.load_model(fsdp)
+    single_model, _ = common.load_model(single)
+    assert {k: v.shape for k, v in model.state_dict().items()} == \
+        {k: v.shape for k, v in single_model.state_dict().items()}
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_activation_checkpointing_gives_the_same_losses(data_dir, tmp_path):
+    args = TINY + ["--data-dir", data_dir, "--max-steps", "3", "--eval-every", "0"]
+    run(args + ["--log-dir", str(tmp_path / "plain")])
+    run(args + ["--log-dir", str(tmp_path / "ckpt"), "--activation-checkpointing"])
+    assert [r["loss"] for r in records(str(tmp_path / "ckpt"), "train")] == \
+        [r["loss"] for r in records(str(tmp_path / "plain"), "train")]
 
 
 def test_two_node_torchrun_on_loopback(data_dir, tmp_path):
@@ -282,6 +310,8 @@ BAD = {
     "log dir under a file": (["--log-dir", "{junk}/run1"], "cannot be made"),
     "resume with a larger block size": (["--log-dir", "{ref}", "--resume", "--block-size", "64"], "--block-size = 32"),
     "negative warm-up": (["--warmup-steps", "-1"], "warmup-steps"),
+    "fsdp without torchrun": (["--fsdp"], "torchrun"),
+    "zero dist timeout": (["--dist-timeout", "0"], "dist-timeout"),
 }
 
 
@@ -447,11 +477,13 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path
     assert common.load_checkpoint(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
 
 
-def test_torchrun_restart_after_a_killed_rank_resumes_by_itself(data_dir, tmp_path):
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_torchrun_restart_after_a_killed_rank_resumes_by_itself(data_dir, tmp_path, sharding):
     """torchrun --max-restarts with --resume: rank 1 dies with SIGKILL mid-run, the group is started
-    again, resumes from the last checkpoint, and ends with the weights of a run that never failed."""
+    again, resumes from the last checkpoint, and ends with the per-step losses and the weights of a
+    run that never failed, under DDP and under FSDP."""
     args = TINY + ["--data-dir", data_dir, "--max-steps", "8", "--checkpoint-every", "3", "--eval-every", "0",
-                   "--resume"]
+                   "--resume", "--sharding", sharding]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     ref = str(tmp_path / "ref")
     p = subprocess.run(launch + [TRAIN] + args + ["--log-dir", ref], capture_output=True, text=True, env=ENV,
@@ -464,6 +496,9 @@ def test_torchrun_restart_after_a_killed_rank_resumes_by_itself(data_dir, tmp_pa
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert [h["restart"] for h in records(log_dir, "run")] == [0, 1]
     assert "torchrun restart 1" in p.stdout and "resuming" in p.stdout
+    assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(ref, "train")]
     _, model_a, optim_a = final_state(ref)
     _, model_b, optim_b = final_state(log_dir)
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)  # bit for bit on CPU
+    assert all(torch.equal(optim_a["state"][i]["exp_avg_sq"], optim_b["state"][i]["exp_avg_sq"])
+               for i in optim_a["state"])
