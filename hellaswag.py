@@ -10,16 +10,19 @@ For OpenAI's GPT-2 124M this gives acc 0.2859, acc_norm 0.2955 on the 10,042 val
     python hellaswag.py --model log/ --limit 500      # latest checkpoint written by train_gpt2.py
     torchrun --nproc_per_node=8 hellaswag.py --model log/ckpt_019072.pt --json
 
-The trainer imports load_items() and evaluate(); evaluate() is rank-aware and takes a
-torch.compile'd model.
+The trainer imports load_items() and evaluate(); evaluate() is rank-aware, takes a
+torch.compile'd model, and stops between batches when its should_stop says so.
+Offline: --data-file path/to/hellaswag_val.jsonl, or the copy cached by an earlier download.
 """
 
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import torch
@@ -33,6 +36,8 @@ HELLASWAG_VAL_ITEMS = 10042
 N_ENDINGS = 4
 SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple of this: few shapes
 LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
+CONNECT_TIMEOUT = 5  # seconds to wait for the download's host to answer before calling it offline
+READ_TIMEOUT = 30  # seconds of silence from the server before a download is given up
 
 # ----------------------------------------------------------------------------------------------
 # Data
@@ -42,43 +47,74 @@ def default_cache_dir():
     return os.environ.get("HELLASWAG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gpt2-hellaswag")
 
 
+OFFLINE_HINT = f"pass a local copy with --data-file path/to/{HELLASWAG_FILE}"
+
+
+def unreachable(url, timeout=CONNECT_TIMEOUT):
+    """Why url's host cannot be reached, or None when a connection opens (or when a proxy is
+    configured, which a direct probe cannot judge). A machine without network then fails in
+    seconds, where urllib alone can wait out a dropped connection for the whole read timeout."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
+                                        "ALL_PROXY", "all_proxy")):
+        return None
+    parts = urllib.parse.urlparse(url)
+    host, port = parts.hostname, parts.port or (80 if parts.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return None
+    except OSError as e:  # no DNS, refused, timed out
+        return f"{host} cannot be reached ({getattr(e, 'strerror', None) or e})"
+
+
 def download(cache_dir=None):
-    """Path of the cached validation file, fetched once. Safe when every rank calls it at once:
-    each writes its own temporary file and renames it into place."""
+    """Path of the cached validation file, fetched once: once cached, no network is asked. Safe
+    when every rank calls it at once: each writes its own temporary file and renames it into
+    place."""
     cache_dir = cache_dir or default_cache_dir()
     path = os.path.join(cache_dir, HELLASWAG_FILE)
     if os.path.isfile(path):
         return path
+    problem = unreachable(HELLASWAG_URL)
+    if problem:
+        raise common.UserError(f"HellaSwag is not in the cache ({path}) and {problem}; {OFFLINE_HINT}")
     try:
         os.makedirs(cache_dir, exist_ok=True)
-        with urllib.request.urlopen(HELLASWAG_URL, timeout=60) as response:
+        with urllib.request.urlopen(HELLASWAG_URL, timeout=READ_TIMEOUT) as response:
             data = response.read()
     except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise common.UserError(f"could not download HellaSwag from {HELLASWAG_URL} ({reason}); "
-                               f"offline, pass a local copy of {HELLASWAG_FILE} with --data-file")
+        reason = getattr(e, "reason", None) or e
+        raise common.UserError(f"could not download HellaSwag from {HELLASWAG_URL} ({reason}); {OFFLINE_HINT}")
     common.atomic_write(path, lambda f: f.write(data))
     return path
 
 
 def parse_item(line, where):
     """One line of the official jsonl -> {ctx, endings, label}; UserError naming the line otherwise."""
-    fix = "each line must be a JSON object with ctx (string), endings (4 strings) and label (0-3)"
+    fix = (f"each line must be a JSON object with ctx (a string), endings ({N_ENDINGS} strings) "
+           f"and label (0-{N_ENDINGS - 1})")
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:
-        raise common.UserError(f"{where}: malformed HellaSwag line ({e.msg}); {fix}")
+        raise common.UserError(f"{where}: malformed HellaSwag line, not JSON ({e.msg}); {fix}")
     if not isinstance(d, dict):
         raise common.UserError(f"{where}: malformed HellaSwag line (not an object); {fix}")
     ctx, endings, label = d.get("ctx"), d.get("endings"), d.get("label")
     if isinstance(label, str) and label.isdigit():
         label = int(label)  # some re-distributions store the label as a string
-    if not isinstance(ctx, str):
-        problem = "no ctx string"
-    elif not (isinstance(endings, list) and len(endings) == N_ENDINGS and all(isinstance(e, str) for e in endings)):
-        problem = f"endings is not a list of {N_ENDINGS} strings"
+    if "ctx" not in d:
+        problem = "no 'ctx'"
+    elif not isinstance(ctx, str):
+        problem = "'ctx' is not a string"
+    elif "endings" not in d:
+        problem = "no 'endings'"
+    elif not (isinstance(endings, list) and all(isinstance(e, str) for e in endings)):
+        problem = "'endings' is not a list of strings"
+    elif len(endings) != N_ENDINGS:
+        problem = f"{len(endings)} endings, not {N_ENDINGS}"
+    elif "label" not in d:
+        problem = "no 'label'"
     elif isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < N_ENDINGS:
-        problem = f"label {label!r} is not 0-{N_ENDINGS - 1}"
+        problem = f"label {d['label']!r} is not 0-{N_ENDINGS - 1}"
     else:
         return {"ctx": ctx, "endings": endings, "label": label}
     raise common.UserError(f"{where}: malformed HellaSwag line ({problem}); {fix}")
@@ -89,17 +125,23 @@ def load_items(data_file=None, cache_dir=None, limit=None):
     data_file: a local jsonl in the official format; else the official file, downloaded once into
     cache_dir (default ~/.cache/gpt2-hellaswag, or $HELLASWAG_CACHE)."""
     path = data_file if data_file is not None else download(cache_dir)
+    if os.path.isdir(path):
+        raise common.UserError(f"HellaSwag file {path} is a directory: pass the {HELLASWAG_FILE} file itself")
     if not os.path.isfile(path):
         raise common.UserError(f"HellaSwag file {path} does not exist")
     items = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(items) >= limit:
-                break
-            if line.strip():
-                items.append(parse_item(line, f"{path} line {lineno}"))
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                if limit is not None and len(items) >= limit:
+                    break
+                if line.strip():
+                    items.append(parse_item(line, f"{path} line {lineno}"))
+    except OSError as e:
+        raise common.UserError(f"cannot read HellaSwag file {path}: {e.strerror or e}")
     if not items:
-        raise common.UserError(f"{path} holds no HellaSwag items")
+        raise common.UserError(f"{path} holds no HellaSwag items (the file is empty): pass the {HELLASWAG_FILE} "
+                               "from github.com/rowanz/hellaswag, or leave out --data-file to download it")
     return items
 
 
@@ -164,10 +206,11 @@ def target_losses(logits, where, targets):
 
 
 @torch.no_grad()
-def score_items(model, items, device, dtype="float32", batch_size=4, progress=False):
-    """Summed ending loss and ending token count, each (n, 4) float64 on the CPU, for items in the
-    order given. Each item is one packed row (pack()); the rows are sorted by length and
-    batch_size of them share a forward pass, padded on the right to a common length."""
+def scored_batches(model, items, device, dtype="float32", batch_size=4):
+    """Scores items batch by batch: yields (sums, counts) after each forward pass, the same two
+    tensors each time with the rows of the items scored so far filled in; after the last batch
+    they are score_items' result. Each item is one packed row (pack()); the rows are sorted by
+    length and batch_size of them share a forward pass, padded on the right to a common length."""
     enc = common.get_tokenizer()
     block_size = model_block_size(model)
     rendered = [render(item, enc, block_size) for item in items]
@@ -175,13 +218,11 @@ def score_items(model, items, device, dtype="float32", batch_size=4, progress=Fa
     compiled = hasattr(model, "_orig_mod")  # torch.compile'd: recompiles for every new shape
     bucket = SEQ_BUCKET if compiled else 8  # eager: just enough rounding for tensor-core shapes
     order = sorted(range(len(items)), key=lambda i: -len(packed[i][0]))  # longest first: an OOM shows at once
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    sums = torch.zeros(len(items) * N_ENDINGS, dtype=torch.float64)
-    counts = torch.tensor([len(e) for _, endings in rendered for e in endings], dtype=torch.float64)
-    if progress:
-        from tqdm import tqdm
-        batches = tqdm(batches, desc="hellaswag", unit="batch", dynamic_ncols=True)
-    for batch in batches:
+    sums = torch.zeros(len(items), N_ENDINGS, dtype=torch.float64)
+    counts = torch.tensor([[len(e) for e in endings] for _, endings in rendered],
+                          dtype=torch.float64).view(-1, N_ENDINGS)
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
         T = -(-max(len(packed[i][0]) for i in batch) // bucket) * bucket
         B = min(batch_size, len(items)) if compiled else len(batch)  # compiled: the last batch too
         idx = torch.zeros(B, T, dtype=torch.long)
@@ -204,8 +245,26 @@ def score_items(model, items, device, dtype="float32", batch_size=4, progress=Fa
         with common.autocast(device, dtype):
             logits, _ = model(idx, pos=pos, mask=attention_mask(seg))
         losses = target_losses(logits, torch.tensor(where, device=device), torch.tensor(targets, device=device))
-        sums.index_add_(0, torch.tensor(ending_of), losses.double().cpu())
-    return sums.view(-1, N_ENDINGS), counts.view(-1, N_ENDINGS)
+        sums.view(-1).index_add_(0, torch.tensor(ending_of), losses.double().cpu())
+        yield sums, counts
+
+
+def n_batches(n_items, batch_size):
+    return -(-n_items // batch_size)
+
+
+def score_items(model, items, device, dtype="float32", batch_size=4, progress=False):
+    """Summed ending loss and ending token count, each (n, 4) float64 on the CPU, for items in the
+    order given (see scored_batches)."""
+    batches = scored_batches(model, items, device, dtype, batch_size)
+    if progress:
+        from tqdm import tqdm
+        batches = tqdm(batches, total=n_batches(len(items), batch_size), desc="hellaswag", unit="batch",
+                       dynamic_ncols=True)
+    sums = counts = torch.zeros(0, N_ENDINGS, dtype=torch.float64)
+    for sums, counts in batches:
+        pass
+    return sums, counts
 
 
 def shard(n, rank, world_size):
@@ -219,21 +278,38 @@ def default_batch_size(device):
     return 16 if device.startswith("cuda") else 4
 
 
-def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False):
+def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
+             should_stop=None):
     """{"acc", "acc_norm", "n"} over all items. Each rank scores its share (items rank::world_size);
     the counts are summed over ranks when torch.distributed is initialised and world_size > 1, so
     every rank must call this. model: a GPT (model(idx, pos=, mask=) -> (logits, loss)), also
     torch.compile'd; pass the model itself, not a DDP wrapper. It is put in eval mode and its
     train/eval state restored afterwards. batch_size: items per forward pass, one packed row
-    each (default: default_batch_size(device))."""
+    each (default: default_batch_size(device)).
+    should_stop: None, or a function called before each batch; when it returns True, evaluate
+    returns None at once (a stop request must not wait for 10,042 items). It may be a collective
+    (an all-reduce of every rank's flag): every rank calls it the same number of times,
+    ceil(ceil(len(items) / world_size) / batch_size), also where its own share is shorter or
+    used up, and all ranks see the same answers, so all return None together."""
+    batch_size = batch_size or default_batch_size(device)
     mine = [items[i] for i in shard(len(items), rank, world_size)]
+    # from numbers equal on every rank: the longest share's batch count, not this rank's own
+    batches = n_batches(n_batches(len(items), world_size), batch_size)
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
     try:
+        scores = scored_batches(model, mine, device, dtype, batch_size)
+        steps = range(batches)
+        if progress:
+            from tqdm import tqdm
+            steps = tqdm(steps, desc="hellaswag", unit="batch", dynamic_ncols=True)
+        sums = counts = None
+        for _ in steps:
+            if should_stop is not None and should_stop():
+                return None
+            sums, counts = next(scores, (sums, counts))  # past the end of this rank's share: nothing to score
         if mine:
-            sums, counts = score_items(model, mine, device, dtype, batch_size or default_batch_size(device),
-                                       progress)
             labels = torch.tensor([item["label"] for item in mine])
             correct = int((sums.argmin(dim=1) == labels).sum())
             correct_norm = int(((sums / counts).argmin(dim=1) == labels).sum())

@@ -156,22 +156,42 @@ def rank_worker(rank, world_size, port, ckpt, data, out):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     d = common.setup_distributed("cpu")
     seen = []
-    score_items = hellaswag.score_items
+    scored_batches = hellaswag.scored_batches
 
     def recording(model, items, *args, **kwargs):
         seen.extend(item["ctx"] for item in items)
-        return score_items(model, items, *args, **kwargs)
+        return scored_batches(model, items, *args, **kwargs)
 
-    hellaswag.score_items = recording
+    hellaswag.scored_batches = recording
     model, _ = common.load_model(ckpt, "cpu")
-    result = hellaswag.evaluate(model, hellaswag.load_items(data), "cpu", batch_size=2, rank=d.rank,
-                                world_size=d.world_size)
+    items = hellaswag.load_items(data)
+    result = hellaswag.evaluate(model, items, "cpu", batch_size=2, rank=d.rank, world_size=d.world_size)
+    seen_before_stops = list(seen)
+
+    def collective_stop(asked_at):
+        """The trainer's kind of should_stop: any rank's request, all-reduced (a collective)."""
+        calls = []
+
+        def should_stop():
+            calls.append(1)
+            flag = torch.tensor([1 if rank == 1 and len(calls) == asked_at else 0])
+            torch.distributed.all_reduce(flag)
+            return bool(flag.item())
+        return should_stop, calls
+
+    # batch_size 1: rank 0 holds 4 items, rank 1 holds 3, yet both must call should_stop 4 times
+    stops = []
+    for asked_at in (None, 2):  # never; rank 1 asks before the 2nd batch
+        should_stop, calls = collective_stop(asked_at)
+        outcome = hellaswag.evaluate(model, items, "cpu", batch_size=1, rank=d.rank, world_size=d.world_size,
+                                     should_stop=should_stop)
+        stops.append({"calls": len(calls), "result": outcome})
     common.teardown_distributed()
     with open(f"{out}{rank}.json", "w") as f:
-        json.dump({"seen": seen, "result": result}, f)
+        json.dump({"seen": seen_before_stops, "result": result, "stops": stops}, f)
 
 
-def test_two_gloo_ranks_split_and_reduce(model, files, tmp_path):
+def test_two_gloo_ranks_split_reduce_and_stop(model, files, tmp_path):
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -192,6 +212,55 @@ def test_two_gloo_ranks_split_and_reduce(model, files, tmp_path):
     assert sorted(seen) == sorted(item["ctx"] for item in ITEMS)  # every item once, none twice
     assert len(ranks[0]["seen"]) == 4 and len(ranks[1]["seen"]) == 3
     assert ranks[0]["result"] == ranks[1]["result"] == hellaswag.evaluate(model, ITEMS, "cpu")
+    # a collective should_stop: no hang with shares of 4 and 3 items, and a stop on one rank stops both
+    for r in ranks:
+        assert r["stops"] == [{"calls": 4, "result": ranks[0]["result"]}, {"calls": 2, "result": None}]
+
+
+class StopAfter:
+    """A should_stop that answers True from its k-th call on (never, for k=None), counting calls."""
+
+    def __init__(self, k=None):
+        self.k, self.calls = k, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.k is not None and self.calls >= self.k
+
+
+def test_should_stop_ends_evaluation_at_once(model):
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    model.train()
+    try:
+        stop = StopAfter(2)
+        assert hellaswag.evaluate(model, ITEMS, "cpu", batch_size=2, should_stop=stop) is None
+        assert stop.calls == 2 and len(forwards) == 1  # asked before each batch: one of 4 batches ran
+        assert model.training  # restored on the early return too
+        never = StopAfter()
+        forwards.clear()
+        assert hellaswag.evaluate(model, ITEMS, "cpu", batch_size=2, should_stop=never) == \
+            hellaswag.evaluate(model, ITEMS, "cpu", batch_size=2)
+        assert never.calls == 4 == len(forwards) / 2
+    finally:
+        hook.remove()
+        model.eval()
+
+
+@pytest.mark.parametrize("n, world_size, batch_size", [(7, 2, 1), (5, 2, 2), (7, 3, 2), (1, 2, 2), (2, 3, 1)])
+def test_should_stop_called_as_often_on_every_rank(model, n, world_size, batch_size):
+    """should_stop may be an all-reduce, which hangs unless every rank calls it as often, though
+    ranks hold different numbers of items (here one more, or none at all). Without
+    torch.distributed initialised, each rank's evaluate scores its share alone."""
+    calls, scored = [], 0
+    for rank in range(world_size):
+        stop = StopAfter()
+        scored += hellaswag.evaluate(model, ITEMS[:n], "cpu", batch_size=batch_size, rank=rank,
+                                     world_size=world_size, should_stop=stop)["n"]
+        calls.append(stop.calls)
+    assert scored == n
+    longest_share = -(-n // world_size)
+    assert calls == [-(-longest_share // batch_size)] * world_size
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,17 +274,42 @@ def test_load_items(files):
 
 
 @pytest.mark.parametrize("line, problem", [
-    ("{not json", "malformed HellaSwag line"),
-    (json.dumps({"ctx": "a", "endings": ["x", "y", "z"], "label": 0}), "endings is not a list of 4 strings"),
-    (json.dumps({"ctx": "a", "endings": ["w", "x", "y", "z"], "label": 4}), "label 4 is not 0-3"),
-    (json.dumps({"endings": ["w", "x", "y", "z"], "label": 1}), "no ctx string"),
+    ("{not json", "not JSON"),
+    ("ctx,endings,label", "not JSON"),  # a CSV export
     ("[1, 2]", "not an object"),
+    (json.dumps({"endings": ["w", "x", "y", "z"], "label": 1}), "no 'ctx'"),
+    (json.dumps({"ctx": 3, "endings": ["w", "x", "y", "z"], "label": 1}), "'ctx' is not a string"),
+    (json.dumps({"ctx": "a", "label": 1}), "no 'endings'"),
+    (json.dumps({"ctx": "a", "endings": "wxyz", "label": 1}), "'endings' is not a list of strings"),
+    (json.dumps({"ctx": "a", "endings": ["x", "y", "z"], "label": 0}), "3 endings, not 4"),
+    (json.dumps({"ctx": "a", "endings": ["v", "w", "x", "y", "z"], "label": 0}), "5 endings, not 4"),
+    (json.dumps({"ctx": "a", "endings": ["w", "x", "y", "z"]}), "no 'label'"),
+    (json.dumps({"ctx": "a", "endings": ["w", "x", "y", "z"], "label": 4}), "label 4 is not 0-3"),
+    (json.dumps({"ctx": "a", "endings": ["w", "x", "y", "z"], "label": -1}), "label -1 is not 0-3"),
+    (json.dumps({"ctx": "a", "endings": ["w", "x", "y", "z"], "label": "b"}), "label 'b' is not 0-3"),
+    (json.dumps({"ctx": "a", "endings": ["w", "x", "y", "z"], "label": True}), "label True is not 0-3"),
 ])
-def test_malformed_line_names_the_line(tmp_path, line, problem):
+def test_malformed_line_names_the_file_and_line(tmp_path, line, problem):
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps(ITEMS[0]) + "\n" + line + "\n")
-    with pytest.raises(common.UserError, match=f"line 2: .*{problem}"):
+    path.write_text(json.dumps(ITEMS[0]) + "\n\n" + line + "\n" + json.dumps(ITEMS[1]) + "\n")
+    with pytest.raises(common.UserError) as e:
         hellaswag.load_items(str(path))
+    assert str(e.value).startswith(f"{path} line 3: malformed HellaSwag line") and problem in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"])
+def test_empty_file(tmp_path, text):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(text)
+    with pytest.raises(common.UserError, match=f"{path} holds no HellaSwag items"):
+        hellaswag.load_items(str(path))
+
+
+def test_string_labels_are_read(tmp_path):
+    path = tmp_path / "labels.jsonl"
+    path.write_text(json.dumps(dict(ITEMS[0], label="2")) + "\n")
+    assert hellaswag.load_items(str(path))[0]["label"] == 2
 
 
 def test_download_once_and_offline_error(tmp_path, monkeypatch):
@@ -237,6 +331,7 @@ def test_download_once_and_offline_error(tmp_path, monkeypatch):
         return Response()
 
     monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
+    monkeypatch.setattr(hellaswag, "unreachable", lambda url: None)  # as if online
     monkeypatch.setenv("HELLASWAG_CACHE", str(tmp_path / "cache"))
     assert len(hellaswag.load_items()) == len(ITEMS)
     assert len(hellaswag.load_items(limit=3)) == 3
@@ -247,8 +342,38 @@ def test_download_once_and_offline_error(tmp_path, monkeypatch):
         raise urllib.error.URLError("Name or service not known")
 
     monkeypatch.setattr(urllib.request, "urlopen", offline)
-    with pytest.raises(common.UserError, match="--data-file"):
+    with pytest.raises(common.UserError, match="--data-file path/to/hellaswag_val.jsonl"):
         hellaswag.load_items(cache_dir=str(tmp_path / "elsewhere"))
+
+
+def no_network(monkeypatch):
+    """The download URL on a local port nothing serves, no proxy, and urlopen failing the test
+    if it is called anyway: a machine without network, answered without waiting."""
+    monkeypatch.setattr(hellaswag, "HELLASWAG_URL", "http://127.0.0.1:9/hellaswag_val.jsonl")
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+
+    def urlopen(*args, **kwargs):
+        raise AssertionError("urlopen called although the host is unreachable")
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+
+
+def test_offline_without_data_file_is_one_line(files, tmp_path, monkeypatch, capsys):
+    no_network(monkeypatch)
+    monkeypatch.setenv("HELLASWAG_CACHE", str(tmp_path / "cache"))
+    err = cli_error(["--model", files["ckpt"], "--device", "cpu"], capsys)
+    assert "--data-file path/to/hellaswag_val.jsonl" in err and "127.0.0.1 cannot be reached" in err
+    assert not (tmp_path / "cache").exists()  # nothing written
+
+
+def test_offline_with_the_file_cached(model, files, tmp_path, monkeypatch, capsys):
+    no_network(monkeypatch)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / hellaswag.HELLASWAG_FILE).write_text(open(files["data"], encoding="utf-8").read(), encoding="utf-8")
+    hellaswag.main(["--model", files["ckpt"], "--cache-dir", str(cache), "--json", "--device", "cpu",
+                    "--limit", "3"])
+    assert json.loads(capsys.readouterr().out)["n"] == 3
 
 
 def test_download_official_file(tmp_path, github_online):
@@ -296,8 +421,26 @@ def test_cli_bad_models(files, tmp_path, capsys):
     assert "not a checkpoint written by train_gpt2.py" in cli_error(["--model", str(foreign), "--data-file",
                                                                      files["data"]], capsys)
     assert "not found" in cli_error(["--model", "no/such/model.pt", "--data-file", files["data"]], capsys)
-    assert "--limit" in cli_error(["--model", files["ckpt"], "--data-file", files["data"], "--limit", "0"], capsys)
+    missing = str(tmp_path / "no_such_dir")
+    assert f"model {missing!r} not found" in cli_error(["--model", missing, "--data-file", files["data"]], capsys)
+    (tmp_path / "empty_log").mkdir()
+    assert "has no ckpt_*.pt checkpoint" in cli_error(["--model", str(tmp_path / "empty_log"), "--data-file",
+                                                       files["data"]], capsys)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x00not a checkpoint" * 50)
+    assert "not a readable checkpoint" in cli_error(["--model", str(garbage), "--data-file", files["data"]], capsys)
     assert "does not exist" in cli_error(["--model", files["ckpt"], "--data-file", "nope.jsonl"], capsys)
+    assert "is a directory" in cli_error(["--model", files["ckpt"], "--data-file", str(tmp_path)], capsys)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--limit", "0"], "--limit must be at least 1, got 0"),
+    (["--limit", "-5"], "--limit must be at least 1, got -5"),
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--batch-size", "-2"], "--batch-size must be at least 1, got -2"),
+])
+def test_cli_bad_numbers(files, capsys, flags, needle):
+    assert needle in cli_error(["--model", files["ckpt"], "--data-file", files["data"]] + flags, capsys)
 
 
 def test_cli_unknown_hub_name(files, capsys, monkeypatch):
