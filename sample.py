@@ -11,6 +11,7 @@ The samples go to stdout (and nothing else does); where the model came from goes
 
 import argparse
 import codecs
+import math
 import os
 import sys
 
@@ -125,12 +126,14 @@ def parse_args(argv=None):
         raise common.UserError(f"--num-samples must be at least 1, got {args.num_samples}")
     if args.max_new_tokens < 1:
         raise common.UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise common.UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # nan compares False to anything
+        raise common.UserError(f"--temperature must be a number >= 0 (0 = greedy), got {args.temperature}")
     if args.top_k < 0:
         raise common.UserError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise common.UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not -2 ** 63 <= args.seed < 2 ** 64:
+        raise common.UserError(f"--seed must fit in 64 bits, got {args.seed}")
     return args
 
 

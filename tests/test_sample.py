@@ -164,6 +164,34 @@ def test_bad_input(log_dir, tmp_path, capsys, monkeypatch):
     assert "no ckpt_*.pt" in cli_error([], capsys)
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be at least 1, got -3"),
+    (["--num-samples", "-1"], "--num-samples must be at least 1, got -1"),
+    (["--temperature", "-0.5"], "--temperature must be a number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a number >= 0"),
+    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--top-p", "-0.1"], "--top-p must be in (0, 1]"),
+    (["--top-p", "1.01"], "--top-p must be in (0, 1]"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1]"),
+    (["--seed", str(2 ** 64)], "--seed must fit in 64 bits"),
+])
+def test_bad_numbers(log_dir, capsys, flags, needle):
+    assert needle in cli_error(["--model", str(log_dir)] + flags, capsys)
+
+
+def test_model_naming_nothing_loadable(tmp_path, capsys):
+    missing = str(tmp_path / "no_such_run")
+    assert f"model {missing!r} not found" in cli_error(["--model", missing], capsys)
+    assert "not found" in cli_error(["--model", str(tmp_path / "ckpt_000001.pt")], capsys)
+    (tmp_path / "empty_log").mkdir()
+    assert "has no ckpt_*.pt checkpoint" in cli_error(["--model", str(tmp_path / "empty_log")], capsys)
+    for name, content in (("garbage.pt", b"\x00not a checkpoint" * 50), ("empty.pt", b"")):
+        (tmp_path / name).write_bytes(content)
+        assert "not a readable checkpoint" in cli_error(["--model", str(tmp_path / name)], capsys)
+
+
 def test_prompt_longer_than_context_no_traceback(log_dir):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), "--model", str(log_dir),
                            "--prompt", "word " * 100], env=ENV, capture_output=True, text=True, timeout=120)
