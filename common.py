@@ -10,7 +10,9 @@ import hashlib
 import os
 import platform
 import re
+import signal
 import socket
+import subprocess
 import sys
 
 import torch
@@ -35,6 +37,28 @@ def run_main(main):
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stop requests: SIGTERM (Slurm, spot instances, torchrun) and Ctrl-C are noted, not obeyed at
+# once, so that a long job can end cleanly at its next safe point.
+
+
+class StopFlag:
+    """.signal: None, or the name of the first SIGTERM/SIGINT received since it was made."""
+
+    def __init__(self):
+        self.signal = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread (e.g. imported in a notebook worker)
+                pass
+
+    def _handler(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+        # a second Ctrl-C stops at once
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,6 +281,19 @@ def versions(*extra):
         except ImportError:
             pass
     return out
+
+
+def git_commit():
+    """The short commit of this checkout ('-dirty' with uncommitted changes), or None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (rev + ("-dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,9 +3,9 @@ How the model is spread over processes: DDP (every rank holds everything, the de
 (PyTorch's torch.distributed.fsdp.fully_shard: parameters, gradients and AdamW state sharded over
 the ranks), optional activation checkpointing, and the few places where the two differ for the
 trainer: gradient sync during accumulation, gradient clipping, full state dicts for checkpoints,
-and a per-GPU memory plan.
+a per-GPU memory plan, and the micro-batch auto-fit.
 
-Imports only torch, the standard library and model.py.
+Imports only torch, the standard library, model.py and common.py.
 
 Order the trainer follows (FSDP replaces the parameters with sharded DTensors, so anything that
 holds parameters is built after it):
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from common import autocast
 from model import PADDED_VOCAB_SIZE, Block
 
 SHARDINGS = ("none", "fsdp")
@@ -250,6 +251,83 @@ def _to_cpu(obj):
     if isinstance(obj, list):
         return [_to_cpu(v) for v in obj]
     return obj
+
+
+# ----------------------------------------------------------------------------------------------
+# Micro-batch auto-fit: the largest micro-batch that fits, found by trying, on the model as it
+# trains (sharded, activation-checkpointed)
+
+
+def largest_fitting(candidates, fits):
+    """The largest of the ascending `candidates` for which fits(b) is true, assuming memory grows
+    with b (binary search: log2(n) trial steps). None if even the smallest does not fit."""
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
+    """Micro-batch sizes that divide the per-rank share of the batch, ascending (beyond `cap`
+    sequences a GPU is long saturated and only memory is spent)."""
+    per_rank, rem = divmod(total_batch_size, block_size * world_size)
+    if rem or per_rank == 0:
+        return []
+    return [b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0]
+
+
+def cuda_memory_probe(model, block_size, device, dtype, margin=0.10, agree=lambda ok: ok):
+    """fits(b): one forward+backward at micro-batch b stays under (1 - margin) of the GPU's memory,
+    counting the AdamW state (two fp32 moments per parameter it holds) that the real step adds.
+    `model` is the model as it will train (sharded, activation-checkpointed); agree(ok) makes every
+    rank take the same answer, since under FSDP each probe is a collective."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731  (an FSDP shard)
+    optimizer_bytes = 2 * 4 * sum(local(p).numel() for p in model.parameters())
+
+    def fits(b):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            x = torch.randint(0, model.config.vocab_size, (b, block_size), device=device)
+            with autocast(device, dtype):
+                _, loss = model(x, x)
+            loss.backward()
+            peak = torch.cuda.max_memory_allocated(device)
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        return agree(peak + optimizer_bytes <= (1 - margin) * total)
+    return fits
+
+
+def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size):
+    """The micro-batch for --micro-batch-size auto; ranks: the run's common.Dist."""
+    from common import UserError
+    cands = micro_batch_candidates(total_batch_size, block_size, ranks.world_size)
+    if not cands:
+        raise UserError(f"--total-batch-size {total_batch_size} is not divisible by block size x GPUs "
+                        f"({block_size} x {ranks.world_size}); use a multiple of {block_size * ranks.world_size}")
+    if ranks.device_type == "cuda":
+        def agree(ok):
+            if not ranks.ddp:
+                return ok
+            answers = [None] * ranks.world_size
+            dist.all_gather_object(answers, ok)
+            return all(answers)
+        best = largest_fitting(cands, cuda_memory_probe(model, block_size, ranks.device, dtype, agree=agree))
+        if best is None:
+            raise UserError(f"even a micro-batch of 1 x {block_size} tokens does not fit in GPU memory: use "
+                            "--sharding fsdp over several GPUs, --activation-checkpointing, or a smaller --model")
+    else:
+        best = max(b for b in cands if b <= 8)  # the same on every rank
+    return best
 
 
 # ----------------------------------------------------------------------------------------------

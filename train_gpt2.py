@@ -15,7 +15,6 @@ import math
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -170,91 +169,6 @@ def get_lr(step, args):
         return min_lr
     ratio = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
-
-
-# ----------------------------------------------------------------------------------------------
-# Micro-batch auto-fit
-
-
-def largest_fitting(candidates, fits):
-    """The largest of the ascending `candidates` for which fits(b) is true, assuming memory grows
-    with b (binary search: log2(n) trial steps). None if even the smallest does not fit."""
-    lo, hi, best = 0, len(candidates) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(candidates[mid]):
-            best, lo = candidates[mid], mid + 1
-        else:
-            hi = mid - 1
-    return best
-
-
-def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
-    """Micro-batch sizes that divide the per-rank share of the batch, ascending (beyond `cap`
-    sequences a GPU is long saturated and only memory is spent)."""
-    per_rank, rem = divmod(total_batch_size, block_size * world_size)
-    if rem or per_rank == 0:
-        return []
-    return [b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0]
-
-
-def cuda_memory_probe(model, block_size, device, dtype, margin=0.10, agree=lambda ok: ok):
-    """fits(b): one forward+backward at micro-batch b stays under (1 - margin) of the GPU's memory,
-    counting the AdamW state (two fp32 moments per parameter it holds) that the real step adds.
-    `model` is the model as it will train (sharded, activation-checkpointed); agree(ok) makes every
-    rank take the same answer, since under FSDP each probe is a collective."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731  (an FSDP shard)
-    optimizer_bytes = 2 * 4 * sum(local(p).numel() for p in model.parameters())
-
-    def fits(b):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        try:
-            x = torch.randint(0, model.config.vocab_size, (b, block_size), device=device)
-            with common.autocast(device, dtype):
-                _, loss = model(x, x)
-            loss.backward()
-            peak = torch.cuda.max_memory_allocated(device)
-        except torch.cuda.OutOfMemoryError:
-            return False
-        finally:
-            model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-        return agree(peak + optimizer_bytes <= (1 - margin) * total)
-    return fits
-
-
-def choose_micro_batch(args, dist, model, dtype, block_size):
-    cands = micro_batch_candidates(args.total_batch_size, block_size, dist.world_size)
-    if not cands:
-        raise UserError(f"--total-batch-size {args.total_batch_size} is not divisible by block size x GPUs "
-                        f"({block_size} x {dist.world_size}); use a multiple of {block_size * dist.world_size}")
-    if dist.device_type == "cuda":
-        agree = lambda ok: all(checkpoint.gather(ok, dist))  # noqa: E731
-        best = largest_fitting(cands, cuda_memory_probe(model, block_size, dist.device, dtype, agree=agree))
-        if best is None:
-            raise UserError(f"even a micro-batch of 1 x {block_size} tokens does not fit in GPU memory: use "
-                            "--sharding fsdp over several GPUs, --activation-checkpointing, or a smaller --model")
-    else:
-        best = max(b for b in cands if b <= 8)  # the same on every rank
-    return best
-
-
-# ----------------------------------------------------------------------------------------------
-# What produced a run (for its header)
-
-
-def git_commit():
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return (rev + ("-dirty" if dirty else "")) or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,26 +399,6 @@ class PlotWriter:
 
 
 # ----------------------------------------------------------------------------------------------
-# Signals: SIGTERM / Ctrl-C end the run within seconds, wherever it is: after the current step, or
-# between two evaluation batches; a checkpoint of the last finished step is written either way.
-
-
-class StopFlag:
-    def __init__(self):
-        self.signal = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                signal.signal(sig, self._handler)
-            except ValueError:  # not the main thread (e.g. imported in a notebook worker)
-                pass
-
-    def _handler(self, signum, frame):
-        self.signal = signal.Signals(signum).name
-        # a second Ctrl-C stops at once
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-# ----------------------------------------------------------------------------------------------
 # Set-up: everything the loop needs, built once
 
 
@@ -587,7 +481,7 @@ def setup(args, dist, log):
     if ckpt is not None:
         micro_batch = ckpt["config"]["micro_batch_size"]
     elif args.micro_batch_size == "auto":
-        micro_batch = choose_micro_batch(args, dist, raw_model, run.dtype, block_size)
+        micro_batch = parallel.choose_micro_batch(args.total_batch_size, dist, raw_model, run.dtype, block_size)
     else:
         micro_batch = args.micro_batch_size
     tokens_per_micro = micro_batch * block_size * dist.world_size
@@ -629,7 +523,7 @@ def setup(args, dist, log):
     # the run header: what produced this run
     run.device_name = common.device_name(dist.device)
     run.peak_flops = common.peak_flops(run.device_name, run.dtype)
-    commit = git_commit()
+    commit = common.git_commit()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun for its workers
     log.record("run", step=run.start_step, max_steps=args.max_steps, tokens_per_step=args.total_batch_size,
                resumed_from=run.resume_path, device=dist.device, device_name=run.device_name, dtype=run.dtype,
@@ -692,7 +586,7 @@ def kill_step_for_tests(dist):
 def _train(args, dist, log):
     run = setup(args, dist, log)
     kill_at = kill_step_for_tests(dist)
-    stop = StopFlag()
+    stop = common.StopFlag()
     timer = PhaseTimer(dist.device, args.timing_breakdown > 0)
     reason, step = "finished", run.start_step
     for step in range(run.start_step, args.max_steps):

@@ -322,3 +322,19 @@ def test_whole_model_compile_with_checkpointing_matches_eager(monkeypatch):
     loss.backward()
     torch.testing.assert_close(loss, want)
     assert raw.transformer.h[0].attn.c_attn.weight.grad is not None
+
+
+def test_micro_batch_autofit_with_fake_memory():
+    # a 16 GB card where each sequence of 1024 tokens costs 0.9 GB and the model 3 GB
+    fits = lambda b: 3.0 + 0.9 * b <= 0.9 * 16
+    cands = parallel.micro_batch_candidates(524288, 1024, 1)
+    assert cands == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert parallel.largest_fitting(cands, fits) == 8
+    # 40 GB: 32; 80 GB: 64; the batch must divide: 3 GPUs x 1024 x b never divides 2**19
+    assert parallel.largest_fitting(cands, lambda b: 3.0 + 0.9 * b <= 0.9 * 40) == 32
+    assert parallel.largest_fitting(cands, lambda b: 3.0 + 0.9 * b <= 0.9 * 80) == 64
+    assert parallel.micro_batch_candidates(524288, 1024, 3) == []
+    assert parallel.largest_fitting(cands, lambda b: False) is None
+    tried = []
+    parallel.largest_fitting(cands, lambda b: tried.append(b) or b <= 8)
+    assert len(tried) <= 4  # binary search, not a scan

@@ -355,23 +355,6 @@ def test_lr_schedule():
     assert all(a >= b for a, b in zip(lrs[715:], lrs[716:]))
 
 
-def test_micro_batch_autofit_with_fake_memory():
-    import train_gpt2
-    # a 16 GB card where each sequence of 1024 tokens costs 0.9 GB and the model 3 GB
-    fits = lambda b: 3.0 + 0.9 * b <= 0.9 * 16
-    cands = train_gpt2.micro_batch_candidates(524288, 1024, 1)
-    assert cands == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert train_gpt2.largest_fitting(cands, fits) == 8
-    # 40 GB: 32; 80 GB: 64; the batch must divide: 3 GPUs x 1024 x b never divides 2**19
-    assert train_gpt2.largest_fitting(cands, lambda b: 3.0 + 0.9 * b <= 0.9 * 40) == 32
-    assert train_gpt2.largest_fitting(cands, lambda b: 3.0 + 0.9 * b <= 0.9 * 80) == 64
-    assert train_gpt2.micro_batch_candidates(524288, 1024, 3) == []
-    assert train_gpt2.largest_fitting(cands, lambda b: False) is None
-    tried = []
-    train_gpt2.largest_fitting(cands, lambda b: tried.append(b) or b <= 8)
-    assert len(tried) <= 4  # binary search, not a scan
-
-
 def test_timing_breakdown_reports_phases(data_dir, tmp_path):
     log_dir = str(tmp_path / "log")
     p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "4", "--timing-breakdown", "2"])
