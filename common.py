@@ -381,9 +381,14 @@ def load_checkpoint(path, map_location="cpu"):
     return ckpt
 
 
-def model_from_checkpoint(ckpt):
-    model = GPT(GPTConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
+def model_from_checkpoint(ckpt, path="the checkpoint"):
+    try:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UserError(f"{path} is damaged: its model does not load ({type(e).__name__}: {reason}); "
+                        "use an earlier ckpt_*.pt from the same directory")
     return model
 
 
@@ -433,7 +438,7 @@ def load_model(spec, device="cpu"):
     Hugging Face directory; or a hub name such as gpt2, gpt2-medium, gpt2-large, gpt2-xl.
     Returns (model in eval mode on device, a short description of where it came from)."""
     if os.path.isfile(spec):
-        model, what = model_from_checkpoint(load_checkpoint(spec)), f"checkpoint {spec}"
+        model, what = model_from_checkpoint(load_checkpoint(spec), spec), f"checkpoint {spec}"
     elif is_hf_dir(spec):
         try:
             model, what = GPT.from_pretrained(spec), f"Hugging Face directory {spec}"
@@ -444,7 +449,7 @@ def load_model(spec, device="cpu"):
         if ckpt is None:
             raise UserError(f"{spec} has no ckpt_*.pt checkpoint and no config.json; "
                             "train one with python train_gpt2.py --log-dir " + spec)
-        model, what = model_from_checkpoint(load_checkpoint(ckpt)), f"checkpoint {ckpt}"
+        model, what = model_from_checkpoint(load_checkpoint(ckpt), ckpt), f"checkpoint {ckpt}"
     elif re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", spec) and not spec.endswith(".pt"):
         model, what = model_from_hub(spec), f"Hugging Face model {spec}"
     else:

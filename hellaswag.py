@@ -279,7 +279,7 @@ def default_batch_size(device):
 
 
 def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
-             should_stop=None):
+             should_stop=None, lockstep=False):
     """{"acc", "acc_norm", "n"} over all items. Each rank scores its share (items rank::world_size);
     the counts are summed over ranks when torch.distributed is initialised and world_size > 1, so
     every rank must call this. model: a GPT (model(idx, pos=, mask=) -> (logits, loss)), also
@@ -290,7 +290,9 @@ def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, wor
     returns None at once (a stop request must not wait for 10,042 items). It may be a collective
     (an all-reduce of every rank's flag): every rank calls it the same number of times,
     ceil(ceil(len(items) / world_size) / batch_size), also where its own share is shorter or
-    used up, and all ranks see the same answers, so all return None together."""
+    used up, and all ranks see the same answers, so all return None together.
+    lockstep: every rank makes that same number of forward passes too (under FSDP each forward
+    gathers parameters from all ranks): a rank past its share runs a one-token pass instead."""
     batch_size = batch_size or default_batch_size(device)
     mine = [items[i] for i in shard(len(items), rank, world_size)]
     # from numbers equal on every rank: the longest share's batch count, not this rank's own
@@ -308,7 +310,12 @@ def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, wor
         for _ in steps:
             if should_stop is not None and should_stop():
                 return None
-            sums, counts = next(scores, (sums, counts))  # past the end of this rank's share: nothing to score
+            scored = next(scores, None)
+            if scored is not None:
+                sums, counts = scored
+            elif lockstep:  # past the end of this rank's share: keep the others' collectives company
+                with torch.no_grad(), common.autocast(device, dtype):
+                    model(torch.zeros((1, 1), dtype=torch.long, device=device))
         if mine:
             labels = torch.tensor([item["label"] for item in mine])
             correct = int((sums.argmin(dim=1) == labels).sum())

@@ -295,7 +295,7 @@ class HellaSwagHook:
         self.args, self.dist, self.log = args, dist, log
         self.items, self.failed = None, False
 
-    def __call__(self, raw_model, dtype, should_stop):
+    def __call__(self, raw_model, dtype, should_stop, fsdp=False):
         if self.failed:
             return None
         import hellaswag
@@ -316,7 +316,7 @@ class HellaSwagHook:
             self.items = items
         raw_model.eval()
         result = hellaswag.evaluate(raw_model, self.items, self.dist.device, dtype, rank=self.dist.rank,
-                                    world_size=self.dist.world_size, should_stop=should_stop)
+                                    world_size=self.dist.world_size, should_stop=should_stop, lockstep=fsdp)
         raw_model.train()
         return result
 
@@ -354,7 +354,7 @@ def evaluate(run, args, dist, log, step, stop):
         log.line(f"step {step} | val_loss {val_loss:.4f}")
         log.record("val", step=step, val_loss=val_loss, tokens=step * args.total_batch_size)
     if due(args.hellaswag_every):
-        result = run.hella(run.raw_model, run.dtype, should_stop)
+        result = run.hella(run.raw_model, run.dtype, should_stop, run.fsdp)
         if result is None and should_stop():
             return False
         if result is not None:

@@ -214,13 +214,21 @@ def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_pat
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
     for va, vb in zip(records(single, "val"), records(ddp, "val")):
         assert vb["val_loss"] == pytest.approx(va["val_loss"], rel=1e-5)
-    # FSDP2 with activation checkpointing: the same steps again, to the same tolerance
+    # FSDP2 with activation checkpointing: the same steps again, to the same tolerance; HellaSwag on
+    # 9 items (shares of 5 and 4: two batches of 4 on one rank, one on the other) and samples run on
+    # both ranks in step, since every forward through the sharded model is a collective
     fsdp = str(tmp_path / "fsdp")
-    p = torchrun(["--standalone", "--nproc_per_node=2"], common_args + ["--log-dir", fsdp, "--fsdp",
-                                                                         "--activation-checkpointing"])
+    hs_file = tmp_path / "hellaswag_val.jsonl"
+    hs_file.write_text("".join(json.dumps({"ctx": f"The cat sees item {i}.", "endings": ["A.", "It runs.", "B c.", "D."],
+                                           "label": i % 4}) + "\n" for i in range(9)))
+    p = torchrun(["--standalone", "--nproc_per_node=2"], common_args + [
+        "--log-dir", fsdp, "--fsdp", "--activation-checkpointing", "--hellaswag-every", "2", "--hellaswag-file",
+        str(hs_file), "--sample-every", "2", "--num-samples", "1", "--sample-tokens", "4"])
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
     assert "memory (fsdp, activation checkpointing): per process: params" in out
+    assert [(r["step"], r["n"]) for r in records(fsdp, "hellaswag")] == [(0, 9), (2, 9), (3, 9)]
+    assert sum(1 for line in out.splitlines() if line.startswith("sample 0 |")) == 2  # steps 2 and 3, rank 0
     c = records(fsdp, "train")
     assert len(c) == 4
     for ra, rc in zip(a, c):
