@@ -5,12 +5,13 @@ Each rung adds one change to the rung before it, in the order of the build-nanog
 fp32 -> TF32 -> bf16 autocast -> torch.compile -> flash attention -> padded vocabulary ->
 fused AdamW -> async data prefetch, then a few extras (cuDNN attention first, a 2x micro-batch,
 and, on request, compile's max-autotune). Every rung trains a fresh model (same seed, same
-weights, same data) with the trainer's step: B x T micro-batches, gradient accumulation,
-clip_grad_norm_ 1.0, AdamW with the learning rate set through the param groups. Warm-up steps
-(compilation happens there) are excluded; the timed steps are measured with CUDA events (a
-synchronised perf_counter elsewhere) and the median is reported. Each rung runs in a fresh
-process, so compile caches and memory don't leak between rungs and a crash or an out-of-memory
-marks that rung failed and the ladder goes on.
+weights, same data) with the trainer's own code: train_gpt2.train_step on dataloader.TokenLoader
+batches, the model wrapped by parallel.wrap_model, train_gpt2.get_lr's learning rate set through
+the param groups, and train_gpt2.py's defaults for AdamW and clipping; so a speed-up the ladder
+measures is a speed-up of training. Warm-up steps (compilation happens there) are excluded; the
+timed steps are measured whole with CUDA events (a synchronised perf_counter elsewhere) and the
+median is reported. Each rung runs in a fresh process, so compile caches and memory don't leak
+between rungs and a crash or an out-of-memory marks that rung failed and the ladder goes on.
 
     python bench/ladder.py                        # GPT-2 124M on a GPU, a tiny model on CPU
     python bench/ladder.py --list-rungs
@@ -47,17 +48,19 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common import UserError, atomic_write, autocast, device_name, pick_device, pick_dtype, run_main  # noqa: E402
+import common  # noqa: E402
+import parallel  # noqa: E402
+import train_gpt2  # noqa: E402
+from common import UserError  # noqa: E402
+from dataloader import TokenLoader  # noqa: E402
 from model import GPT, GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, PRESETS, GPTConfig  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
-# Defaults. The step's hyperparameters are train_gpt2.py's defaults; the learning rate stays
-# constant because the ladder times steps, it does not train.
+# Defaults. The step's hyperparameters (learning-rate schedule, AdamW, clipping, seed) are
+# train_gpt2.py's own defaults, resolved by its parser: the ladder's steps are the first steps of
+# a default training run. The log directory is only checked there, never written.
 
-LEARNING_RATE = 6e-4
-WEIGHT_DECAY = 0.1
-GRAD_CLIP = 1.0
-SEED = 1337
+TRAIN = train_gpt2.parse_args(["--log-dir", tempfile.gettempdir()])
 MODELS = {"tiny": dict(n_layer=2, n_head=2, n_embd=64), **PRESETS}
 # GPT-2 124M on a GPU; elsewhere something that finishes in minutes on two cores
 CUDA_DEFAULTS = dict(model="gpt2", block_size=1024, micro_batch_size=16, warmup_steps=5, steps=20)
@@ -213,8 +216,8 @@ def parse_args(argv=None):
       help="where to write the JSON, rewritten after every rung (default: log/ladder-<device>-<time>.json)")
     a("--rung-timeout", type=float, metavar="SECONDS", default=1200.0,
       help="seconds a rung may take, compilation included, before it is killed and marked failed (default: 1200)")
-    a("--seed", type=int, metavar="N", default=SEED,
-      help=f"seed for the weights and the random tokens (default: {SEED})")
+    a("--seed", type=int, metavar="N", default=TRAIN.seed,
+      help=f"seed for the weights and the random tokens (default: train_gpt2.py's, {TRAIN.seed})")
     a("--in-process", action="store_true",
       help="run the rungs in this process (quicker start; for debugging and tests: compile caches and "
            "memory carry over between rungs, and CPU peak memory is the whole process's)")
@@ -226,7 +229,7 @@ def parse_args(argv=None):
     if args.list_rungs:
         return args
 
-    args.device = pick_device(args.device)
+    args.device = common.pick_device(args.device)
     defaults = CUDA_DEFAULTS if args.device.startswith("cuda") else OTHER_DEFAULTS
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -267,7 +270,7 @@ def parse_args(argv=None):
 
 def low_precision_dtype(device):
     """bf16 where the device has it, fp16 on older GPUs (T4, V100); CPUs and MPS do bf16."""
-    return pick_dtype("auto", device) if device.startswith("cuda") else "bfloat16"
+    return common.pick_dtype("auto", device) if device.startswith("cuda") else "bfloat16"
 
 
 def build_model(model_config, padded_vocab, seed, device):
@@ -286,37 +289,6 @@ def build_model(model_config, padded_vocab, seed, device):
     return small
 
 
-class SyncLoader:
-    """Stand-in for fineweb.TokenLoader when that is missing: one shard, read in order, copied
-    on the training thread."""
-
-    def __init__(self, path, batch_size, seq_len, device):
-        self.tokens = np.load(path)
-        self.B, self.T, self.device, self.pos = batch_size, seq_len, device, 0
-
-    def next_batch(self):
-        n = self.B * self.T
-        if self.pos + n + 1 > len(self.tokens):
-            self.pos = 0
-        buf = torch.from_numpy(self.tokens[self.pos:self.pos + n + 1].astype(np.int64))
-        self.pos += n
-        x, y = buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
-        return x.to(self.device), y.to(self.device)
-
-
-def make_loader(data_dir, batch_size, seq_len, device, prefetch):
-    """(loader, description): the trainer's fineweb.TokenLoader, or the stand-in if it is absent."""
-    try:
-        from fineweb import TokenLoader
-    except ImportError as e:
-        why = f"import fineweb.TokenLoader failed: {str(e).splitlines()[0][:100]}"
-        loader = SyncLoader(os.path.join(data_dir, SHARD_NAME), batch_size, seq_len, device)
-        return loader, f"in-script synchronous loader ({why})"
-    loader = TokenLoader(data_dir, "train", batch_size, seq_len, rank=0, world_size=1,
-                         vocab_size=GPT2_VOCAB_SIZE, shuffle_seed=None, device=device, prefetch=prefetch)
-    return loader, "fineweb.TokenLoader"
-
-
 def attention_context(choice):
     """Which SDPA kernels attention may use: 'auto' lets PyTorch choose."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -333,16 +305,10 @@ def attention_context(choice):
     return sdpa_kernel([only[choice]])
 
 
-def synchronize(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    elif device.startswith("mps"):
-        torch.mps.synchronize()
-
-
 class StepTimer:
-    """Per-step milliseconds: CUDA events on CUDA (GPU timestamps, no extra syncs), else a
-    synchronised perf_counter. Each step also gets a wall-clock time as a cross-check."""
+    """Milliseconds of whole steps: CUDA events on CUDA (GPU timestamps and no syncs beyond the
+    step's own, so a step's tail overlaps the next step's start as it does in training), else a
+    synchronised perf_counter. Each step's host time is kept as well, as a cross-check."""
 
     def __init__(self, device):
         self.device, self.cuda = device, device.startswith("cuda")
@@ -350,46 +316,24 @@ class StepTimer:
 
     def start(self):
         if self.cuda:
-            self._ev = torch.cuda.Event(enable_timing=True)
-            self._ev.record()
+            self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self.events[-1][0].record()
         else:
-            synchronize(self.device)
+            common.synchronize(self.device)
         self._t = time.perf_counter()
 
     def stop(self):
         if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.events.append((self._ev, end))
-        synchronize(self.device)
+            self.events[-1][1].record()
+        else:
+            common.synchronize(self.device)
         self.wall.append(1e3 * (time.perf_counter() - self._t))
 
     def times_ms(self):
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            return [s.elapsed_time(e) for s, e in self.events]
-        return list(self.wall)
-
-
-def train_step(model, optimizer, scaler, loader, grad_accum, device, dtype):
-    """One optimizer step, the same math as train_gpt2.py's; returns the step's mean loss (a
-    0-d tensor on the device)."""
-    loss_accum = torch.zeros((), device=device)
-    for _ in range(grad_accum):
-        x, y = loader.next_batch()
-        with autocast(device, dtype):
-            _, loss = model(x, y)
-        loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
-        loss_accum += loss.detach()
-        scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-    for group in optimizer.param_groups:
-        group["lr"] = LEARNING_RATE  # through the param groups: never a Python float into compiled code
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return torch.stack([loss_accum, norm.float()])
+        if not self.cuda:
+            return list(self.wall)
+        common.synchronize(self.device)
+        return [start.elapsed_time(end) for start, end in self.events]
 
 
 ATTENTION_OPS = [  # aten op name (substring) -> what the table calls it; most specific first
@@ -407,7 +351,7 @@ def attention_kernel(model, loader, device, dtype, compiled):
     from torch.profiler import ProfilerActivity, profile
     x, y = loader.next_batch()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with autocast(device, dtype):
+        with common.autocast(device, dtype):
             _, loss = model(x, y)
         loss.backward()
     names = {e.key for e in prof.key_averages()}
@@ -447,7 +391,6 @@ def run_rung(spec):
         else:
             notes.append("odd --grad-accum: tokens per step doubled")
     result.update(micro_batch_size=B, grad_accum=accum, tokens_per_step=B * T * accum)
-    loader = None
     try:
         kind = device.split(":")[0]
         if kind == "cuda" and ":" in device:
@@ -469,52 +412,57 @@ def run_rung(spec):
 
         t0 = time.perf_counter()
         raw_model = build_model(spec["model_config"], s["padded_vocab"], spec["seed"], device)
-        raw_model.train()
-        optimizer = raw_model.configure_optimizers(WEIGHT_DECAY, LEARNING_RATE, device_type=kind,
-                                                   fused=s["fused_adamw"])
+        # as train_gpt2.setup builds them; a compile mode the trainer has no flag for is applied here
+        default_mode = s["compile_mode"] == "default"
+        model = parallel.wrap_model(raw_model, "none", kind, 0, dtype, compile=s["compile"] and default_mode)
+        if s["compile"] and not default_mode:
+            model = torch.compile(model, mode=s["compile_mode"])
+        optimizer = raw_model.configure_optimizers(TRAIN.weight_decay, TRAIN.max_lr, (TRAIN.beta1, TRAIN.beta2),
+                                                   TRAIN.eps, kind, fused=s["fused_adamw"])
         scaler = torch.amp.GradScaler(kind, enabled=(dtype == "float16"))
-        model = raw_model
-        if s["compile"]:
-            model = torch.compile(raw_model, mode=None if s["compile_mode"] == "default" else s["compile_mode"])
-        loader, result["data_loader"] = make_loader(spec["data_dir"], B, T, device, s["prefetch"])
-        if s["prefetch"] and "prefetch" in changed and not result["data_loader"].startswith("fineweb"):
-            notes.append("no prefetch: fineweb.TokenLoader missing")
+        loader = TokenLoader(spec["data_dir"], "train", B, T, device=device, prefetch=s["prefetch"])
         result["build_s"] = time.perf_counter() - t0
 
-        step = lambda: train_step(model, optimizer, scaler, loader, accum, device, dtype)  # noqa: E731
+        dist = common.Dist(device=device)
+
+        def step(i):
+            lr = train_gpt2.get_lr(i, TRAIN)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            return train_gpt2.train_step(model, optimizer, scaler, loader, accum, dist, dtype, TRAIN.grad_clip)
+
+        warmup, steps = spec["warmup_steps"], spec["steps"]
         with attention_context(s["attention"]):
             t0 = time.perf_counter()
-            for _ in range(spec["warmup_steps"]):
-                step().tolist()  # compilation, allocator growth, optimizer state: all here
+            for i in range(warmup):
+                step(i)  # compilation, allocator growth, optimizer state: all here
             result["warmup_s"] = time.perf_counter() - t0
-            if device.startswith("cuda"):
+            if kind == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            timer, losses = StepTimer(device), []
-            for _ in range(spec["steps"]):
+            timer, losses, skipped = StepTimer(device), [], 0
+            for i in range(warmup, warmup + steps):
                 timer.start()
-                stats = step()
+                loss, _, _, finite = step(i)
                 timer.stop()
-                losses.append(stats.tolist()[0])  # the trainer's one host-device sync per step
+                losses.append(loss)
+                skipped += not finite
             step_ms = timer.times_ms()
             result["peak_mem_bytes"], result["peak_mem_kind"] = peak_memory(device)
             result["attention_kernel"] = attention_kernel(model, loader, device, dtype, s["compile"])
         median = statistics.median(step_ms)
         tps = result["tokens_per_step"] / (median / 1e3)
         peak_dtype = low_precision_dtype(device)
+        peak = common.peak_flops(common.device_name(device), peak_dtype)
         result.update(status="ok", step_ms=step_ms, wall_ms=timer.wall, median_ms=median,
                       min_ms=min(step_ms), max_ms=max(step_ms), tokens_per_s=tps, losses=losses,
                       final_loss=losses[-1], mfu_peak_dtype=peak_dtype,
-                      mfu=raw_model.estimate_mfu(tps, device_name(device), peak_dtype, seq_len=T))
-        if not all(math.isfinite(v) for v in losses):
-            notes.append("non-finite loss")
+                      mfu=raw_model.estimate_mfu(tps, peak, seq_len=T))
+        if skipped:
+            notes.append(f"non-finite loss: {skipped} update(s) skipped")
     except Exception as e:  # an out-of-memory or a missing kernel fails this rung, not the ladder
         traceback.print_exc()
         oom = isinstance(e, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
         result["reason"] = ("out of memory: " if oom else "") + one_line(e)
-    finally:
-        close = getattr(loader, "close", None)
-        if close is not None:
-            close()
     return result
 
 
@@ -528,7 +476,7 @@ def keep_tf32_flags():
 
 
 def rung_env(device):
-    env = dict(torch=torch.__version__, cuda=torch.version.cuda, device=device, device_name=device_name(device),
+    env = dict(torch=torch.__version__, cuda=torch.version.cuda, device=device, device_name=common.device_name(device),
                torch_threads=torch.get_num_threads())
     if device.startswith("cuda"):
         env.update(cudnn=torch.backends.cudnn.version(),
@@ -628,22 +576,14 @@ def add_speedups(rungs):
 
 
 def environment():
-    def git(*cmd):
-        try:
-            done = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10)
-            return done.stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    commit = git("rev-parse", "--short", "HEAD")
-    return dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-                platform=platform.platform(), cpu=cpu, cpu_count=os.cpu_count(),
-                git=(commit + ("-dirty" if git("status", "--porcelain") else "")) or None)
+    return dict(common.versions(), platform=platform.platform(), cpu=cpu, cpu_count=os.cpu_count(),
+                git=common.git_commit())
 
 
 def fmt_bytes(n):
@@ -695,7 +635,9 @@ def run_ladder(args):
     doc = dict(schema="ladder-v1", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=shlex.join(["python", os.path.relpath(os.path.abspath(__file__)), *args.argv]),
                env=environment(), device_env=None, config=config, flops_per_token=flops_per_token,
-               learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP, rungs=[])
+               trainer={k: getattr(TRAIN, k) for k in ("max_lr", "min_lr_ratio", "warmup_steps", "max_steps",
+                                                        "weight_decay", "beta1", "beta2", "eps", "grad_clip")},
+               rungs=[])
     tokens_per_step = args.micro_batch_size * args.block_size * args.grad_accum
     print(f"ladder: {len(plan)} rung(s) on {args.device}, {args.model} {args.model_config}, "
           f"{tokens_per_step:,} tokens/step, {args.warmup_steps} warm-up + {args.steps} timed steps each, "
@@ -734,12 +676,9 @@ def run_ladder(args):
                       f"attention {result['attention_kernel']}", flush=True)
             else:
                 print(f"    FAILED: {result.get('reason')}", flush=True)
-            atomic_write(args.json_out, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+            common.atomic_write(args.json_out, lambda f: f.write(json.dumps(doc, indent=1).encode()))
     finally:  # also when stopped (Ctrl-C, SIGTERM): the table of what did run still comes last
         shutil.rmtree(work_dir, ignore_errors=True)
-        loaders = sorted({r["data_loader"] for r in doc["rungs"] if r.get("data_loader")})
-        if any(not name.startswith("fineweb") for name in loaders):
-            print(f"note: data came from the {'; '.join(loaders)}", flush=True)
         if len(doc["rungs"]) < len(plan):
             print(f"stopped after {len(doc['rungs'])} of {len(plan)} rungs", flush=True)
         if doc["rungs"]:
@@ -770,4 +709,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(common.run_main(main))
