@@ -333,6 +333,43 @@ def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, wor
 
 
 # ----------------------------------------------------------------------------------------------
+# During training
+
+
+class TrainingHook:
+    """HellaSwag inside train_gpt2.py: scores the model when called; if the data cannot be had (on any
+    rank), says so once in the run's log and stays quiet for the rest of the run."""
+
+    def __init__(self, args, dist, log):
+        self.args, self.dist, self.log = args, dist, log
+        self.items, self.failed = None, False
+
+    def __call__(self, raw_model, dtype, should_stop, fsdp=False):
+        if self.failed:
+            return None
+        if self.items is None:
+            error = None
+            try:
+                items = load_items(self.args.hellaswag_file, limit=self.args.hellaswag_limit)
+            except common.UserError as e:
+                items, error = None, str(e)
+            ok = torch.tensor([0 if items is None else 1], device=self.dist.device)
+            if self.dist.ddp:  # all ranks must agree, or the reductions inside evaluate() hang
+                import torch.distributed as tdist
+                tdist.all_reduce(ok, op=tdist.ReduceOp.MIN)
+            if not ok.item():
+                self.failed = True
+                self.log.line(f"hellaswag: skipped for this run ({error or 'data missing on another rank'})")
+                return None
+            self.items = items
+        raw_model.eval()
+        result = evaluate(raw_model, self.items, self.dist.device, dtype, rank=self.dist.rank,
+                                    world_size=self.dist.world_size, should_stop=should_stop, lockstep=fsdp)
+        raw_model.train()
+        return result
+
+
+# ----------------------------------------------------------------------------------------------
 # Command line
 
 

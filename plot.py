@@ -27,7 +27,9 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import textwrap
+import threading
 
 import common
 from common import UserError
@@ -350,6 +352,38 @@ def build_figure(log_dirs, labels=None, smooth=None):
                       loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.suptitle("GPT-2 training: " + ", ".join(labels))
     return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# While training: redrawn in the background
+
+
+class PlotWriter:
+    """Redraws LOG_DIR/plot.png in a background thread (rank 0), never blocking a step."""
+
+    def __init__(self, log_dir, enabled):
+        self.log_dir, self.thread = log_dir, None
+        try:
+            import matplotlib  # noqa: F401
+            self.enabled = enabled
+        except ImportError:
+            self.enabled = False
+
+    def kick(self):
+        if not self.enabled or (self.thread is not None and self.thread.is_alive()):
+            return
+
+        def draw():
+            try:
+                write_plot([self.log_dir], os.path.join(self.log_dir, "plot.png"))
+            except Exception as e:  # a plot must never take a run down
+                print(f"plot: not updated ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        self.thread = threading.Thread(target=draw, daemon=True)
+        self.thread.start()
+
+    def join(self):
+        if self.thread is not None:
+            self.thread.join()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 from types import SimpleNamespace
 
@@ -25,7 +24,9 @@ import torch
 
 import checkpoint
 import common
+import hellaswag
 import parallel
+import plot
 from common import UserError
 from metrics import RunLog
 from model import GPT, GPTConfig, PRESETS
@@ -288,39 +289,6 @@ def validation_loss(model, loader, steps, dist, dtype, should_stop):
     return total.item() / steps
 
 
-class HellaSwagHook:
-    """Scores the model on HellaSwag; if the data cannot be had, says so once and stays quiet."""
-
-    def __init__(self, args, dist, log):
-        self.args, self.dist, self.log = args, dist, log
-        self.items, self.failed = None, False
-
-    def __call__(self, raw_model, dtype, should_stop, fsdp=False):
-        if self.failed:
-            return None
-        import hellaswag
-        if self.items is None:
-            error = None
-            try:
-                items = hellaswag.load_items(self.args.hellaswag_file, limit=self.args.hellaswag_limit)
-            except UserError as e:
-                items, error = None, str(e)
-            ok = torch.tensor([0 if items is None else 1], device=self.dist.device)
-            if self.dist.ddp:  # all ranks must agree, or the reductions inside evaluate() hang
-                import torch.distributed as tdist
-                tdist.all_reduce(ok, op=tdist.ReduceOp.MIN)
-            if not ok.item():
-                self.failed = True
-                self.log.line(f"hellaswag: skipped for this run ({error or 'data missing on another rank'})")
-                return None
-            self.items = items
-        raw_model.eval()
-        result = hellaswag.evaluate(raw_model, self.items, self.dist.device, dtype, rank=self.dist.rank,
-                                    world_size=self.dist.world_size, should_stop=should_stop, lockstep=fsdp)
-        raw_model.train()
-        return result
-
-
 def print_samples(raw_model, args, dist, step, log, stop):
     """Rank 0 (every rank under FSDP, where each forward is a collective; the log is rank 0's). A stop
     request ends generation at the next token, except under FSDP (stop=None), where ranks must agree."""
@@ -367,35 +335,6 @@ def evaluate(run, args, dist, log, step, stop):
     if evaluated and dist.is_master:
         run.plotter.kick()
     return True
-
-
-class PlotWriter:
-    """Redraws LOG_DIR/plot.png in a background thread (rank 0), never blocking a step."""
-
-    def __init__(self, log_dir, enabled):
-        self.log_dir, self.thread = log_dir, None
-        try:
-            import matplotlib  # noqa: F401
-            self.enabled = enabled
-        except ImportError:
-            self.enabled = False
-
-    def kick(self):
-        if not self.enabled or (self.thread is not None and self.thread.is_alive()):
-            return
-        import plot
-
-        def draw():
-            try:
-                plot.write_plot([self.log_dir], os.path.join(self.log_dir, "plot.png"))
-            except Exception as e:  # a plot must never take a run down
-                print(f"plot: not updated ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-        self.thread = threading.Thread(target=draw, daemon=True)
-        self.thread.start()
-
-    def join(self):
-        if self.thread is not None:
-            self.thread.join()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -551,8 +490,8 @@ def setup(args, dist, log):
     log.record("memory", step=run.start_step, **plan)
     for w in startup_warnings(args, dist, run.dtype, compile_on, micro_batch):
         log.line(f"warning: {w}")
-    run.plotter = PlotWriter(args.log_dir, args.plot and dist.is_master)
-    run.hella = HellaSwagHook(args, dist, log)
+    run.plotter = plot.PlotWriter(args.log_dir, args.plot and dist.is_master)
+    run.hella = hellaswag.TrainingHook(args, dist, log)
     return run
 
 
