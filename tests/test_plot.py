@@ -225,7 +225,7 @@ def missing_dir_cli(tmp_path_factory):
 
 
 def test_missing_log_dir_is_one_line(missing_dir_cli):
-    out, err = missing_dir_cli.communicate(timeout=120)
+    out, err = missing_dir_cli.communicate(timeout=600)
     assert missing_dir_cli.returncode == 2 and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and "no_such_dir is not a directory" in err
 

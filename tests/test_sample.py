@@ -38,7 +38,7 @@ def test_end_to_end_from_log_dir(log_dir):
     # the default --model is log/ in the working directory: its latest checkpoint
     proc = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), "--prompt", "Hello, I'm",
                            "--max-new-tokens", "12", "--num-samples", "2", "--device", "cpu"],
-                          cwd=log_dir.parent, env=ENV, capture_output=True, text=True, timeout=120)
+                          cwd=log_dir.parent, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     samples = proc.stdout.split(sample.SEPARATOR)
     assert len(samples) == 2 and all(s.startswith("Hello, I'm") for s in samples)
@@ -194,7 +194,7 @@ def test_model_naming_nothing_loadable(tmp_path, capsys):
 
 def test_prompt_longer_than_context_no_traceback(log_dir):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), "--model", str(log_dir),
-                           "--prompt", "word " * 100], env=ENV, capture_output=True, text=True, timeout=120)
+                           "--prompt", "word " * 100], env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "longer than the model's context of 64" in lines[0], proc.stderr
@@ -219,11 +219,11 @@ def test_hub_name_offline(model, tmp_path):
         env.pop(proxy, None)
     cmd = [sys.executable, os.path.join(REPO, "sample.py"), "--device", "cpu", "--max-new-tokens", "4",
            "--prompt", "Hi", "--seed", "1", "--model"]
-    proc = subprocess.run(cmd + ["tiny-org/tiny-gpt2"], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd + ["tiny-org/tiny-gpt2"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == run(["--model", str(snapshot), "--device", "cpu", "--max-new-tokens", "4",
                                "--prompt", "Hi", "--seed", "1"])
-    proc = subprocess.run(cmd + ["tiny-org/not-cached"], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd + ["tiny-org/not-cached"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "'tiny-org/not-cached' is not in the Hugging Face cache" in lines[0], proc.stderr
