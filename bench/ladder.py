@@ -3,32 +3,29 @@ The training-speed ladder: what each well-known speed-up buys on *this* machine,
 
 Each rung adds one change to the rung before it, in the order of the build-nanogpt story:
 fp32 -> TF32 -> bf16 autocast -> torch.compile -> flash attention -> padded vocabulary ->
-fused AdamW -> async data prefetch, then a few extras (cuDNN attention first, a 2x micro-batch,
-and, on request, compile's max-autotune). Every rung trains a fresh model (same seed, same
-weights, same data) with the trainer's own code: train_gpt2.train_step on dataloader.TokenLoader
-batches, the model wrapped by parallel.wrap_model, train_gpt2.get_lr's learning rate set through
-the param groups, and train_gpt2.py's defaults for AdamW and clipping; so a speed-up the ladder
-measures is a speed-up of training. Warm-up steps (compilation happens there) are excluded; the
-timed steps are measured whole with CUDA events (a synchronised perf_counter elsewhere) and the
-median is reported. Each rung runs in a fresh process, so compile caches and memory don't leak
-between rungs and a crash or an out-of-memory marks that rung failed and the ladder goes on.
+fused AdamW -> async data prefetch, then extras (cuDNN attention first, a 2x micro-batch and,
+on request, compile's max-autotune). Every rung trains a fresh model (same seed, weights and
+data) with the trainer's own code: train_gpt2.train_step on dataloader.TokenLoader batches, with
+train_gpt2.py's learning-rate schedule, AdamW and clipping; so a speed-up the ladder measures is
+a speed-up of training. Warm-up steps (compilation happens there) are left out; whole timed
+steps are measured with CUDA events (a synchronised perf_counter elsewhere), the median
+reported. Each rung runs in a fresh process, so compile caches and memory don't leak between
+rungs, and a crash or an out-of-memory fails that rung while the ladder goes on.
 
     python bench/ladder.py                        # GPT-2 124M on a GPU, a tiny model on CPU
     python bench/ladder.py --list-rungs
     python bench/ladder.py --rungs fp32,bf16,compile --micro-batch-size 32 --json-out ladder.json
     python bench/ladder.py --override compile=false   # every rung, without torch.compile
 
-It prints a table last and writes every rung's raw step times and the environment to JSON.
-MFU is model FLOPs (6N + 12LdT per token, nanoGPT's convention) over the GPU's dense bf16 peak
-(fp16 where the GPU has no bf16) for every rung, fp32 ones included: one yardstick for the table.
+A table comes last; the JSON holds every step time and the environment. MFU is model FLOPs
+(6N + 12LdT per token, nanoGPT's convention) over the GPU's dense bf16 peak (fp16 where it has
+no bf16) for every rung, fp32 ones included: one yardstick for the table.
 """
 
 import argparse
 import contextlib
 import datetime
-import inspect
 import json
-import math
 import os
 import platform
 import shlex
@@ -52,13 +49,12 @@ import common  # noqa: E402
 import parallel  # noqa: E402
 import train_gpt2  # noqa: E402
 from common import UserError  # noqa: E402
-from dataloader import TokenLoader  # noqa: E402
+from dataloader import TokenLoader, first_line  # noqa: E402
 from model import GPT, GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, PRESETS, GPTConfig  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
-# Defaults. The step's hyperparameters (learning-rate schedule, AdamW, clipping, seed) are
-# train_gpt2.py's own defaults, resolved by its parser: the ladder's steps are the first steps of
-# a default training run. The log directory is only checked there, never written.
+# Defaults. The step's hyperparameters (learning-rate schedule, AdamW, clipping, seed) are those
+# train_gpt2.py resolves: the ladder's steps are a default run's first (its log dir is not written).
 
 TRAIN = train_gpt2.parse_args(["--log-dir", tempfile.gettempdir()])
 MODELS = {"tiny": dict(n_layer=2, n_head=2, n_embd=64), **PRESETS}
@@ -72,21 +68,10 @@ GRAD_ACCUM = 2  # two micro-steps, so the 2x micro-batch rung keeps the same tok
 # The rungs. A rung's settings are the baseline plus every change up to it in ladder order,
 # whether or not the earlier rungs are run: a rung name always means the same configuration.
 
-BASELINE = dict(
-    tf32=False,             # fp32 matmuls in full precision (torch's default)
-    dtype="float32",        # no autocast
-    compile=False,
-    compile_mode="default",  # used when compile is on; --compile-mode sets it
-    attention="math",       # SDPA forced to its math backend: "no flash"
-    padded_vocab=False,     # 50257 rows in the embedding / LM head
-    fused_adamw=False,      # torch's default AdamW (for-each on CUDA)
-    prefetch=False,         # batches read and copied on the training thread
-    batch_x2=False,         # 2x micro-batch, half the accumulation steps
-)
-
-ATTENTION_CHOICES = ("math", "auto", "flash", "efficient", "cudnn")
+# the fp32 rung, as its description says; compile_mode applies when compile is on (--compile-mode)
+BASELINE = dict(tf32=False, dtype="float32", compile=False, compile_mode="default", attention="math",
+                padded_vocab=False, fused_adamw=False, prefetch=False, batch_x2=False)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")
 
 
 @dataclass
@@ -114,49 +99,31 @@ RUNGS = [
          "+ compile mode max-autotune-no-cudagraphs (minutes of autotuning)", default=False),
 ]
 RUNG_NAMES = [r.name for r in RUNGS]
-
-
-def parse_bool(text):
-    t = text.strip().lower()
-    if t in ("1", "true", "yes", "on"):
-        return True
-    if t in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{text!r} is not a boolean (true/false)")
-
-
-def parse_choice(choices):
-    def parse(text):
-        if text not in choices:
-            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
-        return text
-    return parse
-
-
-SETTING_PARSERS = dict(tf32=parse_bool, dtype=parse_choice(DTYPE_CHOICES), compile=parse_bool,
-                       compile_mode=parse_choice(COMPILE_MODES), attention=parse_choice(ATTENTION_CHOICES),
-                       padded_vocab=parse_bool, fused_adamw=parse_bool, prefetch=parse_bool, batch_x2=parse_bool)
-assert set(SETTING_PARSERS) == set(BASELINE)
+BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+CHOICES = dict(dtype=("float32", "bfloat16", "float16", "auto"), compile_mode=COMPILE_MODES,
+               attention=("math", "auto", "flash", "efficient", "cudnn"))  # the other settings are booleans
 
 
 def parse_override(text):
     """'[RUNG:]KEY=VALUE' -> (rung name or None, key, parsed value)."""
-    rung = None
-    spec = text
+    rung, spec = None, text
     if ":" in spec.split("=", 1)[0]:
         rung, spec = spec.split(":", 1)
         if rung not in RUNG_NAMES:
             raise UserError(f"--override {text}: unknown rung {rung!r} (rungs: {', '.join(RUNG_NAMES)})")
     if "=" not in spec:
         raise UserError(f"--override {text}: write KEY=VALUE or RUNG:KEY=VALUE")
-    key, value = spec.split("=", 1)
-    key = key.strip().replace("-", "_")
-    if key not in SETTING_PARSERS:
-        raise UserError(f"--override {text}: unknown setting {key!r} (settings: {', '.join(SETTING_PARSERS)})")
-    try:
-        return rung, key, SETTING_PARSERS[key](value.strip())
-    except ValueError as e:
-        raise UserError(f"--override {text}: {e}")
+    key, value = (part.strip() for part in spec.split("=", 1))
+    key = key.replace("-", "_")
+    if key not in BASELINE:
+        raise UserError(f"--override {text}: unknown setting {key!r} (settings: {', '.join(BASELINE)})")
+    if key in CHOICES:
+        if value not in CHOICES[key]:
+            raise UserError(f"--override {text}: {value!r} is not one of {', '.join(CHOICES[key])}")
+        return rung, key, value
+    if value.lower() not in BOOLEANS:
+        raise UserError(f"--override {text}: {value!r} is not a boolean (true/false)")
+    return rung, key, BOOLEANS[value.lower()]
 
 
 def plan_rungs(selected, compile_mode="default", overrides=()):
@@ -175,58 +142,36 @@ def plan_rungs(selected, compile_mode="default", overrides=()):
     return plan
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-
-
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="Measure tokens/s, MFU and peak memory of the training step, one speed-up at a time "
-                    "(fp32 -> TF32 -> bf16 -> compile -> flash -> padded vocab -> fused AdamW -> prefetch "
-                    "-> ...).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Rungs are cumulative; --list-rungs shows them. A table is printed last; the JSON holds "
-               "every step time.")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", choices=sorted(MODELS), default=None,
-      help="model shape (default: gpt2 = 124M on CUDA, tiny = 2 layers x 64 wide elsewhere)")
-    a("--n-layer", type=int, metavar="N", default=None, help="layers (default: the --model's)")
-    a("--n-head", type=int, metavar="N", default=None, help="attention heads (default: the --model's)")
-    a("--n-embd", type=int, metavar="N", default=None, help="embedding width (default: the --model's)")
-    a("--block-size", type=int, metavar="T", default=None,
-      help="sequence length T in tokens (default: 1024 on CUDA, 64 elsewhere)")
-    a("--micro-batch-size", type=int, metavar="B", default=None,
-      help="sequences per forward/backward B (default: 16 on CUDA, 4 elsewhere)")
-    a("--grad-accum", type=int, metavar="N", default=GRAD_ACCUM,
-      help=f"micro-batches per optimizer step (default: {GRAD_ACCUM})")
-    a("--warmup-steps", type=int, metavar="N", default=None,
-      help="untimed optimizer steps first; compilation happens here (default: 5 on CUDA, 2 elsewhere)")
-    a("--steps", type=int, metavar="N", default=None,
-      help="timed optimizer steps; the median is reported (default: 20 on CUDA, 5 elsewhere)")
+    by_device = lambda k: f" (default: {CUDA_DEFAULTS[k]} on CUDA, {OTHER_DEFAULTS[k]} elsewhere)"  # noqa: E731
+    a("--model", choices=sorted(MODELS), help="model shape" + by_device("model"))
+    for flag, what in (("--n-layer", "layers"), ("--n-head", "attention heads"), ("--n-embd", "embedding width")):
+        a(flag, type=int, metavar="N", default=None, help=f"{what} (default: the --model's)")
+    a("--block-size", type=int, metavar="T", help="sequence length T in tokens" + by_device("block_size"))
+    a("--micro-batch-size", type=int, metavar="B", help="sequences per forward" + by_device("micro_batch_size"))
+    a("--grad-accum", type=int, metavar="N", default=GRAD_ACCUM, help=f"micro-batches per step (default: {GRAD_ACCUM})")
+    a("--warmup-steps", type=int, metavar="N", help="untimed steps first (compilation)" + by_device("warmup_steps"))
+    a("--steps", type=int, metavar="N", help="timed steps; the median is reported" + by_device("steps"))
     a("--device", metavar="DEVICE", default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
-    a("--rungs", metavar="LIST", default="default",
-      help="comma-separated rung names to run, 'default' (all but max-autotune) or 'all' (default: default)")
+    a("--rungs", metavar="LIST", default="default", help="comma-separated rung names, default (not max-autotune), all")
     a("--list-rungs", action="store_true", help="print the rungs and what each adds, then exit")
     a("--compile-mode", choices=COMPILE_MODES, default="default",
       help="torch.compile mode of the compile rungs (default: default); the max-autotune rung uses its own")
     a("--override", action="append", default=[], metavar="[RUNG:]KEY=VALUE",
       help="change a setting for every rung, or for one rung with RUNG: (repeatable); keys: "
-           + ", ".join(SETTING_PARSERS) + ". E.g. --override compile=false, --override flash:attention=cudnn")
-    a("--json-out", metavar="PATH", default=None,
-      help="where to write the JSON, rewritten after every rung (default: log/ladder-<device>-<time>.json)")
+           + ", ".join(BASELINE) + ". E.g. --override compile=false, --override flash:attention=cudnn")
+    a("--json-out", metavar="PATH", help="the JSON, rewritten after each rung (default: log/ladder-DEVICE-TIME.json)")
     a("--rung-timeout", type=float, metavar="SECONDS", default=1200.0,
       help="seconds a rung may take, compilation included, before it is killed and marked failed (default: 1200)")
-    a("--seed", type=int, metavar="N", default=TRAIN.seed,
-      help=f"seed for the weights and the random tokens (default: train_gpt2.py's, {TRAIN.seed})")
+    a("--seed", type=int, metavar="N", default=TRAIN.seed, help=f"seed of weights and data (default: {TRAIN.seed})")
     a("--in-process", action="store_true",
-      help="run the rungs in this process (quicker start; for debugging and tests: compile caches and "
-           "memory carry over between rungs, and CPU peak memory is the whole process's)")
+      help="run the rungs in this process (for debugging and tests: compile caches and memory carry over)")
     a("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one rung from a spec file
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.worker:
-        return args
-    if args.list_rungs:
+    if args.worker or args.list_rungs:
         return args
 
     args.device = common.pick_device(args.device)
@@ -234,20 +179,18 @@ def parse_args(argv=None):
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    shape = dict(MODELS[args.model])
-    for k in ("n_layer", "n_head", "n_embd"):
-        if getattr(args, k) is not None:
-            shape[k] = getattr(args, k)
-    for k in ("n_layer", "n_head", "n_embd", "block_size", "micro_batch_size", "grad_accum", "warmup_steps",
-              "steps"):
-        value = shape[k] if k in shape else getattr(args, k)
+    args.model_config = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in MODELS[args.model].items()}
+    args.model_config["block_size"] = args.block_size
+    for k, value in dict(args.model_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
+                         warmup_steps=args.warmup_steps, steps=args.steps).items():
         if value < 1:
             raise UserError(f"--{k.replace('_', '-')} must be at least 1 (got {value})")
-    if shape["n_embd"] % shape["n_head"]:
-        raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}")
+    try:
+        GPTConfig(**args.model_config)
+    except ValueError as e:  # e.g. a width that the heads do not divide
+        raise UserError(str(e))
     if args.rung_timeout <= 0:
         raise UserError("--rung-timeout must be positive")
-    args.model_config = dict(shape, block_size=args.block_size)
 
     if args.rungs in ("default", "all"):
         args.rung_list = [r.name for r in RUNGS if r.default or args.rungs == "all"]
@@ -294,15 +237,10 @@ def attention_context(choice):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     if choice == "auto":
         return contextlib.nullcontext()
-    if choice == "cudnn":
-        if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
-            raise RuntimeError(f"torch {torch.__version__}: sdpa_kernel has no set_priority; "
-                               "a newer torch is needed")
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
-        return sdpa_kernel(order, set_priority=True)
-    only = dict(math=SDPBackend.MATH, flash=SDPBackend.FLASH_ATTENTION, efficient=SDPBackend.EFFICIENT_ATTENTION)
-    return sdpa_kernel([only[choice]])
+    B = SDPBackend
+    if choice == "cudnn":  # an order of preference, not one kernel (a TypeError on a torch without set_priority)
+        return sdpa_kernel([B.CUDNN_ATTENTION, B.FLASH_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH], set_priority=True)
+    return sdpa_kernel([dict(math=B.MATH, flash=B.FLASH_ATTENTION, efficient=B.EFFICIENT_ATTENTION)[choice]])
 
 
 class StepTimer:
@@ -311,8 +249,7 @@ class StepTimer:
     synchronised perf_counter. Each step's host time is kept as well, as a cross-check."""
 
     def __init__(self, device):
-        self.device, self.cuda = device, device.startswith("cuda")
-        self.events, self.wall = [], []
+        self.device, self.cuda, self.events, self.wall = device, device.startswith("cuda"), [], []
 
     def start(self):
         if self.cuda:
@@ -373,11 +310,6 @@ def peak_memory(device):
         return None, None
 
 
-def one_line(e):
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
-
-
 def run_rung(spec):
     """Run one rung from its spec dict; return its result dict (status ok or failed)."""
     s, device = spec["settings"], spec["device"]
@@ -385,30 +317,32 @@ def run_rung(spec):
     notes = result["notes"]
     B, T, accum = spec["micro_batch_size"], spec["block_size"], spec["grad_accum"]
     if s["batch_x2"]:
-        B *= 2
-        if accum % 2 == 0:
-            accum //= 2
-        else:
+        B, accum = 2 * B, accum // 2 if accum % 2 == 0 else accum
+        if accum == spec["grad_accum"]:
             notes.append("odd --grad-accum: tokens per step doubled")
     result.update(micro_batch_size=B, grad_accum=accum, tokens_per_step=B * T * accum)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         kind = device.split(":")[0]
         if kind == "cuda" and ":" in device:
             torch.cuda.set_device(device)  # CUDA events record on the current device
-        result["env"] = rung_env(device)
+        result["env"] = env = dict(device=device, device_name=common.device_name(device),
+                                   torch_threads=torch.get_num_threads())
+        if kind == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            env.update(cudnn=torch.backends.cudnn.version(), capability=f"{props.major}.{props.minor}",
+                       gpu_memory_bytes=props.total_memory)
         changed = set(spec["changed"])  # notes only where this rung's own change does not apply
-        if kind != "cuda":
-            if s["tf32"] and "tf32" in changed:
-                notes.append(f"TF32 n/a on {kind}")
-            if s["attention"] == "cudnn" and "attention" in changed:
-                notes.append(f"cuDNN attention n/a on {kind}")
+        if kind != "cuda" and s["tf32"] and "tf32" in changed:
+            notes.append(f"TF32 n/a on {kind}")
+        if kind != "cuda" and s["attention"] == "cudnn" and "attention" in changed:
+            notes.append(f"cuDNN attention n/a on {kind}")
         # TF32, the same switches as train_gpt2.py (cuDNN's for any convolution; there are none)
         torch.backends.cuda.matmul.allow_tf32 = s["tf32"]
         torch.backends.cudnn.allow_tf32 = s["tf32"]
-        dtype = low_precision_dtype(device) if s["dtype"] == "auto" else s["dtype"]
+        result["dtype"] = dtype = low_precision_dtype(device) if s["dtype"] == "auto" else s["dtype"]
         if dtype == "float16" and "dtype" in changed:
             notes.append("fp16 + GradScaler (no bf16 here)")
-        result["dtype"] = dtype
 
         t0 = time.perf_counter()
         raw_model = build_model(spec["model_config"], s["padded_vocab"], spec["seed"], device)
@@ -425,7 +359,7 @@ def run_rung(spec):
 
         dist = common.Dist(device=device)
 
-        def step(i):
+        def step(i):  # as train_gpt2.py's loop calls it
             lr = train_gpt2.get_lr(i, TRAIN)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -462,36 +396,10 @@ def run_rung(spec):
     except Exception as e:  # an out-of-memory or a missing kernel fails this rung, not the ladder
         traceback.print_exc()
         oom = isinstance(e, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
-        result["reason"] = ("out of memory: " if oom else "") + one_line(e)
+        result["reason"] = ("out of memory: " if oom else "") + f"{type(e).__name__}: {first_line(e)}"
+    finally:  # as they were, for the caller (--in-process)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     return result
-
-
-@contextlib.contextmanager
-def keep_tf32_flags():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def rung_env(device):
-    env = dict(torch=torch.__version__, cuda=torch.version.cuda, device=device, device_name=common.device_name(device),
-               torch_threads=torch.get_num_threads())
-    if device.startswith("cuda"):
-        env.update(cudnn=torch.backends.cudnn.version(),
-                   capability=".".join(map(str, torch.cuda.get_device_capability(device))),
-                   gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory)
-    return env
-
-
-def worker_main(spec_path):
-    with open(spec_path) as f:
-        spec = json.load(f)
-    result = run_rung(spec)
-    with open(spec["result_path"], "w") as f:
-        json.dump(result, f)
-    return 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,30 +412,29 @@ def write_shards(data_dir, n_tokens, seed):
     """Random GPT-2 token ids in fineweb's shard format (np.uint16 .npy); the same for every rung."""
     tokens = np.random.default_rng(seed).integers(0, GPT2_VOCAB_SIZE, size=n_tokens, dtype=np.uint16)
     np.save(os.path.join(data_dir, SHARD_NAME), tokens)
-    np.save(os.path.join(data_dir, "ladder_val_000000.npy"), tokens[:4096])  # for loaders that look for one
 
 
 def run_rung_subprocess(spec, work_dir, timeout):
     """Run one rung in a fresh Python; a crash, hang or kill becomes a failed result."""
-    spec_path = os.path.join(work_dir, f"{spec['name']}.spec.json")
-    log_path = os.path.join(work_dir, f"{spec['name']}.log")
+    spec_path, log_path = (os.path.join(work_dir, spec["name"] + ext) for ext in (".spec.json", ".log"))
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", spec_path]
+    rc = reason = None
     with open(log_path, "w") as log:
         # its own process group, so a kill takes its compile workers too; and on Linux it dies with
         # the ladder, so a killed ladder leaves nothing running on the GPU
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True, preexec_fn=die_with_parent)
-        reason = None
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)
         try:
             rc = proc.wait(timeout=timeout)
-        except BaseException as e:  # the timeout, or Ctrl-C: end the rung's process group, then go on / stop
-            kill_group(proc)
-            if not isinstance(e, subprocess.TimeoutExpired):
-                raise
-            rc, reason = None, f"timed out after {timeout:.0f} s (--rung-timeout)"
+        except subprocess.TimeoutExpired:
+            reason = f"timed out after {timeout:.0f} s (--rung-timeout)"
+        finally:  # the timeout, or Ctrl-C: end the rung's process group, then go on / stop
+            if rc is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     with open(log_path) as f:
         tail = f.read().strip().splitlines()[-20:]
     if os.path.exists(spec["result_path"]):
@@ -549,22 +456,8 @@ def die_with_parent():
     """In the child, before exec: ask Linux to SIGKILL it when the ladder's process ends."""
     if sys.platform.startswith("linux"):
         import ctypes
-        PR_SET_PDEATHSIG = 1
-        try:
-            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (AttributeError, OSError):  # no prctl in this libc: the rung timeout still applies
-            pass
-
-
-def kill_group(proc):
-    try:
-        if hasattr(os, "killpg"):
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.kill()
-    except ProcessLookupError:
-        pass
-    proc.wait()
+        with contextlib.suppress(AttributeError, OSError):  # no prctl in this libc: the rung timeout still applies
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def add_speedups(rungs):
@@ -577,11 +470,8 @@ def add_speedups(rungs):
 
 def environment():
     cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:  # Linux: the model name, not just "x86_64"
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return dict(common.versions(), platform=platform.platform(), cpu=cpu, cpu_count=os.cpu_count(),
                 git=common.git_commit())
 
@@ -597,11 +487,11 @@ def fmt_bytes(n):
 
 def format_table(doc):
     """The fixed-width table: a title line, a header, one row per rung."""
-    c, env = doc["config"], doc.get("device_env") or {}
+    c, m, env = doc["config"], doc["config"]["model_config"], doc.get("device_env") or {}
     title = (f"Training-speed ladder | {env.get('device_name', c['device'])} | torch {doc['env']['torch']}"
              + (f" CUDA {doc['env']['cuda']}" if doc["env"]["cuda"] else "")
-             + f" | L{c['model_config']['n_layer']} H{c['model_config']['n_head']} d{c['model_config']['n_embd']}"
-             f" B={c['micro_batch_size']} T={c['block_size']} accum={c['grad_accum']}"
+             + f" | L{m['n_layer']} H{m['n_head']} d{m['n_embd']} B={c['micro_batch_size']} T={c['block_size']}"
+             f" accum={c['grad_accum']}"
              f" | median of {c['steps']} steps after {c['warmup_steps']} warm-up"
              f" | {doc['flops_per_token'] / 1e6:.0f} MFLOP/token")
     cols = [("rung", 15, "<"), ("tok/s", 10, ">"), ("ms/step", 9, ">"), ("MFU", 6, ">"), ("peak mem", 10, ">"),
@@ -630,8 +520,7 @@ def run_ladder(args):
     config = {k: getattr(args, k) for k in ("device", "model", "model_config", "block_size", "micro_batch_size",
                                             "grad_accum", "warmup_steps", "steps", "compile_mode", "seed",
                                             "rung_timeout", "in_process")}
-    config["rungs"] = [r.name for r in plan]
-    config["overrides"] = args.override
+    config.update(rungs=[r.name for r in plan], overrides=args.override)
     doc = dict(schema="ladder-v1", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=shlex.join(["python", os.path.relpath(os.path.abspath(__file__)), *args.argv]),
                env=environment(), device_env=None, config=config, flops_per_token=flops_per_token,
@@ -642,24 +531,20 @@ def run_ladder(args):
     print(f"ladder: {len(plan)} rung(s) on {args.device}, {args.model} {args.model_config}, "
           f"{tokens_per_step:,} tokens/step, {args.warmup_steps} warm-up + {args.steps} timed steps each, "
           f"{'in this process' if args.in_process else 'each in a fresh process'}", flush=True)
-    out_dir = os.path.dirname(os.path.abspath(args.json_out))
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
     work_dir = tempfile.mkdtemp(prefix="ladder-")
     try:
         steps_per_rung = args.warmup_steps + args.steps + 1  # + the profiled micro-batch
         # twice that: the 2x micro-batch rung doubles tokens per step when --grad-accum is odd
         write_shards(work_dir, 2 * steps_per_rung * tokens_per_step + 1, args.seed)
         for i, rung in enumerate(plan):
-            spec = dict(name=rung.name, description=rung.description, settings=rung.settings,
-                        changed=sorted(set(rung.change) | set(rung.overridden)), device=args.device,
-                        model_config=args.model_config, block_size=args.block_size,
-                        micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
-                        warmup_steps=args.warmup_steps, steps=args.steps, seed=args.seed, data_dir=work_dir,
+            spec = dict(config, name=rung.name, description=rung.description, settings=rung.settings,
+                        changed=sorted(set(rung.change) | set(rung.overridden)), data_dir=work_dir,
                         result_path=os.path.join(work_dir, f"{rung.name}.result.json"))
             print(f"[{i + 1}/{len(plan)}] {rung.name:15s} {rung.description}", flush=True)
             if args.in_process:
                 torch._dynamo.reset()
-                with torch.random.fork_rng(devices=[]), keep_tf32_flags():  # leave the caller's state alone
+                with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
                     result = run_rung(spec)
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()  # give the next rung what this one held
@@ -687,17 +572,18 @@ def run_ladder(args):
     return doc
 
 
-def list_rungs():
-    for r in RUNGS:
-        print(f"{r.name:15s} {r.description}{'' if r.default else '  [opt-in: --rungs all or by name]'}")
-
-
 def main(argv=None):
     args = parse_args(argv)
-    if args.worker:
-        return worker_main(args.worker)
+    if args.worker:  # one rung, in the fresh process run_rung_subprocess started
+        with open(args.worker) as f:
+            spec = json.load(f)
+        result = run_rung(spec)  # a crash leaves no result file: the ladder reports the log's last line
+        with open(spec["result_path"], "w") as f:
+            json.dump(result, f)
+        return 0
     if args.list_rungs:
-        list_rungs()
+        for r in RUNGS:
+            print(f"{r.name:15s} {r.description}{'' if r.default else '  [opt-in: --rungs all or by name]'}")
         return 0
     # SIGTERM (timeout, a job scheduler) unwinds like Ctrl-C, so the running rung is killed too
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
