@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import common  # noqa: E402
 import hellaswag  # noqa: E402
-from bench_sample import add_device_args, setup, sync  # noqa: E402
+from bench_sample import add_device_args, setup  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 WORDS = ("the a man woman he she they is are was holding playing running into on with and then his her "
@@ -64,10 +64,10 @@ def one_item_per_forward(model, items, device, dtype):
 
 
 def timed(fn, device):
-    sync(device)
+    common.synchronize(device)
     t0 = time.perf_counter()
     out = fn()
-    sync(device)
+    common.synchronize(device)
     return time.perf_counter() - t0, out
 
 

@@ -40,11 +40,6 @@ def setup(args):
     return device, dtype
 
 
-def sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def timed(fns, device, repeats):
     """Median seconds of each fn over repeats runs, the fns taking turns (a load that comes and goes
     on the machine then hits both sides alike), after one warm-up run each; and their last results."""
@@ -52,10 +47,10 @@ def timed(fns, device, repeats):
     times = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):
-            sync(device)
+            common.synchronize(device)
             t0 = time.perf_counter()
             outs[i] = fn()
-            sync(device)
+            common.synchronize(device)
             times[i].append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times], outs
 
