@@ -116,6 +116,20 @@ def test_ladder_in_process_same_math_same_loss_and_failure_reported(tmp_path, ca
     assert "FAILED" in lines[-1]
 
 
+def test_ladder_times_the_trainers_step(tmp_path, monkeypatch):
+    """The issue this guards: a speed-up the ladder measures must be a speed-up of training, so
+    every step it runs is train_gpt2.train_step, with train_gpt2.get_lr's learning rate."""
+    calls, real = [], ladder.train_gpt2.train_step
+
+    def counted(model, optimizer, *args, **kwargs):
+        calls.append(optimizer.param_groups[0]["lr"])
+        return real(model, optimizer, *args, **kwargs)
+    monkeypatch.setattr(ladder.train_gpt2, "train_step", counted)
+    rc, _, r = run(tmp_path, "--in-process", "--rungs", "fp32")
+    assert rc == 0 and r["fp32"]["status"] == "ok", r["fp32"].get("reason")
+    assert calls == [ladder.train_gpt2.get_lr(i, ladder.TRAIN) for i in range(3)]  # 1 warm-up + 2 timed
+
+
 def test_ladder_rung_in_its_own_process(tmp_path):
     rc, doc, r = run(tmp_path, "--rungs", "bf16")  # cumulative: + TF32 + bf16 autocast, eager
     x = r["bf16"]
