@@ -252,8 +252,14 @@ def setup_distributed(requested_device="auto", timeout_s=None):
         backend = "gloo"
     if not dist.is_initialized():
         import datetime
-        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        timeout = datetime.timedelta(seconds=timeout_s or 1800)
+        # torchrun shares its rendezvous store with the process group, and after a restart
+        # (--max-restarts) the failed attempt's keys are still in it: a rank can read a dead peer's
+        # address before the new one is written, and fail to connect (seen here on a busy machine;
+        # pytorch/pytorch#135712). One key prefix per attempt keeps the attempts apart.
+        store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return Dist(rank, local_rank, world_size, device)
 
 
