@@ -58,9 +58,18 @@ def cpu_count():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds '(default: X)' unless the help already says its default, or there is none to say."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Tokenize a text corpus into uint16 GPT-2 token shards.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     src = p.add_argument_group("source (a Hugging Face dataset, or local files)")
     src.add_argument("--dataset", default=DEFAULT_DATASET,
                      help="Hugging Face dataset name or local dataset directory")

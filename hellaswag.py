@@ -47,7 +47,7 @@ def default_cache_dir():
     return os.environ.get("HELLASWAG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gpt2-hellaswag")
 
 
-OFFLINE_HINT = f"pass a local copy with --data-file path/to/{HELLASWAG_FILE}"
+OFFLINE_HINT = "pass a local copy with {flag} path/to/" + HELLASWAG_FILE
 
 
 def unreachable(url, timeout=CONNECT_TIMEOUT):
@@ -66,7 +66,7 @@ def unreachable(url, timeout=CONNECT_TIMEOUT):
         return f"{host} cannot be reached ({getattr(e, 'strerror', None) or e})"
 
 
-def download(cache_dir=None):
+def download(cache_dir=None, flag="--data-file"):
     """Path of the cached validation file, fetched once: once cached, no network is asked. Safe
     when every rank calls it at once: each writes its own temporary file and renames it into
     place."""
@@ -76,14 +76,16 @@ def download(cache_dir=None):
         return path
     problem = unreachable(HELLASWAG_URL)
     if problem:
-        raise common.UserError(f"HellaSwag is not in the cache ({path}) and {problem}; {OFFLINE_HINT}")
+        raise common.UserError(f"HellaSwag is not in the cache ({path}) and {problem}; "
+                               + OFFLINE_HINT.format(flag=flag))
     try:
         os.makedirs(cache_dir, exist_ok=True)
         with urllib.request.urlopen(HELLASWAG_URL, timeout=READ_TIMEOUT) as response:
             data = response.read()
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", None) or e
-        raise common.UserError(f"could not download HellaSwag from {HELLASWAG_URL} ({reason}); {OFFLINE_HINT}")
+        raise common.UserError(f"could not download HellaSwag from {HELLASWAG_URL} ({reason}); "
+                               + OFFLINE_HINT.format(flag=flag))
     common.atomic_write(path, lambda f: f.write(data))
     return path
 
@@ -120,11 +122,12 @@ def parse_item(line, where):
     raise common.UserError(f"{where}: malformed HellaSwag line ({problem}); {fix}")
 
 
-def load_items(data_file=None, cache_dir=None, limit=None):
+def load_items(data_file=None, cache_dir=None, limit=None, flag="--data-file"):
     """HellaSwag validation items (dicts with ctx, endings, label), the first `limit` if given.
     data_file: a local jsonl in the official format; else the official file, downloaded once into
-    cache_dir (default ~/.cache/gpt2-hellaswag, or $HELLASWAG_CACHE)."""
-    path = data_file if data_file is not None else download(cache_dir)
+    cache_dir (default ~/.cache/gpt2-hellaswag, or $HELLASWAG_CACHE). flag: the option an error
+    names for a local copy (the trainer's is --hellaswag-file)."""
+    path = data_file if data_file is not None else download(cache_dir, flag)
     if os.path.isdir(path):
         raise common.UserError(f"HellaSwag file {path} is a directory: pass the {HELLASWAG_FILE} file itself")
     if not os.path.isfile(path):
@@ -350,7 +353,7 @@ class TrainingHook:
         if self.items is None:
             error = None
             try:
-                items = load_items(self.args.hellaswag_file, limit=self.args.hellaswag_limit)
+                items = load_items(self.args.hellaswag_file, limit=self.args.hellaswag_limit, flag="--hellaswag-file")
             except common.UserError as e:
                 items, error = None, str(e)
             ok = torch.tensor([0 if items is None else 1], device=self.dist.device)

@@ -183,6 +183,8 @@ def format_summary(s):
         lines.append(f"  status      finished at step {s['stop_step']}{final}")
     else:
         words = STATUS_WORDS.get(s["status"], f"ended ({s['status']}) at step {{}}")
+        if s["stop_step"] is not None and s["stop_step"] < 0:  # stopped before its first step finished
+            words = words.replace("at step {}", "before its first step")
         lines.append(f"  status      {words.format(s['stop_step'])}")
         if s["checkpoint"]:
             lines.append(f"  resume      python train_gpt2.py --log-dir {s['log_dir']} --resume "

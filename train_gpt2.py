@@ -582,10 +582,17 @@ def _train(args, dist, log):
             checkpoint.write_checkpoint(run, args, dist, log, step)
         log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {step} steps; "
                  f"continue with: python train_gpt2.py --log-dir {args.log_dir} --resume")
-    elif dist.is_master and args.export_hf:
-        out = os.path.join(args.log_dir, "hf")
-        run.raw_model.export_hf(out, tokenizer_files=common.gpt2_bpe_files())
-        log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
+    elif args.export_hf:
+        model = run.raw_model
+        if run.fsdp:  # every rank helps gather the shards; rank 0 exports a plain copy
+            state = parallel.model_state(run.model)
+            model = GPT(run.raw_model.config) if dist.is_master else None
+            if model is not None:
+                model.load_state_dict(state)
+        if dist.is_master:
+            out = os.path.join(args.log_dir, "hf")
+            model.export_hf(out, tokenizer_files=common.gpt2_bpe_files())
+            log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
     log.record("end", step=args.max_steps if reason == "finished" else step - 1, reason=reason)  # last step run
     if dist.is_master:
         run.plotter.kick()

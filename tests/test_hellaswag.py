@@ -364,6 +364,9 @@ def test_offline_without_data_file_is_one_line(files, tmp_path, monkeypatch, cap
     err = cli_error(["--model", files["ckpt"], "--device", "cpu"], capsys)
     assert "--data-file path/to/hellaswag_val.jsonl" in err and "127.0.0.1 cannot be reached" in err
     assert not (tmp_path / "cache").exists()  # nothing written
+    # inside train_gpt2.py the local copy is given with --hellaswag-file, and the error says so
+    with pytest.raises(common.UserError, match="--hellaswag-file path/to/hellaswag_val.jsonl"):
+        hellaswag.load_items(None, flag="--hellaswag-file")
 
 
 def test_offline_with_the_file_cached(model, files, tmp_path, monkeypatch, capsys):

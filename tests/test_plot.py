@@ -265,3 +265,10 @@ def test_errors_in_process(tmp_path, capsys, case, needle):
         common.run_main(lambda: plot.main(argv))
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err
+
+
+def test_a_run_stopped_before_its_first_step(logs):
+    dirs, _ = logs
+    s = dict(plot.summarize(dirs["full"]), status="signal", stop_step=-1)  # the trainer's end record: step -1
+    text = plot.format_summary(s)
+    assert "stopped by a signal before its first step" in text and "step -1" not in text

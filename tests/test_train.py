@@ -223,7 +223,7 @@ def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_pat
                                            "label": i % 4}) + "\n" for i in range(9)))
     p = torchrun(["--standalone", "--nproc_per_node=2"], common_args + [
         "--log-dir", fsdp, "--fsdp", "--activation-checkpointing", "--hellaswag-every", "2", "--hellaswag-file",
-        str(hs_file), "--sample-every", "2", "--num-samples", "1", "--sample-tokens", "4"])
+        str(hs_file), "--sample-every", "2", "--num-samples", "1", "--sample-tokens", "4", "--export-hf"])
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
     assert "memory (fsdp, activation checkpointing): per process: params" in out
@@ -242,6 +242,10 @@ def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_pat
     assert {k: v.shape for k, v in model.state_dict().items()} == \
         {k: v.shape for k, v in single_model.state_dict().items()}
     assert model.lm_head.weight is model.transformer.wte.weight
+    exported, _ = common.load_model(os.path.join(fsdp, "hf"))  # gathered from the shards at the end
+    idx = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        assert torch.equal(exported(idx)[0][..., :50257], model.eval()(idx)[0][..., :50257])
 
 
 def test_activation_checkpointing_gives_the_same_losses(data_dir, tmp_path):
