@@ -27,6 +27,12 @@ class UserError(Exception):
     """A problem the user can fix; its message says what is wrong and what to do."""
 
 
+def first_line(e, limit=300):
+    """The first line of an exception's message (its type's name when it has none), for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
 def run_main(main):
     """Call main(); turn a UserError into one line on stderr and exit status 2."""
     try:
@@ -379,7 +385,7 @@ def load_checkpoint(path, map_location="cpu"):
         ckpt = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as e:  # truncated zip, pickle garbage, ...
         # the first sentence only: torch's messages run on for lines of advice
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0].rstrip(".")
+        reason = first_line(e).split(". ")[0].rstrip(".")
         raise UserError(f"{path} is not a readable checkpoint, truncated or corrupt ({reason}); use an "
                         "earlier ckpt_*.pt from the same directory, or --resume alone for the newest that loads")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
@@ -392,8 +398,7 @@ def model_from_checkpoint(ckpt, path="the checkpoint"):
         model = GPT(GPTConfig(**ckpt["model_config"]))
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise UserError(f"{path} is damaged: its model does not load ({type(e).__name__}: {reason}); "
+        raise UserError(f"{path} is damaged: its model does not load ({type(e).__name__}: {first_line(e, 160)}); "
                         "use an earlier ckpt_*.pt from the same directory")
     return model
 
@@ -430,7 +435,7 @@ def model_from_hub(name):
     try:
         return GPT.from_pretrained(name)
     except OSError as e:
-        raise UserError(f"could not load model {name!r} from the Hugging Face hub ({str(e).splitlines()[0][:160]}); "
+        raise UserError(f"could not load model {name!r} from the Hugging Face hub ({first_line(e, 160)}); "
                         "check the name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) and the network, "
                         "or pass a local checkpoint / directory")
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from common import UserError, atomic_write
+from common import UserError, atomic_write, first_line
 from model import GPT2_VOCAB_SIZE
 
 MANIFEST = "manifest.json"
@@ -34,11 +34,6 @@ SHARD_RE = re.compile(r"^(?P<prefix>.+)_(?P<split>val|train)_(?P<index>\d{6})\.n
 
 # ----------------------------------------------------------------------------------------------
 # The format: names, manifest, checksums
-
-
-def first_line(e):
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def read_manifest(out_dir):

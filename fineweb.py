@@ -36,8 +36,8 @@ from collections import deque
 
 import numpy as np
 
-from common import EOT_TOKEN, UserError, get_tokenizer, hub_unreachable, run_main, versions
-from dataloader import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, VAL_SHARE, ShardWriter, first_line, intact,
+from common import EOT_TOKEN, UserError, first_line, get_tokenizer, hub_unreachable, run_main, versions
+from dataloader import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, VAL_SHARE, ShardWriter, intact,
                         plan_resume, read_manifest, verify, write_manifest)
 from model import GPT2_VOCAB_SIZE
 

@@ -48,8 +48,8 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import parallel  # noqa: E402
 import train_gpt2  # noqa: E402
-from common import UserError  # noqa: E402
-from dataloader import TokenLoader, first_line  # noqa: E402
+from common import UserError, first_line  # noqa: E402
+from dataloader import TokenLoader  # noqa: E402
 from model import GPT, GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, PRESETS, GPTConfig  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
