@@ -34,19 +34,9 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def gather(obj, dist):
-    """A list with every rank's obj (on every rank)."""
-    if not dist.ddp:
-        return [obj]
-    import torch.distributed as tdist
-    out = [None] * dist.world_size
-    tdist.all_gather_object(out, obj)
-    return out
-
-
 def write_checkpoint(run, args, dist, log, step):
     run.saved_step = step  # on every rank: whether to write another is decided collectively
-    per_rank = gather({"train_loader": run.train_loader.state_dict(), "rng": rng_state()}, dist)
+    per_rank = common.gather({"train_loader": run.train_loader.state_dict(), "rng": rng_state()}, dist)
     states = None
     if dist.is_master or run.fsdp:  # under FSDP every rank takes part in gathering the full state
         states = parallel.model_state(run.model), parallel.optimizer_state(run.model, run.optimizer)
@@ -144,7 +134,7 @@ def load_resume(args, dist, log):
     path, ckpt = find_checkpoint(args, log)
     if ckpt is not None:
         check_resume_compatible(ckpt, args, dist, path)
-    steps = gather(None if ckpt is None else ckpt["step"], dist)
+    steps = common.gather(None if ckpt is None else ckpt["step"], dist)
     if len(set(steps)) > 1:
         raise UserError(f"the ranks found different checkpoints to resume from (steps {steps}): every node "
                         "must see the same --log-dir (a shared file system)")

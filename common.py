@@ -239,6 +239,16 @@ class Dist:
         return self.device.split(":")[0]
 
 
+def gather(obj, dist):
+    """A list with every rank's obj (on every rank); dist: a Dist. Every rank must call it."""
+    if not dist.ddp:
+        return [obj]
+    import torch.distributed as tdist
+    out = [None] * dist.world_size
+    tdist.all_gather_object(out, obj)
+    return out
+
+
 def setup_distributed(requested_device="auto", timeout_s=None):
     """Initialise torch.distributed when launched by torchrun (NCCL on CUDA, gloo on CPU). A
     collective that waits longer than timeout_s fails (NCCL's watchdog aborts the process), so a

@@ -347,7 +347,7 @@ class TrainingHook:
         self.args, self.dist, self.log = args, dist, log
         self.items, self.failed = None, False
 
-    def __call__(self, raw_model, dtype, should_stop, fsdp=False):
+    def __call__(self, raw_model, dtype, should_stop):
         if self.failed:
             return None
         if self.items is None:
@@ -356,20 +356,16 @@ class TrainingHook:
                 items = load_items(self.args.hellaswag_file, limit=self.args.hellaswag_limit, flag="--hellaswag-file")
             except common.UserError as e:
                 items, error = None, str(e)
-            ok = torch.tensor([0 if items is None else 1], device=self.dist.device)
-            if self.dist.ddp:  # all ranks must agree, or the reductions inside evaluate() hang
-                import torch.distributed as tdist
-                tdist.all_reduce(ok, op=tdist.ReduceOp.MIN)
-            if not ok.item():
+            # all ranks must agree, or the reductions inside evaluate() hang
+            if not all(common.gather(items is not None, self.dist)):
                 self.failed = True
                 self.log.line(f"hellaswag: skipped for this run ({error or 'data missing on another rank'})")
                 return None
             self.items = items
-        raw_model.eval()
-        result = evaluate(raw_model, self.items, self.dist.device, dtype, rank=self.dist.rank,
-                                    world_size=self.dist.world_size, should_stop=should_stop, lockstep=fsdp)
-        raw_model.train()
-        return result
+        # under FSDP every forward is a collective: all ranks make the same number
+        return evaluate(raw_model, self.items, self.dist.device, dtype, rank=self.dist.rank,
+                        world_size=self.dist.world_size, should_stop=should_stop,
+                        lockstep=self.args.sharding == "fsdp")
 
 
 # ----------------------------------------------------------------------------------------------

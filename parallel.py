@@ -309,18 +309,13 @@ def cuda_memory_probe(model, block_size, device, dtype, margin=0.10, agree=lambd
 
 def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size):
     """The micro-batch for --micro-batch-size auto; ranks: the run's common.Dist."""
-    from common import UserError
+    from common import UserError, gather
     cands = micro_batch_candidates(total_batch_size, block_size, ranks.world_size)
     if not cands:
         raise UserError(f"--total-batch-size {total_batch_size} is not divisible by block size x GPUs "
                         f"({block_size} x {ranks.world_size}); use a multiple of {block_size * ranks.world_size}")
     if ranks.device_type == "cuda":
-        def agree(ok):
-            if not ranks.ddp:
-                return ok
-            answers = [None] * ranks.world_size
-            dist.all_gather_object(answers, ok)
-            return all(answers)
+        agree = lambda ok: all(gather(ok, ranks))  # noqa: E731
         best = largest_fitting(cands, cuda_memory_probe(model, block_size, ranks.device, dtype, agree=agree))
         if best is None:
             raise UserError(f"even a micro-batch of 1 x {block_size} tokens does not fit in GPU memory: use "

@@ -322,7 +322,7 @@ def evaluate(run, args, dist, log, step, stop):
         log.line(f"step {step} | val_loss {val_loss:.4f}")
         log.record("val", step=step, val_loss=val_loss, tokens=step * args.total_batch_size)
     if due(args.hellaswag_every):
-        result = run.hella(run.raw_model, run.dtype, should_stop, run.fsdp)
+        result = run.hella(run.raw_model, run.dtype, should_stop)
         if result is None and should_stop():
             return False
         if result is not None:
