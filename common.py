@@ -249,6 +249,11 @@ def gather(obj, dist):
     return out
 
 
+def torchrun_restart():
+    """How many times torchrun --max-restarts has started this group again (0: the first launch)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def setup_distributed(requested_device="auto", timeout_s=None):
     """Initialise torch.distributed when launched by torchrun (NCCL on CUDA, gloo on CPU). A
     collective that waits longer than timeout_s fails (NCCL's watchdog aborts the process), so a
@@ -274,7 +279,7 @@ def setup_distributed(requested_device="auto", timeout_s=None):
         # address before the new one is written, and fail to connect (seen here on a busy machine;
         # pytorch/pytorch#135712). One key prefix per attempt keeps the attempts apart.
         store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        store = dist.PrefixStore(f"attempt_{torchrun_restart()}", store)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return Dist(rank, local_rank, world_size, device)
 

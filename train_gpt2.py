@@ -463,7 +463,7 @@ def setup(args, dist, log):
     run.device_name = common.device_name(dist.device)
     run.peak_flops = common.peak_flops(run.device_name, run.dtype)
     commit = common.git_commit()
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun for its workers
+    restart = common.torchrun_restart()
     log.record("run", step=run.start_step, max_steps=args.max_steps, tokens_per_step=args.total_batch_size,
                resumed_from=run.resume_path, device=dist.device, device_name=run.device_name, dtype=run.dtype,
                world_size=dist.world_size, versions=common.versions(), git=commit, config=run.config,
@@ -516,7 +516,7 @@ TEST_KILL_ENV = "TRAIN_GPT2_TEST_KILL"
 
 def kill_step_for_tests(dist):
     spec = os.environ.get(TEST_KILL_ENV)
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if not spec or common.torchrun_restart() > 0:
         return None
     rank, step = (int(v) for v in spec.split(":"))
     return step if rank == dist.rank else None
