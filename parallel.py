@@ -297,13 +297,13 @@ def cuda_memory_probe(model, block_size, device, dtype, margin=0.10, agree=lambd
             with autocast(device, dtype):
                 _, loss = model(x, x)
             loss.backward()
-            peak = torch.cuda.max_memory_allocated(device)
+            ok = torch.cuda.max_memory_allocated(device) + optimizer_bytes <= (1 - margin) * total
         except torch.cuda.OutOfMemoryError:
-            return False
+            ok = False  # still through agree(): the other ranks are waiting in it
         finally:
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-        return agree(peak + optimizer_bytes <= (1 - margin) * total)
+        return agree(ok)
     return fits
 
 
