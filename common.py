@@ -418,22 +418,28 @@ def model_from_checkpoint(ckpt, path="the checkpoint"):
     return model
 
 
-def hub_unreachable(timeout=5.0):
-    """Why the Hugging Face hub cannot be reached, or None when a connection opens (or when a proxy
-    is configured, which a direct probe cannot judge). Asked before a download, so that an offline
-    machine gets one line at once instead of a minute of retries and warnings."""
+def unreachable(url, timeout=5.0):
+    """Why url's host cannot be reached, or None when a connection opens (or when a proxy for its
+    scheme is configured, which a direct probe cannot judge). Asked before a download, so that an
+    offline machine gets one line at once instead of a minute of retries and warnings."""
     from urllib.parse import urlparse
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return "HF_HUB_OFFLINE is set"
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+    parts = urlparse(url)
+    proxies = ("HTTP_PROXY", "http_proxy") if parts.scheme == "http" else ("HTTPS_PROXY", "https_proxy")
+    if any(os.environ.get(v) for v in proxies + ("ALL_PROXY", "all_proxy")):
         return None
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    host, port = url.hostname, url.port or (80 if url.scheme == "http" else 443)
+    host, port = parts.hostname, parts.port or (80 if parts.scheme == "http" else 443)
     try:
         socket.create_connection((host, port), timeout=timeout).close()
         return None
-    except OSError as e:
+    except OSError as e:  # no DNS, refused, timed out
         return f"{host} cannot be reached ({getattr(e, 'strerror', None) or e})"
+
+
+def hub_unreachable(timeout=5.0):
+    """unreachable() for the Hugging Face hub (HF_ENDPOINT), which HF_HUB_OFFLINE also turns off."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    return unreachable(os.environ.get("HF_ENDPOINT") or "https://huggingface.co", timeout)
 
 
 def model_from_hub(name):

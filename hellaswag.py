@@ -18,7 +18,6 @@ Offline: --data-file path/to/hellaswag_val.jsonl, or the copy cached by an earli
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import urllib.error
@@ -50,22 +49,6 @@ def default_cache_dir():
 OFFLINE_HINT = "pass a local copy with {flag} path/to/" + HELLASWAG_FILE
 
 
-def unreachable(url, timeout=CONNECT_TIMEOUT):
-    """Why url's host cannot be reached, or None when a connection opens (or when a proxy is
-    configured, which a direct probe cannot judge). A machine without network then fails in
-    seconds, where urllib alone can wait out a dropped connection for the whole read timeout."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
-                                        "ALL_PROXY", "all_proxy")):
-        return None
-    parts = urllib.parse.urlparse(url)
-    host, port = parts.hostname, parts.port or (80 if parts.scheme == "http" else 443)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-        return None
-    except OSError as e:  # no DNS, refused, timed out
-        return f"{host} cannot be reached ({getattr(e, 'strerror', None) or e})"
-
-
 def download(cache_dir=None, flag="--data-file"):
     """Path of the cached validation file, fetched once: once cached, no network is asked. Safe
     when every rank calls it at once: each writes its own temporary file and renames it into
@@ -74,7 +57,8 @@ def download(cache_dir=None, flag="--data-file"):
     path = os.path.join(cache_dir, HELLASWAG_FILE)
     if os.path.isfile(path):
         return path
-    problem = unreachable(HELLASWAG_URL)
+    # probed first: offline, urllib alone can wait out a dropped connection for the whole read timeout
+    problem = common.unreachable(HELLASWAG_URL, CONNECT_TIMEOUT)
     if problem:
         raise common.UserError(f"HellaSwag is not in the cache ({path}) and {problem}; "
                                + OFFLINE_HINT.format(flag=flag))

@@ -331,7 +331,7 @@ def test_download_once_and_offline_error(tmp_path, monkeypatch):
         return Response()
 
     monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
-    monkeypatch.setattr(hellaswag, "unreachable", lambda url: None)  # as if online
+    monkeypatch.setattr(common, "unreachable", lambda url, timeout: None)  # as if online
     monkeypatch.setenv("HELLASWAG_CACHE", str(tmp_path / "cache"))
     assert len(hellaswag.load_items()) == len(ITEMS)
     assert len(hellaswag.load_items(limit=3)) == 3
