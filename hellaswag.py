@@ -21,7 +21,6 @@ import os
 import sys
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 
 import torch
