@@ -17,6 +17,7 @@ import torch
 import common
 import parallel
 from common import UserError, print0
+from metrics import METRICS_FILE
 
 
 def rng_state():
@@ -79,7 +80,7 @@ def find_checkpoint(args, log):
     newest checkpoint in --log-dir that loads and says which newer ones it skipped (a file cut
     short by a full disk, say); a file named on the command line must load."""
     if args.resume is None:
-        if os.path.exists(os.path.join(args.log_dir, "metrics.jsonl")):
+        if os.path.exists(os.path.join(args.log_dir, METRICS_FILE)):
             raise UserError(f"{args.log_dir} already holds a run: pass --resume to continue it, "
                             "or a new --log-dir for a new run")
         return None, None

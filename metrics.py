@@ -9,7 +9,10 @@ metrics.jsonl: one JSON object per line, appended, flushed after each record. Ev
   run         one per launch of the trainer, first: step (the step it starts at: 0, or the
               resumed checkpoint's), max_steps, tokens_per_step, resumed_from (checkpoint path
               or null), device, device_name, dtype, world_size, versions ({python, torch, ...}),
-              git (commit, "-dirty" if changed, or null), config (every resolved setting)
+              git (commit, "-dirty" if changed, or null), config (every resolved setting),
+              restart (how many times torchrun --max-restarts had started the group again)
+  memory      one per launch, after run: step, params, grads, optimizer, activations, total:
+              the bytes each GPU (or process) is planned to hold (parallel.memory_plan)
   train       one per optimizer step: step, loss, lr, grad_norm, dt_ms, tok_per_s (all ranks),
               mfu (a fraction, null where the device's peak is unknown), tokens (seen after the
               step: (step + 1) * tokens_per_step), skipped (true: a non-finite step not applied)
