@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import traceback
 
 import torch
 
@@ -34,15 +35,44 @@ def first_line(e, limit=300):
 
 
 def run_main(main):
-    """Call main(); turn a UserError into one line on stderr and exit status 2."""
+    """Call main(); turn a UserError into one line on stderr and exit status 2. A process that
+    joined a process group always ends through exit_process (see there)."""
     try:
-        return main()
+        result = main()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_process(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
+        exit_process(130)
+    except SystemExit as e:
+        exit_process(e.code)
+    except BaseException:
+        if not _joined_process_group:
+            raise
+        traceback.print_exc()
+        exit_process(1)
+    if _joined_process_group:
+        exit_process(0)
+    return result
+
+
+def exit_process(code):
+    """sys.exit(code); but a process that joined a process group flushes its output and leaves
+    with os._exit, without the interpreter's shutdown. Gloo's worker threads can still be dropping
+    the last collective's tensors then, and a thread that needs the GIL while the interpreter shuts
+    down aborts the whole process (SIGABRT, "terminate called without an active exception"): a
+    finished run would end as a failed one. Seen here about once in 20 FSDP runs on a busy
+    machine; the same crash is described in pytorch/pytorch#179291. Everything the scripts write
+    is closed by then (logs, checkpoints, plots), and the group itself was destroyed."""
+    if not _joined_process_group:
+        sys.exit(code)
+    if code is not None and not isinstance(code, int):  # sys.exit("message") prints it, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,6 +284,9 @@ def torchrun_restart():
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+_joined_process_group = False  # set by setup_distributed; run_main's exit depends on it
+
+
 def setup_distributed(requested_device="auto", timeout_s=None):
     """Initialise torch.distributed when launched by torchrun (NCCL on CUDA, gloo on CPU). A
     collective that waits longer than timeout_s fails (NCCL's watchdog aborts the process), so a
@@ -281,6 +314,8 @@ def setup_distributed(requested_device="auto", timeout_s=None):
         store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
         store = dist.PrefixStore(f"attempt_{torchrun_restart()}", store)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        global _joined_process_group
+        _joined_process_group = True
     return Dist(rank, local_rank, world_size, device)
 
 

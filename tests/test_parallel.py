@@ -338,3 +338,46 @@ def test_micro_batch_autofit_with_fake_memory():
     tried = []
     parallel.largest_fitting(cands, lambda b: tried.append(b) or b <= 8)
     assert len(tried) <= 4  # binary search, not a scan
+
+
+EXIT_SCRIPT = """
+import atexit, sys
+sys.path.insert(0, {root!r})
+import common
+
+def main():
+    d = common.setup_distributed("cpu")
+    atexit.register(print, "interpreter shutdown ran", flush=True)
+    print(f"rank {{d.rank}} done", end="")  # not flushed: a pipe's buffer holds it until exit
+    common.teardown_distributed()
+    if d.rank == 1 and {fail!r}:
+        raise common.UserError("rank 1 cannot go on")
+
+common.run_main(main)
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_process_that_joined_a_group_exits_with_its_status_and_its_output(tmp_path, fail):
+    """run_main in a process that joined a process group: its exit status (0, or 2 for a user
+    error, with the one line), buffered output flushed, and no interpreter shutdown (where gloo's
+    threads can abort a finished process, see common.exit_process)."""
+    import socket
+    import subprocess
+    import sys
+    script = tmp_path / "ranks.py"
+    script.write_text(EXIT_SCRIPT.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         fail=fail))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                                  GLOO_SOCKET_IFNAME="lo"))
+             for r in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 2 if fail else 0], outs
+    for rank, (out, err) in enumerate(outs):
+        assert out == f"rank {rank} done", (out, err)
+    assert outs[1][1].strip().splitlines()[-1:] == (["error: rank 1 cannot go on"] if fail else []), outs[1][1]
