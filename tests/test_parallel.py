@@ -122,6 +122,7 @@ def worker(rank, world, tmp):
     finally:
         dist.destroy_process_group()
     torch.save(out, f"{tmp}/out{rank}.pt")
+    os._exit(0)  # skip the interpreter's shutdown, where gloo's threads can abort the process (common.exit_process)
 
 
 @pytest.fixture(scope="module")
@@ -347,6 +348,7 @@ import common
 
 def main():
     d = common.setup_distributed("cpu")
+    assert common.gather(d.rank, d) == [0, 1]  # both are in the group (rank 0 hosts its store)
     atexit.register(print, "interpreter shutdown ran", flush=True)
     print(f"rank {{d.rank}} done", end="")  # not flushed: a pipe's buffer holds it until exit
     common.teardown_distributed()
