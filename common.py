@@ -62,8 +62,8 @@ def exit_process(code):
     with os._exit, without the interpreter's shutdown. Gloo's worker threads can still be dropping
     the last collective's tensors then, and a thread that needs the GIL while the interpreter shuts
     down aborts the whole process (SIGABRT, "terminate called without an active exception"): a
-    finished run would end as a failed one. Seen here about once in 20 FSDP runs on a busy
-    machine; the same crash is described in pytorch/pytorch#179291. Everything the scripts write
+    finished run would end as a failed one. Seen in about 1 of 20 two-process FSDP runs on a busy
+    2-core machine; the same crash is described in pytorch/pytorch#179291. Everything the scripts write
     is closed by then (logs, checkpoints, plots), and the group itself was destroyed."""
     if not _joined_process_group:
         sys.exit(code)
