@@ -432,7 +432,12 @@ def load_checkpoint(path, map_location="cpu"):
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        try:
+            # mmap: the ranks of a node that resume together share one copy of the file in the page
+            # cache instead of holding one each (8 x 18.7 GB at GPT-2 XL with AdamW)
+            ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=True)
+        except Exception:  # a file system without mmap, or a damaged file: read it the plain way
+            ckpt = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as e:  # truncated zip, pickle garbage, ...
         # the first sentence only: torch's messages run on for lines of advice
         reason = first_line(e).split(". ")[0].rstrip(".")

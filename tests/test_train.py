@@ -472,6 +472,27 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path
     assert common.load_checkpoint(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
 
 
+def test_checkpoints_load_memory_mapped_and_without_mmap_when_it_fails(tmp_path, monkeypatch):
+    """The ranks of a node resuming together share the file's pages (torch.load(mmap=True)); where
+    mmap fails the file is read the plain way, with the same result."""
+    path = str(tmp_path / "ckpt_000001.pt")
+    weights = torch.arange(4096, dtype=torch.float32)
+    common.save_checkpoint(path, {"step": 1, "model": {"w": weights}})
+    ckpt = common.load_checkpoint(path)
+    assert torch.equal(ckpt["model"]["w"], weights)
+    if os.path.exists("/proc/self/maps"):  # Linux: the file is mapped, not copied
+        with open("/proc/self/maps") as f:
+            assert path in f.read()
+    real_load = torch.load
+
+    def no_mmap(*args, mmap=None, **kw):
+        if mmap:
+            raise RuntimeError("mmap is not supported on this file system")
+        return real_load(*args, **kw)
+    monkeypatch.setattr(torch, "load", no_mmap)
+    assert torch.equal(common.load_checkpoint(path)["model"]["w"], weights)
+
+
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
 def test_torchrun_restart_after_a_killed_rank_resumes_by_itself(data_dir, tmp_path, sharding):
     """torchrun --max-restarts with --resume: rank 1 dies with SIGKILL mid-run, the group is started
