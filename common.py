@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -390,12 +391,16 @@ def check_output_dir(path, flag):
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path} is a file, not a directory: pass a directory (it is made if missing)")
     parent = os.path.abspath(path)
-    while not os.path.exists(parent):
+    while not os.path.exists(parent):  # the nearest existing directory is where it will be made
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise UserError(f"{flag} {path} cannot be made: {parent} is a file; pass a directory path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} {path}: {parent} is not writable by this user; pass a directory you can write to")
+        raise UserError(f"cannot write to {flag} {path}: {parent} is a file, so it cannot be made; "
+                        "pass a directory path")
+    try:  # a real write, not os.access: that says yes to root on a read-only file system
+        os.rmdir(tempfile.mkdtemp(prefix=".write-test", dir=parent))
+    except OSError as e:
+        raise UserError(f"cannot write to {flag} {path} ({e.strerror or e} in {parent}): "
+                        "pass a directory you can write to")
 
 
 def atomic_write(path, write_fn):

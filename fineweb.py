@@ -30,13 +30,13 @@ import os
 import re
 import shlex
 import sys
-import tempfile
 import time
 from collections import deque
 
 import numpy as np
 
-from common import EOT_TOKEN, UserError, first_line, get_tokenizer, hub_unreachable, run_main, versions
+from common import (EOT_TOKEN, UserError, check_output_dir, first_line, get_tokenizer, hub_unreachable, run_main,
+                    versions)
 from dataloader import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, VAL_SHARE, ShardWriter, intact,
                         plan_resume, read_manifest, verify, write_manifest)
 from model import GPT2_VOCAB_SIZE
@@ -392,18 +392,7 @@ def check_out_dir(out_dir, settings):
     """Check the output directory without creating it (prepare() does, once the source has been
     read, so bad input leaves nothing behind). Return its manifest if it holds our shards of the
     same source and settings (to continue them), None if it is new or empty."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"--out-dir {out_dir} is a file, not a directory")
-    parent = os.path.abspath(out_dir)
-    while not os.path.exists(parent):  # the nearest existing directory is where it will be made
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise UserError(f"cannot write to --out-dir {out_dir}: {parent} is a file; choose another directory")
-    try:  # a real write, not os.access: that says yes to root on a read-only file system
-        os.rmdir(tempfile.mkdtemp(prefix=".write-test", dir=parent))
-    except OSError as e:
-        raise UserError(f"cannot write to --out-dir {out_dir} ({e.strerror or e} in {parent}): "
-                        "choose a writable directory")
+    check_output_dir(out_dir, "--out-dir")
     if not os.path.isdir(out_dir):
         return None
     manifest = read_manifest(out_dir)
