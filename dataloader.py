@@ -236,7 +236,7 @@ def unlisted_shards(data_dir, split, fix):
 def find_shards(data_dir, split, vocab_size):
     """Paths of a split's shards, in order, checked against the manifest when there is one.
     Shards without a manifest (e.g. build-nanogpt's edufineweb_train_000001.npy) load too."""
-    fix = f"prepare it with: python fineweb.py --out-dir {data_dir}"
+    fix = remedy(data_dir, None)
     if not os.path.isdir(data_dir):
         what = "is a file, not a directory" if os.path.exists(data_dir) else "does not exist"
         raise UserError(f"data directory {data_dir} {what}: {fix}  (or point --data-dir at your shards)")

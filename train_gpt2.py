@@ -402,8 +402,6 @@ def setup(args, dist, log):
     random.seed(args.seed)
     np.random.seed(args.seed)
     raw_model, origin = build_model(args, ckpt)
-    if args.block_size > raw_model.config.block_size:
-        raise UserError(f"--block-size {args.block_size} exceeds the model's {raw_model.config.block_size}")
     run.raw_model = raw_model.to(dist.device)
     block_size = raw_model.config.block_size
     if args.sharding == "fsdp" and not dist.ddp:
@@ -481,7 +479,7 @@ def setup(args, dist, log):
              f"{' (10% of --max-steps; --warmup-steps sets it)' if args.warmup_auto and args.warmup_steps < DEFAULT_WARMUP else ''}"
              f", cosine to {args.max_lr * args.min_lr_ratio:g} at step {args.max_steps}")
     capacity = torch.cuda.get_device_properties(dist.device).total_memory if dist.device_type == "cuda" else None
-    plan = parallel.memory_plan(sum(p.numel() for p in raw_model.parameters()), dist.world_size, args.sharding,
+    plan = parallel.memory_plan(raw_model.num_params(non_embedding=False), dist.world_size, args.sharding,
                                 run.dtype, micro_batch, block_size, raw_model.config.n_layer, raw_model.config.n_embd,
                                 args.activation_checkpointing)
     log.line(f"memory ({args.sharding if run.fsdp else 'DDP' if dist.ddp else 'one process'}"
