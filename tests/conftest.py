@@ -34,6 +34,14 @@ def github_online():
         pytest.skip("raw.githubusercontent.com (the official HellaSwag file) is not reachable (offline)")
 
 
+@pytest.fixture
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a process group's store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from threads, and on a busy machine OpenMP's barriers make each

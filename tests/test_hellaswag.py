@@ -3,7 +3,6 @@ batched against one item at a time, the split across 2 gloo ranks, data loading 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -191,11 +190,9 @@ def rank_worker(rank, world_size, port, ckpt, data, out):
         json.dump({"seen": seen_before_stops, "result": result, "stops": stops}, f)
 
 
-def test_two_gloo_ranks_split_reduce_and_stop(model, files, tmp_path):
+def test_two_gloo_ranks_split_reduce_and_stop(model, files, tmp_path, free_port):
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port
     out = str(tmp_path / "rank")
     # fork: the children start at once, without importing torch again (spawn elsewhere)
     method = "fork" if sys.platform == "linux" else "spawn"

@@ -360,22 +360,18 @@ common.run_main(main)
 
 
 @pytest.mark.parametrize("fail", [False, True])
-def test_a_process_that_joined_a_group_exits_with_its_status_and_its_output(tmp_path, fail):
+def test_a_process_that_joined_a_group_exits_with_its_status_and_its_output(tmp_path, fail, free_port):
     """run_main in a process that joined a process group: its exit status (0, or 2 for a user
     error, with the one line), buffered output flushed, and no interpreter shutdown (where gloo's
     threads can abort a finished process, see common.exit_process)."""
-    import socket
     import subprocess
     import sys
     script = tmp_path / "ranks.py"
     script.write_text(EXIT_SCRIPT.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                          fail=fail))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port),
                                                   GLOO_SOCKET_IFNAME="lo"))
              for r in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]

@@ -7,7 +7,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
@@ -186,12 +185,6 @@ def test_sigterm_writes_a_usable_checkpoint(data_dir, reference_run, tmp_path):
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(extra, args, **kw):
     cmd = [sys.executable, "-m", "torch.distributed.run"] + extra + [TRAIN] + args
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, **kw)
@@ -256,9 +249,9 @@ def test_activation_checkpointing_gives_the_same_losses(data_dir, tmp_path):
         [r["loss"] for r in records(str(tmp_path / "plain"), "train")]
 
 
-def test_two_node_torchrun_on_loopback(data_dir, tmp_path):
+def test_two_node_torchrun_on_loopback(data_dir, tmp_path, free_port):
     log_dir = str(tmp_path / "log")
-    port = free_port()
+    port = free_port
     args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "3"]
     nodes = [torchrun(["--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
                        f"--master_port={port}"], args) for r in range(2)]
