@@ -310,7 +310,7 @@ def setup_distributed(requested_device="auto", timeout_s=None):
         timeout = datetime.timedelta(seconds=timeout_s or 1800)
         # torchrun shares its rendezvous store with the process group, and after a restart
         # (--max-restarts) the failed attempt's keys are still in it: a rank can read a dead peer's
-        # address before the new one is written, and fail to connect (seen here on a busy machine;
+        # address before the new one is written, and fail to connect (seen on a busy 2-core machine;
         # pytorch/pytorch#135712). One key prefix per attempt keeps the attempts apart.
         store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
         store = dist.PrefixStore(f"attempt_{torchrun_restart()}", store)
