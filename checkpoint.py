@@ -1,26 +1,114 @@
 """
-Training checkpoints: what one holds (weights, optimizer, gradient scaler, step, every rank's data
-position and random state, the run's configuration), writing it, and resuming from it: finding
-the newest checkpoint that loads, checking that the run continues under the settings it was
-trained with, and agreeing on it across ranks. The file format itself (atomic writes, the format
-tag, the one loader every script uses) is common.py's.
+Training checkpoints, their whole life in one place: the file (format tag, atomic write, one
+loader), where they live (ckpt_NNNNNN.pt in the log directory), what one holds and how it is
+put back (Checkpointer.save and Checkpointer.restore are mirror images), finding the one to
+resume from, and loading a model for the other scripts (sample.py, hellaswag.py, --init-from)
+from a checkpoint, a log directory or a Hugging Face name or directory.
+
+A checkpoint is one ordinary torch.save file holding the full, unsharded state, the same whether
+the run used DDP or FSDP:
+    format        CHECKPOINT_FORMAT
+    step          steps completed: a resume starts at this step
+    model_config  GPTConfig's fields
+    model         the GPT's state dict (unwrapped, uncompiled)
+    optimizer     the optimizer's state dict, parameters numbered as on one process
+    scaler        the gradient scaler's state (fp16)
+    ranks         per rank: the train loader's position and the random states
+    world_size    processes of the run that wrote it
+    config        every setting of the run (train_gpt2.py's resolved flags)
 """
 
 import glob
 import os
 import random
+import re
 from dataclasses import asdict
 
 import numpy as np
 import torch
 
-import common
 import parallel
-from common import UserError, print0
-from metrics import METRICS_FILE
+from common import UserError, atomic_write, first_line, hub_unreachable, print0
+from model import GPT, GPTConfig
+
+CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
+CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def checkpoint_path(log_dir, step):
+    """Where the checkpoint of `step` completed steps lives: LOG_DIR/ckpt_NNNNNN.pt."""
+    return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
+
+
+def step_of(path):
+    """The step in a checkpoint's file name (ckpt_000250.pt -> 250)."""
+    return int(CHECKPOINT_RE.match(os.path.basename(path)).group(1))
+
+
+def list_checkpoints(log_dir):
+    """Checkpoint files in log_dir, oldest step first."""
+    found = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt"))
+             if CHECKPOINT_RE.match(os.path.basename(p))]
+    return sorted(found, key=step_of)
+
+
+def latest_checkpoint(log_dir):
+    """The newest checkpoint file in log_dir by step, or None (whether it loads is not checked)."""
+    ckpts = list_checkpoints(log_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def save_file(path, ckpt):
+    """Write a checkpoint dict atomically (a kill leaves the previous file or this one, never half)."""
+    ckpt = dict(ckpt, format=CHECKPOINT_FORMAT)
+    atomic_write(path, lambda f: torch.save(ckpt, f))
+
+
+def load_file(path, map_location="cpu"):
+    """Read a checkpoint written by train_gpt2.py; UserError for anything else."""
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        try:
+            # mmap: the ranks of a node that resume together share one copy of the file in the page
+            # cache instead of holding one each (8 x 18.7 GB at GPT-2 XL with AdamW)
+            ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=True)
+        except Exception:  # a file system without mmap, or a damaged file: read it the plain way
+            ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # truncated zip, pickle garbage, ...
+        # the first sentence only: torch's messages run on for lines of advice
+        reason = first_line(e).split(". ")[0].rstrip(".")
+        raise UserError(f"{path} is not a readable checkpoint, truncated or corrupt ({reason}); use an "
+                        "earlier ckpt_*.pt from the same directory")
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"{path} is not a checkpoint written by train_gpt2.py")
+    return ckpt
+
+
+def newest_that_loads(folder):
+    """(path, checkpoint, [why each newer one was skipped]) for the newest checkpoint in folder that
+    loads; (None, None, []) when there is none; UserError when there are some and none loads."""
+    found = list_checkpoints(folder)
+    problems = []
+    for path in reversed(found):
+        try:
+            return path, load_file(path), problems
+        except UserError as e:
+            problems.append(str(e))
+    if found:
+        raise UserError(f"none of the {len(found)} checkpoints in {folder} loads (newest: {problems[0]})")
+    return None, None, []
+
+
+# ----------------------------------------------------------------------------------------------
+# What a checkpoint holds, and putting it back
 
 
 def rng_state():
+    """Every random generator a training step draws from, as one picklable dict."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -28,6 +116,7 @@ def rng_state():
 
 
 def set_rng_state(state):
+    """Put back what rng_state() captured (CUDA's only on a machine with as many GPUs)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -35,110 +124,186 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_checkpoint(run, args, dist, log, step):
-    run.saved_step = step  # on every rank: whether to write another is decided collectively
-    per_rank = common.gather({"train_loader": run.train_loader.state_dict(), "rng": rng_state()}, dist)
-    states = None
-    if dist.is_master or run.fsdp:  # under FSDP every rank takes part in gathering the full state
-        states = parallel.model_state(run.model), parallel.optimizer_state(run.model, run.optimizer)
-    if not dist.is_master:
-        return
-    path = common.checkpoint_path(args.log_dir, step)
-    for stale in glob.glob(os.path.join(glob.escape(args.log_dir), ".ckpt_*.pt.tmp*")):
-        os.remove(stale)  # left by a process killed mid-write; never read, since never renamed
-    try:
-        common.save_checkpoint(path, checkpoint_dict(run, step, per_rank, *states))
-    except OSError as e:  # a full disk or a vanished mount: atomic_write left the earlier files whole
-        raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); the previous checkpoint "
-                        f"{run.last_ckpt or '(none yet)'} is intact: free space under --log-dir, then --resume")
-    for old in common.list_checkpoints(args.log_dir)[:-args.keep_checkpoints]:
-        os.remove(old)
-    log.record("checkpoint", step=step, path=path)
-    log.line(f"checkpoint {path}")
-    run.last_ckpt = path
+class Checkpointer:
+    """The checkpoints of one run in log_dir: save(step) writes one (gathered on rank 0, atomically,
+    keeping the newest `keep`), restore(ckpt) puts one back into the same objects. It remembers the
+    last checkpoint written or resumed from (last_path, last_step).
 
+    model: the model as it trains (compiled, DDP or FSDP); every rank calls save() and restore(),
+    and with fsdp=True every rank takes part in gathering the full state."""
 
-def checkpoint_dict(run, step, per_rank, model_state, optimizer_state):
-    """Full (unsharded) state, the same file whether the run used DDP or FSDP."""
-    return {
-        "step": step,  # steps completed: a resume starts at this step
-        "model_config": asdict(run.raw_model.config),
-        "model": model_state,
-        "optimizer": optimizer_state,
-        "scaler": run.scaler.state_dict(),
-        "ranks": per_rank,
-        "config": run.config,
-    }
+    def __init__(self, log_dir, keep, ranks, log, *, model, optimizer, scaler, train_loader, config, fsdp):
+        self.log_dir, self.keep, self.ranks, self.log = log_dir, keep, ranks, log
+        self.model, self.optimizer, self.scaler, self.train_loader = model, optimizer, scaler, train_loader
+        self.config, self.fsdp = config, fsdp
+        self.last_path = self.last_step = None
 
-
-# the settings a checkpoint cannot be resumed under if they change
-RESUME_INVARIANTS = ("block_size", "total_batch_size", "micro_batch_size", "world_size", "shuffle_seed")
-
-
-def find_checkpoint(args, log):
-    """(path, checkpoint) to resume from, or (None, None) to start fresh. Plain --resume takes the
-    newest checkpoint in --log-dir that loads and says which newer ones it skipped (a file cut
-    short by a full disk, say); a file named on the command line must load."""
-    if args.resume is None:
-        if os.path.exists(os.path.join(args.log_dir, METRICS_FILE)):
-            raise UserError(f"{args.log_dir} already holds a run: pass --resume to continue it, "
-                            "or a new --log-dir for a new run")
-        return None, None
-    if args.resume != "latest" and not os.path.isdir(args.resume):
-        if not os.path.exists(args.resume):
-            raise UserError(f"--resume {args.resume}: no such file; pass a ckpt_*.pt file, a log directory, "
-                            "or --resume alone for the latest in --log-dir")
-        return args.resume, common.load_checkpoint(args.resume)
-    folder = args.log_dir if args.resume == "latest" else args.resume
-    found = common.list_checkpoints(folder)
-    if not found:
-        if args.resume == "latest":
-            return None, None  # nothing to continue yet: --resume is always safe to pass
-        raise UserError(f"--resume {args.resume}: no ckpt_*.pt in that directory")
-    problems = []
-    for path in reversed(found):
+    def save(self, step):
+        """Write ckpt_<step>.pt; step = steps completed."""
+        self.last_step = step  # on every rank: whether to write another is decided collectively
+        per_rank = parallel.gather({"train_loader": self.train_loader.state_dict(), "rng": rng_state()}, self.ranks)
+        states = None
+        if self.ranks.is_master or self.fsdp:
+            states = parallel.model_state(self.model), parallel.optimizer_state(self.model, self.optimizer)
+        if not self.ranks.is_master:
+            return
+        model_state, optimizer_state = states
+        ckpt = {"step": step, "model_config": asdict(parallel.unwrap(self.model).config), "model": model_state,
+                "optimizer": optimizer_state, "scaler": self.scaler.state_dict(), "ranks": per_rank,
+                "world_size": self.ranks.world_size, "config": self.config}
+        path = checkpoint_path(self.log_dir, step)
+        os.makedirs(self.log_dir, exist_ok=True)
+        for stale in glob.glob(os.path.join(glob.escape(self.log_dir), ".ckpt_*.pt.tmp*")):
+            os.remove(stale)  # left by a process killed mid-write; never read, since never renamed
         try:
-            ckpt = common.load_checkpoint(path)
+            save_file(path, ckpt)
+        except OSError as e:  # a full disk or a vanished mount: atomic_write left the earlier files whole
+            raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); the previous checkpoint "
+                            f"{self.last_path or '(none yet)'} is intact: free space under --log-dir, then --resume")
+        for old in list_checkpoints(self.log_dir)[:-self.keep]:
+            os.remove(old)
+        self.log.record("checkpoint", step=step, path=path)
+        self.log.line(f"checkpoint {path}")
+        self.last_path = path
+
+    def restore(self, ckpt, path):
+        """Put a checkpoint back: weights, optimizer, scaler, this rank's data position and random
+        state. Returns the step to continue from."""
+        parallel.load_model_state(self.model, ckpt["model"])
+        parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+        try:  # every rank moves in lockstep, so any rank's loader state restores this one
+            self.train_loader.load_state_dict(ckpt["ranks"][0]["train_loader"])
         except UserError as e:
-            problems.append(str(e))
-            continue
-        for problem in problems:
-            log.line(f"resume: skipped {problem}")
-        return path, ckpt
-    raise UserError(f"none of the {len(found)} checkpoints in {folder} loads (newest: {problems[0]}); "
-                    "start a new run with a new --log-dir")
+            raise UserError(f"cannot resume {path}: {e}")
+        set_rng_state(ckpt["ranks"][self.ranks.rank]["rng"])
+        self.last_path, self.last_step = path, ckpt["step"]
+        return ckpt["step"]
 
 
-def check_resume_compatible(ckpt, args, dist, path):
-    saved = ckpt["config"]
-    now = dict(vars(args), world_size=dist.world_size)
-    for key in RESUME_INVARIANTS:
-        if key == "micro_batch_size" and now[key] == "auto":
-            continue  # auto on resume means: the size the run was fitted with
-        if saved.get(key) != now.get(key):
-            flag = "world size (GPUs)" if key == "world_size" else "--" + key.replace("_", "-")
-            raise UserError(f"cannot resume {path}: it was trained with {flag} = {saved.get(key)}, "
-                            f"this run has {now.get(key)}; use the same setting, or a new --log-dir")
-    for key in ("n_layer", "n_head", "n_embd"):
-        value = getattr(args, key)
-        if value is not None and value != ckpt["model_config"][key]:
-            raise UserError(f"cannot resume {path}: its model has {key} = {ckpt['model_config'][key]}, "
-                            f"--{key.replace('_', '-')} asks for {value}; drop the flag or use a new --log-dir")
-    if os.path.abspath(saved["data_dir"]) != os.path.abspath(args.data_dir):
-        print0(f"note: resuming with --data-dir {args.data_dir} (the run began with {saved['data_dir']}); "
-               "the data loader checks that it is the same data")
+# ----------------------------------------------------------------------------------------------
+# Resuming: which checkpoint
 
 
-def load_resume(args, dist, log):
-    """Find, load and check the checkpoint to continue from: (path, checkpoint) or (None, None).
-    Every rank reads the same directory; they must agree on the step, or the run would mix two."""
-    path, ckpt = find_checkpoint(args, log)
-    if ckpt is not None:
-        check_resume_compatible(ckpt, args, dist, path)
-    steps = common.gather(None if ckpt is None else ckpt["step"], dist)
+def find_resume(resume, log_dir, log):
+    """(path, checkpoint) to resume from, or (None, None) to start fresh. resume: None (a new run),
+    "latest" (the newest checkpoint in log_dir that loads, saying which newer ones it skipped: a
+    file cut short by a full disk, say), a log directory, or a checkpoint file (which must load)."""
+    if resume is None:
+        return None, None
+    if resume != "latest" and not os.path.isdir(resume):
+        if not os.path.exists(resume):
+            raise UserError(f"--resume {resume}: no such file; pass a ckpt_*.pt file, a log directory, "
+                            "or --resume alone for the latest in --log-dir")
+        return resume, load_file(resume)
+    folder = log_dir if resume == "latest" else resume
+    try:
+        path, ckpt, skipped = newest_that_loads(folder)
+    except UserError as e:
+        raise UserError(f"{e}; start a new run with a new --log-dir")
+    if path is None and resume != "latest":
+        raise UserError(f"--resume {resume}: no ckpt_*.pt in that directory")
+    for problem in skipped:
+        log.line(f"resume: skipped {problem}")
+    return path, ckpt  # (None, None) for --resume with nothing to continue yet: it is always safe
+
+
+def agree_on_resume(ckpt, ranks):
+    """Every rank read the same directory; they must have found the same step, or the run would mix two."""
+    steps = parallel.gather(None if ckpt is None else ckpt["step"], ranks)
     if len(set(steps)) > 1:
         raise UserError(f"the ranks found different checkpoints to resume from (steps {steps}): every node "
                         "must see the same --log-dir (a shared file system)")
-    return path, ckpt
 
 
+# the settings a checkpoint cannot be resumed under if they change
+RESUME_INVARIANTS = ("block_size", "total_batch_size", "micro_batch_size", "shuffle_seed")
+
+
+def check_compatible(ckpt, path, settings, world_size):
+    """UserError when this launch's settings (a dict of the trainer's resolved flags) ask for
+    something the checkpoint cannot continue under."""
+    saved = ckpt["config"]
+    saved_world = ckpt.get("world_size", saved.get("world_size"))
+    if saved_world != world_size:
+        raise UserError(f"cannot resume {path}: it was trained with world size (GPUs) = {saved_world}, "
+                        f"this run has {world_size}; use the same setting, or a new --log-dir")
+    for key in RESUME_INVARIANTS:
+        now = settings[key]
+        if key == "micro_batch_size" and now == "auto":
+            continue  # auto on resume means: the size the run was fitted with
+        if saved.get(key) != now:
+            raise UserError(f"cannot resume {path}: it was trained with --{key.replace('_', '-')} = {saved.get(key)}, "
+                            f"this run has {now}; use the same setting, or a new --log-dir")
+    for key in ("n_layer", "n_head", "n_embd"):
+        value = settings[key]
+        if value is not None and value != ckpt["model_config"][key]:
+            raise UserError(f"cannot resume {path}: its model has {key} = {ckpt['model_config'][key]}, "
+                            f"--{key.replace('_', '-')} asks for {value}; drop the flag or use a new --log-dir")
+    if os.path.abspath(saved["data_dir"]) != os.path.abspath(settings["data_dir"]):
+        print0(f"note: resuming with --data-dir {settings['data_dir']} (the run began with {saved['data_dir']}); "
+               "the data loader checks that it is the same data")
+
+
+# ----------------------------------------------------------------------------------------------
+# Models for the other scripts
+
+
+def model_from_checkpoint(ckpt, path="the checkpoint"):
+    """The GPT a checkpoint holds, on the CPU; one line if its model does not load."""
+    try:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise UserError(f"{path} is damaged: its model does not load ({type(e).__name__}: {first_line(e, 160)}); "
+                        "use an earlier ckpt_*.pt from the same directory")
+    return model
+
+
+def model_from_hub(name):
+    """A GPT from a hub name: from Hugging Face's cache when it was downloaded before (no
+    network), else downloaded; one-line errors when the hub cannot be reached or has no such model."""
+    try:
+        return GPT.from_pretrained(name, local_files_only=True)
+    except OSError:
+        pass  # not cached
+    problem = hub_unreachable()
+    if problem:
+        raise UserError(f"model {name!r} is not in the Hugging Face cache, and {problem}; download it once "
+                        "on a machine with network access, or pass a local checkpoint / directory")
+    try:
+        return GPT.from_pretrained(name)
+    except OSError as e:
+        raise UserError(f"could not load model {name!r} from the Hugging Face hub ({first_line(e, 160)}); "
+                        "check the name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) and the network, "
+                        "or pass a local checkpoint / directory")
+
+
+def is_hf_dir(path):
+    """A directory that holds a Hugging Face model (its config.json)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def load_model(spec, device="cpu"):
+    """Load a GPT from: a checkpoint file; a log directory (its newest checkpoint that loads); a
+    local Hugging Face directory; or a hub name such as gpt2, gpt2-medium, gpt2-large, gpt2-xl.
+    Returns (model in eval mode on device, a short description of where it came from)."""
+    if os.path.isfile(spec):
+        model, what = model_from_checkpoint(load_file(spec), spec), f"checkpoint {spec}"
+    elif is_hf_dir(spec):
+        try:
+            model, what = GPT.from_pretrained(spec), f"Hugging Face directory {spec}"
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"{spec} could not be loaded as a GPT-2 model: {str(e)[:200]}")
+    elif os.path.isdir(spec):
+        path, ckpt, _ = newest_that_loads(spec)
+        if path is None:
+            raise UserError(f"{spec} has no ckpt_*.pt checkpoint and no config.json; "
+                            "train one with python train_gpt2.py --log-dir " + spec)
+        model, what = model_from_checkpoint(ckpt, path), f"checkpoint {path}"
+    elif re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", spec) and not spec.endswith(".pt"):
+        model, what = model_from_hub(spec), f"Hugging Face model {spec}"
+    else:
+        raise UserError(f"model {spec!r} not found: pass a checkpoint file, a log directory, "
+                        "a Hugging Face directory, or a name such as gpt2")
+    return model.to(device).eval(), what

@@ -37,6 +37,7 @@ SHARD_RE = re.compile(r"^(?P<prefix>.+)_(?P<split>val|train)_(?P<index>\d{6})\.n
 
 
 def read_manifest(out_dir):
+    """The manifest.json of a shard directory as a dict, or None where there is none."""
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         return None
@@ -51,15 +52,18 @@ def read_manifest(out_dir):
 
 
 def shard_name(prefix, index):
+    """The file name of shard `index` (0 is the val split, the rest train)."""
     return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
 
 
 def write_manifest(out_dir, manifest):
+    """Write manifest.json atomically."""
     data = json.dumps(manifest, indent=1).encode()
     atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(data))
 
 
 def sha256_file(path):
+    """The sha256 of a file, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):

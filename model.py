@@ -208,6 +208,7 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf(cls, hf, block_size=None):
+        """A GPT with the weights of a transformers GPT2LMHeadModel (vocabulary padded to a multiple of 128)."""
         c = hf.config
         if getattr(c, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported activation {c.activation_function!r} (GPT-2 uses gelu_new)")

@@ -1,14 +1,16 @@
 """
-How the model is spread over processes: DDP (every rank holds everything, the default) or FSDP2
-(PyTorch's torch.distributed.fsdp.fully_shard: parameters, gradients and AdamW state sharded over
-the ranks), optional activation checkpointing, and the few places where the two differ for the
+How the model is spread over processes: joining the process group (with or without torchrun),
+DDP (every rank holds everything, the default) or FSDP2 (PyTorch's
+torch.distributed.fsdp.fully_shard: parameters, gradients and optimizer state sharded over the
+ranks), optional activation checkpointing, and the few places where the two differ for the
 trainer: gradient sync during accumulation, gradient clipping, full state dicts for checkpoints,
 a per-GPU memory plan, and the micro-batch auto-fit.
 
-Imports only torch, the standard library, model.py and common.py.
+Imports only torch, the standard library, model.py, device.py and common.py.
 
 Order the trainer follows (FSDP replaces the parameters with sharded DTensors, so anything that
 holds parameters is built after it):
+    ranks = setup_distributed(...)             # this process's rank, world size and device
     raw_model.to(device)                       # load the checkpoint's model weights here (or later,
                                                #   with load_model_state)
     model = wrap_model(raw_model, ...)         # compiles, checkpoints and wraps/shards
@@ -19,16 +21,103 @@ holds parameters is built after it):
     checkpoint: model_state(model), optimizer_state(model, optimizer) on every rank, saved by rank 0
 """
 
+import datetime
+import os
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 from torch.utils.checkpoint import checkpoint
 
-from common import autocast
+import common
+from common import UserError
+from device import autocast, pick_device
 from model import PADDED_VOCAB_SIZE, Block
 
 SHARDINGS = ("none", "fsdp")
+
+
+# ----------------------------------------------------------------------------------------------
+# The process group
+
+
+class Ranks:
+    """This process's place in the run: rank, local rank, world size and device; the same with
+    and without torchrun (a world of one)."""
+
+    def __init__(self, rank=0, local_rank=0, world_size=1, device="cpu"):
+        self.rank, self.local_rank, self.world_size, self.device = rank, local_rank, world_size, device
+
+    @property
+    def is_master(self):
+        return self.rank == 0
+
+    @property
+    def multi(self):
+        """More than one process: collectives are needed."""
+        return self.world_size > 1
+
+    @property
+    def device_type(self):
+        return self.device.split(":")[0]
+
+
+def torchrun_restart():
+    """How many times torchrun --max-restarts has started this group again (0: the first launch)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def setup_distributed(requested_device="auto", timeout_s=None):
+    """Join the process group when launched by torchrun (NCCL on CUDA, gloo on CPU); a Ranks. A
+    collective that waits longer than timeout_s fails (NCCL's watchdog aborts the process), so a
+    dead or hung rank ends the group in bounded time and torchrun --max-restarts can start it again."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Ranks(device=pick_device(requested_device))  # plain python, or torchrun with one process
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ["WORLD_SIZE"])
+    device = pick_device(requested_device)
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if not tdist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s or 1800)
+        # torchrun shares its rendezvous store with the process group, and after a restart
+        # (--max-restarts) the failed attempt's keys are still in it: a rank can read a dead peer's
+        # address before the new one is written, and fail to connect (pytorch/pytorch#135712).
+        # One key prefix per attempt keeps the attempts apart.
+        store, rank, world_size = next(tdist.rendezvous("env://", rank, world_size, timeout=timeout))
+        store = tdist.PrefixStore(f"attempt_{torchrun_restart()}", store)
+        tdist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        common.mark_joined_process_group()
+    return Ranks(rank, local_rank, world_size, device)
+
+
+def teardown_distributed():
+    """Leave the process group, if this process joined one."""
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def gather(obj, ranks):
+    """A list with every rank's obj (on every rank). Every rank must call it."""
+    if not ranks.multi:
+        return [obj]
+    out = [None] * ranks.world_size
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flag, ranks):
+    """True on every rank when flag is true on any rank (a collective in a multi-process run)."""
+    if not ranks.multi:
+        return bool(flag)
+    t = torch.tensor([float(flag)], device=ranks.device)
+    tdist.all_reduce(t)
+    return t.item() > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -36,6 +125,7 @@ SHARDINGS = ("none", "fsdp")
 
 
 def is_fsdp(model):
+    """Whether the model (or the GPT under its wrappers) is sharded by FSDP2."""
     from torch.distributed.fsdp import FSDPModule
     return isinstance(unwrap(model), FSDPModule)
 
@@ -93,7 +183,7 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
     dtype: 'float32' | 'bfloat16' | 'float16' (FSDP's parameter dtype in forward/backward)."""
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, not {sharding!r}")
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
     if sharding == "none":
         _set_block_forwards(raw_model, activation_checkpointing, compile_blocks=False)
         model = torch.compile(raw_model) if compile else raw_model  # compile before DDP, as the trainer does
@@ -103,7 +193,7 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
                         gradient_as_bucket_view=True)
         return model
 
-    if not dist.is_initialized():
+    if not tdist.is_initialized():
         raise ValueError("sharding 'fsdp' needs torch.distributed initialised (torchrun, or a world of 1)")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -308,8 +398,7 @@ def cuda_memory_probe(model, block_size, device, dtype, margin=0.10, agree=lambd
 
 
 def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size):
-    """The micro-batch for --micro-batch-size auto; ranks: the run's common.Dist."""
-    from common import UserError, gather
+    """The micro-batch for --micro-batch-size auto; ranks: the run's Ranks."""
     cands = micro_batch_candidates(total_batch_size, block_size, ranks.world_size)
     if not cands:
         raise UserError(f"--total-batch-size {total_batch_size} is not divisible by block size x GPUs "

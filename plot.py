@@ -31,6 +31,7 @@ import sys
 import textwrap
 import threading
 
+import checkpoint
 import common
 from common import UserError
 from metrics import read_metrics
@@ -70,9 +71,9 @@ def _median(values):
 def _checkpoint(log_dir, metrics):
     """The checkpoint `train_gpt2.py --log-dir DIR --resume` continues from, and its step: the
     newest ckpt_*.pt in the directory, else the newest recorded checkpoint that still exists."""
-    path = common.latest_checkpoint(log_dir)
+    path = checkpoint.latest_checkpoint(log_dir)
     if path is not None:
-        return path, int(common.CHECKPOINT_RE.match(os.path.basename(path)).group(1))
+        return path, checkpoint.step_of(path)
     for rec in reversed(metrics["checkpoint"]):
         if os.path.isfile(rec["path"]):
             return rec["path"], rec["step"]
@@ -141,6 +142,7 @@ def human(n):
 
 
 def format_duration(seconds):
+    """Seconds as '1h 02m 03s', '3m 05s' or '12.3s'."""
     s = int(round(seconds))
     h, rest = divmod(s, 3600)
     m, s = divmod(rest, 60)
@@ -393,6 +395,7 @@ class PlotWriter:
 
 
 def parse_args(argv=None):
+    """The command line, checked: one-line errors for bad values."""
     p = argparse.ArgumentParser(description="Summarise training runs and plot them against GPT-2's baselines.")
     p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR",
                    help="log directories of train_gpt2.py (its --log-dir); several overlay in one plot")
@@ -410,6 +413,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    """python plot.py LOG_DIR...: print each run's summary and write the plot."""
     args = parse_args(argv)
     summaries = [summarize(d) for d in args.log_dirs]  # every directory checked before anything prints
     for s in summaries:

@@ -17,7 +17,10 @@ import sys
 
 import torch
 
+import checkpoint
 import common
+from device import autocast, device_name, pick_device, pick_dtype
+from tokenizer import EOT_TOKEN, get_tokenizer
 
 SEPARATOR = "\n" + "-" * 40 + "\n"  # printed between samples
 
@@ -47,7 +50,7 @@ def read_prompt(args, stdin=None):
 
 def encode_prompt(enc, prompt, block_size):
     """Token ids to start from: the prompt's, or <|endoftext|> alone for an empty prompt."""
-    tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [common.EOT_TOKEN]
+    tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [EOT_TOKEN]
     if len(tokens) > block_size:
         raise common.UserError(f"the prompt is {len(tokens)} tokens, longer than the model's context of "
                                f"{block_size}: shorten it")
@@ -82,11 +85,11 @@ class TokenPrinter:
 def stream_sample(model, tokens, printer, device, dtype="float32", max_new_tokens=200, temperature=1.0,
                   top_k=None, top_p=None, generator=None):
     """Print the prompt, then each new token as it is generated; return the new token ids."""
-    if tokens != [common.EOT_TOKEN]:
+    if tokens != [EOT_TOKEN]:
         printer.write_tokens(tokens)
     idx = torch.tensor([tokens], dtype=torch.long, device=device)
     new = []
-    with common.autocast(device, dtype):
+    with autocast(device, dtype):
         for nxt in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, generator=generator):
             new.append(int(nxt[0]))
@@ -95,11 +98,30 @@ def stream_sample(model, tokens, printer, device, dtype="float32", max_new_token
     return new
 
 
+def training_samples(model, prompt, num_samples, max_new_tokens, seed, device, stop=None):
+    """The trainer's samples: num_samples continuations of prompt (top-k 50, temperature 1), as
+    one-line strings. stop: a common.StopFlag; a stop request ends generation at the next token."""
+    enc = get_tokenizer()
+    idx = torch.tensor([enc.encode(prompt)] * num_samples, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    new = []
+    for tokens in model.generate_stream(idx, max_new_tokens, temperature=1.0, top_k=50, generator=gen):
+        new.append(tokens)
+        if stop is not None and stop.signal is not None:
+            break
+    model.train(was_training)
+    rows = torch.cat([idx] + [t[:, None] for t in new], dim=1).tolist()
+    return [enc.decode(row).replace("\n", " ") for row in rows]
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line
 
 
 def parse_args(argv=None):
+    """The command line, checked: one-line errors for bad values."""
     p = argparse.ArgumentParser(description="Sample from a GPT-2 model, streaming tokens as they come.")
     p.add_argument("--model", default="log",
                    help="checkpoint written by train_gpt2.py, a log directory (its latest checkpoint), or a "
@@ -138,18 +160,19 @@ def parse_args(argv=None):
 
 
 def main(argv=None, stdin=None, stdout=None):
+    """python sample.py: stream samples to stdout; where the model came from goes to stderr."""
     args = parse_args(argv)
     out = stdout if stdout is not None else sys.stdout
     if args.model == "log" and not os.path.isdir("log"):
         raise common.UserError("no log/ directory here: train a model first (python train_gpt2.py) "
                                "or pass --model (a checkpoint, a log directory or a name such as gpt2)")
-    device = common.pick_device(args.device)
-    dtype = common.pick_dtype(args.dtype, device)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
     prompt = read_prompt(args, stdin)
-    model, what = common.load_model(args.model, device)
-    enc = common.get_tokenizer()
+    model, what = checkpoint.load_model(args.model, device)
+    enc = get_tokenizer()
     tokens = encode_prompt(enc, prompt, model.config.block_size)
-    print(f"sampling from {what} on {common.device_name(device)} ({dtype}), seed {args.seed}",
+    print(f"sampling from {what} on {device_name(device)} ({dtype}), seed {args.seed}",
           file=sys.stderr, flush=True)
     if len(tokens) + args.max_new_tokens > model.config.block_size + 1:
         print(f"note: prompt + new tokens exceed the context of {model.config.block_size}: later tokens see only "

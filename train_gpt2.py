@@ -14,22 +14,26 @@ import functools
 import math
 import os
 import random
-import signal
 import sys
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
 import checkpoint
 import common
+import device
 import hellaswag
+import metrics
 import parallel
 import plot
+import sample
 from common import UserError
 from metrics import RunLog
 from model import GPT, GPTConfig, PRESETS
+from tokenizer import gpt2_bpe_files
 
 # ----------------------------------------------------------------------------------------------
 # Configuration: every knob is a flag; defaults are the GPT-2 124M reproduction.
@@ -39,6 +43,7 @@ DEFAULT_VAL_TOKENS = 10485760
 
 
 def build_parser():
+    """Every flag of the trainer, with its unit and default."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     # model
@@ -120,6 +125,7 @@ def build_parser():
 
 
 def parse_args(argv=None):
+    """The command line, checked (one-line errors), with the defaults that scale with the run resolved."""
     args = build_parser().parse_args(argv)
     if args.micro_batch_size != "auto":
         try:
@@ -161,15 +167,33 @@ def parse_args(argv=None):
     return args
 
 
-def get_lr(step, args):
-    """Linear warm-up, then cosine decay to min_lr at max_steps (GPT-3 paper, appendix B)."""
-    max_lr, min_lr = args.max_lr, args.max_lr * args.min_lr_ratio
-    if step < args.warmup_steps:  # warmup_steps > 0 here
-        return max_lr * (step + 1) / args.warmup_steps
-    if step >= args.max_steps:
-        return min_lr
-    ratio = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (max_lr - min_lr)
+@dataclass(frozen=True)
+class Schedule:
+    """The learning rate at each step, for a group whose peak rate is `peak`: linear warm-up over
+    warmup_steps, then cosine decay to min_lr_ratio * peak at max_steps (GPT-3 paper, appendix B)."""
+    warmup_steps: int
+    max_steps: int
+    min_lr_ratio: float
+
+    def lr(self, step, peak):
+        min_lr = peak * self.min_lr_ratio
+        if step < self.warmup_steps:  # warmup_steps > 0 here
+            return peak * (step + 1) / self.warmup_steps
+        if step >= self.max_steps:
+            return min_lr
+        ratio = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - min_lr)
+
+
+def schedule_of(cfg):
+    """The run's learning-rate schedule."""
+    return Schedule(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+
+
+def set_lr(optimizer, lr):
+    """Set every parameter group's learning rate."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,48 +201,16 @@ def get_lr(step, args):
 # speed-up the ladder measures is a speed-up of training.
 
 
-class PhaseTimer:
-    """--timing-breakdown: wall time per phase, synchronising the GPU at each boundary."""
-
-    PHASES = ("data", "copy", "forward", "backward", "optimizer", "eval")  # copy: host to device
-
-    def __init__(self, device, enabled):
-        self.enabled, self.device = enabled, device
-        self.totals = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
-        self._t = None
-
-    def start(self):
-        if self.enabled:
-            common.synchronize(self.device)
-            self._t = time.perf_counter()
-
-    def mark(self, phase):
-        if self.enabled:
-            common.synchronize(self.device)
-            now = time.perf_counter()
-            self.totals[phase] += now - self._t
-            self._t = now
-
-    def report(self):
-        """Mean ms per step for each phase since the last report, then reset."""
-        n = max(1, self.steps)
-        out = {k: 1000 * v / n for k, v in self.totals.items()}
-        self.totals = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
-        return out
-
-
-def train_step(model, optimizer, scaler, loader, grad_accum, dist, dtype, grad_clip=0.0, stop=False,
+def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=False,
                timer=None):
     """One optimizer step: forward and backward over grad_accum micro-batches (DDP all-reduces the
     gradients on the last one only), unscale, clip, and the update itself unless the loss or the
     gradient norm is not finite (with fp16 the gradient scaler decides). The step's one host-device
     sync also carries this rank's stop request to the others.
     Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
-    timer = timer or PhaseTimer(dist.device, False)
+    timer = timer or metrics.PhaseTimer(ranks.device, False)
     model.train()
-    loss_accum = torch.zeros((), device=dist.device)
+    loss_accum = torch.zeros((), device=ranks.device)
     for micro_step in range(grad_accum):
         host = loader.next_host_batch()
         timer.mark("data")
@@ -227,7 +219,7 @@ def train_step(model, optimizer, scaler, loader, grad_accum, dist, dtype, grad_c
         timer.mark("copy")
         last = micro_step == grad_accum - 1
         with parallel.grad_sync(model, last):
-            with common.autocast(dist.device, dtype):
+            with device.autocast(ranks.device, dtype):
                 _, loss = model(x, y)
             loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
             loss_accum += loss.detach()
@@ -237,11 +229,10 @@ def train_step(model, optimizer, scaler, loader, grad_accum, dist, dtype, grad_c
     scaler.unscale_(optimizer)
     # the gradients are already all-reduced, so every rank computes the same global norm
     norm = parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
-    stats = torch.stack([loss_accum, norm.float(), torch.tensor(float(stop), device=dist.device)])
-    if dist.ddp:
-        import torch.distributed as tdist
-        stats /= dist.world_size
-        tdist.all_reduce(stats)  # mean loss, the same norm, and > 0 if any rank was signalled
+    stats = torch.stack([loss_accum, norm.float(), torch.tensor(float(stop), device=ranks.device)])
+    if ranks.multi:
+        stats /= ranks.world_size
+        torch.distributed.all_reduce(stats)  # mean loss, the same norm, and > 0 if any rank was signalled
     loss_val, norm_val, stop_any = stats.tolist()
     finite = math.isfinite(loss_val) and math.isfinite(norm_val)
     if finite or dtype == "float16":
@@ -253,243 +244,263 @@ def train_step(model, optimizer, scaler, loader, grad_accum, dist, dtype, grad_c
 
 
 # ----------------------------------------------------------------------------------------------
+# The run: everything the loop needs, built once by setup()
+
+
+@dataclass
+class Run:
+    """One launch of the trainer, as setup() built it: the settings, the model and its optimizer, the
+    data, the checkpoints, and the evaluation hooks."""
+    cfg: argparse.Namespace      # every setting, resolved once: stored in checkpoints and the run header
+    ranks: parallel.Ranks
+    log: RunLog
+    dtype: str                   # autocast dtype: float32, bfloat16 or float16
+    compile: bool
+    fsdp: bool
+    raw_model: GPT               # the GPT itself: checkpoints, samples, HellaSwag (sharded in place under FSDP)
+    model: torch.nn.Module       # what trains: compiled, DDP-wrapped or FSDP-sharded
+    eval_model: torch.nn.Module  # validation: compiled, without DDP's gradient hooks
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    schedule: Schedule
+    grad_accum: int
+    train_loader: "dataloader.TokenLoader"  # noqa: F821 (imported in setup, so --help stays instant)
+    val_loader: Optional["dataloader.TokenLoader"]  # noqa: F821
+    val_steps: int
+    checkpoints: checkpoint.Checkpointer
+    start_step: int              # steps already done when this launch began
+    peak_flops: Optional[float]  # the device's peak FLOP/s in dtype, for MFU (None: unknown)
+    hellaswag: hellaswag.TrainingHook
+    plotter: plot.PlotWriter
+
+
+# ----------------------------------------------------------------------------------------------
 # Evaluation: validation loss, HellaSwag and samples, each stoppable between batches
 
 
-def stop_requested(stop, dist):
-    """True on every rank when any rank was signalled (a collective in a multi-process run)."""
-    flag = stop.signal is not None
-    if dist.ddp:
-        import torch.distributed as tdist
-        t = torch.tensor([float(flag)], device=dist.device)
-        tdist.all_reduce(t)
-        flag = t.item() > 0
-    return flag
-
-
 @torch.no_grad()
-def validation_loss(model, loader, steps, dist, dtype, should_stop):
+def validation_loss(model, loader, steps, ranks, dtype, should_stop):
     """Mean loss over the first `steps` batches of the val split; None if a stop request came."""
     model.eval()
     loader.reset()
-    total = torch.zeros((), device=dist.device)
+    total = torch.zeros((), device=ranks.device)
     for _ in range(steps):
         if should_stop():
             model.train()
             return None
         x_val, y_val = loader.next_batch()
-        with common.autocast(dist.device, dtype):
+        with device.autocast(ranks.device, dtype):
             _, loss_val = model(x_val, y_val)
         total += loss_val.float()
-    if dist.ddp:
-        import torch.distributed as tdist
-        tdist.all_reduce(total)  # SUM: gloo has no AVG
-        total /= dist.world_size
+    if ranks.multi:
+        torch.distributed.all_reduce(total)  # SUM: gloo has no AVG
+        total /= ranks.world_size
     model.train()
     return total.item() / steps
 
 
-def print_samples(raw_model, args, dist, step, log, stop):
-    """Rank 0 (every rank under FSDP, where each forward is a collective; the log is rank 0's). A stop
-    request ends generation at the next token, except under FSDP (stop=None), where ranks must agree."""
-    enc = common.get_tokenizer()
-    prompt = torch.tensor([enc.encode(args.sample_prompt)] * args.num_samples, device=dist.device)
-    gen = torch.Generator(device=dist.device).manual_seed(args.seed + step)
-    raw_model.eval()
-    new = []
-    for tokens in raw_model.generate_stream(prompt, args.sample_tokens, temperature=1.0, top_k=50, generator=gen):
-        new.append(tokens)
-        if stop is not None and stop.signal is not None:
-            break
-    raw_model.train()
-    rows = torch.cat([prompt] + [t[:, None] for t in new], dim=1).tolist()
-    for i, row in enumerate(rows):
-        log.line(f"sample {i} | {enc.decode(row).replace(chr(10), ' ')}")
-
-
-def evaluate(run, args, dist, log, step, stop):
+def evaluate(run, step, stop):
     """Validation, HellaSwag and samples due at the top of this step. False if a stop request cut
     it short (then nothing of it is logged)."""
-    last_step = step == args.max_steps - 1
+    cfg, ranks, log = run.cfg, run.ranks, run.log
+    last_step = step == cfg.max_steps - 1
     due = lambda every: every and (step % every == 0 or last_step)  # noqa: E731
-    should_stop = lambda: stop_requested(stop, dist)  # noqa: E731
+    should_stop = lambda: parallel.any_rank(stop.signal is not None, ranks)  # noqa: E731
     evaluated = False
-    if run.val_loader is not None and due(args.eval_every):
-        val_loss = validation_loss(run.eval_model, run.val_loader, run.val_steps, dist, run.dtype, should_stop)
+    if run.val_loader is not None and due(cfg.eval_every):
+        val_loss = validation_loss(run.eval_model, run.val_loader, run.val_steps, ranks, run.dtype, should_stop)
         if val_loss is None:
             return False
         evaluated = True
         log.line(f"step {step} | val_loss {val_loss:.4f}")
-        log.record("val", step=step, val_loss=val_loss, tokens=step * args.total_batch_size)
-    if due(args.hellaswag_every):
-        result = run.hella(run.raw_model, run.dtype, should_stop)
+        log.record("val", step=step, val_loss=val_loss, tokens=step * cfg.total_batch_size)
+    if due(cfg.hellaswag_every):
+        result = run.hellaswag(run.raw_model, run.dtype, should_stop)
         if result is None and should_stop():
             return False
         if result is not None:
             evaluated = True
             log.line(f"step {step} | hellaswag acc_norm {result['acc_norm']:.4f} "
                      f"acc {result['acc']:.4f} n {result['n']}")
-            log.record("hellaswag", step=step, tokens=step * args.total_batch_size, **result)
-    if (dist.is_master or run.fsdp) and step > 0 and due(args.sample_every):
-        print_samples(run.raw_model, args, dist, step, log, None if run.fsdp else stop)
-    if evaluated and dist.is_master:
+            log.record("hellaswag", step=step, tokens=step * cfg.total_batch_size, **result)
+    if (ranks.is_master or run.fsdp) and step > 0 and due(cfg.sample_every):
+        # under FSDP every forward is a collective: a stop request must not end one rank's loop early
+        texts = sample.training_samples(run.raw_model, cfg.sample_prompt, cfg.num_samples, cfg.sample_tokens,
+                                        cfg.seed + step, ranks.device, None if run.fsdp else stop)
+        for i, text in enumerate(texts):
+            log.line(f"sample {i} | {text}")
+    if evaluated and ranks.is_master:
         run.plotter.kick()
     return True
 
 
 # ----------------------------------------------------------------------------------------------
-# Set-up: everything the loop needs, built once
+# Set-up, one job at a time: resume, device, model, batch, data, optimizer, restore, header
 
 
-def build_model(args, ckpt):
-    """The model, from a checkpoint (resume), pretrained weights (--init-from) or a preset."""
-    if ckpt is not None:
-        return common.model_from_checkpoint(ckpt), "resumed"
-    if args.init_from:
-        model, what = common.load_model(args.init_from)
-        if args.block_size > model.config.block_size:
-            raise UserError(f"--block-size {args.block_size} is larger than the {model.config.block_size} "
-                            f"positions {args.init_from} was trained with; use --block-size "
-                            f"{model.config.block_size} or less")
-        if args.block_size < model.config.block_size:
-            model.crop_block_size(args.block_size)
-        return model.train(), what
-    shape = dict(PRESETS[args.model])
-    for k in ("n_layer", "n_head", "n_embd"):
-        if getattr(args, k) is not None:
-            shape[k] = getattr(args, k)
-    try:
-        config = GPTConfig(block_size=args.block_size, **shape)
-    except ValueError as e:
-        raise UserError(str(e))
-    return GPT(config), f"{args.model} preset" if shape == PRESETS[args.model] else "custom shape"
-
-
-def startup_warnings(args, dist, dtype, compile_on, micro_batch):
-    warn = []
-    if dist.device_type == "cpu" and torch.cuda.is_available():
-        warn.append("training on the CPU although a CUDA GPU is present: drop --device cpu")
-    if args.deterministic:
-        warn.append("--deterministic is on: slower kernels; use it for reproducibility studies only")
-    if dist.device_type == "cuda":
-        if dtype == "float32" and common.bf16_supported(dist.device):
-            warn.append("float32 on a GPU with bfloat16: several times slower; use --dtype auto")
-        if not compile_on:
-            warn.append("torch.compile is off on CUDA: expect ~1.5-2x slower steps; drop --no-compile")
-        if micro_batch * args.block_size < 8192:
-            warn.append(f"micro-batch of {micro_batch} x {args.block_size} tokens is small enough for the GPU "
-                        "to idle; raise --micro-batch-size (or use auto)")
-    return warn
-
-
-def setup(args, dist, log):
-    """Model, optimizer, scaler, loaders and position of this run, fresh or resumed: a namespace."""
-    import dataloader  # imported here so --help stays instant
-    run = SimpleNamespace(dtype=common.pick_dtype(args.dtype, dist.device))
-    compile_on = dist.device_type == "cuda" if args.compile is None else args.compile
-    if dist.device_type == "cuda":
+def configure_backends(cfg, ranks):
+    """The autocast dtype and whether to compile; TF32 and determinism switches."""
+    dtype = device.pick_dtype(cfg.dtype, ranks.device)
+    compile_on = ranks.device_type == "cuda" if cfg.compile is None else cfg.compile
+    if ranks.device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True
-    if args.deterministic:
+    if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+    return dtype, compile_on
 
-    run.resume_path, ckpt = checkpoint.load_resume(args, dist, log)  # never silently write over an earlier run
-    run.last_ckpt = run.resume_path
-    run.saved_step = ckpt["step"] if ckpt is not None else None
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    raw_model, origin = build_model(args, ckpt)
-    run.raw_model = raw_model.to(dist.device)
-    block_size = raw_model.config.block_size
-    if args.sharding == "fsdp" and not dist.ddp:
-        raise UserError("--sharding fsdp shards the model over several processes: launch it with "
-                        "torchrun --nproc_per_node=N (N >= 2), or drop it on one GPU")
-    # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
-    run.model = parallel.wrap_model(raw_model, args.sharding, dist.device_type, dist.local_rank, run.dtype,
-                                    args.activation_checkpointing, compile_on)
-    # evaluation: compiled but without DDP's gradient hooks; under FSDP the sharded model on every rank
-    run.eval_model = getattr(run.model, "module", run.model)
-    run.fsdp = args.sharding == "fsdp"
 
-    # batch geometry: say each number once, derive the rest and assert it
+def build_model(cfg, ckpt):
+    """The GPT on the CPU and where it came from: a checkpoint's shape (its weights are put back by
+    Checkpointer.restore), pretrained weights (--init-from) or a preset."""
+    if ckpt is not None:
+        return GPT(GPTConfig(**ckpt["model_config"])), "resumed"
+    if cfg.init_from:
+        model, what = checkpoint.load_model(cfg.init_from)
+        if cfg.block_size > model.config.block_size:
+            raise UserError(f"--block-size {cfg.block_size} is larger than the {model.config.block_size} "
+                            f"positions {cfg.init_from} was trained with; use --block-size "
+                            f"{model.config.block_size} or less")
+        if cfg.block_size < model.config.block_size:
+            model.crop_block_size(cfg.block_size)
+        return model.train(), what
+    shape = dict(PRESETS[cfg.model])
+    for k in ("n_layer", "n_head", "n_embd"):
+        if getattr(cfg, k) is not None:
+            shape[k] = getattr(cfg, k)
+    try:
+        config = GPTConfig(block_size=cfg.block_size, **shape)
+    except ValueError as e:
+        raise UserError(str(e))
+    return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
+
+
+def batch_geometry(cfg, ranks, model, dtype, ckpt):
+    """(micro-batch, accumulation steps): say each number once, derive the rest and assert it."""
     if ckpt is not None:
         micro_batch = ckpt["config"]["micro_batch_size"]
-    elif args.micro_batch_size == "auto":
-        micro_batch = parallel.choose_micro_batch(args.total_batch_size, dist, raw_model, run.dtype, block_size)
+    elif cfg.micro_batch_size == "auto":
+        micro_batch = parallel.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size)
     else:
-        micro_batch = args.micro_batch_size
-    tokens_per_micro = micro_batch * block_size * dist.world_size
-    if args.total_batch_size % tokens_per_micro:
-        raise UserError(f"--total-batch-size {args.total_batch_size} is not divisible by micro-batch x block "
-                        f"size x GPUs = {micro_batch} x {block_size} x {dist.world_size} = {tokens_per_micro}")
-    run.grad_accum = args.total_batch_size // tokens_per_micro
-    assert run.grad_accum * tokens_per_micro == args.total_batch_size
-    run.config = dict(vars(args), block_size=block_size, micro_batch_size=micro_batch, compile=compile_on,
-                      world_size=dist.world_size, grad_accum=run.grad_accum, dtype=run.dtype, device=dist.device)
+        micro_batch = cfg.micro_batch_size
+    tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
+    if cfg.total_batch_size % tokens_per_micro:
+        raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
+                        f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
+    grad_accum = cfg.total_batch_size // tokens_per_micro
+    assert grad_accum * tokens_per_micro == cfg.total_batch_size
+    return micro_batch, grad_accum
 
-    loader = functools.partial(dataloader.TokenLoader, args.data_dir, batch_size=micro_batch, seq_len=block_size,
-                               rank=dist.rank, world_size=dist.world_size, vocab_size=raw_model.config.vocab_size,
-                               device=dist.device)
-    run.train_loader = loader("train", shuffle_seed=args.shuffle_seed)
-    run.val_loader = loader("val") if args.eval_every else None
-    val_note = ""
-    if run.val_loader is not None:  # never more than the whole split: repeating it measures nothing new
-        run.val_steps = min(max(1, args.val_tokens // tokens_per_micro), run.val_loader.batches_per_epoch)
-        whole = run.val_steps == run.val_loader.batches_per_epoch
-        val_note = f" | val: {run.val_steps * tokens_per_micro:,} tokens{' (the whole split)' if whole else ''}"
 
-    run.optimizer = raw_model.configure_optimizers(args.weight_decay, args.max_lr, (args.beta1, args.beta2),
-                                                   args.eps, dist.device_type)
-    # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not
-    run.scaler = torch.amp.GradScaler(dist.device_type, enabled=(run.dtype == "float16"))
-    run.start_step = 0
-    if ckpt is not None:
-        parallel.load_optimizer_state(run.model, run.optimizer, ckpt["optimizer"])
-        run.scaler.load_state_dict(ckpt["scaler"])
-        try:  # every rank moves in lockstep, so any rank's loader state restores this one
-            run.train_loader.load_state_dict(ckpt["ranks"][0]["train_loader"])
-        except UserError as e:
-            raise UserError(f"cannot resume {run.resume_path}: {e}")
-        checkpoint.set_rng_state(ckpt["ranks"][dist.rank]["rng"])
-        run.start_step = ckpt["step"]
-        del ckpt
+def build_data(cfg, ranks, vocab_size):
+    """The train loader, the val loader (None without validation) and the val batches per validation."""
+    import dataloader  # imported here so --help stays instant
+    loader = functools.partial(dataloader.TokenLoader, cfg.data_dir, batch_size=cfg.micro_batch_size,
+                               seq_len=cfg.block_size, rank=ranks.rank, world_size=ranks.world_size,
+                               vocab_size=vocab_size, device=ranks.device)
+    train_loader = loader("train", shuffle_seed=cfg.shuffle_seed)
+    if not cfg.eval_every:
+        return train_loader, None, 0
+    val_loader = loader("val")
+    tokens_per_micro = cfg.micro_batch_size * cfg.block_size * ranks.world_size
+    # never more than the whole split: repeating it measures nothing new
+    val_steps = min(max(1, cfg.val_tokens // tokens_per_micro), val_loader.batches_per_epoch)
+    return train_loader, val_loader, val_steps
 
-    # the run header: what produced this run
-    run.device_name = common.device_name(dist.device)
-    run.peak_flops = common.peak_flops(run.device_name, run.dtype)
-    commit = common.git_commit()
-    restart = common.torchrun_restart()
-    log.record("run", step=run.start_step, max_steps=args.max_steps, tokens_per_step=args.total_batch_size,
-               resumed_from=run.resume_path, device=dist.device, device_name=run.device_name, dtype=run.dtype,
-               world_size=dist.world_size, versions=common.versions(), git=commit, config=run.config,
-               restart=restart)
-    start = f"resuming {run.resume_path} at step {run.start_step}" if run.resume_path else "new run"
+
+def build_optimizer(cfg, raw_model, ranks, dtype):
+    """AdamW (fused on CUDA) and the gradient scaler: fp16 needs loss scaling to keep small
+    gradients from flushing to zero; bf16 and fp32 do not."""
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
+                                               ranks.device_type)
+    scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
+    return optimizer, scaler
+
+
+def write_header(run, origin, resume_path, fitted):
+    """The run record and the lines that say what produced this run and how it is laid out."""
+    cfg, ranks, log, model = run.cfg, run.ranks, run.log, run.raw_model
+    name = device.device_name(ranks.device)
+    commit = metrics.git_commit()
+    restart = parallel.torchrun_restart()
+    log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
+               resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
+               compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum,
+               versions=metrics.versions(), git=commit, config=vars(cfg), restart=restart)
+    start = f"resuming {resume_path} at step {run.start_step}" if resume_path else "new run"
     if restart:
         start += f" | torchrun restart {restart} (after a worker failed)"
-    log.line(f"run: {start} | model {origin}, {raw_model.num_params() / 1e6:.1f}M parameters")
-    log.line(f"device {dist.device} ({run.device_name}) | dtype {run.dtype} | world size {dist.world_size} | "
-             f"compile {'on' if compile_on else 'off'} | git {commit} | torch {torch.__version__}")
-    log.line(f"batch {args.total_batch_size} tokens/step = micro-batch {micro_batch} x {block_size} tokens "
-             f"x {dist.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
-             f"{' (auto-fit)' if args.micro_batch_size == 'auto' and run.start_step == 0 else ''}{val_note}")
-    log.line(f"lr {args.max_lr:g}: {args.warmup_steps} warm-up steps"
-             f"{' (10% of --max-steps; --warmup-steps sets it)' if args.warmup_auto and args.warmup_steps < DEFAULT_WARMUP else ''}"
-             f", cosine to {args.max_lr * args.min_lr_ratio:g} at step {args.max_steps}")
-    capacity = torch.cuda.get_device_properties(dist.device).total_memory if dist.device_type == "cuda" else None
-    plan = parallel.memory_plan(raw_model.num_params(non_embedding=False), dist.world_size, args.sharding,
-                                run.dtype, micro_batch, block_size, raw_model.config.n_layer, raw_model.config.n_embd,
-                                args.activation_checkpointing)
-    log.line(f"memory ({args.sharding if run.fsdp else 'DDP' if dist.ddp else 'one process'}"
-             f"{', activation checkpointing' if args.activation_checkpointing else ''}): "
-             + parallel.format_memory_plan(plan, capacity, "GPU" if dist.device_type == "cuda" else "process"))
+    log.line(f"run: {start} | model {origin}, {model.num_params() / 1e6:.1f}M parameters")
+    log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | world size {ranks.world_size} | "
+             f"compile {'on' if run.compile else 'off'} | git {commit} | torch {torch.__version__}")
+    val_note = ""
+    if run.val_loader is not None:
+        whole = run.val_steps == run.val_loader.batches_per_epoch
+        tokens = run.val_steps * cfg.micro_batch_size * cfg.block_size * ranks.world_size
+        val_note = f" | val: {tokens:,} tokens{' (the whole split)' if whole else ''}"
+    log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {cfg.micro_batch_size} x {cfg.block_size} "
+             f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
+             f"{' (auto-fit)' if fitted else ''}{val_note}")
+    auto_warmup = cfg.warmup_auto and cfg.warmup_steps < DEFAULT_WARMUP
+    log.line(f"lr {cfg.max_lr:g}: {cfg.warmup_steps} warm-up steps"
+             f"{' (10% of --max-steps; --warmup-steps sets it)' if auto_warmup else ''}"
+             f", cosine to {cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
+    capacity = torch.cuda.get_device_properties(ranks.device).total_memory if ranks.device_type == "cuda" else None
+    plan = parallel.memory_plan(model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, run.dtype,
+                                cfg.micro_batch_size, cfg.block_size, model.config.n_layer, model.config.n_embd,
+                                cfg.activation_checkpointing)
+    log.line(f"memory ({cfg.sharding if run.fsdp else 'DDP' if ranks.multi else 'one process'}"
+             f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): "
+             + parallel.format_memory_plan(plan, capacity, "GPU" if ranks.device_type == "cuda" else "process"))
     log.record("memory", step=run.start_step, **plan)
-    for w in startup_warnings(args, dist, run.dtype, compile_on, micro_batch):
+    for w in device.slow_settings(ranks.device, run.dtype, run.compile, cfg.deterministic,
+                                  cfg.micro_batch_size * cfg.block_size):
         log.line(f"warning: {w}")
-    run.plotter = plot.PlotWriter(args.log_dir, args.plot and dist.is_master)
-    run.hella = hellaswag.TrainingHook(args, dist, log)
+
+
+def setup(cfg, ranks, log):
+    """The Run of this launch, fresh or resumed. Never silently writes over an earlier run."""
+    if cfg.resume is None and os.path.exists(os.path.join(cfg.log_dir, metrics.METRICS_FILE)):
+        raise UserError(f"{cfg.log_dir} already holds a run: pass --resume to continue it, "
+                        "or a new --log-dir for a new run")
+    resume_path, ckpt = checkpoint.find_resume(cfg.resume, cfg.log_dir, log)
+    if ckpt is not None:
+        checkpoint.check_compatible(ckpt, resume_path, vars(cfg), ranks.world_size)
+    checkpoint.agree_on_resume(ckpt, ranks)
+    dtype, compile_on = configure_backends(cfg, ranks)
+    fsdp = cfg.sharding == "fsdp"
+    if fsdp and not ranks.multi:
+        raise UserError("--sharding fsdp shards the model over several processes: launch it with "
+                        "torchrun --nproc_per_node=N (N >= 2), or drop it on one GPU")
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    raw_model, origin = build_model(cfg, ckpt)
+    raw_model.to(ranks.device)
+    cfg.block_size = raw_model.config.block_size  # --init-from may have set it
+    # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
+    model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
+                                cfg.activation_checkpointing, compile_on)
+    fitted = cfg.micro_batch_size == "auto" and ckpt is None
+    cfg.micro_batch_size, grad_accum = batch_geometry(cfg, ranks, raw_model, dtype, ckpt)
+    train_loader, val_loader, val_steps = build_data(cfg, ranks, raw_model.config.vocab_size)
+    optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)
+    checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
+                                          optimizer=optimizer, scaler=scaler, train_loader=train_loader,
+                                          config=vars(cfg), fsdp=fsdp)
+    start_step = checkpoints.restore(ckpt, resume_path) if ckpt is not None else 0
+    del ckpt
+    run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, raw_model=raw_model,
+              model=model, eval_model=getattr(model, "module", model), optimizer=optimizer, scaler=scaler,
+              schedule=schedule_of(cfg), grad_accum=grad_accum, train_loader=train_loader, val_loader=val_loader,
+              val_steps=val_steps, checkpoints=checkpoints, start_step=start_step,
+              peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
+              hellaswag=hellaswag.TrainingHook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
+              plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master))
+    write_header(run, origin, resume_path, fitted)
     return run
 
 
@@ -497,70 +508,57 @@ def setup(args, dist, log):
 # The training run
 
 
-def train(args):
-    dist = common.setup_distributed(args.device, timeout_s=60 * args.dist_timeout)
-    log = RunLog(args.log_dir, dist.is_master)
+def train(cfg):
+    """Train with the settings of parse_args(); returns the exit status (0, or 3: a non-finite loss)."""
+    ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
+    log = RunLog(cfg.log_dir, ranks.is_master)
     try:
-        return _train(args, dist, log)
+        return loop(setup(cfg, ranks, log))
     finally:
         log.close()
-        common.teardown_distributed()
+        parallel.teardown_distributed()
 
 
-# For tests only: "RANK:STEP" makes that rank SIGKILL itself at the start of that step, in the first
-# launch only (not after a torchrun restart), to check that --max-restarts with --resume recovers.
-TEST_KILL_ENV = "TRAIN_GPT2_TEST_KILL"
-
-
-def kill_step_for_tests(dist):
-    spec = os.environ.get(TEST_KILL_ENV)
-    if not spec or common.torchrun_restart() > 0:
-        return None
-    rank, step = (int(v) for v in spec.split(":"))
-    return step if rank == dist.rank else None
-
-
-def _train(args, dist, log):
-    run = setup(args, dist, log)
-    kill_at = kill_step_for_tests(dist)
+def loop(run):
+    """The training loop: evaluation at the top of each step, the step, its log line, checkpoints;
+    then the final checkpoint or export. Returns the exit status."""
+    cfg, ranks, log = run.cfg, run.ranks, run.log
     stop = common.StopFlag()
-    timer = PhaseTimer(dist.device, args.timing_breakdown > 0)
-    reason, step = "finished", run.start_step
-    for step in range(run.start_step, args.max_steps):
-        if step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+    timer = metrics.PhaseTimer(ranks.device, cfg.timing_breakdown > 0)
+    reason, done = "finished", run.start_step  # done: optimizer steps completed
+    for step in range(run.start_step, cfg.max_steps):
         # ---- evaluation, at the top of the step (so step 0 shows the untrained model)
         timer.start()
-        if not evaluate(run, args, dist, log, step, stop):
+        if not evaluate(run, step, stop):
             reason = "signal"
             break
         timer.mark("eval")
 
         # ---- one optimizer step over grad_accum micro-batches
         t0 = time.perf_counter()
-        lr = get_lr(step, args)
-        for group in run.optimizer.param_groups:
-            group["lr"] = lr
+        lr = run.schedule.lr(step, cfg.max_lr)
+        set_lr(run.optimizer, lr)
         loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
-                                                  run.grad_accum, dist, run.dtype, args.grad_clip,
+                                                  run.grad_accum, ranks, run.dtype, cfg.grad_clip,
                                                   stop.signal is not None, timer)
-        if not finite and run.dtype != "float16" and args.on_nonfinite == "stop":
+        if not finite and run.dtype != "float16" and cfg.on_nonfinite == "stop":
             log.line(f"step {step} | loss {loss} | grad_norm {norm}: non-finite; stopping. "
-                     f"The last good checkpoint is {run.last_ckpt or 'none (no checkpoint yet)'}: resume from "
-                     "it with a lower --max-lr, or pass --on-nonfinite skip")
+                     f"The last good checkpoint is {run.checkpoints.last_path or 'none (no checkpoint yet)'}: "
+                     "resume from it with a lower --max-lr, or pass --on-nonfinite skip")
             log.record("end", step=step, reason="nonfinite")
             return 3
+        done = step + 1
         dt = time.perf_counter() - t0
-        tok_per_s = args.total_batch_size / dt
-        mfu = run.raw_model.estimate_mfu(tok_per_s / dist.world_size, run.peak_flops)
+        tok_per_s = cfg.total_batch_size / dt
+        mfu = run.raw_model.estimate_mfu(tok_per_s / ranks.world_size, run.peak_flops)
         mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
         log.line(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | grad_norm {norm:.4f} | "
                  f"dt_ms {1000 * dt:.1f} | tok_per_s {tok_per_s:.0f} | mfu {mfu_text}"
                  + ("" if finite else " | skipped (non-finite)"))
         log.record("train", step=step, loss=loss, lr=lr, grad_norm=norm, dt_ms=1000 * dt, tok_per_s=tok_per_s,
-                   mfu=mfu, tokens=(step + 1) * args.total_batch_size, skipped=not finite)
+                   mfu=mfu, tokens=done * cfg.total_batch_size, skipped=not finite)
         timer.steps += 1
-        if args.timing_breakdown and timer.steps >= args.timing_breakdown:
+        if cfg.timing_breakdown and timer.steps >= cfg.timing_breakdown:
             ms = timer.report()
             total = sum(ms.values())
             log.line("timing | " + " | ".join(f"{k}_ms {v:.1f} ({100 * v / max(total, 1e-9):.0f}%)"
@@ -568,39 +566,44 @@ def _train(args, dist, log):
             log.record("timing", step=step, **{f"{k}_ms": v for k, v in ms.items()})
 
         # ---- checkpoint: on schedule and at the end
-        done = step + 1
         if stopping:
-            reason, step = "signal", done
+            reason = "signal"
             break
-        if done == args.max_steps or (args.checkpoint_every and done % args.checkpoint_every == 0):
-            checkpoint.write_checkpoint(run, args, dist, log, done)
+        if done == cfg.max_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+            run.checkpoints.save(done)
 
-    if reason == "signal":  # `step` steps are done: keep them, unless the last checkpoint has them already
-        if run.saved_step != step:
-            checkpoint.write_checkpoint(run, args, dist, log, step)
-        log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {step} steps; "
-                 f"continue with: python train_gpt2.py --log-dir {args.log_dir} --resume")
-    elif args.export_hf:
-        model = run.raw_model
-        if run.fsdp:  # every rank helps gather the shards; rank 0 exports a plain copy
-            state = parallel.model_state(run.model)
-            model = GPT(run.raw_model.config) if dist.is_master else None
-            if model is not None:
-                model.load_state_dict(state)
-        if dist.is_master:
-            out = os.path.join(args.log_dir, "hf")
-            model.export_hf(out, tokenizer_files=common.gpt2_bpe_files())
-            log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
-    log.record("end", step=args.max_steps if reason == "finished" else step - 1, reason=reason)  # last step run
-    if dist.is_master:
+    if reason == "signal":  # keep the steps done, unless the last checkpoint has them already
+        if run.checkpoints.last_step != done:
+            run.checkpoints.save(done)
+        log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
+                 f"continue with: python train_gpt2.py --log-dir {cfg.log_dir} --resume")
+    elif cfg.export_hf:
+        export_hf(run)
+    # the end record's step: max_steps when finished, else the last step that ran (-1: none)
+    log.record("end", step=cfg.max_steps if reason == "finished" else done - 1, reason=reason)
+    if ranks.is_master:
         run.plotter.kick()
         run.plotter.join()
     return 0
 
 
+def export_hf(run):
+    """LOG_DIR/hf: the final model in Hugging Face's format, written by rank 0."""
+    model = run.raw_model
+    if run.fsdp:  # every rank helps gather the shards; rank 0 exports a plain copy
+        state = parallel.model_state(run.model)
+        model = GPT(run.raw_model.config) if run.ranks.is_master else None
+        if model is not None:
+            model.load_state_dict(state)
+    if run.ranks.is_master:
+        out = os.path.join(run.cfg.log_dir, "hf")
+        model.export_hf(out, tokenizer_files=gpt2_bpe_files())
+        run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
+
+
 def main(argv=None):
-    args = parse_args(argv)
-    sys.exit(train(args))
+    """python train_gpt2.py (or under torchrun)."""
+    sys.exit(train(parse_args(argv)))
 
 
 if __name__ == "__main__":

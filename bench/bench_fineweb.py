@@ -1,7 +1,7 @@
 """
 How close fineweb.py gets to tiktoken's own speed.
 
-    python bench/bench_fineweb.py --input ../shared/data/gutenberg.parquet --workers 2
+    python bench/bench_fineweb.py --input books.parquet --workers 2   # a parquet of texts (column "text")
 
 Books are cut into web-page-sized documents (log-normal lengths, median ~2,600 characters, mean
 ~4,500: roughly FineWeb-Edu's ~1,000 tokens a page) and written to a temporary parquet file.
@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import fineweb  # noqa: E402
-from common import get_tokenizer  # noqa: E402
+from tokenizer import get_tokenizer  # noqa: E402
 
 
 def web_pages(texts, seed=0):
@@ -150,7 +150,7 @@ def main():
     print(f"one-off Arrow cache conversion by datasets: {time.perf_counter() - t0:.1f} s")
 
     shard_size = min(10**7, n_chars // 4 // 8)  # several shards, whatever the slice
-    get_tokenizer()  # built once here (seconds, in common.py), as a long run builds it once
+    get_tokenizer()  # built once here (seconds, in tokenizer.py), as a long run builds it once
     rows = []
     for r in range(args.repeat):
         tok_c, wall_c, cpu_c = ceiling(docs, args.workers)

@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import common  # noqa: E402
+from device import autocast, device_name, synchronize  # noqa: E402
+from tokenizer import get_tokenizer  # noqa: E402
 import hellaswag  # noqa: E402
 from bench_sample import add_device_args, setup  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -41,7 +42,7 @@ def synthetic_items(n, seed=0):
 @torch.no_grad()
 def one_item_per_forward(model, items, device, dtype):
     """build-nanogpt's loop: each item's 4 rows padded to their longest, one forward per item."""
-    enc = common.get_tokenizer()
+    enc = get_tokenizer()
     correct = correct_norm = 0
     for item in items:
         ctx = enc.encode_ordinary(item["ctx"])
@@ -53,7 +54,7 @@ def one_item_per_forward(model, items, device, dtype):
             tokens[i, :len(r)] = torch.tensor(r)
             mask[i, len(ctx):len(r)] = 1
         tokens, mask = tokens.to(device), mask.to(device)
-        with common.autocast(device, dtype):
+        with autocast(device, dtype):
             logits, _ = model(tokens)
         losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none")
         losses = losses.view(4, -1) * mask[:, 1:]
@@ -64,10 +65,10 @@ def one_item_per_forward(model, items, device, dtype):
 
 
 def timed(fn, device):
-    common.synchronize(device)
+    synchronize(device)
     t0 = time.perf_counter()
     out = fn()
-    common.synchronize(device)
+    synchronize(device)
     return time.perf_counter() - t0, out
 
 
@@ -87,9 +88,9 @@ def main():
     device, dtype = setup(args)
     model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)).to(device).eval()
     items = synthetic_items(args.items)
-    enc = common.get_tokenizer()
+    enc = get_tokenizer()
     rows = [len(enc.encode_ordinary(it["ctx"] + " " + e)) for it in items for e in it["endings"]]
-    print(f"torch {torch.__version__}, {common.device_name(device)}, {torch.get_num_threads()} threads, {dtype}; "
+    print(f"torch {torch.__version__}, {device_name(device)}, {torch.get_num_threads()} threads, {dtype}; "
           f"GPT {model.num_params() / 1e6:.0f}M ({args.n_layer}/{args.n_head}/{args.n_embd}), {len(items)} items, "
           f"rows of {min(rows)}-{max(rows)} tokens (mean {sum(rows) / len(rows):.0f})")
     methods = {"one item per forward (build-nanogpt loop)":

@@ -1,6 +1,6 @@
 """
 Host memory of a resume: N processes (the ranks of one node) load the same checkpoint at once,
-as common.load_checkpoint does (memory-mapped) and as a plain torch.load does, and each reports
+as checkpoint.load_file does (memory-mapped) and as a plain torch.load does, and each reports
 its proportional set size (Pss: shared pages count once, split between the processes that map
 them) once every tensor has been read. The checkpoint is the size of GPT-2 124M's with AdamW
 state (weights + two moments, 12 bytes per parameter) unless --params says otherwise. Linux only.
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
+from checkpoint import load_file, save_file  # noqa: E402
 
 
 def pss_gb():
@@ -34,7 +34,7 @@ def pss_gb():
 def load_one(path, how, ready_dir, procs):
     t0 = time.perf_counter()
     if how == "mmap":
-        ckpt = common.load_checkpoint(path)
+        ckpt = load_file(path)
     else:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     total = sum(float(t.sum()) for part in ("model", "optimizer") for t in ckpt[part].values())  # read it all
@@ -57,7 +57,7 @@ def main():
     n = int(args.params)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt_000001.pt")
-        common.save_checkpoint(path, {"step": 1, "model": {"w": torch.randn(n)},
+        save_file(path, {"step": 1, "model": {"w": torch.randn(n)},
                                       "optimizer": {"exp_avg": torch.randn(n), "exp_avg_sq": torch.rand(n)}})
         size = os.path.getsize(path) / 1e9
         print(f"checkpoint {size:.2f} GB, {args.procs} processes loading it at once")
@@ -69,7 +69,7 @@ def main():
                                        ready], stdout=subprocess.PIPE, text=True) for _ in range(args.procs)]
             rows = [[float(v) for v in proc.communicate()[0].split()[:2]] for proc in procs]
             pss = [r[0] for r in rows]
-            label = "torch.load" if how == "plain" else "common.load_checkpoint (mmap)"
+            label = "torch.load" if how == "plain" else "checkpoint.load_file (mmap)"
             print(f"| {label} | {max(pss):.2f} | {sum(pss):.2f} | {max(r[1] for r in rows):.2f} |")
 
 

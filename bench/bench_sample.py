@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
+from device import autocast, device_name, pick_device, pick_dtype, synchronize  # noqa: E402
+from tokenizer import EOT_TOKEN, get_tokenizer  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 PROMPT = "Hello, I'm a language model, and today I would like to tell you about"
@@ -32,8 +33,8 @@ def add_device_args(p):
 
 def setup(args):
     """(device, dtype) from the flags; CPU threads set; torch seeded, so both runs get the same weights."""
-    device = common.pick_device(args.device)
-    dtype = common.pick_dtype(args.dtype, device)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -47,10 +48,10 @@ def timed(fns, device, repeats):
     times = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):
-            common.synchronize(device)
+            synchronize(device)
             t0 = time.perf_counter()
             outs[i] = fn()
-            common.synchronize(device)
+            synchronize(device)
             times[i].append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times], outs
 
@@ -64,21 +65,21 @@ def main():
     device, dtype = setup(args)
     model = GPT(GPTConfig()).to(device).eval()
     hf = model.to_hf().to(device).eval()
-    idx = torch.tensor([common.get_tokenizer().encode(PROMPT)], device=device)
+    idx = torch.tensor([get_tokenizer().encode(PROMPT)], device=device)
     n = args.new_tokens
 
     def ours():
-        with torch.no_grad(), common.autocast(device, dtype):
+        with torch.no_grad(), autocast(device, dtype):
             return model.generate(idx, n, temperature=0)[0, idx.size(1):].tolist()
 
     def theirs():
-        with torch.no_grad(), common.autocast(device, dtype):
+        with torch.no_grad(), autocast(device, dtype):
             out = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, use_cache=True, pad_token_id=common.EOT_TOKEN)
+                              do_sample=False, use_cache=True, pad_token_id=EOT_TOKEN)
             return out[0, idx.size(1):].tolist()
 
     import transformers
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {common.device_name(device)}, "
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {device_name(device)}, "
           f"{torch.get_num_threads()} threads, {dtype}; prompt {idx.size(1)} tokens, {n} new tokens, greedy, "
           f"batch 1, median of {args.repeats}")
     (t_ours, t_hf), (tok_ours, tok_hf) = timed([ours, theirs], device, args.repeats)

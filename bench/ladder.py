@@ -46,6 +46,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import common  # noqa: E402
+from device import autocast, device_name, peak_flops, pick_device, pick_dtype, synchronize  # noqa: E402
+from metrics import git_commit, versions  # noqa: E402
+from parallel import Ranks  # noqa: E402
 import parallel  # noqa: E402
 import train_gpt2  # noqa: E402
 from common import UserError, first_line  # noqa: E402
@@ -174,7 +177,7 @@ def parse_args(argv=None):
     if args.worker or args.list_rungs:
         return args
 
-    args.device = common.pick_device(args.device)
+    args.device = pick_device(args.device)
     defaults = CUDA_DEFAULTS if args.device.startswith("cuda") else OTHER_DEFAULTS
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -213,7 +216,7 @@ def parse_args(argv=None):
 
 def low_precision_dtype(device):
     """bf16 where the device has it, fp16 on older GPUs (T4, V100); CPUs and MPS do bf16."""
-    return common.pick_dtype("auto", device) if device.startswith("cuda") else "bfloat16"
+    return pick_dtype("auto", device) if device.startswith("cuda") else "bfloat16"
 
 
 def build_model(model_config, padded_vocab, seed, device):
@@ -256,20 +259,20 @@ class StepTimer:
             self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
             self.events[-1][0].record()
         else:
-            common.synchronize(self.device)
+            synchronize(self.device)
         self._t = time.perf_counter()
 
     def stop(self):
         if self.cuda:
             self.events[-1][1].record()
         else:
-            common.synchronize(self.device)
+            synchronize(self.device)
         self.wall.append(1e3 * (time.perf_counter() - self._t))
 
     def times_ms(self):
         if not self.cuda:
             return list(self.wall)
-        common.synchronize(self.device)
+        synchronize(self.device)
         return [start.elapsed_time(end) for start, end in self.events]
 
 
@@ -288,7 +291,7 @@ def attention_kernel(model, loader, device, dtype, compiled):
     from torch.profiler import ProfilerActivity, profile
     x, y = loader.next_batch()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with common.autocast(device, dtype):
+        with autocast(device, dtype):
             _, loss = model(x, y)
         loss.backward()
     names = {e.key for e in prof.key_averages()}
@@ -326,7 +329,7 @@ def run_rung(spec):
         kind = device.split(":")[0]
         if kind == "cuda" and ":" in device:
             torch.cuda.set_device(device)  # CUDA events record on the current device
-        result["env"] = env = dict(device=device, device_name=common.device_name(device),
+        result["env"] = env = dict(device=device, device_name=device_name(device),
                                    torch_threads=torch.get_num_threads())
         if kind == "cuda":
             props = torch.cuda.get_device_properties(device)
@@ -357,13 +360,13 @@ def run_rung(spec):
         loader = TokenLoader(spec["data_dir"], "train", B, T, device=device, prefetch=s["prefetch"])
         result["build_s"] = time.perf_counter() - t0
 
-        dist = common.Dist(device=device)
+        ranks = Ranks(device=device)
+
+        schedule = train_gpt2.schedule_of(TRAIN)
 
         def step(i):  # as train_gpt2.py's loop calls it
-            lr = train_gpt2.get_lr(i, TRAIN)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            return train_gpt2.train_step(model, optimizer, scaler, loader, accum, dist, dtype, TRAIN.grad_clip)
+            train_gpt2.set_lr(optimizer, schedule.lr(i, TRAIN.max_lr))
+            return train_gpt2.train_step(model, optimizer, scaler, loader, accum, ranks, dtype, TRAIN.grad_clip)
 
         warmup, steps = spec["warmup_steps"], spec["steps"]
         with attention_context(s["attention"]):
@@ -386,7 +389,7 @@ def run_rung(spec):
         median = statistics.median(step_ms)
         tps = result["tokens_per_step"] / (median / 1e3)
         peak_dtype = low_precision_dtype(device)
-        peak = common.peak_flops(common.device_name(device), peak_dtype)
+        peak = peak_flops(device_name(device), peak_dtype)
         result.update(status="ok", step_ms=step_ms, wall_ms=timer.wall, median_ms=median,
                       min_ms=min(step_ms), max_ms=max(step_ms), tokens_per_s=tps, losses=losses,
                       final_loss=losses[-1], mfu_peak_dtype=peak_dtype,
@@ -472,8 +475,8 @@ def environment():
     cpu = platform.processor()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:  # Linux: the model name, not just "x86_64"
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return dict(common.versions(), platform=platform.platform(), cpu=cpu, cpu_count=os.cpu_count(),
-                git=common.git_commit())
+    return dict(versions(), platform=platform.platform(), cpu=cpu, cpu_count=os.cpu_count(),
+                git=git_commit())
 
 
 def fmt_bytes(n):

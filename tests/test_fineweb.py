@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conftest.p
 
 import dataloader  # noqa: E402
 import fineweb  # noqa: E402
-from common import EOT_TOKEN, UserError, get_tokenizer, run_main  # noqa: E402
+from common import UserError, run_main  # noqa: E402
+from tokenizer import EOT_TOKEN, get_tokenizer  # noqa: E402
 
 # Real text (public domain) and the cases a tokenizer gets wrong: unicode, long whitespace runs,
 # a literal "<|endoftext|>" (ordinary text, not the special token), an empty document.

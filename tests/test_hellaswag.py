@@ -17,6 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import common  # noqa: E402
+import checkpoint  # noqa: E402
+import parallel  # noqa: E402
+import tokenizer  # noqa: E402
 import hellaswag  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")  # for the scripts run as subprocesses (see one_thread)
@@ -48,16 +51,16 @@ def files(tmp_path_factory, model):
     data = d / "hellaswag_val.jsonl"
     data.write_text("".join(json.dumps(item) + "\n" for item in ITEMS), encoding="utf-8")
     ckpt = d / "ckpt_000001.pt"
-    common.save_checkpoint(str(ckpt), {"model_config": asdict(model.config), "model": model.state_dict()})
+    checkpoint.save_file(str(ckpt), {"model_config": asdict(model.config), "model": model.state_dict()})
     return {"data": str(data), "ckpt": str(ckpt), "dir": d}
 
 
 def reference(model, items):
     """The definition, one ending at a time: context + " " + ending, cross-entropy over the ending."""
-    enc = common.get_tokenizer()
+    enc = tokenizer.get_tokenizer()
     sums, means = [], []
     for item in items:
-        ctx = enc.encode(item["ctx"]) or [common.EOT_TOKEN]  # an empty context: <|endoftext|>
+        ctx = enc.encode(item["ctx"]) or [tokenizer.EOT_TOKEN]  # an empty context: <|endoftext|>
         s = []
         for ending in item["endings"]:
             end = enc.encode(" " + ending)
@@ -93,7 +96,7 @@ def test_batched_equals_one_at_a_time(model):
 
 
 def test_context_longer_than_block_size_is_cut_from_the_front(model):
-    enc = common.get_tokenizer()
+    enc = tokenizer.get_tokenizer()
     item = {"ctx": "word " * 100, "endings": ["one two three", "four", "five six", "seven"], "label": 0}
     ctx, endings = hellaswag.render(item, enc, model.config.block_size)
     assert endings == [enc.encode(" " + e) for e in item["endings"]]  # endings whole
@@ -150,10 +153,10 @@ def test_shard_covers_every_item_once():
 
 
 def rank_worker(rank, world_size, port, ckpt, data, out):
-    """One of 2 ranks: gloo on loopback, set up by common.setup_distributed as under torchrun."""
+    """One of 2 ranks: gloo on loopback, set up by parallel.setup_distributed as under torchrun."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    d = common.setup_distributed("cpu")
+    ranks = parallel.setup_distributed("cpu")
     seen = []
     scored_batches = hellaswag.scored_batches
 
@@ -162,9 +165,9 @@ def rank_worker(rank, world_size, port, ckpt, data, out):
         return scored_batches(model, items, *args, **kwargs)
 
     hellaswag.scored_batches = recording
-    model, _ = common.load_model(ckpt, "cpu")
+    model, _ = checkpoint.load_model(ckpt, "cpu")
     items = hellaswag.load_items(data)
-    result = hellaswag.evaluate(model, items, "cpu", batch_size=2, rank=d.rank, world_size=d.world_size)
+    result = hellaswag.evaluate(model, items, "cpu", batch_size=2, rank=ranks.rank, world_size=ranks.world_size)
     seen_before_stops = list(seen)
 
     def collective_stop(asked_at):
@@ -182,10 +185,10 @@ def rank_worker(rank, world_size, port, ckpt, data, out):
     stops = []
     for asked_at in (None, 2):  # never; rank 1 asks before the 2nd batch
         should_stop, calls = collective_stop(asked_at)
-        outcome = hellaswag.evaluate(model, items, "cpu", batch_size=1, rank=d.rank, world_size=d.world_size,
+        outcome = hellaswag.evaluate(model, items, "cpu", batch_size=1, rank=ranks.rank, world_size=ranks.world_size,
                                      should_stop=should_stop)
         stops.append({"calls": len(calls), "result": outcome})
-    common.teardown_distributed()
+    parallel.teardown_distributed()
     with open(f"{out}{rank}.json", "w") as f:
         json.dump({"seen": seen_before_stops, "result": result, "stops": stops}, f)
 

@@ -25,7 +25,7 @@ TINY = ["--device", "cpu", "--model", "tiny", "--block-size", "16", "--micro-bat
 def one_thread_in_rungs(monkeypatch, one_thread):
     """One CPU thread in the rung processes too (conftest's one_thread covers this one): on a
     small, shared machine two threads of tiny ops spend most of their time waiting for each other
-    (8x slower, seen under load)."""
+    (8x slower under load)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
@@ -117,8 +117,8 @@ def test_ladder_in_process_same_math_same_loss_and_failure_reported(tmp_path, ca
 
 
 def test_ladder_times_the_trainers_step(tmp_path, monkeypatch):
-    """The issue this guards: a speed-up the ladder measures must be a speed-up of training, so
-    every step it runs is train_gpt2.train_step, with train_gpt2.get_lr's learning rate."""
+    """A speed-up the ladder measures must be a speed-up of training, so
+    every step it runs is train_gpt2.train_step, with the trainer's learning-rate schedule."""
     calls, real = [], ladder.train_gpt2.train_step
 
     def counted(model, optimizer, *args, **kwargs):
@@ -127,7 +127,8 @@ def test_ladder_times_the_trainers_step(tmp_path, monkeypatch):
     monkeypatch.setattr(ladder.train_gpt2, "train_step", counted)
     rc, _, r = run(tmp_path, "--in-process", "--rungs", "fp32")
     assert rc == 0 and r["fp32"]["status"] == "ok", r["fp32"].get("reason")
-    assert calls == [ladder.train_gpt2.get_lr(i, ladder.TRAIN) for i in range(3)]  # 1 warm-up + 2 timed
+    schedule = ladder.train_gpt2.schedule_of(ladder.TRAIN)
+    assert calls == [schedule.lr(i, ladder.TRAIN.max_lr) for i in range(3)]  # 1 warm-up + 2 timed
 
 
 def test_ladder_rung_in_its_own_process(tmp_path):

@@ -1,14 +1,20 @@
 """parallel.py: FSDP2 and DDP on two CPU processes (gloo) against one process, activation
-checkpointing against none, an exact resume from full state dicts, and the memory plan's arithmetic."""
+checkpointing against none, an exact resume from full state dicts, and the memory plan's arithmetic.
+Every scenario trains with the trainer's own step (train_gpt2.train_step) on its own loader."""
 import functools
 import os
 
+import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 import torch.multiprocessing as mp
 
+import checkpoint
 import parallel
+import train_gpt2
+from dataloader import TokenLoader
+from metrics import RunLog
 from model import GPT, GPTConfig
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=100, padded_vocab_size=128)
@@ -18,92 +24,104 @@ RESUME_AT = 2
 
 
 def tiny_gpt(seed=0):
+    """In float64: DDP, FSDP and accumulation sum the same gradients in different orders, and in
+    float32 Adam's normalisation turns that rounding into visible differences on near-zero
+    gradients; float64 leaves only the logic under test."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig(**CONFIG))
+    return GPT(GPTConfig(**CONFIG)).double()
 
 
-def batches():
+def some_tokens():
+    """BATCH random sequences, for the tests that run one forward pass by hand."""
     g = torch.Generator().manual_seed(1234)
-    return [torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"] + 1), generator=g)
-            for _ in range(STEPS)]
+    return torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["block_size"]), generator=g)
 
 
-def train(model, optimizer, data, rank, world, accum):
-    """One optimizer step per batch, each rank on its slice, accum micro-steps each; returns the
-    step's mean loss and gradient norm (before clipping) as floats."""
-    per = BATCH // world
-    micro = per // accum
+def write_shard(data_dir):
+    """Random tokens for STEPS optimizer steps, in fineweb's shard format."""
+    tokens = np.random.default_rng(1234).integers(0, CONFIG["vocab_size"], BATCH * STEPS * CONFIG["block_size"] + 1)
+    np.save(os.path.join(data_dir, "rand_train_000001.npy"), tokens.astype(np.uint16))
+    return data_dir
+
+
+def loader(data_dir, rank, world):
+    """One sequence per micro-batch; window k goes to rank k % world, so a step covers the same
+    BATCH sequences whatever the world size and accumulation."""
+    return TokenLoader(data_dir, "train", 1, CONFIG["block_size"], rank, world, vocab_size=CONFIG["vocab_size"])
+
+
+def train(model, optimizer, data, steps, ranks):
+    """`steps` optimizer steps of train_gpt2.train_step (clip 1.0); each step's mean loss and
+    gradient norm (before clipping) as floats."""
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    accum = BATCH // ranks.world_size
     losses, norms = [], []
-    for batch in data:
-        mine = batch[rank * per:(rank + 1) * per]
-        loss_sum = torch.zeros(())
-        for m in range(accum):
-            xy = mine[m * micro:(m + 1) * micro]
-            with parallel.grad_sync(model, m == accum - 1):
-                _, loss = model(xy[:, :-1], xy[:, 1:])
-                loss = loss / accum
-                loss_sum += loss.detach()
-                loss.backward()
-        norm = parallel.clip_grad_norm(model, 1.0)
-        if world > 1:
-            dist.all_reduce(loss_sum)
-            loss_sum /= world
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss_sum.item())
-        norms.append(norm.item())
+    for _ in range(steps):
+        loss, norm, _, finite = train_gpt2.train_step(model, optimizer, scaler, data, accum, ranks, "float32", 1.0)
+        assert finite
+        losses.append(loss)
+        norms.append(norm)
     return losses, norms
 
 
-def run(raw, sharding, data, rank, world, accum, checkpointing=False, compile=False):
-    model = parallel.wrap_model(raw, sharding, "cpu", rank, "float32", checkpointing, compile)
+def run(raw, sharding, data_dir, ranks, steps=STEPS, checkpointing=False, compile=False):
+    model = parallel.wrap_model(raw, sharding, "cpu", ranks.rank, "float32", checkpointing, compile)
     assert parallel.is_fsdp(model) == (sharding == "fsdp")
     optimizer = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
-    losses, norms = train(model, optimizer, data, rank, world, accum)
-    return model, optimizer, losses, norms
+    data = loader(data_dir, ranks.rank, ranks.world_size)
+    losses, norms = train(model, optimizer, data, steps, ranks)
+    return model, optimizer, data, losses, norms
 
 
 def worker(rank, world, tmp):
     """Every two-process scenario in one spawn (starting processes is the slow part)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
-    data = batches()
+    tdist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    ranks = parallel.Ranks(rank, rank, world, "cpu")
+    data_dir = f"{tmp}/data"
     out = {}
     try:
         for name, sharding, ckpt in (("ddp", "none", False), ("fsdp", "fsdp", False),
                                      ("fsdp_ac", "fsdp", True), ("ddp_ac", "none", True)):
-            model, opt, losses, norms = run(tiny_gpt(), sharding, data, rank, world, accum=2,
-                                            checkpointing=ckpt)
+            model, _, _, losses, norms = run(tiny_gpt(), sharding, data_dir, ranks, checkpointing=ckpt)
             out[name] = dict(losses=losses, norms=norms, state=parallel.model_state(model))
 
-        # interrupted FSDP run: full state dicts after RESUME_AT steps, written by rank 0 only
-        model, opt, losses, _ = run(tiny_gpt(), "fsdp", data[:RESUME_AT], rank, world, accum=2)
-        m_state, o_state = parallel.model_state(model), parallel.optimizer_state(model, opt)
-        if rank == 0:
-            torch.save({"model": m_state, "optimizer": o_state}, f"{tmp}/ckpt.pt")
-        dist.barrier()
-        # into a fresh, differently initialised model, each state once read by every rank from the
-        # file and once broadcast from rank 0
-        for model_from_rank0 in (False, True):
-            ckpt = torch.load(f"{tmp}/ckpt.pt", weights_only=True)
+        # an interrupted FSDP run, saved after RESUME_AT steps as the trainer saves it (rank 0 writes
+        # the full state) and restored into a fresh, differently initialised model: once as the
+        # trainer restores it (every rank reads the file), once broadcast from rank 0
+        model, opt, data, losses, _ = run(tiny_gpt(), "fsdp", data_dir, ranks, steps=RESUME_AT)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        saver = checkpoint.Checkpointer(f"{tmp}/ckpt", 1, ranks, RunLog(f"{tmp}/ckpt", rank == 0), model=model,
+                                        optimizer=opt, scaler=scaler, train_loader=data, config={}, fsdp=True)
+        saver.save(RESUME_AT)
+        out["optimizer_at_resume"] = parallel.optimizer_state(model, opt)
+        tdist.barrier()
+        for from_rank0 in (False, True):
+            # read afresh each time: loading into a sharded model turns the dict's tensors into shards
+            saved = checkpoint.load_file(checkpoint.checkpoint_path(f"{tmp}/ckpt", RESUME_AT))
             raw = tiny_gpt(seed=1)
             model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
             opt = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
-            parallel.load_model_state(model, ckpt["model"] if rank == 0 or not model_from_rank0 else {},
-                                      from_rank0=model_from_rank0)
-            parallel.load_optimizer_state(model, opt, ckpt["optimizer"] if rank == 0 or model_from_rank0 else {},
-                                          from_rank0=not model_from_rank0)
-            more, _ = train(model, opt, data[RESUME_AT:], rank, world, accum=2)
-            out[f"resumed{int(model_from_rank0)}"] = dict(losses=losses + more, state=parallel.model_state(model))
-        out["optimizer_at_resume"] = o_state
+            data = loader(data_dir, rank, world)
+            if from_rank0:
+                parallel.load_model_state(model, saved["model"] if rank == 0 else {}, from_rank0=True)
+                parallel.load_optimizer_state(model, opt, saved["optimizer"] if rank == 0 else {}, from_rank0=True)
+                data.load_state_dict(saved["ranks"][0]["train_loader"])
+            else:
+                restorer = checkpoint.Checkpointer(f"{tmp}/ckpt", 1, ranks, RunLog(f"{tmp}/ckpt", False), model=model,
+                                                   optimizer=opt, scaler=scaler, train_loader=data, config={},
+                                                   fsdp=True)
+                assert restorer.restore(saved, "ckpt") == RESUME_AT
+            more, _ = train(model, opt, data, STEPS - RESUME_AT, ranks)
+            out[f"resumed{int(from_rank0)}"] = dict(losses=losses + more, state=parallel.model_state(model))
 
         # per-block torch.compile under FSDP, with the aot_eager backend: the same graphs as
         # inductor's up to code generation, without a C++ compile on a small CPU
         real_compile = torch.compile
         torch.compile = functools.partial(real_compile, backend="aot_eager")
         try:
-            model, _, losses, _ = run(tiny_gpt(), "fsdp", data[:2], rank, world, accum=2,
-                                      checkpointing=True, compile=True)
+            model, _, _, losses, _ = run(tiny_gpt(), "fsdp", data_dir, ranks, steps=2, checkpointing=True,
+                                         compile=True)
         finally:
             torch.compile = real_compile
         out["fsdp_ac_compile"] = dict(losses=losses, keys=list(parallel.model_state(model)))
@@ -113,14 +131,14 @@ def worker(rank, world, tmp):
         model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
         opt = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
         scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
-        x = data[0][:, :-1]
+        x, _ = loader(data_dir, 0, 1).next_batch()
         scaler.scale(model(x, x)[1]).backward()
         if rank == 1:
             raw.transformer.h[0].mlp.c_fc.weight.grad.to_local().view(-1)[0] = float("inf")
         scaler.unscale_(opt)
         out["found_inf"] = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
     finally:
-        dist.destroy_process_group()
+        tdist.destroy_process_group()
     torch.save(out, f"{tmp}/out{rank}.pt")
     os._exit(0)  # skip the interpreter's shutdown, where gloo's threads can abort the process (common.exit_process)
 
@@ -128,20 +146,24 @@ def worker(rank, world, tmp):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parallel")
+    os.makedirs(tmp / "data")
+    write_shard(str(tmp / "data"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(worker, args=(2, str(tmp)), nprocs=2, join=True)
     return [torch.load(tmp / f"out{r}.pt", weights_only=False) for r in range(2)], tmp
 
 
 @pytest.fixture(scope="module")
-def one_process():
+def one_process(tmp_path_factory):
     """The reference: one process, plain model, the same 4 sequences as 4 micro-steps of 1."""
+    data_dir = write_shard(str(tmp_path_factory.mktemp("data")))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     raw = tiny_gpt()
-    _, _, losses, norms = run(raw, "none", batches(), 0, 1, accum=4)
+    one = parallel.Ranks()
+    _, _, _, losses, norms = run(raw, "none", data_dir, one)
     half = tiny_gpt()
-    _, opt, _, _ = run(half, "none", batches()[:RESUME_AT], 0, 1, accum=4)
+    _, opt, _, _, _ = run(half, "none", data_dir, one, steps=RESUME_AT)
     torch.set_num_threads(threads)
     return dict(losses=losses, norms=norms, state=raw.state_dict(), optimizer_at_resume=opt.state_dict())
 
@@ -220,7 +242,7 @@ def test_grad_sync_and_clip_on_one_process():
     raw = tiny_gpt()
     model = parallel.wrap_model(raw, "none", "cpu", 0, "float32", activation_checkpointing=True)
     assert model is raw  # no DDP in a world of one
-    x = batches()[0][:, :-1]
+    x = some_tokens()
     with parallel.grad_sync(model, False):
         model(x, x)[1].backward()
     norm = parallel.clip_grad_norm(model, float("inf"))
@@ -243,7 +265,7 @@ def saved_for_backward_bytes(model, x):
 
 
 def test_activation_checkpointing_keeps_less_for_backward():
-    x = batches()[0][:, :-1]
+    x = some_tokens()
     plain = saved_for_backward_bytes(tiny_gpt(), x)
     raw = tiny_gpt()
     names = list(raw.state_dict())
@@ -314,7 +336,7 @@ def test_memory_plan_activations_without_checkpointing_and_ddp_autocast_copy():
 def test_whole_model_compile_with_checkpointing_matches_eager(monkeypatch):
     """sharding 'none' compiles the whole model (before DDP), checkpointed blocks inside it."""
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    x = batches()[0][:, :-1]
+    x = some_tokens()
     _, want = tiny_gpt()(x, x)
     raw = tiny_gpt()
     model = parallel.wrap_model(raw, "none", "cpu", 0, "float32", activation_checkpointing=True, compile=True)
@@ -345,14 +367,15 @@ EXIT_SCRIPT = """
 import atexit, sys
 sys.path.insert(0, {root!r})
 import common
+import parallel
 
 def main():
-    d = common.setup_distributed("cpu")
-    assert common.gather(d.rank, d) == [0, 1]  # both are in the group (rank 0 hosts its store)
+    ranks = parallel.setup_distributed("cpu")
+    assert parallel.gather(ranks.rank, ranks) == [0, 1]  # both are in the group (rank 0 hosts its store)
     atexit.register(print, "interpreter shutdown ran", flush=True)
-    print(f"rank {{d.rank}} done", end="")  # not flushed: a pipe's buffer holds it until exit
-    common.teardown_distributed()
-    if d.rank == 1 and {fail!r}:
+    print(f"rank {{ranks.rank}} done", end="")  # not flushed: a pipe's buffer holds it until exit
+    parallel.teardown_distributed()
+    if ranks.rank == 1 and {fail!r}:
         raise common.UserError("rank 1 cannot go on")
 
 common.run_main(main)

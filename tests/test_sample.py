@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import common
+import checkpoint
+import tokenizer
 import sample
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny `model` comes fro
 def log_dir(tmp_path_factory, model):
     d = tmp_path_factory.mktemp("run") / "log"
     d.mkdir()
-    common.save_checkpoint(str(d / "ckpt_000005.pt"),
+    checkpoint.save_file(str(d / "ckpt_000005.pt"),
                            {"model_config": asdict(model.config), "model": model.state_dict()})
     return d
 
@@ -47,7 +49,7 @@ def test_end_to_end_from_log_dir(log_dir):
 
 
 def test_checkpoint_and_hf_dir_agree(model, log_dir, tmp_path):
-    hf_dir = model.export_hf(str(tmp_path / "hf"), tokenizer_files=common.gpt2_bpe_files())
+    hf_dir = model.export_hf(str(tmp_path / "hf"), tokenizer_files=tokenizer.gpt2_bpe_files())
     args = ["--prompt", "The meaning of life is", "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu"]
     from_ckpt = run(["--model", str(log_dir / "ckpt_000005.pt")] + args)
     assert from_ckpt == run(["--model", hf_dir] + args)
@@ -63,8 +65,8 @@ def test_seeds_reproduce(log_dir):
 
 def test_stream_equals_generate(model):
     """The streamed text is the decoded output of GPT.generate with the same generator state."""
-    enc = common.get_tokenizer()
-    tokens = [common.EOT_TOKEN]  # unconditional: the start token is not printed
+    enc = tokenizer.get_tokenizer()
+    tokens = [tokenizer.EOT_TOKEN]  # unconditional: the start token is not printed
     out = io.StringIO()
     new = sample.stream_sample(model, tokens, sample.TokenPrinter(enc, out), "cpu", max_new_tokens=20,
                                temperature=1.0, generator=torch.Generator().manual_seed(3))
@@ -89,7 +91,7 @@ def test_tokens_stream_as_generated(model):
     hook = model.register_forward_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
     try:
         out = Recorder(counter)
-        enc = common.get_tokenizer()
+        enc = tokenizer.get_tokenizer()
         sample.stream_sample(model, enc.encode("Hi"), sample.TokenPrinter(enc, out), "cpu", max_new_tokens=8,
                              temperature=0)
     finally:
@@ -102,7 +104,7 @@ def test_tokens_stream_as_generated(model):
 
 
 def test_utf8_split_across_tokens_is_held_back():
-    enc = common.get_tokenizer()
+    enc = tokenizer.get_tokenizer()
     text = "naïve café 😀 世界 👋🏽!"
     tokens = enc.encode(text)
     assert any(_is_partial(enc.decode_single_token_bytes(t)) for t in tokens)  # the case being tested
@@ -210,7 +212,7 @@ def test_hub_name_offline(model, tmp_path):
     fails at once with one line, not after minutes of retries."""
     cache = tmp_path / "hub"
     snapshot = cache / "models--tiny-org--tiny-gpt2" / "snapshots" / ("0" * 40)  # the hub cache's layout
-    model.export_hf(str(snapshot), tokenizer_files=common.gpt2_bpe_files())
+    model.export_hf(str(snapshot), tokenizer_files=tokenizer.gpt2_bpe_files())
     (cache / "models--tiny-org--tiny-gpt2" / "refs").mkdir()
     (cache / "models--tiny-org--tiny-gpt2" / "refs" / "main").write_text("0" * 40)
     env = dict(ENV, HF_HUB_CACHE=str(cache), HF_ENDPOINT="http://127.0.0.1:9")  # a port nothing serves

@@ -1,7 +1,7 @@
 """The offline GPT-2 tokenizer: exact ids, no network, and the same files tiktoken pins."""
 import pytest
 
-import common
+import tokenizer
 
 TEXTS = [
     "Hello, I'm a language model,",
@@ -14,7 +14,7 @@ TEXTS = [
 
 
 def test_known_ids():
-    enc = common.get_tokenizer()
+    enc = tokenizer.get_tokenizer()
     assert enc.encode("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
     assert enc.eot_token == 50256
     assert enc.n_vocab == 50257
@@ -25,11 +25,11 @@ def test_matches_independent_bpe_implementation(tmp_path):
     # Hugging Face's GPT-2 tokenizer is a separate implementation of the same BPE
     import shutil
     from transformers import GPT2TokenizerFast
-    vocab_json, merges = common.gpt2_bpe_files()
+    vocab_json, merges = tokenizer.gpt2_bpe_files()
     shutil.copyfile(vocab_json, tmp_path / "vocab.json")
     shutil.copyfile(merges, tmp_path / "merges.txt")
     hf = GPT2TokenizerFast.from_pretrained(tmp_path)
-    enc = common.get_tokenizer()
+    enc = tokenizer.get_tokenizer()
     for text in TEXTS[:-1]:
         assert enc.encode_ordinary(text) == hf.encode(text), text
         assert enc.decode(enc.encode_ordinary(text)) == text
@@ -52,13 +52,13 @@ def test_no_network(monkeypatch):
     monkeypatch.setattr(requests, "get", refuse)
     monkeypatch.setattr(requests.Session, "request", refuse)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # no cache to fall back on either
-    common.get_tokenizer.cache_clear()
+    tokenizer.get_tokenizer.cache_clear()
     try:
-        enc = common.get_tokenizer()
+        enc = tokenizer.get_tokenizer()
         assert enc.encode("offline, exact") == enc.encode_ordinary("offline, exact")
         assert len(enc.encode("Hello, I'm a language model,")) == 8
     finally:
-        common.get_tokenizer.cache_clear()
+        tokenizer.get_tokenizer.cache_clear()
 
 
 def test_hashes_are_the_ones_tiktoken_pins(monkeypatch):
@@ -76,4 +76,4 @@ def test_hashes_are_the_ones_tiktoken_pins(monkeypatch):
     monkeypatch.setattr(openai_public, "data_gym_to_mergeable_bpe_ranks", capture)
     with pytest.raises(Stop):
         openai_public.gpt2()
-    assert pinned == {"vocab": common.VOCAB_BPE_SHA256, "encoder": common.ENCODER_JSON_SHA256}
+    assert pinned == {"vocab": tokenizer.VOCAB_BPE_SHA256, "encoder": tokenizer.ENCODER_JSON_SHA256}

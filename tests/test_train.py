@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import common
+import tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train_gpt2.py")
+FAULT_TRAINER = os.path.join(ROOT, "tests", "fault_trainer.py")  # the trainer with one fault injected
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
         "--micro-batch-size", "2", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "3e-3",
         "--eval-every", "4", "--val-tokens", "128", "--hellaswag-every", "0", "--sample-every", "0",
@@ -40,7 +43,7 @@ def make_text(n_docs, seed):
 
 
 def write_shards(data_dir, n_train_shards=2, docs_per_shard=120):
-    enc = common.get_tokenizer()
+    enc = tokenizer.get_tokenizer()
     os.makedirs(data_dir, exist_ok=True)
     for i in range(n_train_shards + 1):
         toks = []
@@ -77,7 +80,7 @@ def records(log_dir, kind):
 
 
 def final_state(log_dir):
-    ckpt = common.load_checkpoint(common.latest_checkpoint(log_dir))
+    ckpt = checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))
     return ckpt["step"], ckpt["model"], ckpt["optimizer"]
 
 
@@ -109,7 +112,7 @@ def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
     for r in train:
         assert r["tokens"] == (r["step"] + 1) * 128 and r["mfu"] is None and r["dt_ms"] > 0
     header = records(log_dir, "run")[0]
-    assert header["config"]["grad_accum"] == 2 and header["world_size"] == 1
+    assert header["grad_accum"] == 2 and header["world_size"] == 1
     assert header["versions"]["torch"] == torch.__version__
     assert records(log_dir, "end")[0]["reason"] == "finished"
     # one greppable line per step, the same keys in stdout and log.txt
@@ -125,12 +128,12 @@ def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
     assert all(0 <= r["acc_norm"] <= 1 and r["acc"] * 5 == round(r["acc"] * 5) for r in hs)
     # the trainer's figure is the standalone script's on the final weights
     import hellaswag
-    final, _ = common.load_model(log_dir)
+    final, _ = checkpoint.load_model(log_dir)
     assert hs[-1]["acc_norm"] == hellaswag.evaluate(final, items, "cpu")["acc_norm"]
     # the final export loads in transformers with the same logits as the checkpoint
     from transformers import GPT2LMHeadModel
     hf = GPT2LMHeadModel.from_pretrained(os.path.join(log_dir, "hf")).eval()
-    ours, _ = common.load_model(log_dir)
+    ours, _ = checkpoint.load_model(log_dir)
     idx = torch.randint(0, 50257, (2, 32))
     with torch.no_grad():
         assert (hf(idx).logits - ours(idx)[0][..., :50257]).abs().max().item() < 1e-4
@@ -157,7 +160,7 @@ def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
     assert step_a == step_b == 10
     for k in model_a:
         assert torch.equal(model_a[k], model_b[k]), k
-    assert len(common.list_checkpoints(log_dir)) == 2  # --keep-checkpoints 2
+    assert len(checkpoint.list_checkpoints(log_dir)) == 2  # --keep-checkpoints 2
 
 
 def test_sigterm_writes_a_usable_checkpoint(data_dir, reference_run, tmp_path):
@@ -199,7 +202,7 @@ def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_pat
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
     assert records(ddp, "run")[0]["world_size"] == 2
-    assert records(ddp, "run")[0]["config"]["grad_accum"] == 1
+    assert records(ddp, "run")[0]["grad_accum"] == 1
     a, b = records(single, "train"), records(ddp, "train")
     assert len(a) == len(b) == 4
     for ra, rb in zip(a, b):  # same global batch, same math; only the summation order differs
@@ -230,12 +233,12 @@ def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_pat
     for va, vc in zip(records(single, "val"), records(fsdp, "val")):
         assert vc["val_loss"] == pytest.approx(va["val_loss"], rel=1e-5)
     # the FSDP checkpoint is the ordinary full one: it loads as a plain GPT, whole and tied
-    model, _ = common.load_model(fsdp)
-    single_model, _ = common.load_model(single)
+    model, _ = checkpoint.load_model(fsdp)
+    single_model, _ = checkpoint.load_model(single)
     assert {k: v.shape for k, v in model.state_dict().items()} == \
         {k: v.shape for k, v in single_model.state_dict().items()}
     assert model.lm_head.weight is model.transformer.wte.weight
-    exported, _ = common.load_model(os.path.join(fsdp, "hf"))  # gathered from the shards at the end
+    exported, _ = checkpoint.load_model(os.path.join(fsdp, "hf"))  # gathered from the shards at the end
     idx = torch.randint(0, 50257, (2, 32))
     with torch.no_grad():
         assert torch.equal(exported(idx)[0][..., :50257], model.eval()(idx)[0][..., :50257])
@@ -284,7 +287,7 @@ def bad_input_setup(data_dir, tmp_path_factory, reference_run):
     base = tmp_path_factory.mktemp("bad")
     junk = base / "junk.pt"
     junk.write_bytes(b"this is not a checkpoint")
-    good = common.latest_checkpoint(reference_run)
+    good = checkpoint.latest_checkpoint(reference_run)
     truncated = base / "ckpt_000009.pt"
     with open(good, "rb") as f:
         truncated.write_bytes(f.read()[:2000])
@@ -336,24 +339,12 @@ def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path):
     assert not os.path.exists(os.path.join(log_dir, "ckpt_000002.pt"))
 
 
-def test_dtype_and_device_choice(monkeypatch):
-    assert common.pick_dtype("auto", "cpu") == "float32"
-    with pytest.raises(common.UserError, match="float16"):
-        common.pick_dtype("float16", "cpu")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    assert common.pick_dtype("auto", "cuda") == "float16"  # T4 / V100: fp16 with a gradient scaler
-    with pytest.raises(common.UserError, match="Tesla T4 has no bfloat16"):
-        common.pick_dtype("bf16", "cuda")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert common.pick_dtype("auto", "cuda:0") == "bfloat16"
-
-
 def test_lr_schedule():
     import train_gpt2
     args = train_gpt2.parse_args([])
     assert args.max_steps == 19073 and args.warmup_steps == 715 and args.total_batch_size == 524288
-    lrs = [train_gpt2.get_lr(s, args) for s in range(args.max_steps)]
+    schedule = train_gpt2.schedule_of(args)
+    lrs = [schedule.lr(s, args.max_lr) for s in range(args.max_steps)]
     assert lrs[0] == pytest.approx(6e-4 / 715) and lrs[714] == pytest.approx(6e-4)
     assert max(lrs) == pytest.approx(6e-4)
     assert lrs[-1] == pytest.approx(6e-5, rel=1e-3)  # cosine down to 10%
@@ -376,7 +367,7 @@ def test_short_run_leaves_warmup():
     import train_gpt2
     args = train_gpt2.parse_args(["--max-steps", "50"])
     assert args.warmup_steps == 5  # 10% of the run, not 715 steps the run never reaches
-    assert train_gpt2.get_lr(5, args) == pytest.approx(6e-4)
+    assert train_gpt2.schedule_of(args).lr(5, args.max_lr) == pytest.approx(6e-4)
     assert train_gpt2.parse_args(["--max-steps", "50", "--warmup-steps", "40"]).warmup_steps == 40  # as asked
 
 
@@ -393,7 +384,7 @@ def test_validation_covers_the_val_split_at_most_once(data_dir, tmp_path):
 def test_resume_skips_a_corrupt_newest_checkpoint(data_dir, reference_run, tmp_path):
     log_dir = tmp_path / "log"
     log_dir.mkdir()
-    older, newest = common.list_checkpoints(reference_run)  # steps 9 and 10
+    older, newest = checkpoint.list_checkpoints(reference_run)  # steps 9 and 10
     for path in (older, newest):
         shutil.copy(path, log_dir)
     cut = log_dir / os.path.basename(newest)
@@ -407,7 +398,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint(data_dir, reference_run, tmp_p
     _, model_a, _ = final_state(reference_run)
     _, model_b, _ = final_state(str(log_dir))
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
-    for path in common.list_checkpoints(str(log_dir)):  # none loads: one line, nothing written
+    for path in checkpoint.list_checkpoints(str(log_dir)):  # none loads: one line, nothing written
         with open(path, "wb") as f:
             f.write(b"garbage")
     p = run(args, check=False)
@@ -434,7 +425,7 @@ def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_
     text = "".join(out)
     assert proc.returncode == 0 and "stopped by SIGTERM after 0 steps" in text, text[-2000:]
     assert records(log_dir, "hellaswag") == [] and records(log_dir, "end")[-1]["reason"] == "signal"
-    assert [os.path.basename(p) for p in common.list_checkpoints(log_dir)] == ["ckpt_000000.pt"]
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000000.pt"]
     run(args + ["--resume"])
     assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
 
@@ -462,7 +453,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path
             signal.signal(sig, handler)
     assert "ckpt_000003.pt is intact" in str(e.value) and "\n" not in str(e.value)
     assert sorted(f for f in os.listdir(log_dir) if "ckpt" in f) == ["ckpt_000003.pt"]  # no half file left
-    assert common.load_checkpoint(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
+    assert checkpoint.load_file(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
 
 
 def test_checkpoints_load_memory_mapped_and_without_mmap_when_it_fails(tmp_path, monkeypatch):
@@ -470,8 +461,8 @@ def test_checkpoints_load_memory_mapped_and_without_mmap_when_it_fails(tmp_path,
     mmap fails the file is read the plain way, with the same result."""
     path = str(tmp_path / "ckpt_000001.pt")
     weights = torch.arange(4096, dtype=torch.float32)
-    common.save_checkpoint(path, {"step": 1, "model": {"w": weights}})
-    ckpt = common.load_checkpoint(path)
+    checkpoint.save_file(path, {"step": 1, "model": {"w": weights}})
+    ckpt = checkpoint.load_file(path)
     assert torch.equal(ckpt["model"]["w"], weights)
     if os.path.exists("/proc/self/maps"):  # Linux: the file is mapped, not copied
         with open("/proc/self/maps") as f:
@@ -483,7 +474,7 @@ def test_checkpoints_load_memory_mapped_and_without_mmap_when_it_fails(tmp_path,
             raise RuntimeError("mmap is not supported on this file system")
         return real_load(*args, **kw)
     monkeypatch.setattr(torch, "load", no_mmap)
-    assert torch.equal(common.load_checkpoint(path)["model"]["w"], weights)
+    assert torch.equal(checkpoint.load_file(path)["model"]["w"], weights)
 
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
@@ -499,9 +490,9 @@ def test_torchrun_restart_after_a_killed_rank_resumes_by_itself(data_dir, tmp_pa
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     log_dir = str(tmp_path / "log")
-    env = dict(ENV, TRAIN_GPT2_TEST_KILL="1:5")  # rank 1 kills itself at step 5, two steps past a checkpoint
-    p = subprocess.run(launch + ["--max-restarts=1", TRAIN] + args + ["--log-dir", log_dir], capture_output=True,
-                       text=True, env=env, timeout=600)
+    env = dict(ENV, FAULT="kill:1:5")  # rank 1 kills itself at step 5, two steps past a checkpoint
+    p = subprocess.run(launch + ["--max-restarts=1", FAULT_TRAINER] + args + ["--log-dir", log_dir],
+                       capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert [h["restart"] for h in records(log_dir, "run")] == [0, 1]
     assert "torchrun restart 1" in p.stdout and "resuming" in p.stdout

@@ -1,0 +1,136 @@
+"""
+Devices and precision: which device to run on, which autocast dtype it supports, waiting for it,
+and its peak FLOP/s (what MFU divides by).
+"""
+
+import contextlib
+
+import torch
+
+from common import UserError
+
+
+def pick_device(requested="auto"):
+    """'auto' prefers CUDA, then Apple MPS, then CPU. Anything else is checked and returned."""
+    if requested in (None, "auto"):
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    kind = requested.split(":")[0]
+    if kind not in ("cpu", "cuda", "mps"):
+        raise UserError(f"unknown device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {requested} but PyTorch sees no CUDA GPU "
+                        f"(torch {torch.__version__}); use --device cpu or install a CUDA build of PyTorch")
+    if kind == "cuda" and ":" in requested and int(requested.split(":")[1]) >= torch.cuda.device_count():
+        raise UserError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) visible")
+    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UserError("--device mps but Apple MPS is not available here; use --device cpu")
+    return requested
+
+
+def bf16_supported(device):
+    """Whether the device computes in bfloat16 natively (emulation on old GPUs does not count)."""
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return kind in ("cpu", "mps")
+
+
+def pick_dtype(requested, device):
+    """'auto': bf16 on GPUs that have it (Ampere+), fp16 on older GPUs (T4, V100), fp32 on CPU."""
+    kind = device.split(":")[0]
+    if requested in (None, "auto"):
+        if kind == "cuda":
+            return "bfloat16" if bf16_supported(device) else "float16"
+        return "float32"
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
+    dtype = aliases.get(requested, requested)
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise UserError(f"unknown dtype {requested!r}: use auto, bfloat16, float16 or float32")
+    if dtype == "bfloat16" and not bf16_supported(device):
+        name = torch.cuda.get_device_name(device) if kind == "cuda" else device
+        raise UserError(f"{name} has no bfloat16 support: use --dtype float16 (or auto)")
+    if dtype == "float16" and kind == "cpu":
+        raise UserError("float16 autocast is not supported on CPU: use --dtype bfloat16 or float32")
+    return dtype
+
+
+def autocast(device, dtype):
+    """Mixed-precision context for forward passes; a no-op for float32."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.split(":")[0], dtype=getattr(torch, dtype))
+
+
+def device_name(device):
+    """The GPU's name (what peak_flops looks up), or the device kind ('cpu', 'mps')."""
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        return torch.cuda.get_device_name(device)
+    return kind
+
+
+def synchronize(device):
+    """Wait for the work queued on device: timings of GPU work are meaningless without it.
+    CPU work is synchronous, so nothing to wait for there."""
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+
+
+# Dense (no sparsity) tensor-core peak FLOP/s from the vendors' datasheets, as (bf16, fp16);
+# None where the chip has no bf16. Matched against torch.cuda.get_device_name() in order,
+# so more specific names come first ("A100" before "A10", "L40S" before "L4").
+PEAK_FLOPS = [
+    ("H100 PCIe", 756e12, 756e12),
+    ("H100 NVL", 835e12, 835e12),
+    ("H100", 989e12, 989e12),   # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989e12, 989e12),
+    ("GH200", 989e12, 989e12),
+    ("A100", 312e12, 312e12),
+    ("A10G", 70e12, 70e12),     # AWS variant of the A10, lower clocks
+    ("A10", 125e12, 125e12),
+    ("L40S", 362e12, 362e12),
+    ("L40", 181e12, 181e12),
+    ("L4", 121e12, 121e12),
+    ("RTX 4090", 165e12, 165e12),  # fp32 accumulate, which PyTorch uses
+    ("RTX 3090", 71e12, 71e12),    # fp32 accumulate
+    ("A6000", 155e12, 155e12),
+    ("V100", None, 125e12),
+    ("T4", None, 65e12),
+]
+
+
+def peak_flops(device_name, dtype):
+    """Peak dense FLOP/s for a GPU name (device_name()) and a dtype ('bfloat16'/'float16'), or
+    None if unknown: what GPT.estimate_mfu divides by."""
+    if not device_name or dtype not in ("bfloat16", "float16"):
+        return None  # fp32 and CPUs: no honest single number, so MFU is reported as unknown
+    for pattern, bf16, fp16 in PEAK_FLOPS:
+        if pattern in device_name:
+            return bf16 if dtype == "bfloat16" else fp16
+    return None
+
+
+def slow_settings(device, dtype, compile_on, deterministic, micro_batch_tokens):
+    """The settings that make training slow on this device, each as one line of advice."""
+    kind = device.split(":")[0]
+    warn = []
+    if kind == "cpu" and torch.cuda.is_available():
+        warn.append("training on the CPU although a CUDA GPU is present: drop --device cpu")
+    if deterministic:
+        warn.append("--deterministic is on: slower kernels; use it for reproducibility studies only")
+    if kind == "cuda":
+        if dtype == "float32" and bf16_supported(device):
+            warn.append("float32 on a GPU with bfloat16: several times slower; use --dtype auto")
+        if not compile_on:
+            warn.append("torch.compile is off on CUDA: expect ~1.5-2x slower steps; drop --no-compile")
+        if micro_batch_tokens < 8192:
+            warn.append(f"a micro-batch of {micro_batch_tokens} tokens is small enough for the GPU to idle; "
+                        "raise --micro-batch-size (or use auto)")
+    return warn
