@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import parallel
-from common import UserError, atomic_write, first_line, hub_unreachable, print0
+from common import UserError, atomic_write, first_line, hub_unreachable, out_of_space
 from model import GPT, GPTConfig
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
@@ -62,9 +62,16 @@ def latest_checkpoint(log_dir):
 
 
 def save_file(path, ckpt):
-    """Write a checkpoint dict atomically (a kill leaves the previous file or this one, never half)."""
+    """Write a checkpoint dict atomically (a kill leaves the previous file or this one, never half).
+    A failed write (a full disk) raises the OSError, not the RuntimeError torch's zip writer turns
+    it into ("unexpected pos ...")."""
     ckpt = dict(ckpt, format=CHECKPOINT_FORMAT)
-    atomic_write(path, lambda f: torch.save(ckpt, f))
+    try:
+        atomic_write(path, lambda f: torch.save(ckpt, f))
+    except RuntimeError as e:
+        if isinstance(e.__context__, OSError):
+            raise e.__context__ from None
+        raise
 
 
 def load_file(path, map_location="cpu"):
@@ -158,7 +165,8 @@ class Checkpointer:
         try:
             save_file(path, ckpt)
         except OSError as e:  # a full disk or a vanished mount: atomic_write left the earlier files whole
-            raise UserError(f"could not write checkpoint {path} ({e.strerror or e}); the previous checkpoint "
+            why = "no space left on its disk" if out_of_space(e, self.log_dir) else (e.strerror or str(e))
+            raise UserError(f"could not write checkpoint {path} ({why}); the previous checkpoint "
                             f"{self.last_path or '(none yet)'} is intact: free space under --log-dir, then --resume")
         for old in list_checkpoints(self.log_dir)[:-self.keep]:
             os.remove(old)
@@ -185,17 +193,18 @@ class Checkpointer:
 # Resuming: which checkpoint
 
 
-def find_resume(resume, log_dir, log):
-    """(path, checkpoint) to resume from, or (None, None) to start fresh. resume: None (a new run),
-    "latest" (the newest checkpoint in log_dir that loads, saying which newer ones it skipped: a
-    file cut short by a full disk, say), a log directory, or a checkpoint file (which must load)."""
+def find_resume(resume, log_dir):
+    """(path, checkpoint, [why each newer one was skipped]) to resume from, or (None, None, []) to
+    start fresh. resume: None (a new run), "latest" (the newest checkpoint in log_dir that loads,
+    passing over files cut short by a full disk, say), a log directory, or a checkpoint file (which
+    must load)."""
     if resume is None:
-        return None, None
+        return None, None, []
     if resume != "latest" and not os.path.isdir(resume):
         if not os.path.exists(resume):
             raise UserError(f"--resume {resume}: no such file; pass a ckpt_*.pt file, a log directory, "
                             "or --resume alone for the latest in --log-dir")
-        return resume, load_file(resume)
+        return resume, load_file(resume), []
     folder = log_dir if resume == "latest" else resume
     try:
         path, ckpt, skipped = newest_that_loads(folder)
@@ -203,9 +212,40 @@ def find_resume(resume, log_dir, log):
         raise UserError(f"{e}; start a new run with a new --log-dir")
     if path is None and resume != "latest":
         raise UserError(f"--resume {resume}: no ckpt_*.pt in that directory")
-    for problem in skipped:
-        log.line(f"resume: skipped {problem}")
-    return path, ckpt  # (None, None) for --resume with nothing to continue yet: it is always safe
+    return path, ckpt, skipped  # (None, None, []) for --resume with nothing to continue yet: it is always safe
+
+
+def restore_settings(cfg, ckpt, path, fixed, launch_only):
+    """--resume: the run's settings, from its checkpoint into cfg (the trainer's parsed flags;
+    cfg.given: the flags the command line named). A named flag whose value differs from the run's
+    is refused when it is one of `fixed` (it would change the math in the middle of the run) and
+    applied otherwise; returns the applied changes, one line each. `launch_only` flags stay as
+    given. Settings a checkpoint does not hold (from an older trainer) keep their defaults."""
+    stored, changes = ckpt["config"], []
+    for key, now in sorted(vars(cfg).items()):
+        if key in launch_only or key not in stored:
+            continue
+        was = stored[key]
+        if key in ("n_layer", "n_head", "n_embd"):  # None in a preset's run: its shape says the value
+            was = ckpt["model_config"][key]
+        if key not in cfg.given or now == was or (key == "micro_batch_size" and now == "auto"):
+            setattr(cfg, key, stored[key])
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key in fixed:
+            raise UserError(f"cannot resume {path}: the run was trained with {flag} {was} and this command asks "
+                            f"for {now}; drop {flag} to continue the run as it was, or use a new --log-dir for a "
+                            "new run")
+        changes.append(f"{flag} {was} -> {now} (from the command line)")
+    return changes
+
+
+def check_world_size(ckpt, path, world_size):
+    """The data position is counted in the run's world size: it must not change."""
+    saved = ckpt.get("world_size", ckpt["config"].get("world_size"))  # older checkpoints: in the config
+    if saved != world_size:
+        raise UserError(f"cannot resume {path}: it was trained with {saved} process(es) (GPUs), this launch has "
+                        f"{world_size}; launch it with {saved} in all (torchrun --nproc_per_node x --nnodes)")
 
 
 def agree_on_resume(ckpt, ranks):
@@ -214,35 +254,6 @@ def agree_on_resume(ckpt, ranks):
     if len(set(steps)) > 1:
         raise UserError(f"the ranks found different checkpoints to resume from (steps {steps}): every node "
                         "must see the same --log-dir (a shared file system)")
-
-
-# the settings a checkpoint cannot be resumed under if they change
-RESUME_INVARIANTS = ("block_size", "total_batch_size", "micro_batch_size", "shuffle_seed")
-
-
-def check_compatible(ckpt, path, settings, world_size):
-    """UserError when this launch's settings (a dict of the trainer's resolved flags) ask for
-    something the checkpoint cannot continue under."""
-    saved = ckpt["config"]
-    saved_world = ckpt.get("world_size", saved.get("world_size"))
-    if saved_world != world_size:
-        raise UserError(f"cannot resume {path}: it was trained with world size (GPUs) = {saved_world}, "
-                        f"this run has {world_size}; use the same setting, or a new --log-dir")
-    for key in RESUME_INVARIANTS:
-        now = settings[key]
-        if key == "micro_batch_size" and now == "auto":
-            continue  # auto on resume means: the size the run was fitted with
-        if saved.get(key) != now:
-            raise UserError(f"cannot resume {path}: it was trained with --{key.replace('_', '-')} = {saved.get(key)}, "
-                            f"this run has {now}; use the same setting, or a new --log-dir")
-    for key in ("n_layer", "n_head", "n_embd"):
-        value = settings[key]
-        if value is not None and value != ckpt["model_config"][key]:
-            raise UserError(f"cannot resume {path}: its model has {key} = {ckpt['model_config'][key]}, "
-                            f"--{key.replace('_', '-')} asks for {value}; drop the flag or use a new --log-dir")
-    if os.path.abspath(saved["data_dir"]) != os.path.abspath(settings["data_dir"]):
-        print0(f"note: resuming with --data-dir {settings['data_dir']} (the run began with {saved['data_dir']}); "
-               "the data loader checks that it is the same data")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,11 +307,13 @@ def load_model(spec, device="cpu"):
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"{spec} could not be loaded as a GPT-2 model: {str(e)[:200]}")
     elif os.path.isdir(spec):
-        path, ckpt, _ = newest_that_loads(spec)
+        path, ckpt, skipped = newest_that_loads(spec)
         if path is None:
             raise UserError(f"{spec} has no ckpt_*.pt checkpoint and no config.json; "
                             "train one with python train_gpt2.py --log-dir " + spec)
         model, what = model_from_checkpoint(ckpt, path), f"checkpoint {path}"
+        if skipped:  # as the trainer's --resume does: the newest one may be cut short by a full disk
+            what += f" (skipped {len(skipped)} newer that do not load: {skipped[0]})"
     elif re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", spec) and not spec.endswith(".pt"):
         model, what = model_from_hub(spec), f"Hugging Face model {spec}"
     else:

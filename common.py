@@ -4,7 +4,9 @@ rank-0 printing, file-system helpers (output-directory checks, atomic writes) an
 probe asked before a download. Imports nothing from the project.
 """
 
+import errno
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -147,6 +149,17 @@ def atomic_write(path, write_fn):
             os.close(fd)
     except OSError:
         pass
+
+
+def out_of_space(e, directory, needed=0):
+    """Whether the OSError e, raised writing into directory, means the disk is full. Not every
+    writer says so: numpy reports a short write as "N requested and M written", with no errno."""
+    if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(directory).free <= needed
+    except OSError:
+        return False
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ file, so it needs only numpy and torch: no `datasets`, no tokenizer (those are f
 """
 
 import bisect
-import errno
 import hashlib
 import json
 import os
@@ -22,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from common import UserError, atomic_write, first_line
+from common import UserError, atomic_write, first_line, out_of_space
 from model import GPT2_VOCAB_SIZE
 
 MANIFEST = "manifest.json"
@@ -90,7 +89,8 @@ def verify(out_dir):
         if not os.path.isfile(path):
             raise UserError(f"{path} is missing: {remedy(out_dir, manifest)}")
         if sha256_file(path) != s["sha256"]:
-            raise UserError(f"{path} does not match its checksum: delete it, then {remedy(out_dir, manifest)}")
+            raise UserError(f"{path} does not match its checksum: it changed after fineweb.py wrote it. Delete "
+                            f"it, then {remedy(out_dir, manifest)}")
     state = "complete" if manifest.get("complete") else f"incomplete ({remedy(out_dir, manifest)})"
     print(f"{out_dir}: {len(manifest['shards'])} shards match their checksums; {state}")
 
@@ -189,9 +189,10 @@ class ShardWriter:
             self.manifest["shards"].append(entry)
             write_manifest(self.out_dir, self.manifest)
         except OSError as e:  # atomic_write has removed its partial file: the earlier shards stand
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            what = f"the disk holding {self.out_dir} is full" if full else f"cannot write {path}"
-            raise UserError(f"{what} ({e.strerror or e}) at {name}; the {index} shard(s) before it are intact: "
+            full = out_of_space(e, self.out_dir, buf[:n].nbytes)
+            what = (f"no space left on the disk holding {self.out_dir}" if full
+                    else f"cannot write {path} ({e.strerror or e})")
+            raise UserError(f"{what}, at {name}; the {index} shard(s) before it are intact: "
                             f"{'free some space' if full else 'fix that'} and re-run {self.manifest['command']} "
                             "to go on from there")
         self.log(f"wrote {name} ({n:,} tokens)")
@@ -217,8 +218,8 @@ def remedy(data_dir, manifest):
         return f"prepare it with: python fineweb.py --out-dir {data_dir}"
     origin = manifest.get("out_dir")
     if origin and not (os.path.isdir(origin) and os.path.samefile(origin, data_dir)):
-        return (f"{data_dir} is a copy of {origin}, made by: {manifest['command']}; copy it from there again, "
-                f"or re-run that command with --out-dir {data_dir}")
+        return (f"copy the shards again from {origin} ({data_dir} is a copy of {origin}, made by: "
+                f"{manifest['command']}), or re-run that command with --out-dir {data_dir}")
     return f"re-run the command that made it (it redoes only what is missing): {manifest['command']}"
 
 

@@ -8,7 +8,7 @@ For OpenAI's GPT-2 124M this gives acc 0.2859, acc_norm 0.2955 on the 10,042 val
 
     python hellaswag.py --model gpt2                  # Hugging Face name or directory
     python hellaswag.py --model log/ --limit 500      # latest checkpoint written by train_gpt2.py
-    torchrun --nproc_per_node=8 hellaswag.py --model log/ckpt_019072.pt --json
+    torchrun --nproc_per_node=8 hellaswag.py --model log/ckpt_019073.pt --json
 
 The trainer imports load_items() and evaluate(); evaluate() is rank-aware, takes a
 torch.compile'd model, and stops between batches when its should_stop says so.
@@ -16,7 +16,10 @@ Offline: --data-file path/to/hellaswag_val.jsonl, or the copy cached by an earli
 """
 
 import argparse
+import bz2
+import gzip
 import json
+import lzma
 import os
 import sys
 import time
@@ -110,29 +113,46 @@ def parse_item(line, where):
     raise common.UserError(f"{where}: malformed HellaSwag line ({problem}); {fix}")
 
 
+COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\xfd7zXZ\x00", "xz"), (b"BZh", "bz2"))  # first bytes of each format
+
+
+def open_text(path):
+    """path as UTF-8 text, read through gzip, xz or bz2 when its first bytes say it is compressed
+    (a .jsonl.gz copy, say); the name of the compression (or None)."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    for magic, kind in COMPRESSED:
+        if head.startswith(magic):
+            module = {"gzip": gzip, "xz": lzma, "bz2": bz2}[kind]
+            return module.open(path, "rt", encoding="utf-8", errors="replace"), kind
+    return open(path, encoding="utf-8", errors="replace"), None
+
+
 def load_items(data_file=None, cache_dir=None, limit=None, flag="--data-file"):
     """HellaSwag validation items (dicts with ctx, endings, label), the first `limit` if given.
-    data_file: a local jsonl in the official format; else the official file, downloaded once into
-    cache_dir (default ~/.cache/gpt2-hellaswag, or $HELLASWAG_CACHE). flag: the option an error
-    names for a local copy (the trainer's is --hellaswag-file)."""
+    data_file: a local jsonl in the official format, or a gzip/xz/bz2 copy of one; else the official
+    file, downloaded once into cache_dir (default ~/.cache/gpt2-hellaswag, or $HELLASWAG_CACHE).
+    flag: the option an error names for a local copy (the trainer's is --hellaswag-file)."""
     path = data_file if data_file is not None else download(cache_dir, flag)
     if os.path.isdir(path):
         raise common.UserError(f"HellaSwag file {path} is a directory: pass the {HELLASWAG_FILE} file itself")
     if not os.path.isfile(path):
         raise common.UserError(f"HellaSwag file {path} does not exist")
-    items = []
+    items, kind = [], None
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        f, kind = open_text(path)
+        with f:
             for lineno, line in enumerate(f, 1):
                 if limit is not None and len(items) >= limit:
                     break
                 if line.strip():
                     items.append(parse_item(line, f"{path} line {lineno}"))
-    except OSError as e:
-        raise common.UserError(f"cannot read HellaSwag file {path}: {e.strerror or e}")
+    except (OSError, EOFError, lzma.LZMAError) as e:  # a damaged archive, or a read error
+        what = f"{kind}-compressed " if kind else ""
+        raise common.UserError(f"cannot read {what}HellaSwag file {path}: {getattr(e, 'strerror', None) or e}")
     if not items:
         raise common.UserError(f"{path} holds no HellaSwag items (the file is empty): pass the {HELLASWAG_FILE} "
-                               "from github.com/rowanz/hellaswag, or leave out --data-file to download it")
+                               f"from github.com/rowanz/hellaswag, or leave out {flag} to download it")
     return items
 
 

@@ -9,9 +9,11 @@ metrics.jsonl: one JSON object per line, appended, flushed after each record. Ev
 
   run         one per launch of the trainer, first: step (the step it starts at: 0, or the
               resumed checkpoint's), max_steps, tokens_per_step, resumed_from (checkpoint path
-              or null), device, device_name, dtype, world_size, versions ({python, torch, ...}),
-              git (commit, "-dirty" if changed, or null), config (every resolved setting),
-              restart (how many times torchrun --max-restarts had started the group again)
+              or null), device, device_name, dtype, compile, world_size, grad_accum, versions
+              ({python, torch, ...}), git (commit, "-dirty" if changed, or null), config (every
+              resolved setting, as checkpoints store it), changes (the settings a resume's command
+              line changed, one line each), restart (how many times torchrun --max-restarts had
+              started the group again)
   memory      one per launch, after run: step, params, grads, optimizer, activations, total:
               the bytes each GPU (or process) is planned to hold (parallel.memory_plan)
   train       one per optimizer step: step, loss, lr, grad_norm, dt_ms, tok_per_s (all ranks),
@@ -22,8 +24,9 @@ metrics.jsonl: one JSON object per line, appended, flushed after each record. Ev
   checkpoint  step (steps completed: a resume starts there), path
   timing      step, data_ms, copy_ms, forward_ms, backward_ms, optimizer_ms, eval_ms: mean ms
               per step of each phase since the last timing record (--timing-breakdown)
-  end         step, reason: finished, signal or nonfinite; absent when the process was killed
-              or is still running
+  end         step (finished: max_steps; otherwise the last step that ran, -1 for none),
+              reason: finished, signal or nonfinite; absent when the process was killed or is
+              still running
 
 read_metrics skips the kinds it does not use (timing, and any a newer trainer adds), so kinds
 can be added without breaking readers; a kind it uses without one of its REQUIRED keys is an
@@ -33,6 +36,7 @@ error.
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +46,7 @@ from device import synchronize
 
 METRICS_FILE = "metrics.jsonl"
 TEXT_LOG_FILE = "log.txt"
+LOCK_FILE = "trainer.lock"  # held by the writing trainer for its whole run; says who holds it
 
 # the keys a reader relies on, per kind; the other keys above are optional for a reader
 REQUIRED = {"run": ("step",),
@@ -90,16 +95,18 @@ def git_commit():
 
 class RunLog:
     """log.txt and metrics.jsonl of one run. Rank 0 writes; other ranks hold a RunLog that does
-    nothing, so the training loop calls it without asking which rank it is."""
+    nothing, so the training loop calls it without asking which rank it is. The first write takes
+    the log directory's lock (one trainer per directory) and holds it until close()."""
 
     def __init__(self, log_dir, active):
         self.active = active
         self.log_dir = log_dir
-        self.text = self.metrics = None  # opened at the first write: bad input leaves no trace
+        self.text = self.metrics = self.lock = None  # opened at the first write: bad input leaves no trace
 
     def _open(self):
         if self.text is None:
             os.makedirs(self.log_dir, exist_ok=True)
+            self.lock = take_lock(self.log_dir)
             # line-buffered: a crash or a kill loses at most the line being written
             self.text = open(os.path.join(self.log_dir, TEXT_LOG_FILE), "a", buffering=1)
             self.metrics = open(os.path.join(self.log_dir, METRICS_FILE), "a", buffering=1)
@@ -119,9 +126,63 @@ class RunLog:
             self.metrics.flush()
 
     def close(self):
-        if self.text is not None:
-            self.text.close()
-            self.metrics.close()
+        """Close the files and release the lock."""
+        for f in (self.text, self.metrics, self.lock):
+            if f is not None:
+                f.close()
+
+
+def _try_lock(f):
+    """True when this process now holds f's exclusive lock; False when another process does. A file
+    system without locks (some network mounts) or a platform without fcntl counts as free."""
+    try:
+        import fcntl
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        return False
+    except (ImportError, OSError):
+        pass
+    return True
+
+
+def _in_use(log_dir, f):
+    f.seek(0)
+    holder = f.read().strip() or "another process"
+    f.close()
+    return UserError(f"{log_dir} is in use by a trainer that is still running ({holder}): wait for it to end or "
+                     "stop it (it checkpoints on SIGTERM), or use another --log-dir")
+
+
+def take_lock(log_dir):
+    """Lock log_dir for this trainer (an open file: the lock ends when it is closed or the process
+    dies, so a kill -9 leaves nothing to clean up); UserError naming the holder when it is taken."""
+    f = open(os.path.join(log_dir, LOCK_FILE), "a+")
+    if not _try_lock(f):
+        raise _in_use(log_dir, f)
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
+
+
+def check_not_running(log_dir):
+    """UserError when a trainer holds log_dir's lock now; creates nothing."""
+    path = os.path.join(log_dir, LOCK_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            if not _try_lock(f):
+                raise _in_use(log_dir, f)
+
+
+def steps_logged(log_dir):
+    """Whether log_dir's metrics.jsonl holds a finished training step: a launch that failed
+    before its first step leaves only its header, and must not block a new run."""
+    path = os.path.join(log_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return any(b'"kind": "train"' in line for line in f)
 
 
 # ----------------------------------------------------------------------------------------------

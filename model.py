@@ -267,6 +267,12 @@ class GPT(nn.Module):
         hf = self.to_hf()
         with quiet_transformers():
             hf.save_pretrained(out_dir)
+        # safetensors writes the weights owner-only (0600): give them the mode of their neighbours
+        umask = os.umask(0)
+        os.umask(umask)
+        for name in os.listdir(out_dir):
+            if name.endswith(".safetensors"):
+                os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
         if tokenizer_files is not None:
             # the directory form (vocab.json + merges.txt) loads the same in transformers 4 and 5
             import shutil

@@ -253,14 +253,25 @@ def write_plot(log_dirs, out_png, labels=None, smooth=None):
     """Plot one or more runs (a log directory, or a list of them) into out_png, written
     atomically (a viewer never sees half a file); see build_figure for labels and smooth.
     Returns False, writing nothing, when matplotlib is not installed."""
-    out_dir = os.path.dirname(os.path.abspath(out_png))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"cannot write {out_png}: directory {out_dir} does not exist")
+    check_out(out_png)
     fig = build_figure(log_dirs, labels, smooth)
     if fig is None:
         return False
-    common.atomic_write(out_png, lambda f: fig.savefig(f, format="png"))
+    try:
+        common.atomic_write(out_png, lambda f: fig.savefig(f, format="png"))
+    except OSError as e:  # a read-only location, a full disk
+        raise UserError(f"cannot write {out_png} ({e.strerror or e}): give --out a path you can write to")
     return True
+
+
+def check_out(out_png):
+    """UserError unless out_png can be a file in an existing directory."""
+    if os.path.isdir(out_png):
+        raise UserError(f"cannot write {out_png}: it is a directory; give --out the path of a .png file, "
+                        f"such as {os.path.join(out_png, 'runs.png')}")
+    out_dir = os.path.dirname(os.path.abspath(out_png))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"cannot write {out_png}: directory {out_dir} does not exist")
 
 
 def build_figure(log_dirs, labels=None, smooth=None):
@@ -415,10 +426,11 @@ def parse_args(argv=None):
 def main(argv=None):
     """python plot.py LOG_DIR...: print each run's summary and write the plot."""
     args = parse_args(argv)
+    out = args.out or (os.path.join(args.log_dirs[0], "plot.png") if len(args.log_dirs) == 1 else "runs.png")
     summaries = [summarize(d) for d in args.log_dirs]  # every directory checked before anything prints
+    check_out(out)
     for s in summaries:
         print(format_summary(s) + "\n", flush=True)
-    out = args.out or (os.path.join(args.log_dirs[0], "plot.png") if len(args.log_dirs) == 1 else "runs.png")
     if write_plot(args.log_dirs, out, args.labels, args.smooth):
         print(f"wrote {out}")
     else:

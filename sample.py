@@ -3,7 +3,7 @@ Sample text from a GPT-2 model, streamed to the terminal token by token (KV-cach
 
     python sample.py                                   # latest checkpoint in log/, unconditional
     python sample.py --model gpt2 --prompt "Hello, I'm a language model,"
-    echo "Once upon a time" | python sample.py --model log/ckpt_019072.pt --num-samples 3
+    echo "Once upon a time" | python sample.py --model log/ckpt_019073.pt --num-samples 3
 
 With no prompt, generation starts from <|endoftext|>, the token GPT-2 saw between documents.
 The samples go to stdout (and nothing else does); where the model came from goes to stderr.

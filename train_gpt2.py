@@ -33,139 +33,8 @@ import sample
 from common import UserError
 from metrics import RunLog
 from model import GPT, GPTConfig, PRESETS
+from train_config import DEFAULT_WARMUP, FIXED_ON_RESUME, LAUNCH_ONLY, check_relations, parse_args, settings
 from tokenizer import gpt2_bpe_files
-
-# ----------------------------------------------------------------------------------------------
-# Configuration: every knob is a flag; defaults are the GPT-2 124M reproduction.
-
-DEFAULT_WARMUP = 715  # build-nanogpt's 375M tokens of warm-up, as in the GPT-3 paper, at 2**19 tokens/step
-DEFAULT_VAL_TOKENS = 10485760
-
-
-def build_parser():
-    """Every flag of the trainer, with its unit and default."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
-    # model
-    a("--model", default="gpt2", choices=sorted(PRESETS), help="architecture preset (default: gpt2, 124M)")
-    a("--n-layer", type=int, help="override the preset's number of layers")
-    a("--n-head", type=int, help="override the preset's number of attention heads")
-    a("--n-embd", type=int, help="override the preset's embedding width")
-    a("--block-size", type=int, default=1024, help="context length T in tokens (default: 1024)")
-    a("--init-from", help="start from pretrained weights: a Hugging Face name (gpt2, ...) or directory, "
-                          "a checkpoint file or a log directory; the architecture comes from it")
-    # data and logs
-    a("--data-dir", default="edu_fineweb10B", help="token shards from fineweb.py (default: edu_fineweb10B)")
-    a("--shuffle-seed", type=int, help="shuffle shard and window order per epoch with this seed "
-                                       "(default: off, shards in order)")
-    a("--log-dir", default="log", help="logs, metrics.jsonl, checkpoints and the exported model (default: log)")
-    # batch
-    a("--total-batch-size", type=int, default=524288,
-      help="tokens per optimizer step, over all GPUs and accumulation steps (default: 524288 = 2**19)")
-    a("--micro-batch-size", default="auto",
-      help="sequences per forward pass per GPU, or 'auto' (default): on CUDA the largest that fits in "
-           "memory and divides the batch; 8 or fewer elsewhere")
-    # optimizer and schedule
-    a("--max-steps", type=int, default=19073, help="optimizer steps (default: 19073 = 10B tokens / 2**19)")
-    a("--max-lr", type=float, default=6e-4, help="peak learning rate (default: 6e-4)")
-    a("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --max-lr (default: 0.1)")
-    a("--warmup-steps", type=int, help=f"linear LR warm-up steps (default: {DEFAULT_WARMUP}, or 10%% of "
-                                       "--max-steps when that is fewer, so a short run leaves warm-up)")
-    a("--weight-decay", type=float, default=0.1, help="AdamW weight decay on 2-D weights (default: 0.1)")
-    a("--beta1", type=float, default=0.9, help="AdamW beta1 (default: 0.9)")
-    a("--beta2", type=float, default=0.95, help="AdamW beta2 (default: 0.95)")
-    a("--eps", type=float, default=1e-8, help="AdamW epsilon (default: 1e-8)")
-    a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this; 0 = off (default: 1.0)")
-    a("--on-nonfinite", choices=["stop", "skip"], default="stop",
-      help="a NaN/inf loss or gradient norm: stop the run (default) or skip that step")
-    # evaluation, sampling, checkpoints
-    a("--eval-every", type=int, default=250, help="validation loss every N steps; 0 = off (default: 250)")
-    a("--val-tokens", type=int, help=f"tokens per validation, never more than the whole val split (default: "
-                                     f"{DEFAULT_VAL_TOKENS} = 20 x 2**19, or a quarter of the tokens trained "
-                                     "between two validations when that is fewer)")
-    a("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps; 0 = off (default: 250)")
-    a("--hellaswag-file", help="local hellaswag_val.jsonl (default: download once to the cache)")
-    a("--hellaswag-limit", type=int, help="score only the first N HellaSwag items (default: all 10,042)")
-    a("--sample-every", type=int, default=250, help="print samples every N steps; 0 = off (default: 250)")
-    a("--sample-prompt", default="Hello, I'm a language model,", help="prompt for the samples")
-    a("--num-samples", type=int, default=4, help="samples each time (default: 4)")
-    a("--sample-tokens", type=int, default=32, help="new tokens per sample (default: 32)")
-    a("--checkpoint-every", type=int, default=5000, help="checkpoint every N steps, and always at the end (default: 5000)")
-    a("--keep-checkpoints", type=int, default=2, help="keep the last K checkpoints (default: 2)")
-    a("--resume", nargs="?", const="latest",
-      help="continue from a checkpoint: a path, or no value for the latest in --log-dir (starts fresh if none)")
-    a("--export-hf", action=argparse.BooleanOptionalAction, default=True,
-      help="export the final model in Hugging Face format to LOG_DIR/hf (default: on)")
-    a("--plot", action=argparse.BooleanOptionalAction, default=True,
-      help="redraw LOG_DIR/plot.png at each evaluation when matplotlib is installed (default: on)")
-    # hardware
-    a("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps")
-    a("--dtype", default="auto", help="auto (bf16 on Ampere+, fp16 on T4/V100, fp32 on CPU), "
-                                      "bfloat16, float16 or float32")
-    a("--compile", action=argparse.BooleanOptionalAction, default=None,
-      help="torch.compile the model (default: on for CUDA, off elsewhere)")
-    a("--sharding", choices=["none", "fsdp"], default="none",
-      help="none (default): DDP, every GPU holds the whole model and optimizer; fsdp: FSDP2 shards "
-           "parameters, gradients and AdamW state over the GPUs (GPT-2 XL on 16-24 GB cards)")
-    a("--fsdp", dest="sharding", action="store_const", const="fsdp", help="the same as --sharding fsdp")
-    a("--activation-checkpointing", action="store_true",
-      help="recompute each block's activations in backward: ~30%% more compute, far less memory")
-    a("--dist-timeout", type=float, default=15.0,
-      help="minutes a collective may wait for the other ranks before the group fails, so that a dead or "
-           "hung rank ends the run (and torchrun --max-restarts starts it again) instead of hanging it "
-           "(default: 15; raise it if a checkpoint takes longer to write)")
-    a("--deterministic", action="store_true",
-      help="deterministic kernels for reproducibility studies (slower; data order never depends on it)")
-    a("--seed", type=int, default=1337, help="seed for initialisation and sampling (default: 1337)")
-    a("--timing-breakdown", type=int, default=0, metavar="N",
-      help="every N steps print where the time went (batch preparation, host-to-device copy, forward, "
-           "backward, optimizer, evaluation); "
-           "adds synchronisation, so off (0) by default")
-    return p
-
-
-def parse_args(argv=None):
-    """The command line, checked (one-line errors), with the defaults that scale with the run resolved."""
-    args = build_parser().parse_args(argv)
-    if args.micro_batch_size != "auto":
-        try:
-            args.micro_batch_size = int(args.micro_batch_size)
-        except ValueError:
-            raise UserError(f"--micro-batch-size {args.micro_batch_size!r}: give a whole number or 'auto'")
-        if args.micro_batch_size < 1:
-            raise UserError("--micro-batch-size must be at least 1")
-    positive = ["block_size", "total_batch_size", "max_steps", "keep_checkpoints", "val_tokens"]
-    for name in positive:
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ["eval_every", "hellaswag_every", "sample_every", "checkpoint_every",
-                 "timing_breakdown", "num_samples", "sample_tokens"]:
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} cannot be negative")
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise UserError("--warmup-steps cannot be negative")
-    if not (math.isfinite(args.dist_timeout) and args.dist_timeout > 0):
-        raise UserError(f"--dist-timeout must be a positive number of minutes (got {args.dist_timeout})")
-    if not (math.isfinite(args.max_lr) and args.max_lr > 0):
-        raise UserError(f"--max-lr must be a positive number (got {args.max_lr})")
-    if not 0 <= args.min_lr_ratio <= 1:
-        raise UserError("--min-lr-ratio must be between 0 and 1")
-    if args.total_batch_size % args.block_size:
-        raise UserError(f"--total-batch-size {args.total_batch_size} is not a multiple of "
-                        f"--block-size {args.block_size}")
-    common.check_output_dir(args.log_dir, "--log-dir")
-    if args.hellaswag_file is not None and not os.path.isfile(args.hellaswag_file):
-        raise UserError(f"--hellaswag-file {args.hellaswag_file} does not exist; give the path of a "
-                        f"hellaswag_val.jsonl, or leave it out to download the file once")
-    # defaults that scale with the run, resolved here so that the rest reads one value
-    args.warmup_auto = args.warmup_steps is None
-    if args.warmup_auto:
-        args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)
-    if args.val_tokens is None:
-        between = args.eval_every * args.total_batch_size // 4  # validation costs at most ~10% of training
-        args.val_tokens = min(DEFAULT_VAL_TOKENS, between) if args.eval_every else DEFAULT_VAL_TOKENS
-    return args
-
 
 @dataclass(frozen=True)
 class Schedule:
@@ -201,12 +70,13 @@ def set_lr(optimizer, lr):
 # speed-up the ladder measures is a speed-up of training.
 
 
-def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=False,
+def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=None,
                timer=None):
     """One optimizer step: forward and backward over grad_accum micro-batches (DDP all-reduces the
     gradients on the last one only), unscale, clip, and the update itself unless the loss or the
     gradient norm is not finite (with fp16 the gradient scaler decides). The step's one host-device
-    sync also carries this rank's stop request to the others.
+    sync also carries this rank's stop request (stop: a common.StopFlag, read there, after the
+    backward passes) to the others, so a request that came during the step ends the run after it.
     Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
     timer = timer or metrics.PhaseTimer(ranks.device, False)
     model.train()
@@ -229,7 +99,8 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     scaler.unscale_(optimizer)
     # the gradients are already all-reduced, so every rank computes the same global norm
     norm = parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
-    stats = torch.stack([loss_accum, norm.float(), torch.tensor(float(stop), device=ranks.device)])
+    asked = stop is not None and stop.signal is not None
+    stats = torch.stack([loss_accum, norm.float(), torch.tensor(float(asked), device=ranks.device)])
     if ranks.multi:
         stats /= ranks.world_size
         torch.distributed.all_reduce(stats)  # mean loss, the same norm, and > 0 if any rank was signalled
@@ -240,7 +111,9 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
     timer.mark("optimizer")
-    return loss_val, norm_val, stop_any > 0, finite
+    # one process needs no agreement: a request that came during the update counts for this step too
+    stopping = stop_any > 0 or (not ranks.multi and stop is not None and stop.signal is not None)
+    return loss_val, norm_val, stopping, finite
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,11 +250,9 @@ def build_model(cfg, ckpt):
     return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
 
 
-def batch_geometry(cfg, ranks, model, dtype, ckpt):
+def batch_geometry(cfg, ranks, model, dtype):
     """(micro-batch, accumulation steps): say each number once, derive the rest and assert it."""
-    if ckpt is not None:
-        micro_batch = ckpt["config"]["micro_batch_size"]
-    elif cfg.micro_batch_size == "auto":
+    if cfg.micro_batch_size == "auto":
         micro_batch = parallel.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size)
     else:
         micro_batch = cfg.micro_batch_size
@@ -419,8 +290,9 @@ def build_optimizer(cfg, raw_model, ranks, dtype):
     return optimizer, scaler
 
 
-def write_header(run, origin, resume_path, fitted):
-    """The run record and the lines that say what produced this run and how it is laid out."""
+def write_header(run, origin, resume_path, fitted, changes):
+    """The run record and the lines that say what produced this run and how it is laid out;
+    changes: the settings the command line changed in a resumed run."""
     cfg, ranks, log, model = run.cfg, run.ranks, run.log, run.raw_model
     name = device.device_name(ranks.device)
     commit = metrics.git_commit()
@@ -428,11 +300,13 @@ def write_header(run, origin, resume_path, fitted):
     log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
                compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum,
-               versions=metrics.versions(), git=commit, config=vars(cfg), restart=restart)
-    start = f"resuming {resume_path} at step {run.start_step}" if resume_path else "new run"
+               versions=metrics.versions(), git=commit, config=settings(cfg), changes=changes, restart=restart)
+    start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
     if restart:
         start += f" | torchrun restart {restart} (after a worker failed)"
     log.line(f"run: {start} | model {origin}, {model.num_params() / 1e6:.1f}M parameters")
+    for change in changes:
+        log.line(f"resume: {change}")
     log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | world size {ranks.world_size} | "
              f"compile {'on' if run.compile else 'off'} | git {commit} | torch {torch.__version__}")
     val_note = ""
@@ -443,7 +317,7 @@ def write_header(run, origin, resume_path, fitted):
     log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {cfg.micro_batch_size} x {cfg.block_size} "
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
              f"{' (auto-fit)' if fitted else ''}{val_note}")
-    auto_warmup = cfg.warmup_auto and cfg.warmup_steps < DEFAULT_WARMUP
+    auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < DEFAULT_WARMUP
     log.line(f"lr {cfg.max_lr:g}: {cfg.warmup_steps} warm-up steps"
              f"{' (10% of --max-steps; --warmup-steps sets it)' if auto_warmup else ''}"
              f", cosine to {cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
@@ -460,14 +334,11 @@ def write_header(run, origin, resume_path, fitted):
         log.line(f"warning: {w}")
 
 
-def setup(cfg, ranks, log):
-    """The Run of this launch, fresh or resumed. Never silently writes over an earlier run."""
-    if cfg.resume is None and os.path.exists(os.path.join(cfg.log_dir, metrics.METRICS_FILE)):
-        raise UserError(f"{cfg.log_dir} already holds a run: pass --resume to continue it, "
-                        "or a new --log-dir for a new run")
-    resume_path, ckpt = checkpoint.find_resume(cfg.resume, cfg.log_dir, log)
+def setup(cfg, ranks, log, resume_path, ckpt, changes):
+    """The Run of this launch, fresh, or resumed from ckpt (read from resume_path, whose settings
+    train() has put into cfg; changes: what the command line changed)."""
     if ckpt is not None:
-        checkpoint.check_compatible(ckpt, resume_path, vars(cfg), ranks.world_size)
+        checkpoint.check_world_size(ckpt, resume_path, ranks.world_size)
     checkpoint.agree_on_resume(ckpt, ranks)
     dtype, compile_on = configure_backends(cfg, ranks)
     fsdp = cfg.sharding == "fsdp"
@@ -484,13 +355,13 @@ def setup(cfg, ranks, log):
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
                                 cfg.activation_checkpointing, compile_on)
-    fitted = cfg.micro_batch_size == "auto" and ckpt is None
-    cfg.micro_batch_size, grad_accum = batch_geometry(cfg, ranks, raw_model, dtype, ckpt)
+    fitted = cfg.micro_batch_size == "auto"
+    cfg.micro_batch_size, grad_accum = batch_geometry(cfg, ranks, raw_model, dtype)
     train_loader, val_loader, val_steps = build_data(cfg, ranks, raw_model.config.vocab_size)
     optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)
     checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
                                           optimizer=optimizer, scaler=scaler, train_loader=train_loader,
-                                          config=vars(cfg), fsdp=fsdp)
+                                          config=settings(cfg), fsdp=fsdp)
     start_step = checkpoints.restore(ckpt, resume_path) if ckpt is not None else 0
     del ckpt
     run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, raw_model=raw_model,
@@ -500,7 +371,7 @@ def setup(cfg, ranks, log):
               peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
               hellaswag=hellaswag.TrainingHook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
               plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master))
-    write_header(run, origin, resume_path, fitted)
+    write_header(run, origin, resume_path, fitted, changes)
     return run
 
 
@@ -509,11 +380,28 @@ def setup(cfg, ranks, log):
 
 
 def train(cfg):
-    """Train with the settings of parse_args(); returns the exit status (0, or 3: a non-finite loss)."""
+    """Train with the settings of parse_args(); returns the exit status (0, or 3: a non-finite loss).
+    With --resume the run's own settings come first, from its checkpoint (see FIXED_ON_RESUME);
+    they are read before the process group forms, since its device and timeout are among them."""
+    if cfg.resume is None:  # never silently write over an earlier run
+        metrics.check_not_running(cfg.log_dir)
+        if checkpoint.list_checkpoints(cfg.log_dir) or metrics.steps_logged(cfg.log_dir):
+            raise UserError(f"{cfg.log_dir} already holds a run: pass --resume to continue it, "
+                            "or a new --log-dir for a new run")
+    resume_path, ckpt, skipped = checkpoint.find_resume(cfg.resume, cfg.log_dir)
+    changes = []
+    if ckpt is not None:
+        changes = checkpoint.restore_settings(cfg, ckpt, resume_path, FIXED_ON_RESUME, LAUNCH_ONLY)
+        check_relations(cfg)
+        if cfg.max_steps < ckpt["step"]:
+            raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {resume_path} has "
+                            "done: give more, or leave it out to keep the run's")
     ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
     log = RunLog(cfg.log_dir, ranks.is_master)
     try:
-        return loop(setup(cfg, ranks, log))
+        for problem in skipped:
+            log.line(f"resume: skipped {problem}")
+        return loop(setup(cfg, ranks, log, resume_path, ckpt, changes))
     finally:
         log.close()
         parallel.teardown_distributed()
@@ -539,8 +427,7 @@ def loop(run):
         lr = run.schedule.lr(step, cfg.max_lr)
         set_lr(run.optimizer, lr)
         loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
-                                                  run.grad_accum, ranks, run.dtype, cfg.grad_clip,
-                                                  stop.signal is not None, timer)
+                                                  run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
         if not finite and run.dtype != "float16" and cfg.on_nonfinite == "stop":
             log.line(f"step {step} | loss {loss} | grad_norm {norm}: non-finite; stopping. "
                      f"The last good checkpoint is {run.checkpoints.last_path or 'none (no checkpoint yet)'}: "
@@ -603,7 +490,7 @@ def export_hf(run):
 
 def main(argv=None):
     """python train_gpt2.py (or under torchrun)."""
-    sys.exit(train(parse_args(argv)))
+    sys.exit(train(parse_args(argv, description=__doc__)))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from device import autocast, device_name, peak_flops, pick_device, pick_dtype, s
 from metrics import git_commit, versions  # noqa: E402
 from parallel import Ranks  # noqa: E402
 import parallel  # noqa: E402
+import train_config  # noqa: E402
 import train_gpt2  # noqa: E402
 from common import UserError, first_line  # noqa: E402
 from dataloader import TokenLoader  # noqa: E402
@@ -59,7 +60,7 @@ from model import GPT, GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, PRESETS, GPTConfig  #
 # Defaults. The step's hyperparameters (learning-rate schedule, AdamW, clipping, seed) are those
 # train_gpt2.py resolves: the ladder's steps are a default run's first (its log dir is not written).
 
-TRAIN = train_gpt2.parse_args(["--log-dir", tempfile.gettempdir()])
+TRAIN = train_config.parse_args(["--log-dir", tempfile.gettempdir()])
 MODELS = {"tiny": dict(n_layer=2, n_head=2, n_embd=64), **PRESETS}
 # GPT-2 124M on a GPU; elsewhere something that finishes in minutes on two cores
 CUDA_DEFAULTS = dict(model="gpt2", block_size=1024, micro_batch_size=16, warmup_steps=5, steps=20)

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conftest.py puts it on sys.path
 
+import common  # noqa: E402
 import dataloader  # noqa: E402
 import fineweb  # noqa: E402
 from common import UserError, run_main  # noqa: E402
@@ -141,8 +143,13 @@ def test_shards_and_manifest(tmp_path):
     with open(out / names[1], "r+b") as f:  # flip one token
         f.seek(-2, 2)
         f.write(b"\x01\x02")
-    with pytest.raises(UserError, match="checksum"):
+    with pytest.raises(UserError, match="checksum: it changed after fineweb.py wrote it. Delete it, then re-run "
+                                         "the command that made it"):
         fineweb.main(["--out-dir", str(out), "--verify"])
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)  # a copy says where to copy it from again, as a sentence
+    with pytest.raises(UserError, match=f"checksum: .* Delete it, then copy the shards again from {out} "):
+        fineweb.main(["--out-dir", str(copy), "--verify"])
 
 
 def test_max_tokens_then_continue_and_rerun(tmp_path, capsys):
@@ -280,25 +287,31 @@ def test_unwritable_out_dir(tmp_path, capsys):
 
 
 def test_disk_full_keeps_earlier_shards(tmp_path, capsys, monkeypatch):
-    """ENOSPC half-way through the fourth shard: one line naming the disk; the three before it,
-    the manifest and nothing else stay; a re-run goes on to the bytes of an uninterrupted run."""
+    """The disk fills half-way through the fourth shard: one line saying so; the three before it,
+    the manifest and nothing else stay; a re-run goes on to the bytes of an uninterrupted run.
+    numpy reports a full disk as a short write with no errno ("N requested and M written"), so the
+    free space is what tells; an ENOSPC says it by itself."""
     data = write_jsonl(tmp_path / "d.jsonl", big_docs(200, seed=5))
     args = ["--data-files", data, "--shard-size", "4000", "--val-tokens", "300"]
     real = dataloader.atomic_write
+    for error in (OSError("8000 requested and 2304 written"), OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))):
+        def full_disk(path, write_fn):
+            if not str(path).endswith("_000003.npy"):
+                return real(path, write_fn)
 
-    def full_disk(path, write_fn):
-        if not str(path).endswith("_000003.npy"):
-            return real(path, write_fn)
-
-        def half_then_full(f):
-            f.write(b"\x93NUMPY half a shard")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(path, half_then_full)
-    monkeypatch.setattr(dataloader, "atomic_write", full_disk)
-    out = tmp_path / "out"
-    err = fails(capsys, tmp_path, out, *args)
-    assert f"the disk holding {out} is full (No space left on device) at data_train_000003.npy" in err
-    assert "the 3 shard(s) before it are intact" in err and "re-run python fineweb.py" in err
+            def half_then_full(f):
+                f.write(b"\x93NUMPY half a shard")
+                raise error
+            real(path, half_then_full)
+        monkeypatch.setattr(dataloader, "atomic_write", full_disk)
+        monkeypatch.setattr(common.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1000))
+        out = tmp_path / f"out{error.errno}"
+        err = fails(capsys, tmp_path, out, *args)
+        assert f"no space left on the disk holding {out}, at data_train_000003.npy" in err
+        assert "the 3 shard(s) before it are intact" in err and "re-run python fineweb.py" in err
+        assert sorted(os.listdir(out)) == ["data_train_000001.npy", "data_train_000002.npy", "data_val_000000.npy",
+                                           "manifest.json"]
+    monkeypatch.undo()
     monkeypatch.setattr(dataloader, "atomic_write", real)
     prepare(tmp_path, tmp_path / "ref", *args)
     ref = shard_bytes(tmp_path / "ref")

@@ -302,7 +302,27 @@ def test_malformed_line_names_the_file_and_line(tmp_path, line, problem):
 def test_empty_file(tmp_path, text):
     path = tmp_path / "empty.jsonl"
     path.write_text(text)
-    with pytest.raises(common.UserError, match=f"{path} holds no HellaSwag items"):
+    with pytest.raises(common.UserError, match=f"{path} holds no HellaSwag items.*leave out --data-file"):
+        hellaswag.load_items(str(path))
+    with pytest.raises(common.UserError, match="leave out --hellaswag-file to download"):  # the trainer's flag
+        hellaswag.load_items(str(path), flag="--hellaswag-file")
+
+
+@pytest.mark.parametrize("kind", ["gzip", "lzma", "bz2"])
+def test_compressed_file_is_read(tmp_path, kind):
+    """A .jsonl.gz (or .xz, .bz2) copy reads as the plain file does; a damaged one is one line that says
+    it is compressed, not "not JSON"."""
+    import importlib
+    module = importlib.import_module(kind)
+    plain = "".join(json.dumps(item) + "\n" for item in ITEMS).encode()
+    path = tmp_path / f"hellaswag_val.jsonl.{kind}"
+    path.write_bytes(module.compress(plain))
+    plain_path = tmp_path / "hellaswag_val.jsonl"
+    plain_path.write_bytes(plain)
+    assert hellaswag.load_items(str(path)) == hellaswag.load_items(str(plain_path))
+    path.write_bytes(module.compress(plain)[:40])
+    name = {"gzip": "gzip", "lzma": "xz", "bz2": "bz2"}[kind]
+    with pytest.raises(common.UserError, match=f"cannot read {name}-compressed HellaSwag file {path}"):
         hellaswag.load_items(str(path))
 
 

@@ -1,6 +1,8 @@
 """model.py against references: Hugging Face's GPT-2 for logits, torch.optim.AdamW for the
 optimizer, and itself without the KV cache for generation."""
 import math
+import os
+import stat
 
 import pytest
 import torch
@@ -50,6 +52,11 @@ def test_hf_export_loads_in_transformers(tmp_path):
     gen = pipeline("text-generation", model=str(tmp_path), device="cpu")
     text = gen("Hello", max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert text.startswith("Hello") and len(text) > len("Hello")
+    # every file readable as the user's umask makes ordinary files (safetensors writes its own 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {name: stat.S_IMODE(os.stat(tmp_path / name).st_mode) for name in os.listdir(tmp_path)} == \
+        {name: 0o666 & ~umask for name in os.listdir(tmp_path)}
 
 
 def test_real_gpt2_matches_transformers(hf_hub_online):

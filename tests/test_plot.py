@@ -1,6 +1,7 @@
 """plot.py: summaries checked against numbers computed here from metrics files written here,
 valid PNGs, one-line errors, and the summary without matplotlib."""
 
+import errno
 import json
 import math
 import os
@@ -266,6 +267,21 @@ def test_errors_in_process(tmp_path, capsys, case, needle):
         common.run_main(lambda: plot.main(argv))
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err
+
+
+def test_out_that_cannot_be_written_is_one_line(logs, tmp_path, capsys, monkeypatch):
+    """--out naming a directory, or a location the process cannot write (read-only, full)."""
+    dirs, _ = logs
+    for out, error in ((str(tmp_path), None), (str(tmp_path / "runs.png"), OSError(errno.EROFS, "Read-only file system"))):
+        if error is not None:
+            def refuse(path, write_fn):
+                raise error
+            monkeypatch.setattr(plot.common, "atomic_write", refuse)
+        with pytest.raises(SystemExit) as e:
+            common.run_main(lambda: plot.main([dirs["full"], "--out", out]))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1, err
+        assert (f"cannot write {out}: it is a directory" if error is None else "(Read-only file system)") in err[0]
 
 
 def test_a_run_stopped_before_its_first_step(logs):

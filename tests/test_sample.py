@@ -3,6 +3,7 @@ Hugging Face directory; streaming (token by token, UTF-8 split across tokens); s
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -181,6 +182,25 @@ def test_bad_input(log_dir, tmp_path, capsys, monkeypatch):
 ])
 def test_bad_numbers(log_dir, capsys, flags, needle):
     assert needle in cli_error(["--model", str(log_dir)] + flags, capsys)
+
+
+def test_log_dir_whose_newest_checkpoint_is_corrupt(log_dir, tmp_path, capsys):
+    """sample.py and hellaswag.py fall back to the newest checkpoint that loads, as the trainer's
+    --resume does, and say which they skipped; with none that loads, one line naming no trainer flag."""
+    import hellaswag
+    run_dir = tmp_path / "run"
+    shutil.copytree(log_dir, run_dir)
+    (run_dir / "ckpt_000009.pt").write_bytes((log_dir / "ckpt_000005.pt").read_bytes()[:3000])  # a full disk's
+    args = ["--prompt", "Hi", "--max-new-tokens", "4", "--temperature", "0", "--device", "cpu"]
+    assert run(["--model", str(run_dir)] + args) == run(["--model", str(log_dir / "ckpt_000005.pt")] + args)
+    assert "ckpt_000005.pt (skipped 1 newer that do not load: " in capsys.readouterr().err
+    items = tmp_path / "hs.jsonl"
+    items.write_text('{"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}\n')
+    hellaswag.main(["--model", str(run_dir), "--data-file", str(items), "--device", "cpu"])
+    assert "ckpt_000005.pt (skipped 1 newer" in capsys.readouterr().out
+    (run_dir / "ckpt_000005.pt").write_bytes(b"garbage")
+    err = cli_error(["--model", str(run_dir)], capsys)
+    assert "none of the 2 checkpoints" in err and "--resume" not in err
 
 
 def test_model_naming_nothing_loadable(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """train_gpt2.py end to end on a tiny model: learning, DDP equivalence, multi-node launch,
 kill -9 / SIGTERM and resume, bad input, export."""
 import errno
+import io
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import torch
 import checkpoint
 import common
 import tokenizer
+import train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train_gpt2.py")
@@ -163,29 +165,89 @@ def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
     assert len(checkpoint.list_checkpoints(log_dir)) == 2  # --keep-checkpoints 2
 
 
-def test_sigterm_writes_a_usable_checkpoint(data_dir, reference_run, tmp_path):
+def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_dir, reference_run, tmp_path):
+    """SIGTERM while step 5 runs: the run ends after step 5, not after the next one (the request is
+    read at the step's sync), with a checkpoint of its 6 steps; then `--log-dir L --resume` alone,
+    with none of the run's flags, continues it with the run's settings to the reference's losses
+    and weights, bit for bit."""
     log_dir = str(tmp_path / "log")
     args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "100"]
-    proc = subprocess.Popen([sys.executable, TRAIN] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=ENV)
-    out = []
-    for line in proc.stdout:
-        out.append(line)
-        if line.startswith("step     4 |"):
-            proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=600)  # bounds a hang only: a busy machine may take minutes
-    text = "".join(out)
-    assert proc.returncode == 0, text
-    assert "stopped by SIGTERM" in text and "Traceback" not in text
-    stopped = records(log_dir, "end")[-1]
-    assert stopped["reason"] == "signal"
-    step, _, _ = final_state(log_dir)
-    assert 5 <= step < 10 and step == stopped["step"] + 1
-    run(args + ["--resume"])
+    p = subprocess.run([sys.executable, FAULT_TRAINER] + args, capture_output=True, text=True,
+                       env=dict(ENV, FAULT="term:0:5"), timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "stopped by SIGTERM after 6 steps" in p.stdout and "Traceback" not in p.stderr
+    assert records(log_dir, "end")[-1] == dict(records(log_dir, "end")[-1], step=5, reason="signal")
+    assert [r["step"] for r in records(log_dir, "train")] == list(range(6))
+    assert final_state(log_dir)[0] == 6
+    p = run(["--log-dir", log_dir, "--resume"])
+    assert f"resuming {log_dir}/ckpt_000006.pt at step 6 with the run's settings" in p.stdout
+    assert "resume: " not in p.stdout  # nothing changed
     assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
     _, model_a, _ = final_state(reference_run)
-    _, model_b, _ = final_state(log_dir)
-    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+    step, model_b, _ = final_state(log_dir)
+    assert step == 10 and all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+
+
+def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, tmp_path):
+    """Named on the command line of a resume: more steps, another evaluation cadence or timeout are
+    applied and printed; the checks between flags see the run's own settings (the flags that would
+    change the math are refused: see BAD)."""
+    log_dir = str(tmp_path / "log")
+    shutil.copytree(reference_run, log_dir)  # a finished 10-step run
+    p = run(["--log-dir", log_dir, "--resume", "--warmup-steps", "11"], check=False)
+    assert p.returncode == 2 and "--warmup-steps 11 is more than --max-steps 10" in p.stderr, p.stderr
+    p = run(["--log-dir", log_dir, "--resume", "--max-steps", "5"], check=False)
+    assert p.returncode == 2 and "--max-steps 5 is fewer than the 10 steps" in p.stderr, p.stderr
+    p = run(["--log-dir", log_dir, "--resume", "--max-steps", "12", "--eval-every", "1", "--dist-timeout", "20"])
+    for change in ("--max-steps 10 -> 12", "--eval-every 4 -> 1", "--dist-timeout 15.0 -> 20.0"):
+        assert f"resume: {change} (from the command line)" in p.stdout, p.stdout
+    assert "cosine to 0.0003 at step 12" in p.stdout
+    header = records(log_dir, "run")[-1]
+    assert header["config"]["max_steps"] == 12 and header["config"]["block_size"] == 32  # given, and kept
+    assert len(header["changes"]) == 3 and "given" not in header["config"]
+    assert [r["step"] for r in records(log_dir, "train")] == list(range(12))
+    assert [r["step"] for r in records(log_dir, "val")] == [0, 4, 8, 9, 10, 11]  # every step after the resume
+
+
+def test_one_trainer_per_log_dir(data_dir, tmp_path):
+    """A second trainer on a log directory in use gets one line naming the running one, with or
+    without --resume; a kill -9 of the first leaves nothing to clean up."""
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--eval-every", "0"]
+    first = subprocess.Popen([sys.executable, TRAIN] + args + ["--max-steps", "100000"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        for line in first.stdout:
+            if line.startswith("step     1 |"):
+                break
+        for extra in (["--resume"], []):
+            p = run(args + ["--max-steps", "2"] + extra, check=False)
+            lines = p.stderr.strip().splitlines()
+            assert p.returncode == 2 and len(lines) == 1, p.stdout[-2000:] + p.stderr
+            assert f"is in use by a trainer that is still running (pid {first.pid} on " in lines[0]
+    finally:
+        first.kill()
+        first.wait(timeout=600)
+    p = run(args + ["--max-steps", "3", "--resume"])  # no checkpoint yet: --resume starts it afresh
+    assert "new run" in p.stdout and records(log_dir, "end")[-1]["reason"] == "finished"
+
+
+def test_a_run_that_failed_before_its_first_step_does_not_block_the_retry(data_dir, tmp_path):
+    """Shards with a token id beyond the vocabulary fail at the first batch, after the run header
+    was written: the retry with good data starts the run without --resume."""
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    train_shard = sorted(bad.glob("*_train_*.npy"))[0]
+    tokens = np.load(train_shard)
+    tokens[:50] = 60000
+    np.save(train_shard, tokens)
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--log-dir", log_dir, "--max-steps", "2"]
+    p = run(args + ["--data-dir", str(bad)], check=False)
+    assert p.returncode == 2 and "token id 60000" in p.stderr, p.stderr
+    assert records(log_dir, "run") and not records(log_dir, "train")  # the header is there, no step
+    run(args + ["--data-dir", data_dir])
+    assert [r["step"] for r in records(log_dir, "train")] == [0, 1]
 
 
 def torchrun(extra, args, **kw):
@@ -242,6 +304,18 @@ def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_pat
     idx = torch.randint(0, 50257, (2, 32))
     with torch.no_grad():
         assert torch.equal(exported(idx)[0][..., :50257], model.eval()(idx)[0][..., :50257])
+
+
+def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, tmp_path):
+    """Under DDP a request that reaches one rank while step 5 runs ends every rank after step 5."""
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "8", "--eval-every", "0"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        FAULT_TRAINER] + args, capture_output=True, text=True, env=dict(ENV, FAULT="term:1:5"),
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "stopped by a signal on another rank after 6 steps" in p.stdout
+    assert final_state(log_dir)[0] == 6 and [r["step"] for r in records(log_dir, "train")] == list(range(6))
 
 
 def test_activation_checkpointing_gives_the_same_losses(data_dir, tmp_path):
@@ -309,17 +383,33 @@ BAD = {
     "resume truncated checkpoint": (["--resume", "{truncated}"], "truncated"),
     "unknown device": (["--device", "tpu"], "unknown device"),
     "existing run without --resume": (["--log-dir", "{ref}"], "--resume"),
-    "resume with another shape": (["--log-dir", "{ref}", "--resume", "--n-layer", "3"], "n_layer"),
+    "resume with another shape": (["--log-dir", "{ref}", "--resume", "--n-layer", "3"], "--n-layer 2 and this"),
+    "resume with another preset": (["--log-dir", "{ref}", "--resume", "--model", "gpt2-medium"], "--model gpt2 and"),
+    "resume with another seed": (["--log-dir", "{ref}", "--resume", "--seed", "7"], "--seed 1337 and this"),
+    "resume with another batch": (["--log-dir", "{ref}", "--resume", "--total-batch-size", "256"],
+                                  "--total-batch-size 128"),
+    "resume with a shuffle seed": (["--log-dir", "{ref}", "--resume", "--shuffle-seed", "3"], "--shuffle-seed None"),
     "resume with another micro-batch": (["--log-dir", "{ref}", "--resume", "--micro-batch-size", "1"],
                                         "micro-batch-size"),
     "bad micro-batch": (["--micro-batch-size", "lots"], "micro-batch-size"),
     "hellaswag file missing": (["--hellaswag-every", "1", "--hellaswag-file", "{base}/hs.jsonl"], "hellaswag-file"),
     "log dir is a file": (["--log-dir", "{junk}"], "is a file"),
     "log dir under a file": (["--log-dir", "{junk}/run1"], "cannot be made"),
-    "resume with a larger block size": (["--log-dir", "{ref}", "--resume", "--block-size", "64"], "--block-size = 32"),
+    "resume with a larger block size": (["--log-dir", "{ref}", "--resume", "--block-size", "64"], "--block-size 32 and"),
     "negative warm-up": (["--warmup-steps", "-1"], "warmup-steps"),
     "fsdp without torchrun": (["--fsdp"], "torchrun"),
     "zero dist timeout": (["--dist-timeout", "0"], "dist-timeout"),
+    "beta1 above 1": (["--beta1", "2"], "--beta1 must be at least 0 and below 1"),
+    "beta2 not a number": (["--beta2", "nan"], "--beta2 must be"),
+    "negative eps": (["--eps", "-1"], "--eps must be a positive number"),
+    "zero width": (["--n-embd", "0"], "--n-embd must be at least 1"),
+    "zero layers": (["--n-layer", "0"], "--n-layer must be at least 1"),
+    "negative grad clip": (["--grad-clip", "-1"], "--grad-clip must be 0 or more"),
+    "negative weight decay": (["--weight-decay", "-0.1"], "--weight-decay must be 0 or more"),
+    "infinite max lr": (["--max-lr", "inf"], "--max-lr must be a positive number"),
+    "warm-up longer than the run": (["--warmup-steps", "5"], "--warmup-steps 5 is more than --max-steps 2"),
+    "zero hellaswag limit": (["--hellaswag-limit", "0"], "--hellaswag-limit must be at least 1"),
+    "negative shuffle seed": (["--shuffle-seed", "-1"], "--shuffle-seed must be 0 or more"),
 }
 
 
@@ -336,12 +426,12 @@ def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path):
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr
     assert sorted(os.listdir(bad_input_setup["ref"])) == before  # nothing written over
-    assert not os.path.exists(os.path.join(log_dir, "ckpt_000002.pt"))
+    assert not os.path.exists(log_dir)  # and nothing left behind
 
 
 def test_lr_schedule():
     import train_gpt2
-    args = train_gpt2.parse_args([])
+    args = train_config.parse_args([])
     assert args.max_steps == 19073 and args.warmup_steps == 715 and args.total_batch_size == 524288
     schedule = train_gpt2.schedule_of(args)
     lrs = [schedule.lr(s, args.max_lr) for s in range(args.max_steps)]
@@ -365,16 +455,17 @@ def test_timing_breakdown_reports_phases(data_dir, tmp_path):
 
 def test_short_run_leaves_warmup():
     import train_gpt2
-    args = train_gpt2.parse_args(["--max-steps", "50"])
+    args = train_config.parse_args(["--max-steps", "50"])
     assert args.warmup_steps == 5  # 10% of the run, not 715 steps the run never reaches
     assert train_gpt2.schedule_of(args).lr(5, args.max_lr) == pytest.approx(6e-4)
-    assert train_gpt2.parse_args(["--max-steps", "50", "--warmup-steps", "40"]).warmup_steps == 40  # as asked
+    assert train_config.parse_args(["--max-steps", "50", "--warmup-steps", "40"]).warmup_steps == 40  # as asked
 
 
 def test_validation_covers_the_val_split_at_most_once(data_dir, tmp_path):
     import dataloader
     args = [a if a != "128" else "1000000000" for a in TINY]  # --val-tokens 1e9 (and the batch stays 128)
     args[args.index("--total-batch-size") + 1] = "128"
+    args[args.index("--warmup-steps") + 1] = "1"  # no longer than the one step
     p = run(args + ["--data-dir", data_dir, "--log-dir", str(tmp_path / "log"), "--max-steps", "1"])
     whole = dataloader.TokenLoader(data_dir, "val", 2, 32).batches_per_epoch * 2 * 32
     assert f"val: {whole:,} tokens (the whole split)" in p.stdout
@@ -430,23 +521,41 @@ def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_
     assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
 
 
-def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch):
-    import train_gpt2
-    real_save = torch.save
+class DiskFull(io.RawIOBase):
+    """A file that takes `room` bytes and then fails as a full disk does (ENOSPC)."""
 
-    def save(obj, f, *a, **kw):
-        if obj.get("step") == 6:
-            f.write(b"half a checkpoint")
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        if len(b) > self.room:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_save(obj, f, *a, **kw)
-    monkeypatch.setattr(torch, "save", save)
+        self.room -= len(b)
+        return self.f.write(b)
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch):
+    """The disk fills while the step-6 checkpoint is written: torch's zip writer turns the OSError
+    into its own RuntimeError ("unexpected pos"); the run still ends in one line, with the step-3
+    checkpoint whole and no temporary file left."""
+    import train_gpt2
+    real = checkpoint.atomic_write
+
+    def filling(path, write_fn):
+        if "ckpt_000006" not in path:
+            return real(path, write_fn)
+        return real(path, lambda f: write_fn(DiskFull(f, 4096)))
+    monkeypatch.setattr(checkpoint, "atomic_write", filling)
     # the trainer installs its own signal handlers: pytest's come back afterwards
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     log_dir = str(tmp_path / "log")
-    args = train_gpt2.parse_args(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10",
+    args = train_config.parse_args(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10",
                                          "--checkpoint-every", "3"])
     try:
-        with pytest.raises(common.UserError, match="No space left on device") as e:
+        with pytest.raises(common.UserError, match=r"ckpt_000006.pt \(no space left on its disk\)") as e:
             train_gpt2.train(args)
     finally:
         for sig, handler in handlers.items():
