@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import fineweb  # noqa: E402
+import measure  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 
@@ -165,6 +166,10 @@ def main():
               + f"; end-to-end/ceiling {tok_e / wall_e / (tok_c / wall_c):.1%}")
     if not rows:
         return
+    print("end-to-end/ceiling, pair by pair: "
+          + measure.ratio_text(measure.paired_ratios([r[2] for r in rows], [r[0] for r in rows]))
+          + "; end-to-end/numpy ceiling: "
+          + measure.ratio_text(measure.paired_ratios([r[2] for r in rows], [r[1] for r in rows])))
     best = [max(r[i] for r in rows) for i in range(3)]
     cpu = [min(r[i] for r in rows) for i in range(3, 6)]
     print(f"best of {args.repeat}: ceiling {best[0] / 1e6:.2f}M tok/s, numpy ceiling {best[1] / 1e6:.2f}M tok/s, "

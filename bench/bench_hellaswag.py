@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import measure  # noqa: E402
+
 from device import autocast, device_name, synchronize  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 import hellaswag  # noqa: E402
@@ -100,18 +102,20 @@ def main():
             lambda part, bs=bs: hellaswag.evaluate(model, part, device, dtype, batch_size=bs))
     for fn in methods.values():
         fn(items[:2])  # warm-up
-    seconds = dict.fromkeys(methods, 0.0)
+    seconds = {name: [] for name in methods}  # per round: the methods scored the same items in turn
     correct = {name: [0, 0] for name in methods}
     per = -(-len(items) // args.rounds)
     for part in (items[i:i + per] for i in range(0, len(items), per)):
         for name, fn in methods.items():
             dt, res = timed(lambda: fn(part), device)
-            seconds[name] += dt
+            seconds[name].append(dt)
             correct[name][0] += round(res["acc"] * res["n"])
             correct[name][1] += round(res["acc_norm"] * res["n"])
     base = next(iter(seconds.values()))
     for name, t in seconds.items():
-        print(f"{name:44s} {len(items) / t:7.3f} items/s  ({t:6.1f} s)  {base / t:5.2f}x")
+        ratio = measure.ratio_text(measure.paired_ratios(base, t)) if t is not base else "1.00x"
+        print(f"{name:44s} {len(items) / sum(t):7.3f} items/s  ({sum(t):6.1f} s)  {ratio}")
+    print(f"speed ratios over the first method, one pair per round; {measure.LEGEND}")
     same = all(c == next(iter(correct.values())) for c in correct.values())
     if dtype == "float32":
         assert same, correct  # the same answers: packing and batching change no score beyond rounding

@@ -9,15 +9,15 @@ new tokens, use_cache=True, batch 1. A 124M GPT-2 with random weights (speed doe
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from device import autocast, device_name, pick_device, pick_dtype, synchronize  # noqa: E402
+import measure  # noqa: E402
+
+from device import autocast, device_name, pick_device, pick_dtype  # noqa: E402
 from tokenizer import EOT_TOKEN, get_tokenizer  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -41,26 +41,12 @@ def setup(args):
     return device, dtype
 
 
-def timed(fns, device, repeats):
-    """Median seconds of each fn over repeats runs, the fns taking turns (a load that comes and goes
-    on the machine then hits both sides alike), after one warm-up run each; and their last results."""
-    outs = [fn() for fn in fns]
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            synchronize(device)
-            t0 = time.perf_counter()
-            outs[i] = fn()
-            synchronize(device)
-            times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times], outs
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_args(p)
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per run (default 256)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per side, median reported (default 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per side, the sides taking turns; median and range reported (default 3)")
     args = p.parse_args()
     device, dtype = setup(args)
     model = GPT(GPTConfig()).to(device).eval()
@@ -81,12 +67,14 @@ def main():
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {device_name(device)}, "
           f"{torch.get_num_threads()} threads, {dtype}; prompt {idx.size(1)} tokens, {n} new tokens, greedy, "
-          f"batch 1, median of {args.repeats}")
-    (t_ours, t_hf), (tok_ours, tok_hf) = timed([ours, theirs], device, args.repeats)
+          f"batch 1, {args.repeats} runs each, taking turns")
+    (s_ours, s_hf), (tok_ours, tok_hf) = measure.in_turns([ours, theirs], device, args.repeats)
     same = next((i for i, (a, b) in enumerate(zip(tok_ours, tok_hf)) if a != b), len(tok_ours))
-    print(f"ours (model.GPT.generate, KV cache):  {n / t_ours:8.1f} tokens/s  ({t_ours:.2f} s)")
-    print(f"transformers generate (use_cache):    {n / t_hf:8.1f} tokens/s  ({t_hf:.2f} s)")
-    print(f"ratio ours/transformers: {t_hf / t_ours:.2f}x; greedy tokens identical for the first {same} of {n}")
+    print(f"ours (model.GPT.generate, KV cache):  {measure.value_text([n / t for t in s_ours], '{:.1f}')} tokens/s")
+    print(f"transformers generate (use_cache):    {measure.value_text([n / t for t in s_hf], '{:.1f}')} tokens/s")
+    print(f"speed ours/transformers: {measure.ratio_text(measure.paired_ratios(s_hf, s_ours))}; greedy tokens "
+          f"identical for the first {same} of {n}")
+    print(measure.LEGEND)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,18 @@ The training-speed ladder: what each well-known speed-up buys on *this* machine,
 
 Each rung adds one change to the rung before it, in the order of the build-nanogpt story:
 fp32 -> TF32 -> bf16 autocast -> torch.compile -> flash attention -> padded vocabulary ->
-fused AdamW -> async data prefetch, then extras (cuDNN attention first, a 2x micro-batch and,
-on request, compile's max-autotune). Every rung trains a fresh model (same seed, weights and
+fused AdamW -> async data prefetch, then extras (cuDNN attention first, a 2x micro-batch, Muon
+for the block matrices (its cost per step; its loss differs, being another optimizer) and, on
+request, compile's max-autotune). Every rung trains a fresh model (same seed, weights and
 data) with the trainer's own code: train_gpt2.train_step on dataloader.TokenLoader batches, with
 train_gpt2.py's learning-rate schedule, AdamW and clipping; so a speed-up the ladder measures is
 a speed-up of training. Warm-up steps (compilation happens there) are left out; whole timed
 steps are measured with CUDA events (a synchronised perf_counter elsewhere), the median
 reported. Each rung runs in a fresh process, so compile caches and memory don't leak between
-rungs, and a crash or an out-of-memory fails that rung while the ladder goes on.
+rungs, and a crash or an out-of-memory fails that rung while the ladder goes on. The whole ladder
+runs --repeats times, the rungs taking turns, and each speed-up is the median of the pairs of
+neighbouring rungs measured in the same turn, with the range of the pairs: a speed-up whose range
+reaches 1.0x is marked as this machine's noise (bench/measure.py).
 
     python bench/ladder.py                        # GPT-2 124M on a GPU, a tiny model on CPU
     python bench/ladder.py --list-rungs
@@ -45,8 +49,10 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import measure  # noqa: E402
+
 import common  # noqa: E402
-from device import autocast, device_name, peak_flops, pick_device, pick_dtype, synchronize  # noqa: E402
+from device import autocast, device_name, peak_flops, pick_device, pick_dtype  # noqa: E402
 from metrics import git_commit, versions  # noqa: E402
 from parallel import Ranks  # noqa: E402
 import parallel  # noqa: E402
@@ -74,7 +80,7 @@ GRAD_ACCUM = 2  # two micro-steps, so the 2x micro-batch rung keeps the same tok
 
 # the fp32 rung, as its description says; compile_mode applies when compile is on (--compile-mode)
 BASELINE = dict(tf32=False, dtype="float32", compile=False, compile_mode="default", attention="math",
-                padded_vocab=False, fused_adamw=False, prefetch=False, batch_x2=False)
+                padded_vocab=False, fused_adamw=False, prefetch=False, batch_x2=False, optimizer="adamw")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -99,13 +105,15 @@ RUNGS = [
     Rung("prefetch", dict(prefetch=True), "+ batches prefetched by a thread into pinned memory"),
     Rung("cudnn-attn", dict(attention="cudnn"), "+ SDPA priority cuDNN > flash > mem-efficient > math"),
     Rung("micro-batch-x2", dict(batch_x2=True), "+ 2x micro-batch, half the accumulation steps"),
+    Rung("muon", dict(optimizer="muon"), "+ Muon for the block matrices (--optimizer muon): what Newton-Schulz "
+                                         "costs per step; another optimizer, so another loss"),
     Rung("max-autotune", dict(compile_mode="max-autotune-no-cudagraphs"),
          "+ compile mode max-autotune-no-cudagraphs (minutes of autotuning)", default=False),
 ]
 RUNG_NAMES = [r.name for r in RUNGS]
 BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 CHOICES = dict(dtype=("float32", "bfloat16", "float16", "auto"), compile_mode=COMPILE_MODES,
-               attention=("math", "auto", "flash", "efficient", "cudnn"))  # the other settings are booleans
+               attention=("math", "auto", "flash", "efficient", "cudnn"), optimizer=("adamw", "muon"))  # the other settings are booleans
 
 
 def parse_override(text):
@@ -169,6 +177,8 @@ def parse_args(argv=None):
     a("--json-out", metavar="PATH", help="the JSON, rewritten after each rung (default: log/ladder-DEVICE-TIME.json)")
     a("--rung-timeout", type=float, metavar="SECONDS", default=1200.0,
       help="seconds a rung may take, compilation included, before it is killed and marked failed (default: 1200)")
+    a("--repeats", type=int, metavar="N", default=3,
+      help="run every rung N times, the rungs taking turns; speed-ups are shown with their spread (default: 3)")
     a("--seed", type=int, metavar="N", default=TRAIN.seed, help=f"seed of weights and data (default: {TRAIN.seed})")
     a("--in-process", action="store_true",
       help="run the rungs in this process (for debugging and tests: compile caches and memory carry over)")
@@ -186,7 +196,7 @@ def parse_args(argv=None):
     args.model_config = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in MODELS[args.model].items()}
     args.model_config["block_size"] = args.block_size
     for k, value in dict(args.model_config, micro_batch_size=args.micro_batch_size, grad_accum=args.grad_accum,
-                         warmup_steps=args.warmup_steps, steps=args.steps).items():
+                         warmup_steps=args.warmup_steps, steps=args.steps, repeats=args.repeats).items():
         if value < 1:
             raise UserError(f"--{k.replace('_', '-')} must be at least 1 (got {value})")
     try:
@@ -247,36 +257,6 @@ def attention_context(choice):
     return sdpa_kernel([dict(math=B.MATH, flash=B.FLASH_ATTENTION, efficient=B.EFFICIENT_ATTENTION)[choice]])
 
 
-class StepTimer:
-    """Milliseconds of whole steps: CUDA events on CUDA (GPU timestamps and no syncs beyond the
-    step's own, so a step's tail overlaps the next step's start as it does in training), else a
-    synchronised perf_counter. Each step's host time is kept as well, as a cross-check."""
-
-    def __init__(self, device):
-        self.device, self.cuda, self.events, self.wall = device, device.startswith("cuda"), [], []
-
-    def start(self):
-        if self.cuda:
-            self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-            self.events[-1][0].record()
-        else:
-            synchronize(self.device)
-        self._t = time.perf_counter()
-
-    def stop(self):
-        if self.cuda:
-            self.events[-1][1].record()
-        else:
-            synchronize(self.device)
-        self.wall.append(1e3 * (time.perf_counter() - self._t))
-
-    def times_ms(self):
-        if not self.cuda:
-            return list(self.wall)
-        synchronize(self.device)
-        return [start.elapsed_time(end) for start, end in self.events]
-
-
 ATTENTION_OPS = [  # aten op name (substring) -> what the table calls it; most specific first
     ("_scaled_dot_product_cudnn_attention", "cudnn"),
     ("_scaled_dot_product_flash_attention_for_cpu", "flash (cpu)"),
@@ -300,18 +280,6 @@ def attention_kernel(model, loader, device, dtype, compiled):
         if any(op in n for n in names):
             return label
     return "fused by compile" if compiled else "unknown"  # inductor generated its own attention code
-
-
-def peak_memory(device):
-    """(bytes, what was measured) since the last reset_peak_memory_stats."""
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
-    try:
-        import resource
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return rss * (1 if sys.platform == "darwin" else 1024), "process peak RSS"
-    except ImportError:  # Windows
-        return None, None
 
 
 def run_rung(spec):
@@ -356,7 +324,9 @@ def run_rung(spec):
         if s["compile"] and not default_mode:
             model = torch.compile(model, mode=s["compile_mode"])
         optimizer = raw_model.configure_optimizers(TRAIN.weight_decay, TRAIN.max_lr, (TRAIN.beta1, TRAIN.beta2),
-                                                   TRAIN.eps, kind, fused=s["fused_adamw"])
+                                                   TRAIN.eps, kind, fused=s["fused_adamw"],
+                                                   muon_lr=TRAIN.muon_lr if s["optimizer"] == "muon" else None,
+                                                   muon_momentum=TRAIN.muon_momentum)
         scaler = torch.amp.GradScaler(kind, enabled=(dtype == "float16"))
         loader = TokenLoader(spec["data_dir"], "train", B, T, device=device, prefetch=s["prefetch"])
         result["build_s"] = time.perf_counter() - t0
@@ -366,7 +336,7 @@ def run_rung(spec):
         schedule = train_gpt2.schedule_of(TRAIN)
 
         def step(i):  # as train_gpt2.py's loop calls it
-            train_gpt2.set_lr(optimizer, schedule.lr(i, TRAIN.max_lr))
+            train_gpt2.set_lrs(optimizer, schedule, i, TRAIN.max_lr, TRAIN.muon_lr)
             return train_gpt2.train_step(model, optimizer, scaler, loader, accum, ranks, dtype, TRAIN.grad_clip)
 
         warmup, steps = spec["warmup_steps"], spec["steps"]
@@ -377,7 +347,7 @@ def run_rung(spec):
             result["warmup_s"] = time.perf_counter() - t0
             if kind == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            timer, losses, skipped = StepTimer(device), [], 0
+            timer, losses, skipped = measure.StepTimer(device), [], 0
             for i in range(warmup, warmup + steps):
                 timer.start()
                 loss, _, _, finite = step(i)
@@ -385,7 +355,7 @@ def run_rung(spec):
                 losses.append(loss)
                 skipped += not finite
             step_ms = timer.times_ms()
-            result["peak_mem_bytes"], result["peak_mem_kind"] = peak_memory(device)
+            result["peak_mem_bytes"], result["peak_mem_kind"] = measure.peak_memory(device)
             result["attention_kernel"] = attention_kernel(model, loader, device, dtype, s["compile"])
         median = statistics.median(step_ms)
         tps = result["tokens_per_step"] / (median / 1e3)
@@ -464,12 +434,27 @@ def die_with_parent():
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
+def combine(runs):
+    """One rung's result from its repeats: failed if any failed (with the first reason), else the
+    median repeat's figures, tokens_per_s the median over repeats, and every repeat under "repeats"."""
+    failed = next((r for r in runs if r["status"] != "ok"), None)
+    if failed is not None:
+        return dict(failed, repeats=runs)
+    tps = [r["tokens_per_s"] for r in runs]
+    mid = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+    return dict(mid, tokens_per_s=measure.spread(tps)[0], tokens_per_s_all=tps, repeats=runs,
+                notes=sorted({n for r in runs for n in r["notes"]}))
+
+
 def add_speedups(rungs):
-    """Speed-up over the previous rung that ran and over the first rung of this ladder that ran."""
+    """Speed-up over the previous rung that ran and over the first one, each the median of the
+    pairs measured in the same turn, with every pair's ratio and the verdict (measure.verdict)."""
     ok = [r for r in rungs if r["status"] == "ok"]
     for i, r in enumerate(ok):
-        r["speedup_prev"] = r["tokens_per_s"] / ok[i - 1]["tokens_per_s"] if i else 1.0
-        r["speedup_base"] = r["tokens_per_s"] / ok[0]["tokens_per_s"]
+        for key, other in (("prev", ok[i - 1] if i else r), ("base", ok[0])):
+            ratios = measure.paired_ratios(r["tokens_per_s_all"], other["tokens_per_s_all"])
+            r[f"speedup_{key}"], r[f"speedup_{key}_pairs"] = measure.spread(ratios)[0], ratios
+            r[f"speedup_{key}_verdict"] = measure.verdict(ratios) if i else ""
 
 
 def environment():
@@ -498,23 +483,26 @@ def format_table(doc):
              f" accum={c['grad_accum']}"
              f" | median of {c['steps']} steps after {c['warmup_steps']} warm-up"
              f" | {doc['flops_per_token'] / 1e6:.0f} MFLOP/token")
-    cols = [("rung", 15, "<"), ("tok/s", 10, ">"), ("ms/step", 9, ">"), ("MFU", 6, ">"), ("peak mem", 10, ">"),
-            ("loss", 8, ">"), ("vs prev", 7, ">"), ("vs base", 7, ">"), ("warm-up", 8, ">"),
+    cols = [("rung", 15, "<"), ("tok/s", 10, ">"), ("+/-", 5, ">"), ("ms/step", 9, ">"), ("MFU", 6, ">"),
+            ("peak mem", 10, ">"), ("loss", 8, ">"), ("vs prev", 19, ">"), ("vs base", 7, ">"), ("warm-up", 8, ">"),
             ("attention", 16, "<"), ("note", 0, "<")]
     lines = [title, "  ".join(f"{h:{a}{w}}" for h, w, a in cols).rstrip()]
     for r in doc["rungs"]:
         notes = list(r.get("notes", []))
         if r["status"] == "ok":
-            cells = [r["name"], f"{r['tokens_per_s']:,.0f}", f"{r['median_ms']:.1f}",
+            mid, lo, hi = measure.spread(r["tokens_per_s_all"])
+            cells = [r["name"], f"{mid:,.0f}", f"{50 * (hi - lo) / mid:.0f}%", f"{r['median_ms']:.1f}",
                      "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", fmt_bytes(r["peak_mem_bytes"]),
-                     f"{r['final_loss']:.4f}", f"{r['speedup_prev']:.2f}x", f"{r['speedup_base']:.2f}x",
+                     f"{r['final_loss']:.4f}", measure.ratio_text(r["speedup_prev_pairs"]) if r is not doc["rungs"][0]
+                     else "", f"{r['speedup_base']:.2f}x{r['speedup_base_verdict']}",
                      f"{r['warmup_s']:.{0 if r['warmup_s'] >= 10 else 1}f} s", r["attention_kernel"]]
         else:
-            cells = [r["name"], r["status"].upper()] + [""] * 8
+            cells = [r["name"], r["status"].upper()] + [""] * 9
             notes.insert(0, r.get("reason", ""))
         cells.append("; ".join(n for n in notes if n)[:110])
         lines.append("  ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(cells, cols)).rstrip())
-    return "\n".join(lines)
+    return "\n".join(lines + [f"{doc['config']['repeats']} repeat(s); +/-: half the range of tok/s over the "
+                               f"repeats; {measure.LEGEND}"])
 
 
 def run_ladder(args):
@@ -522,8 +510,8 @@ def run_ladder(args):
     with torch.device("meta"):  # FLOPs from the shapes alone; the padded model, as the trainer runs it
         flops_per_token = GPT(GPTConfig(**args.model_config)).flops_per_token(args.block_size)
     config = {k: getattr(args, k) for k in ("device", "model", "model_config", "block_size", "micro_batch_size",
-                                            "grad_accum", "warmup_steps", "steps", "compile_mode", "seed",
-                                            "rung_timeout", "in_process")}
+                                            "grad_accum", "warmup_steps", "steps", "repeats", "compile_mode",
+                                            "seed", "rung_timeout", "in_process")}
     config.update(rungs=[r.name for r in plan], overrides=args.override)
     doc = dict(schema="ladder-v1", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=shlex.join(["python", os.path.relpath(os.path.abspath(__file__)), *args.argv]),
@@ -532,44 +520,50 @@ def run_ladder(args):
                                                         "weight_decay", "beta1", "beta2", "eps", "grad_clip")},
                rungs=[])
     tokens_per_step = args.micro_batch_size * args.block_size * args.grad_accum
-    print(f"ladder: {len(plan)} rung(s) on {args.device}, {args.model} {args.model_config}, "
+    print(f"ladder: {len(plan)} rung(s) x {args.repeats} repeat(s) on {args.device}, {args.model} {args.model_config}, "
           f"{tokens_per_step:,} tokens/step, {args.warmup_steps} warm-up + {args.steps} timed steps each, "
           f"{'in this process' if args.in_process else 'each in a fresh process'}", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
     work_dir = tempfile.mkdtemp(prefix="ladder-")
+    runs, finished = {rung.name: [] for rung in plan}, False
     try:
         steps_per_rung = args.warmup_steps + args.steps + 1  # + the profiled micro-batch
         # twice that: the 2x micro-batch rung doubles tokens per step when --grad-accum is odd
         write_shards(work_dir, 2 * steps_per_rung * tokens_per_step + 1, args.seed)
-        for i, rung in enumerate(plan):
-            spec = dict(config, name=rung.name, description=rung.description, settings=rung.settings,
-                        changed=sorted(set(rung.change) | set(rung.overridden)), data_dir=work_dir,
-                        result_path=os.path.join(work_dir, f"{rung.name}.result.json"))
-            print(f"[{i + 1}/{len(plan)}] {rung.name:15s} {rung.description}", flush=True)
-            if args.in_process:
-                torch._dynamo.reset()
-                with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
-                    result = run_rung(spec)
-                if args.device.startswith("cuda"):
-                    torch.cuda.empty_cache()  # give the next rung what this one held
-            else:
-                result = run_rung_subprocess(spec, work_dir, args.rung_timeout)
-            if rung.overridden:
-                result["notes"].append("override " + ",".join(f"{k}={v}" for k, v in rung.overridden.items()))
-            doc["device_env"] = doc["device_env"] or result.get("env")
-            doc["rungs"].append(result)
-            add_speedups(doc["rungs"])
-            if result["status"] == "ok":
-                print(f"    {result['tokens_per_s']:,.0f} tok/s, {result['median_ms']:.1f} ms/step, "
-                      f"loss {result['final_loss']:.4f}, warm-up {result['warmup_s']:.1f} s, "
-                      f"attention {result['attention_kernel']}", flush=True)
-            else:
-                print(f"    FAILED: {result.get('reason')}", flush=True)
-            common.atomic_write(args.json_out, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+        for rep in range(args.repeats):  # the rungs take turns: a passing load falls on all of them alike
+            for i, rung in enumerate(plan):
+                if runs[rung.name] and runs[rung.name][-1]["status"] != "ok":
+                    continue  # a rung that failed (out of memory, a timeout) fails again: no need to wait
+                spec = dict(config, name=rung.name, description=rung.description, settings=rung.settings,
+                            changed=sorted(set(rung.change) | set(rung.overridden)), data_dir=work_dir,
+                            result_path=os.path.join(work_dir, f"{rung.name}.{rep}.result.json"))
+                print(f"[{rep + 1}/{args.repeats}: {i + 1}/{len(plan)}] {rung.name:15s} {rung.description}", flush=True)
+                if args.in_process:
+                    torch._dynamo.reset()
+                    with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
+                        result = run_rung(spec)
+                    if args.device.startswith("cuda"):
+                        torch.cuda.empty_cache()  # give the next rung what this one held
+                else:
+                    result = run_rung_subprocess(spec, work_dir, args.rung_timeout)
+                if rung.overridden:
+                    result["notes"].append("override " + ",".join(f"{k}={v}" for k, v in rung.overridden.items()))
+                doc["device_env"] = doc["device_env"] or result.get("env")
+                runs[rung.name].append(result)
+                doc["rungs"] = [combine(r) for r in runs.values() if r]
+                add_speedups(doc["rungs"])
+                if result["status"] == "ok":
+                    print(f"    {result['tokens_per_s']:,.0f} tok/s, {result['median_ms']:.1f} ms/step, "
+                          f"loss {result['final_loss']:.4f}, warm-up {result['warmup_s']:.1f} s, "
+                          f"attention {result['attention_kernel']}", flush=True)
+                else:
+                    print(f"    FAILED: {result.get('reason')}", flush=True)
+                common.atomic_write(args.json_out, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+        finished = True
     finally:  # also when stopped (Ctrl-C, SIGTERM): the table of what did run still comes last
         shutil.rmtree(work_dir, ignore_errors=True)
-        if len(doc["rungs"]) < len(plan):
-            print(f"stopped after {len(doc['rungs'])} of {len(plan)} rungs", flush=True)
+        if not finished:
+            print(f"stopped after {sum(map(len, runs.values()))} rung run(s) of {len(plan) * args.repeats}", flush=True)
         if doc["rungs"]:
             print(f"wrote {args.json_out}", flush=True)
             print(format_table(doc), flush=True)

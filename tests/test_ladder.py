@@ -14,11 +14,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import ladder  # noqa: E402
+import measure  # noqa: E402
 from common import UserError  # noqa: E402
 
 # 16 tokens per step: the 50257-wide LM head is most of the cost on CPU
 TINY = ["--device", "cpu", "--model", "tiny", "--block-size", "16", "--micro-batch-size", "1",
-        "--grad-accum", "1", "--warmup-steps", "1", "--steps", "2"]
+        "--grad-accum", "1", "--warmup-steps", "1", "--steps", "2", "--repeats", "1"]
 
 
 @pytest.fixture(autouse=True)
@@ -111,9 +112,9 @@ def test_ladder_in_process_same_math_same_loss_and_failure_reported(tmp_path, ca
     assert failed["status"] == "failed" and "scaled_dot_product_attention" in failed["reason"]
     assert doc["env"]["torch"] == torch.__version__ and doc["config"]["steps"] == 2
     lines = capsys.readouterr().out.rstrip().splitlines()
-    assert lines[-6].startswith("rung") and "tok/s" in lines[-6] and "MFU" in lines[-6]
-    assert [line.split()[0] for line in lines[-5:]] == rungs.split(",")
-    assert "FAILED" in lines[-1]
+    assert lines[-7].startswith("rung") and "tok/s" in lines[-7] and "MFU" in lines[-7]
+    assert [line.split()[0] for line in lines[-6:-1]] == rungs.split(",")
+    assert "FAILED" in lines[-2] and lines[-1].startswith("1 repeat(s)")
 
 
 def test_ladder_times_the_trainers_step(tmp_path, monkeypatch):
@@ -144,4 +145,41 @@ def test_hung_rung_is_killed_and_reported(tmp_path, capsys):
     rc, doc, r = run(tmp_path, "--rungs", "fp32", "--rung-timeout", "0.5")
     assert rc == 1  # nothing ran: a failure exit status, but a report all the same
     assert r["fp32"]["status"] == "failed" and "timed out" in r["fp32"]["reason"]
-    assert "FAILED" in capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert "FAILED" in capsys.readouterr().out.rstrip().splitlines()[-2]
+
+
+def test_repeats_take_turns_and_speedups_show_their_spread(tmp_path, capsys):
+    """--repeats 2: every rung runs twice, the rungs taking turns; a speed-up is the median of the
+    pairs measured in the same turn, shown with their range."""
+    rc, doc, r = run(tmp_path, "--in-process", "--rungs", "fp32,flash", "--repeats", "2")
+    assert rc == 0
+    for x in r.values():
+        assert x["status"] == "ok" and len(x["repeats"]) == 2 and len(x["tokens_per_s_all"]) == 2
+    pairs = [a / b for a, b in zip(r["flash"]["tokens_per_s_all"], r["fp32"]["tokens_per_s_all"])]
+    assert r["flash"]["speedup_prev_pairs"] == pytest.approx(pairs)
+    out = capsys.readouterr().out
+    assert [line.split("]")[0] for line in out.splitlines() if line.startswith("[")] == \
+        ["[1/2: 1/2", "[1/2: 2/2", "[2/2: 1/2", "[2/2: 2/2"]  # in turns
+    flash_row = next(line for line in out.splitlines()[-4:] if line.startswith("flash"))
+    assert f"{min(pairs):.2f}-{max(pairs):.2f})" in flash_row
+
+
+def test_a_speedup_whose_pairs_reach_one_is_marked_as_noise():
+    """The case that showed noise as effect: 0.15x, 5.00x from one run to the next."""
+    def rung(name, tps):
+        return dict(name=name, status="ok", tokens_per_s=measure.spread(tps)[0], tokens_per_s_all=tps)
+    noisy = [rung("a", [100.0, 100.0, 100.0]), rung("b", [90.0, 130.0, 110.0]), rung("c", [140.0, 150.0, 160.0])]
+    ladder.add_speedups(noisy)
+    assert noisy[1]["speedup_prev_verdict"] == "~" and noisy[2]["speedup_prev_verdict"] == ""
+    assert measure.ratio_text(noisy[1]["speedup_prev_pairs"]) == "1.10x (0.90-1.30)~"
+    assert measure.ratio_text([1.5]) == "1.50x?" and measure.verdict([0.5, 0.6]) == ""
+
+
+def test_muon_rung_times_the_trainers_muon_step(tmp_path):
+    """The muon rung trains with --optimizer muon's optimizers (another optimizer, so another loss)."""
+    rc, _, r = run(tmp_path, "--in-process", "--rungs", "fp32,muon", "--override", "compile=false",
+                   "--override", "dtype=float32", "--override", "muon:batch_x2=false")
+    assert rc == 0 and r["muon"]["status"] == "ok", r["muon"].get("reason")
+    assert r["muon"]["settings"]["optimizer"] == "muon" and r["fp32"]["settings"]["optimizer"] == "adamw"
+    assert all(math.isfinite(v) for v in r["muon"]["losses"])
+    assert r["muon"]["losses"][-1] != r["fp32"]["losses"][-1]
