@@ -22,6 +22,7 @@ metrics.jsonl: one JSON object per line, appended, flushed after each record. Ev
   val         step, val_loss, tokens (seen before the step: step * tokens_per_step)
   hellaswag   step, acc, acc_norm, n (items scored), tokens (as for val)
   checkpoint  step (steps completed: a resume starts there), path
+  sample      step, index, text: one of the samples printed at that step
   timing      step, data_ms, copy_ms, forward_ms, backward_ms, optimizer_ms, eval_ms: mean ms
               per step of each phase since the last timing record (--timing-breakdown)
   end         step (finished: max_steps; otherwise the last step that ran, -1 for none),
@@ -36,12 +37,14 @@ error.
 import json
 import os
 import platform
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 
-from common import UserError
+from common import UserError, first_line, unreachable
 from device import synchronize
 
 METRICS_FILE = "metrics.jsonl"
@@ -96,12 +99,14 @@ def git_commit():
 class RunLog:
     """log.txt and metrics.jsonl of one run. Rank 0 writes; other ranks hold a RunLog that does
     nothing, so the training loop calls it without asking which rank it is. The first write takes
-    the log directory's lock (one trainer per directory) and holds it until close()."""
+    the log directory's lock (one trainer per directory) and holds it until close(). With
+    trackers (a Trackers), every record goes to them too."""
 
     def __init__(self, log_dir, active):
         self.active = active
         self.log_dir = log_dir
         self.text = self.metrics = self.lock = None  # opened at the first write: bad input leaves no trace
+        self.trackers = None
 
     def _open(self):
         if self.text is None:
@@ -124,9 +129,13 @@ class RunLog:
             self._open()
             self.metrics.write(json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
             self.metrics.flush()
+            if self.trackers is not None:
+                self.trackers.send(kind, fields)
 
     def close(self):
-        """Close the files and release the lock."""
+        """Close the files and the trackers, and release the lock."""
+        if self.trackers is not None:
+            self.trackers.close()
         for f in (self.text, self.metrics, self.lock):
             if f is not None:
                 f.close()
@@ -183,6 +192,113 @@ def steps_logged(log_dir):
         return False
     with open(path, "rb") as f:
         return any(b'"kind": "train"' in line for line in f)
+
+
+# ----------------------------------------------------------------------------------------------
+# Experiment trackers: Weights & Biases and TensorBoard, optional
+
+
+TRACKER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}  # flag -> the package it needs
+
+
+def check_tracker_installed(flag):
+    """UserError naming the pip install when the package a tracking flag needs is missing."""
+    import importlib.util
+    package = TRACKER_PACKAGES[flag]
+    if importlib.util.find_spec(package) is None:
+        raise UserError(f"--{flag} needs the {package} package, which is not installed: pip install {package}")
+
+
+class Trackers:
+    """The run's records, sent to Weights & Biases and/or TensorBoard (LOG_DIR/tb) as they are
+    written to metrics.jsonl, with the same step numbers: numbers as scalars named KIND/FIELD,
+    text (samples, checkpoint paths) as text, the run header as the run's configuration. A
+    background thread does the sending, so a slow tracker never holds up a step (the records are
+    plain numbers already: no device sync). Rank 0 only.
+
+    A resumed run replays the steps after its checkpoint; neither tracker then holds a step twice.
+    TensorBoard is told to hide what earlier launches logged from start_step on (purge_step), as
+    metrics.jsonl keeps the later record of a step. W&B keeps a step once it has it, so a step below
+    the last one the W&B run holds (run.step: the server's, when it continues a run) is not sent."""
+
+    CONFIG_KINDS = ("run", "memory")  # what the run is, not something that changes with the steps
+
+    def __init__(self, log_dir, wandb_project=None, wandb_run=None, wandb_id=None, tensorboard=False, start_step=0):
+        self.wandb = self.writer = None
+        if wandb_project:
+            self.wandb = start_wandb(log_dir, wandb_project, wandb_run, wandb_id)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(os.path.join(log_dir, "tb"), purge_step=start_step)
+        self.queue = queue.Queue()
+        self.thread = threading.Thread(target=self._send_all, name="trackers", daemon=True)
+        self.thread.start()
+
+    @property
+    def wandb_id(self):
+        return self.wandb.id if self.wandb is not None else None
+
+    def send(self, kind, fields):
+        self.queue.put((kind, fields))
+
+    def _send_all(self):
+        while (item := self.queue.get()) is not None:
+            try:
+                self._send(*item)
+                if self.writer is not None and self.queue.empty():
+                    self.writer.flush()  # else a killed run loses up to 2 minutes of events
+            except Exception as e:  # a tracker must never take the run down
+                print(f"tracking: a {item[0]} record was not sent ({type(e).__name__}: {e})", file=sys.stderr,
+                      flush=True)
+
+    def _send(self, kind, fields):
+        step = fields.get("step")
+        if kind in self.CONFIG_KINDS:
+            if self.wandb is not None:
+                self.wandb.config.update({kind: fields}, allow_val_change=True)
+            if self.writer is not None:
+                self.writer.add_text(kind, "    " + json.dumps(fields, indent=1).replace("\n", "\n    "), step)
+            return
+        if step is None:
+            return
+        if kind == "sample":  # one text per sample
+            values = {f"sample/{fields['index']}": fields["text"]}
+        else:
+            values = {f"{kind}/{k}": v for k, v in fields.items() if k != "step" and v is not None}
+        if self.writer is not None:
+            for name, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(name, value, step)
+                elif isinstance(value, str):
+                    self.writer.add_text(name, value, step)
+        if self.wandb is not None and step >= self.wandb.step:  # a lower step: the W&B run has it already
+            self.wandb.log(values, step=step)
+
+    def close(self):
+        """Send what is queued, then end the W&B run and close the TensorBoard files."""
+        self.queue.put(None)
+        self.thread.join()
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def start_wandb(log_dir, project, name, run_id):
+    """A W&B run (files under LOG_DIR/wandb), continuing run_id when given. Offline
+    (WANDB_MODE=offline) it needs no account; online, an unreachable server is one line at once."""
+    import wandb
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode not in ("offline", "disabled", "dryrun"):
+        problem = unreachable(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+        if problem:
+            raise UserError(f"--wandb: {problem}; set WANDB_MODE=offline to log to {log_dir}/wandb and "
+                            "`wandb sync` it later")
+    try:
+        return wandb.init(project=project, name=name, id=run_id, resume="allow" if run_id else None, dir=log_dir)
+    except Exception as e:  # no API key, a project that cannot be made, ...
+        raise UserError(f"--wandb: could not start a W&B run ({type(e).__name__}: {first_line(e, 200)}); "
+                        "run `wandb login`, or set WANDB_MODE=offline")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -294,18 +294,31 @@ class GPT(nn.Module):
     # Training helpers
 
     def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8,
-                             device_type="cpu", fused=None):
-        """AdamW; weight decay on 2-D weights (matmuls, embeddings) only, not biases or norms."""
+                             device_type="cpu", fused=None, muon_lr=None, muon_momentum=0.95):
+        """AdamW; weight decay on 2-D weights (matmuls, embeddings) only, not biases or norms.
+        With muon_lr: the 2-D weights inside the blocks (attention and MLP projections) are
+        trained by torch.optim.Muon instead, at muon_lr with Nesterov momentum muon_momentum and
+        no weight decay (as Keller Jordan's Muon and the modded-nanogpt speedrun train them), and
+        AdamW keeps the embeddings (the tied head with them), the LayerNorm gains and every bias:
+        an Optimizers pair."""
         params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
+        matrices = []
+        if muon_lr is not None:
+            matrices = [p for block in self.transformer.h for p in block.parameters() if p.dim() == 2]
+        rest = [p for p in params if not any(p is m for m in matrices)]
         groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
+            {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
         ]
         if fused is None:
             fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
+        adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
+        if not matrices:
+            return adamw
+        # the learning rate is scaled by sqrt(max(1, rows / columns)) per matrix (torch's "original",
+        # Keller Jordan's rule), so that wide and tall matrices take updates of the same RMS
+        muon = torch.optim.Muon(matrices, lr=muon_lr, momentum=muon_momentum, nesterov=True, weight_decay=0.0)
+        return Optimizers(muon, adamw)
 
     def flops_per_token(self, seq_len=None):
         """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12·L·d·T for
@@ -388,6 +401,40 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+class Optimizers:
+    """Several optimizers stepped as one, in order (Muon for the block matrices, then AdamW for the
+    rest): the part of torch.optim.Optimizer that the trainer, torch.amp.GradScaler and the
+    checkpoints use. Iterating gives the optimizers (torch.distributed.checkpoint takes a list)."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    def __iter__(self):
+        return iter(self.optimizers)
+
+    @property
+    def param_groups(self):
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none=True):
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state):
+        if len(state.get("optimizers", ())) != len(self.optimizers):
+            raise ValueError(f"the state holds {len(state.get('optimizers', ()))} optimizer(s), "
+                             f"this has {len(self.optimizers)}")
+        for opt, s in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(s)
 
 
 @contextmanager

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 import common
 from common import UserError
 from device import autocast, pick_device
-from model import PADDED_VOCAB_SIZE, Block
+from model import PADDED_VOCAB_SIZE, Block, Optimizers
 
 SHARDINGS = ("none", "fsdp")
 
@@ -292,7 +292,10 @@ def _param_names(raw):
 def optimizer_state(model, optimizer):
     """The optimizer's full state dict in the format optimizer.state_dict() has on the unsharded model
     (parameters numbered in param-group order), CPU tensors; so a DDP checkpoint resumes under FSDP and
-    the other way round. Call on every rank under FSDP; rank 0 gets the whole dict, the others {}."""
+    the other way round. Call on every rank under FSDP; rank 0 gets the whole dict, the others {}.
+    model.Optimizers (Muon and AdamW): {"optimizers": [each one's state dict, in order]}."""
+    if isinstance(optimizer, Optimizers):
+        return {"optimizers": [optimizer_state(model, opt) for opt in optimizer.optimizers]}
     raw = unwrap(model)
     if not is_fsdp(raw):
         return _to_cpu(optimizer.state_dict())
@@ -313,6 +316,13 @@ def load_optimizer_state(model, optimizer, state, from_rank0=False):
     """Load a state dict written by optimizer_state (or optimizer.state_dict() of an unsharded model)
     into the optimizer, sharding it under FSDP. Build the optimizer after wrap_model and call this
     before the first backward. from_rank0 as in load_model_state."""
+    if isinstance(optimizer, Optimizers):
+        states = state.get("optimizers", []) if state else [{}] * len(optimizer.optimizers)
+        if len(states) != len(optimizer.optimizers):
+            raise ValueError(f"the state holds {len(states)} optimizer(s), this run has {len(optimizer.optimizers)}")
+        for opt, s in zip(optimizer.optimizers, states):
+            load_optimizer_state(model, opt, s, from_rank0)
+        return
     raw = unwrap(model)
     if not is_fsdp(raw):
         optimizer.load_state_dict(state)
@@ -428,7 +438,7 @@ def block_params(n_embd):
 
 
 def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, n_layer, n_embd,
-                activation_checkpointing=False, vocab_size=PADDED_VOCAB_SIZE):
+                activation_checkpointing=False, vocab_size=PADDED_VOCAB_SIZE, muon_params=0):
     """Estimated bytes each GPU holds at the peak of a training step, as a dict with params, grads,
     optimizer, activations and total. An estimate to choose settings by, not a measurement: it leaves
     out the CUDA context, allocator fragmentation and communication buffers (plan ~10% margin).
@@ -437,7 +447,8 @@ def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, 
       compute dtype of the root (embeddings, ln_f) and two blocks (the current one and the prefetched
       next); under DDP with 16-bit autocast, autocast's cached 16-bit copy of every weight.
     - grads: fp32, 1/world under FSDP (DDP's buckets are the gradients: gradient_as_bucket_view).
-    - optimizer: AdamW's two fp32 moments, 1/world under FSDP.
+    - optimizer: AdamW's two fp32 moments, 1/world under FSDP; Muon keeps one (its momentum) for
+      the muon_params it trains.
     - activations, s = block_size, b = micro_batch, h = n_embd: per layer 34*s*b*h bytes for 16-bit
       (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
       s*b*h*(34 + 5*a*s/h) without tensor parallelism; flash attention (SDPA is_causal) stores no
@@ -458,7 +469,7 @@ def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, 
     elif cb == 2:
         params += cb * n_params
     grads = 4 * n_params / shards
-    optimizer = 8 * n_params / shards
+    optimizer = (8 * (n_params - muon_params) + 4 * muon_params) / shards
     sbh = block_size * micro_batch * n_embd
     per_layer = 34 * sbh * cb // 2  # 34 sbh bytes in 16-bit, 68 sbh in fp32
     if activation_checkpointing:
@@ -468,7 +479,8 @@ def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, 
     logits = block_size * micro_batch * vocab_size * (10 if cb == 2 else 8)
     activations = layers + logits
     total = params + grads + optimizer + activations
-    return dict(params=params, grads=grads, optimizer=optimizer, activations=activations, total=total)
+    return dict(params=params, grads=grads, optimizer=optimizer, activations=activations, total=total,
+                optimizer_name="Muon+AdamW" if muon_params else "AdamW")
 
 
 def format_memory_plan(plan, capacity=None, per="GPU"):
@@ -478,7 +490,8 @@ def format_memory_plan(plan, capacity=None, per="GPU"):
     unit, scale = ("GiB", 2 ** 30) if max(plan["total"], capacity or 0) >= 2 ** 30 else ("MiB", 2 ** 20)
     size = lambda n: f"{n / scale:.1f} {unit}"  # noqa: E731
     text = (f"per {per}: params {size(plan['params'])} + grads {size(plan['grads'])} "
-            f"+ AdamW {size(plan['optimizer'])} + activations ~{size(plan['activations'])} = {size(plan['total'])}")
+            f"+ {plan['optimizer_name']} {size(plan['optimizer'])} + activations ~{size(plan['activations'])} "
+            f"= {size(plan['total'])}")
     if capacity:
         text += f" of {size(capacity)}"
     return text

@@ -39,10 +39,16 @@ from tokenizer import gpt2_bpe_files
 @dataclass(frozen=True)
 class Schedule:
     """The learning rate at each step, for a group whose peak rate is `peak`: linear warm-up over
-    warmup_steps, then cosine decay to min_lr_ratio * peak at max_steps (GPT-3 paper, appendix B)."""
+    warmup_steps, then to min_lr_ratio * peak at max_steps either by cosine decay (GPT-3 paper,
+    appendix B) or, with shape "wsd" (warm-up, stable, decay), by holding the peak and decaying
+    linearly over the last WSD_DECAY of the run (Hägele et al. 2024, "Scaling Laws and
+    Compute-Optimal Training Beyond Fixed Training Durations", whose cool-down is 20%)."""
     warmup_steps: int
     max_steps: int
     min_lr_ratio: float
+    shape: str = "cosine"
+
+    WSD_DECAY = 0.2
 
     def lr(self, step, peak):
         min_lr = peak * self.min_lr_ratio
@@ -50,19 +56,28 @@ class Schedule:
             return peak * (step + 1) / self.warmup_steps
         if step >= self.max_steps:
             return min_lr
+        if self.shape == "wsd":
+            decay_start = max(self.warmup_steps, self.max_steps - round(self.WSD_DECAY * self.max_steps))
+            if step < decay_start:
+                return peak
+            return peak - (step - decay_start) / max(1, self.max_steps - decay_start) * (peak - min_lr)
         ratio = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - min_lr)
 
 
 def schedule_of(cfg):
     """The run's learning-rate schedule."""
-    return Schedule(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    return Schedule(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.lr_schedule)
 
 
-def set_lr(optimizer, lr):
-    """Set every parameter group's learning rate."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
+    """Every parameter group's learning rate at step: the schedule of its optimizer's peak (muon_lr
+    for Muon's matrices, max_lr for AdamW's groups). Returns AdamW's, the rate the log shows."""
+    for opt in getattr(optimizer, "optimizers", [optimizer]):
+        peak = muon_lr if isinstance(opt, torch.optim.Muon) else max_lr
+        for group in opt.param_groups:
+            group["lr"] = schedule.lr(step, peak)
+    return schedule.lr(step, max_lr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,6 +217,7 @@ def evaluate(run, step, stop):
                                         cfg.seed + step, ranks.device, None if run.fsdp else stop)
         for i, text in enumerate(texts):
             log.line(f"sample {i} | {text}")
+            log.record("sample", step=step, index=i, text=text)
     if evaluated and ranks.is_master:
         run.plotter.kick()
     return True
@@ -282,12 +298,28 @@ def build_data(cfg, ranks, vocab_size):
 
 
 def build_optimizer(cfg, raw_model, ranks, dtype):
-    """AdamW (fused on CUDA) and the gradient scaler: fp16 needs loss scaling to keep small
-    gradients from flushing to zero; bf16 and fp32 do not."""
+    """AdamW (fused on CUDA), or Muon and AdamW (--optimizer muon), and the gradient scaler: fp16
+    needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not. The
+    scaler unscales the gradients before either optimizer sees them."""
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
-                                               ranks.device_type)
+                                               ranks.device_type, muon_lr=muon_lr(cfg),
+                                               muon_momentum=cfg.muon_momentum)
     scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
     return optimizer, scaler
+
+
+def start_trackers(cfg, ranks, log, start_step):
+    """W&B and/or TensorBoard for this run (rank 0), fed by the log's records; the W&B run's id goes
+    into the settings, and so into the checkpoints, for a resume to continue that run."""
+    if ranks.is_master and (cfg.wandb or cfg.tensorboard):
+        name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
+        log.trackers = metrics.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
+        cfg.wandb_id = log.trackers.wandb_id
+
+
+def muon_lr(cfg):
+    """Muon's peak learning rate, or None when the run does not use Muon."""
+    return cfg.muon_lr if cfg.optimizer == "muon" else None
 
 
 def write_header(run, origin, resume_path, fitted, changes):
@@ -318,13 +350,16 @@ def write_header(run, origin, resume_path, fitted, changes):
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
              f"{' (auto-fit)' if fitted else ''}{val_note}")
     auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < DEFAULT_WARMUP
-    log.line(f"lr {cfg.max_lr:g}: {cfg.warmup_steps} warm-up steps"
+    muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if muon_lr(cfg) else ""
+    log.line(f"lr {cfg.max_lr:g}{muon}: {cfg.warmup_steps} warm-up steps"
              f"{' (10% of --max-steps; --warmup-steps sets it)' if auto_warmup else ''}"
-             f", cosine to {cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
+             f", {'cosine' if cfg.lr_schedule == 'cosine' else 'stable, then linear'} to "
+             f"{cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
     capacity = torch.cuda.get_device_properties(ranks.device).total_memory if ranks.device_type == "cuda" else None
+    muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if muon_lr(cfg) else 0  # the block matrices
     plan = parallel.memory_plan(model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, run.dtype,
                                 cfg.micro_batch_size, cfg.block_size, model.config.n_layer, model.config.n_embd,
-                                cfg.activation_checkpointing)
+                                cfg.activation_checkpointing, muon_params=muon_params)
     log.line(f"memory ({cfg.sharding if run.fsdp else 'DDP' if ranks.multi else 'one process'}"
              f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): "
              + parallel.format_memory_plan(plan, capacity, "GPU" if ranks.device_type == "cuda" else "process"))
@@ -359,6 +394,7 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
     cfg.micro_batch_size, grad_accum = batch_geometry(cfg, ranks, raw_model, dtype)
     train_loader, val_loader, val_steps = build_data(cfg, ranks, raw_model.config.vocab_size)
     optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)
+    start_trackers(cfg, ranks, log, ckpt["step"] if ckpt is not None else 0)
     checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
                                           optimizer=optimizer, scaler=scaler, train_loader=train_loader,
                                           config=settings(cfg), fsdp=fsdp)
@@ -396,6 +432,9 @@ def train(cfg):
         if cfg.max_steps < ckpt["step"]:
             raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {resume_path} has "
                             "done: give more, or leave it out to keep the run's")
+    for flag in ("wandb", "tensorboard"):
+        if getattr(cfg, flag):
+            metrics.check_tracker_installed(flag)
     ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
     log = RunLog(cfg.log_dir, ranks.is_master)
     try:
@@ -424,8 +463,7 @@ def loop(run):
 
         # ---- one optimizer step over grad_accum micro-batches
         t0 = time.perf_counter()
-        lr = run.schedule.lr(step, cfg.max_lr)
-        set_lr(run.optimizer, lr)
+        lr = set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, cfg.muon_lr)
         loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
                                                   run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
         if not finite and run.dtype != "float16" and cfg.on_nonfinite == "stop":

@@ -14,6 +14,7 @@ Steps, each a subprocess with its own time limit; a failure is reported and the 
   resume     --resume to the end: steps continue from the checkpoint the signal wrote
   fp16       a short run with --dtype float16 (the T4/V100 path, with the gradient scaler)
   eager      a short run with --no-compile, for the compile speed-up
+  muon       a short run with --optimizer muon (compiled, Newton-Schulz on the GPU)
   hellaswag  hellaswag.py --compile on the run's checkpoint
   sample     sample.py on the run's checkpoint
   bench_hellaswag, bench_sample   the benchmarks of BENCHMARKS.md on this device
@@ -138,6 +139,7 @@ def main():
         "resume": (train + ["--resume"], None),
         "fp16": ([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "fp16"), "--dtype", "float16"] + short, None),
         "eager": ([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "eager"), "--no-compile"] + short, None),
+        "muon": ([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "muon"), "--optimizer", "muon"] + short, None),
         "hellaswag": ([PY, "hellaswag.py", "--model", log_dir, "--data-file", items, "--device", args.device,
                        "--compile", "--json"], None),
         "sample": ([PY, "sample.py", "--model", log_dir, "--device", args.device, "--num-samples", "2",
@@ -162,7 +164,8 @@ def main():
 
     # ---- the table: what ran, and the one figure that matters for each step
     figures = {"train": last_timing(os.path.join(out, "train.log")), "resume": speed(log_dir),
-               "fp16": speed(os.path.join(out, "fp16")), "eager": speed(os.path.join(out, "eager"))}
+               "fp16": speed(os.path.join(out, "fp16")), "eager": speed(os.path.join(out, "eager")),
+               "muon": speed(os.path.join(out, "muon"))}
     for r in results:
         if r["name"] == "hellaswag":
             figures["hellaswag"] = next((l.split("  ")[2] for l in r["tail"] if "items/s" in l and

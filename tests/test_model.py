@@ -149,6 +149,44 @@ def test_optimizer_groups_and_step_match_adamw():
         assert torch.equal(a, b)
 
 
+def test_muon_for_the_block_matrices_adamw_for_the_rest():
+    """--optimizer muon: torch.optim.Muon takes exactly the attention and MLP matrices; AdamW the
+    embeddings (the tied head with them), the gains and the biases; one step of the pair equals the
+    two torch optimizers applied by hand; a GradScaler unscales the gradients before either sees them."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    opt = model.configure_optimizers(0.1, 1e-3, muon_lr=0.02, muon_momentum=0.9)
+    muon, adamw = opt.optimizers
+    blocks = {id(p) for b in model.transformer.h for n, p in b.named_parameters() if n.endswith("weight") and p.dim() == 2}
+    assert {id(p) for g in muon.param_groups for p in g["params"]} == blocks
+    assert len(blocks) == 4 * TINY["n_layer"]
+    rest = [p for g in adamw.param_groups for p in g["params"]]
+    assert len(rest) + len(blocks) == len(list(model.parameters()))
+    assert any(p is model.transformer.wte.weight for p in rest) and adamw.param_groups[0]["weight_decay"] == 0.1
+    assert muon.param_groups[0]["momentum"] == 0.9 and muon.param_groups[0]["weight_decay"] == 0.0
+
+    ref = GPT(GPTConfig(**TINY))
+    ref.load_state_dict(model.state_dict())
+    by_name = dict(ref.named_parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_muon = torch.optim.Muon([by_name[names[id(p)]] for g in muon.param_groups for p in g["params"]], lr=0.02,
+                                momentum=0.9, nesterov=True, weight_decay=0.0)
+    ref_adamw = torch.optim.AdamW([{"params": [by_name[names[id(p)]] for p in g["params"]],
+                                    "weight_decay": g["weight_decay"]} for g in adamw.param_groups],
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    idx = torch.randint(0, 50257, (2, 16))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler.scale(model(idx, idx)[1]).backward()
+    scaler.step(opt)  # unscales first; scaled gradients would shift AdamW's update (its eps is not scaled)
+    ref(idx, idx)[1].backward()
+    ref_muon.step()
+    ref_adamw.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, by_name[n], rtol=1e-6, atol=1e-7, msg=n)
+    state = opt.state_dict()
+    assert len(state["optimizers"]) == 2 and "momentum_buffer" in state["optimizers"][0]["state"][0]
+
+
 def test_kv_cache_greedy_equals_no_cache():
     torch.manual_seed(0)
     m = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)).eval()

@@ -64,10 +64,10 @@ def train(model, optimizer, data, steps, ranks):
     return losses, norms
 
 
-def run(raw, sharding, data_dir, ranks, steps=STEPS, checkpointing=False, compile=False):
+def run(raw, sharding, data_dir, ranks, steps=STEPS, checkpointing=False, compile=False, muon=False):
     model = parallel.wrap_model(raw, sharding, "cpu", ranks.rank, "float32", checkpointing, compile)
     assert parallel.is_fsdp(model) == (sharding == "fsdp")
-    optimizer = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
+    optimizer = raw.configure_optimizers(0.1, 1e-3, device_type="cpu", muon_lr=0.02 if muon else None)
     data = loader(data_dir, ranks.rank, ranks.world_size)
     losses, norms = train(model, optimizer, data, steps, ranks)
     return model, optimizer, data, losses, norms
@@ -85,6 +85,12 @@ def worker(rank, world, tmp):
                                      ("fsdp_ac", "fsdp", True), ("ddp_ac", "none", True)):
             model, _, _, losses, norms = run(tiny_gpt(), sharding, data_dir, ranks, checkpointing=ckpt)
             out[name] = dict(losses=losses, norms=norms, state=parallel.model_state(model))
+        # Muon under DDP, and under FSDP, where each matrix is sharded: DTensor gathers what the
+        # Newton-Schulz iterations need; the optimizer state has the unsharded format
+        for name, sharding in (("ddp_muon", "none"), ("fsdp_muon", "fsdp")):
+            model, opt, _, losses, norms = run(tiny_gpt(), sharding, data_dir, ranks, muon=True)
+            out[name] = dict(losses=losses, norms=norms, state=parallel.model_state(model),
+                             optimizer=parallel.optimizer_state(model, opt))
 
         # an interrupted FSDP run, saved after RESUME_AT steps as the trainer saves it (rank 0 writes
         # the full state) and restored into a fresh, differently initialised model: once as the
@@ -164,8 +170,12 @@ def one_process(tmp_path_factory):
     _, _, _, losses, norms = run(raw, "none", data_dir, one)
     half = tiny_gpt()
     _, opt, _, _, _ = run(half, "none", data_dir, one, steps=RESUME_AT)
+    muon = tiny_gpt()
+    _, muon_opt, _, muon_losses, muon_norms = run(muon, "none", data_dir, one, muon=True)
     torch.set_num_threads(threads)
-    return dict(losses=losses, norms=norms, state=raw.state_dict(), optimizer_at_resume=opt.state_dict())
+    return dict(losses=losses, norms=norms, state=raw.state_dict(), optimizer_at_resume=opt.state_dict(),
+                muon=dict(losses=muon_losses, norms=muon_norms, state=muon.state_dict(),
+                          optimizer=muon_opt.state_dict()))
 
 
 def assert_states_close(a, b, rtol=1e-5, atol=1e-6):
@@ -184,6 +194,36 @@ def test_two_processes_match_one_process(two_ranks, one_process, name):
     assert_states_close(got["state"], one_process["state"])
     if name.startswith("fsdp"):
         assert r1[name]["state"] == {}  # the full state dict is gathered on rank 0 only
+
+
+def max_difference(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("name", ["ddp_muon", "fsdp_muon"])
+def test_muon_on_two_processes_matches_one_process(two_ranks, one_process, name):
+    """--optimizer muon under DDP trains as one process does, and its checkpointed state (Muon's
+    momentum, AdamW's moments) has the one-process format. Under FSDP each matrix is a shard and
+    DTensor computes the Newton-Schulz products across the ranks: in bf16, whose iterations
+    amplify rounding (a 0.1% change of the input moves the output as much), so FSDP agrees with one
+    process as two bf16 runs agree, far closer than Muon to AdamW, not to the last bit."""
+    (r0, r1), _ = two_ranks
+    got, ref = r0[name], one_process["muon"]
+    assert got["losses"] == r1[name]["losses"]
+    exact = name == "ddp_muon"
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5 if exact else 1e-4)
+    assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5 if exact else 1e-3)
+    if exact:
+        assert_states_close(got["state"], ref["state"])
+    else:
+        assert max_difference(got["state"], ref["state"]) < 0.2 * max_difference(ref["state"], one_process["state"])
+    for mine, theirs in zip(got["optimizer"]["optimizers"], ref["optimizer"]["optimizers"]):
+        assert mine["param_groups"] == theirs["param_groups"] and list(mine["state"]) == list(theirs["state"])
+        assert all(list(mine["state"][i]) == list(s) for i, s in theirs["state"].items())
+        if exact:
+            for i, s in theirs["state"].items():
+                for key in s:
+                    torch.testing.assert_close(mine["state"][i][key], s[key], rtol=1e-5, atol=1e-7)
 
 
 def test_activation_checkpointing_gives_the_same_training(two_ranks):
@@ -345,6 +385,16 @@ def test_whole_model_compile_with_checkpointing_matches_eager(monkeypatch):
     loss.backward()
     torch.testing.assert_close(loss, want)
     assert raw.transformer.h[0].attn.c_attn.weight.grad is not None
+
+
+def test_compiled_training_with_muon_matches_eager(tmp_path, monkeypatch):
+    """torch.compile (aot_eager: inductor's graphs without a C++ build) with --optimizer muon."""
+    data_dir = write_shard(str(tmp_path))
+    one = parallel.Ranks()
+    _, _, _, eager, _ = run(tiny_gpt(), "none", data_dir, one, steps=2, muon=True)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    _, _, _, compiled, _ = run(tiny_gpt(), "none", data_dir, one, steps=2, compile=True, muon=True)
+    assert compiled == pytest.approx(eager, rel=1e-6)
 
 
 def test_micro_batch_autofit_with_fake_memory():

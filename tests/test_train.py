@@ -318,6 +318,41 @@ def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, t
     assert final_state(log_dir)[0] == 6 and [r["step"] for r in records(log_dir, "train")] == list(range(6))
 
 
+def test_muon_accumulates_trains_on_two_processes_and_resumes_exactly(data_dir, tmp_path):
+    """--optimizer muon through the trainer: micro-batches of 2 with accumulation equal one batch of
+    4; two processes equal one; a kill -9 mid-run, resumed with --resume alone, ends bit-identical
+    to the run that never stopped (Muon's momentum is in the checkpoint)."""
+    base = TINY + ["--data-dir", data_dir, "--max-steps", "6", "--optimizer", "muon", "--eval-every", "0",
+                   "--checkpoint-every", "3"]
+    accum = str(tmp_path / "accum")
+    p = run(base + ["--log-dir", accum])  # micro-batch 2, accumulation 2
+    assert "Muon 0.02 on the block matrices" in p.stdout and "Muon+AdamW" in p.stdout
+    whole = str(tmp_path / "whole")
+    run([a if a != "2" or base[i - 1] != "--micro-batch-size" else "4" for i, a in enumerate(base)]
+        + ["--log-dir", whole])
+    ddp = str(tmp_path / "ddp")
+    p = torchrun(["--standalone", "--nproc_per_node=2"], base + ["--log-dir", ddp])
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-3000:]
+    ref = records(accum, "train")
+    for other in (whole, ddp):  # the same gradients summed in another order; Newton-Schulz runs in bf16,
+        got = records(other, "train")  # which magnifies that rounding in the update (1e-4 in the norms here)
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+        assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-3)
+    killed = str(tmp_path / "killed")
+    p = subprocess.run([sys.executable, FAULT_TRAINER] + base + ["--log-dir", killed], capture_output=True,
+                       text=True, env=dict(ENV, FAULT="kill:0:4"), timeout=900)
+    assert p.returncode == -signal.SIGKILL, p.stdout[-2000:] + p.stderr[-2000:]
+    run(["--log-dir", killed, "--resume"])
+    assert [r["loss"] for r in records(killed, "train")] == [r["loss"] for r in ref]
+    _, model_a, optim_a = final_state(accum)
+    _, model_b, optim_b = final_state(killed)
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+    muon_a, muon_b = optim_a["optimizers"][0]["state"], optim_b["optimizers"][0]["state"]
+    assert len(muon_a) == 8 and all(torch.equal(muon_a[i]["momentum_buffer"], muon_b[i]["momentum_buffer"])
+                                    for i in muon_a)
+
+
 def test_activation_checkpointing_gives_the_same_losses(data_dir, tmp_path):
     args = TINY + ["--data-dir", data_dir, "--max-steps", "3", "--eval-every", "0"]
     run(args + ["--log-dir", str(tmp_path / "plain")])
@@ -354,6 +389,14 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     p = run(TINY + ["--data-dir", data_dir, "--log-dir", log2, "--max-steps", "6", "--warmup-steps", "0",
                     "--max-lr", "1e30", "--eval-every", "0", "--on-nonfinite", "skip"], check=False)
     assert p.returncode == 0 and "skipped (non-finite)" in p.stdout
+    # the same with Muon: a skipped step updates neither optimizer, and the weights stay finite
+    log3 = str(tmp_path / "log3")
+    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log3, "--max-steps", "6", "--warmup-steps", "0",
+                    "--max-lr", "1e30", "--eval-every", "0", "--on-nonfinite", "skip", "--optimizer", "muon"],
+            check=False)
+    assert p.returncode == 0 and "skipped (non-finite)" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    _, model, _ = final_state(log3)
+    assert all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
 
 
 @pytest.fixture(scope="module")
@@ -389,6 +432,10 @@ BAD = {
     "resume with another batch": (["--log-dir", "{ref}", "--resume", "--total-batch-size", "256"],
                                   "--total-batch-size 128"),
     "resume with a shuffle seed": (["--log-dir", "{ref}", "--resume", "--shuffle-seed", "3"], "--shuffle-seed None"),
+    "resume with another optimizer": (["--log-dir", "{ref}", "--resume", "--optimizer", "muon"],
+                                      "--optimizer adamw and this command asks for muon"),
+    "zero muon lr": (["--optimizer", "muon", "--muon-lr", "0"], "--muon-lr must be a positive number"),
+    "muon momentum of 1": (["--optimizer", "muon", "--muon-momentum", "1"], "--muon-momentum must be at least 0"),
     "resume with another micro-batch": (["--log-dir", "{ref}", "--resume", "--micro-batch-size", "1"],
                                         "micro-batch-size"),
     "bad micro-batch": (["--micro-batch-size", "lots"], "micro-batch-size"),
@@ -439,6 +486,16 @@ def test_lr_schedule():
     assert max(lrs) == pytest.approx(6e-4)
     assert lrs[-1] == pytest.approx(6e-5, rel=1e-3)  # cosine down to 10%
     assert all(a >= b for a, b in zip(lrs[715:], lrs[716:]))
+
+
+def test_wsd_schedule_holds_the_peak_then_decays_linearly():
+    import train_gpt2
+    schedule = train_gpt2.Schedule(warmup_steps=10, max_steps=100, min_lr_ratio=0.1, shape="wsd")
+    lrs = [schedule.lr(s, 2.0) for s in range(101)]
+    assert lrs[:10] == [2.0 * (s + 1) / 10 for s in range(10)]  # the same warm-up as cosine
+    assert set(lrs[9:81]) == {2.0}  # stable until the last 20% of the run
+    assert lrs[90] == pytest.approx(1.1) and lrs[100] == pytest.approx(0.2)  # linear to min_lr_ratio * peak
+    assert all(a > b for a, b in zip(lrs[80:100], lrs[81:101]))
 
 
 def test_timing_breakdown_reports_phases(data_dir, tmp_path):

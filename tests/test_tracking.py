@@ -1,0 +1,146 @@
+"""--wandb and --tensorboard: the trainer's records, read back with each library's own format and
+reader (W&B offline, no account), at the same steps as metrics.jsonl; a resume continues the same
+W&B run and the same TensorBoard directory without a step twice."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import checkpoint
+import metrics
+from test_train import ENV, FAULT_TRAINER, TINY, TRAIN, records, write_shards
+
+pytest.importorskip("wandb", reason="pip install wandb (README's test command installs it)")
+pytest.importorskip("tensorboard", reason="pip install tensorboard (README's test command installs it)")
+TRACKED = dict(ENV, WANDB_MODE="offline", WANDB_SILENT="true")
+
+
+def wandb_history(path):
+    """The history rows of an offline W&B run file (run-ID.wandb: W&B's record log, 32 KiB blocks of
+    chunks with a 7-byte header, each record a wandb_internal_pb2.Record) and its run id."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    pos, parts, payloads = 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 1:  # a whole record; 2, 3, 4: first, middle and last parts of one
+            payloads.append(chunk)
+        elif kind in (2, 3, 4):
+            parts = chunk if kind == 2 else parts + chunk
+            if kind == 4:
+                payloads.append(parts)
+    rows, run_id, config = [], None, {}
+    for payload in payloads:
+        rec = pb.Record()
+        rec.ParseFromString(payload)
+        which = rec.WhichOneof("record_type")
+        if which == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+        elif which == "run":
+            run_id = rec.run.run_id
+            config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+        elif which == "config":
+            config.update({i.key: json.loads(i.value_json) for i in rec.config.update})
+    return run_id, rows, config
+
+
+def wandb_runs(log_dir):
+    """(run id, history rows, config) of each offline W&B run under LOG_DIR/wandb, oldest first."""
+    return [wandb_history(p) for p in sorted(glob.glob(os.path.join(log_dir, "wandb", "offline-run-*", "run-*.wandb")))]
+
+
+def tensorboard_scalars(log_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(os.path.join(log_dir, "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)], events.Tags()["tensors"]
+
+
+def test_wandb_and_tensorboard_hold_the_records_across_a_kill_and_two_resumes(tmp_path):
+    data_dir = write_shards(str(tmp_path / "data"))
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "6", "--checkpoint-every", "3",
+                   "--eval-every", "2", "--sample-every", "3", "--num-samples", "1", "--sample-tokens", "4",
+                   "--wandb", "gpt2-tests", "--tensorboard"]
+    # killed as step 4 begins: steps 0-3 logged, the checkpoint holds 3 steps
+    p = subprocess.run([sys.executable, FAULT_TRAINER] + args, capture_output=True, text=True,
+                       env=dict(TRACKED, FAULT="kill:0:4"), timeout=900)
+    assert p.returncode == -9, p.stdout[-2000:] + p.stderr[-2000:]
+    for max_steps in ([], ["--max-steps", "8"]):  # --resume alone (replays step 3), then two more steps
+        p = subprocess.run([sys.executable, TRAIN, "--log-dir", log_dir, "--resume"] + max_steps, capture_output=True,
+                           text=True, env=TRACKED, timeout=900)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    train = {r["step"]: r for r in records(log_dir, "train")}
+    assert sorted(train) == list(range(8))
+
+    # TensorBoard: every step once, the values of metrics.jsonl (the replayed step 3 replaces the killed launch's)
+    scalars, texts = tensorboard_scalars(log_dir, "train/loss")
+    assert [s for s, _ in scalars] == list(range(8))
+    assert [v for _, v in scalars] == pytest.approx([train[s]["loss"] for s in range(8)], rel=1e-6)
+    val, _ = tensorboard_scalars(log_dir, "val/val_loss")
+    assert [s for s, _ in val] == [r["step"] for r in records(log_dir, "val")]
+    assert {"run/text_summary", "sample/0/text_summary", "checkpoint/path/text_summary"} <= set(texts)
+
+    # W&B: one run (its id stored in the checkpoints), continued by each launch; the launch that
+    # was killed lost what W&B's service had not written yet, so its file may hold nothing
+    runs = wandb_runs(log_dir)
+    stored = checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))["config"]["wandb_id"]
+    dirs = sorted(glob.glob(os.path.join(log_dir, "wandb", "offline-run-*")))
+    assert len(runs) == 3 and all(d.endswith("-" + stored) for d in dirs)  # the directory names the run id
+    assert [run_id for run_id, _, _ in runs[1:]] == [stored, stored]
+    (_, first, _), (_, second, config), (_, third, _) = runs
+    logged = [row["_step"] for row in second + third if "train/loss" in row]
+    assert logged == [3, 4, 5, 6, 7]  # each resumed launch from its own first step, none twice
+    for row in second + third:
+        if "train/loss" in row:
+            assert row["train/loss"] == train[row["_step"]]["loss"] and row["train/tokens"] == train[row["_step"]]["tokens"]
+    assert config["run"]["config"]["max_steps"] == 6 and config["run"]["step"] == 3
+    samples = [row for row in second if "sample/0" in row]  # every 3 steps, and at the last step
+    assert [row["_step"] for row in samples] == [3, 5] and samples[0]["sample/0"].startswith("Hello, I'm a language model,")
+    assert [row["_step"] for row in second if "val/val_loss" in row] == [4, 5]
+    assert all(row["_step"] <= 3 for row in first)  # whatever of steps 0-3 reached the killed launch's file
+
+
+class FakeWandbRun:
+    """The part of a wandb Run that Trackers uses: .step (the last step it holds), .log, .finish."""
+
+    def __init__(self, step):
+        self.step, self.logged, self.finished = step, [], False
+
+    def log(self, values, step):
+        self.logged.append((step, sorted(values)))
+        self.step = max(self.step, step)
+
+    def finish(self):
+        self.finished = True
+
+
+def test_a_step_the_wandb_run_holds_already_is_not_sent_again(tmp_path):
+    """Online, W&B continues a run at the server's last step: the replayed steps before it are not
+    sent (W&B would refuse them with a warning each); from it on, every record is."""
+    trackers = metrics.Trackers(str(tmp_path))
+    fake = trackers.wandb = FakeWandbRun(step=7)
+    for step in range(5, 10):  # in the trainer's order: evaluation at the top of a step, then the step
+        trackers.send("val", {"step": step, "val_loss": 2.0})
+        trackers.send("train", {"step": step, "loss": 1.0 / step})
+    trackers.close()
+    assert fake.logged == [(s, [f"{k}/{f}"]) for s in (7, 8, 9) for k, f in (("val", "val_loss"), ("train", "loss"))]
+    assert fake.finished
+
+
+def test_a_missing_package_is_one_line(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(metrics.UserError, match=r"^--wandb needs the wandb package, which is not installed: "
+                                                r"pip install wandb$"):
+        metrics.check_tracker_installed("wandb")
+    metrics.check_tracker_installed("tensorboard")
