@@ -179,7 +179,8 @@ class Checkpointer:
         state. Returns the step to continue from."""
         parallel.load_model_state(self.model, ckpt["model"])
         parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"])
-        self.scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"] or not self.scaler.is_enabled():  # a bf16/fp32 run saved no scale: an fp16
+            self.scaler.load_state_dict(ckpt["scaler"])      # resume of it (a T4, say) starts a fresh one
         try:  # every rank moves in lockstep, so any rank's loader state restores this one
             self.train_loader.load_state_dict(ckpt["ranks"][0]["train_loader"])
         except UserError as e:

@@ -387,6 +387,27 @@ def test_whole_model_compile_with_checkpointing_matches_eager(monkeypatch):
     assert raw.transformer.h[0].attn.c_attn.weight.grad is not None
 
 
+@pytest.mark.parametrize("saved_fp16", [False, True])
+def test_restore_across_a_change_of_dtype(tmp_path, saved_fp16):
+    """A resume may change --dtype (a bf16 run continued on a T4, where auto picks fp16): the
+    gradient scaler of the one precision restores from the checkpoint of the other."""
+    data_dir = write_shard(str(tmp_path))
+    one = parallel.Ranks()
+
+    def checkpointer(fp16):
+        model, opt, data, _, _ = run(tiny_gpt(), "none", data_dir, one, steps=1)
+        scaler = torch.amp.GradScaler("cpu", enabled=fp16, init_scale=2.0 ** 10)
+        return checkpoint.Checkpointer(str(tmp_path / "log"), 1, one, RunLog(str(tmp_path / "log"), False),
+                                       model=model, optimizer=opt, scaler=scaler, train_loader=data, config={},
+                                       fsdp=False)
+    checkpointer(saved_fp16).save(1)
+    restorer = checkpointer(not saved_fp16)
+    assert restorer.restore(checkpoint.load_file(checkpoint.checkpoint_path(str(tmp_path / "log"), 1)), "c") == 1
+    assert restorer.scaler.is_enabled() != saved_fp16
+    if not saved_fp16:
+        assert restorer.scaler.get_scale() == 2.0 ** 10  # a fresh scale
+
+
 def test_compiled_training_with_muon_matches_eager(tmp_path, monkeypatch):
     """torch.compile (aot_eager: inductor's graphs without a C++ build) with --optimizer muon."""
     data_dir = write_shard(str(tmp_path))
