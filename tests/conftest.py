@@ -58,3 +58,19 @@ def model():
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """Shards of learnable text for the tiny trainer runs (runs.TINY)."""
+    from runs import write_shards
+    return write_shards(str(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="session")
+def reference_run(data_dir, tmp_path_factory):
+    """An uninterrupted 10-step run that the resume tests must reproduce bit for bit."""
+    from runs import TINY, run
+    log_dir = str(tmp_path_factory.mktemp("ref"))
+    run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "3"])
+    return log_dir

@@ -11,7 +11,7 @@ import pytest
 
 import checkpoint
 import metrics
-from test_train import ENV, FAULT_TRAINER, TINY, TRAIN, records, write_shards
+from runs import ENV, FAULT_TRAINER, TINY, TRAIN, records, write_shards
 
 pytest.importorskip("wandb", reason="pip install wandb (README's test command installs it)")
 pytest.importorskip("tensorboard", reason="pip install tensorboard (README's test command installs it)")

@@ -1,0 +1,282 @@
+"""Stopping and resuming train_gpt2.py: kill -9, SIGTERM during a step or an evaluation, a full
+disk, a corrupt checkpoint, a restarted torchrun group, the settings a resume restores or refuses,
+and one trainer per log directory."""
+import errno
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import common
+import train_config
+from runs import ENV, FAULT_TRAINER, TINY, TRAIN, final_state, records, run
+
+
+def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "3"]
+    proc = subprocess.Popen([sys.executable, TRAIN] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=ENV)
+    for line in proc.stdout:  # kill hard in the middle of step 7, two steps past the last checkpoint
+        if line.startswith("step     7 |"):
+            proc.kill()
+            break
+    proc.wait(timeout=600)  # bounds a hang only: a busy machine may take minutes
+    assert proc.returncode == -signal.SIGKILL
+    assert records(log_dir, "end") == []
+    run(args + ["--resume"])
+    ref, got = records(reference_run, "train"), records(log_dir, "train")
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref]  # bit for bit, replayed steps included
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in ref]
+    step_a, model_a, _ = final_state(reference_run)
+    step_b, model_b, _ = final_state(log_dir)
+    assert step_a == step_b == 10
+    for k in model_a:
+        assert torch.equal(model_a[k], model_b[k]), k
+    assert len(checkpoint.list_checkpoints(log_dir)) == 2  # --keep-checkpoints 2
+
+
+def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_dir, reference_run, tmp_path):
+    """SIGTERM while step 5 runs: the run ends after step 5, not after the next one (the request is
+    read at the step's sync), with a checkpoint of its 6 steps; then `--log-dir L --resume` alone,
+    with none of the run's flags, continues it with the run's settings to the reference's losses
+    and weights, bit for bit."""
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "100"]
+    p = subprocess.run([sys.executable, FAULT_TRAINER] + args, capture_output=True, text=True,
+                       env=dict(ENV, FAULT="term:0:5"), timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "stopped by SIGTERM after 6 steps" in p.stdout and "Traceback" not in p.stderr
+    assert records(log_dir, "end")[-1] == dict(records(log_dir, "end")[-1], step=5, reason="signal")
+    assert [r["step"] for r in records(log_dir, "train")] == list(range(6))
+    assert final_state(log_dir)[0] == 6
+    p = run(["--log-dir", log_dir, "--resume"])
+    assert f"resuming {log_dir}/ckpt_000006.pt at step 6 with the run's settings" in p.stdout
+    assert "resume: " not in p.stdout  # nothing changed
+    assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
+    _, model_a, _ = final_state(reference_run)
+    step, model_b, _ = final_state(log_dir)
+    assert step == 10 and all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+
+
+def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, tmp_path):
+    """Named on the command line of a resume: more steps, another evaluation cadence or timeout are
+    applied and printed; the checks between flags see the run's own settings (the flags that would
+    change the math are refused: see BAD)."""
+    log_dir = str(tmp_path / "log")
+    shutil.copytree(reference_run, log_dir)  # a finished 10-step run
+    p = run(["--log-dir", log_dir, "--resume", "--warmup-steps", "11"], check=False)
+    assert p.returncode == 2 and "--warmup-steps 11 is more than --max-steps 10" in p.stderr, p.stderr
+    p = run(["--log-dir", log_dir, "--resume", "--max-steps", "5"], check=False)
+    assert p.returncode == 2 and "--max-steps 5 is fewer than the 10 steps" in p.stderr, p.stderr
+    p = run(["--log-dir", log_dir, "--resume", "--max-steps", "12", "--eval-every", "1", "--dist-timeout", "20"])
+    for change in ("--max-steps 10 -> 12", "--eval-every 4 -> 1", "--dist-timeout 15.0 -> 20.0"):
+        assert f"resume: {change} (from the command line)" in p.stdout, p.stdout
+    assert "cosine to 0.0003 at step 12" in p.stdout
+    header = records(log_dir, "run")[-1]
+    assert header["config"]["max_steps"] == 12 and header["config"]["block_size"] == 32  # given, and kept
+    assert len(header["changes"]) == 3 and "given" not in header["config"]
+    assert [r["step"] for r in records(log_dir, "train")] == list(range(12))
+    assert [r["step"] for r in records(log_dir, "val")] == [0, 4, 8, 9, 10, 11]  # every step after the resume
+
+
+def test_one_trainer_per_log_dir(data_dir, tmp_path):
+    """A second trainer on a log directory in use gets one line naming the running one, with or
+    without --resume; a kill -9 of the first leaves nothing to clean up."""
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--eval-every", "0"]
+    first = subprocess.Popen([sys.executable, TRAIN] + args + ["--max-steps", "100000"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        for line in first.stdout:
+            if line.startswith("step     1 |"):
+                break
+        for extra in (["--resume"], []):
+            p = run(args + ["--max-steps", "2"] + extra, check=False)
+            lines = p.stderr.strip().splitlines()
+            assert p.returncode == 2 and len(lines) == 1, p.stdout[-2000:] + p.stderr
+            assert f"is in use by a trainer that is still running (pid {first.pid} on " in lines[0]
+    finally:
+        first.kill()
+        first.wait(timeout=600)
+    p = run(args + ["--max-steps", "3", "--resume"])  # no checkpoint yet: --resume starts it afresh
+    assert "new run" in p.stdout and records(log_dir, "end")[-1]["reason"] == "finished"
+
+
+def test_a_run_that_failed_before_its_first_step_does_not_block_the_retry(data_dir, tmp_path):
+    """Shards with a token id beyond the vocabulary fail at the first batch, after the run header
+    was written: the retry with good data starts the run without --resume."""
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    train_shard = sorted(bad.glob("*_train_*.npy"))[0]
+    tokens = np.load(train_shard)
+    tokens[:50] = 60000
+    np.save(train_shard, tokens)
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--log-dir", log_dir, "--max-steps", "2"]
+    p = run(args + ["--data-dir", str(bad)], check=False)
+    assert p.returncode == 2 and "token id 60000" in p.stderr, p.stderr
+    assert records(log_dir, "run") and not records(log_dir, "train")  # the header is there, no step
+    run(args + ["--data-dir", data_dir])
+    assert [r["step"] for r in records(log_dir, "train")] == [0, 1]
+
+
+def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, tmp_path):
+    """Under DDP a request that reaches one rank while step 5 runs ends every rank after step 5."""
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "8", "--eval-every", "0"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        FAULT_TRAINER] + args, capture_output=True, text=True, env=dict(ENV, FAULT="term:1:5"),
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "stopped by a signal on another rank after 6 steps" in p.stdout
+    assert final_state(log_dir)[0] == 6 and [r["step"] for r in records(log_dir, "train")] == list(range(6))
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint(data_dir, reference_run, tmp_path):
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    older, newest = checkpoint.list_checkpoints(reference_run)  # steps 9 and 10
+    for path in (older, newest):
+        shutil.copy(path, log_dir)
+    cut = log_dir / os.path.basename(newest)
+    cut.write_bytes(cut.read_bytes()[:5000])  # as a full disk or a copy cut short would leave it
+    args = TINY + ["--data-dir", data_dir, "--log-dir", str(log_dir), "--max-steps", "10", "--checkpoint-every", "3",
+                   "--resume"]
+    p = run(args)
+    skipped = [l for l in p.stdout.splitlines() if l.startswith("resume: skipped")]
+    assert len(skipped) == 1 and cut.name in skipped[0] and "truncated or corrupt" in skipped[0]
+    assert f"resuming {log_dir / os.path.basename(older)} at step 9" in p.stdout
+    _, model_a, _ = final_state(reference_run)
+    _, model_b, _ = final_state(str(log_dir))
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+    for path in checkpoint.list_checkpoints(str(log_dir)):  # none loads: one line, nothing written
+        with open(path, "wb") as f:
+            f.write(b"garbage")
+    p = run(args, check=False)
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "none of the 2 checkpoints" in lines[0], p.stderr
+
+
+def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_path):
+    """A stop request in the middle of a long HellaSwag pass ends it at the next batch: no figure
+    is logged for it, the run keeps the steps it finished, and a resume continues exactly."""
+    hs = tmp_path / "hellaswag_val.jsonl"
+    item = {"ctx": "The cat sees a red ball and", "endings": ["it runs.", "the dog likes books.", "a.", "we paint."]}
+    hs.write_text("".join(json.dumps(dict(item, label=i % 4)) + "\n" for i in range(20000)))  # minutes to score
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "3"]
+    proc = subprocess.Popen([sys.executable, TRAIN] + args + ["--hellaswag-every", "5", "--hellaswag-file", str(hs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("step 0 | val_loss"):  # HellaSwag comes next
+            proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=600)
+    text = "".join(out)
+    assert proc.returncode == 0 and "stopped by SIGTERM after 0 steps" in text, text[-2000:]
+    assert records(log_dir, "hellaswag") == [] and records(log_dir, "end")[-1]["reason"] == "signal"
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000000.pt"]
+    run(args + ["--resume"])
+    assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
+
+
+class DiskFull(io.RawIOBase):
+    """A file that takes `room` bytes and then fails as a full disk does (ENOSPC)."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        if len(b) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(b)
+        return self.f.write(b)
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch):
+    """The disk fills while the step-6 checkpoint is written: torch's zip writer turns the OSError
+    into its own RuntimeError ("unexpected pos"); the run still ends in one line, with the step-3
+    checkpoint whole and no temporary file left."""
+    import train_gpt2
+    real = checkpoint.atomic_write
+
+    def filling(path, write_fn):
+        if "ckpt_000006" not in path:
+            return real(path, write_fn)
+        return real(path, lambda f: write_fn(DiskFull(f, 4096)))
+    monkeypatch.setattr(checkpoint, "atomic_write", filling)
+    # the trainer installs its own signal handlers: pytest's come back afterwards
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    log_dir = str(tmp_path / "log")
+    args = train_config.parse_args(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10",
+                                         "--checkpoint-every", "3"])
+    try:
+        with pytest.raises(common.UserError, match=r"ckpt_000006.pt \(no space left on its disk\)") as e:
+            train_gpt2.train(args)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert "ckpt_000003.pt is intact" in str(e.value) and "\n" not in str(e.value)
+    assert sorted(f for f in os.listdir(log_dir) if "ckpt" in f) == ["ckpt_000003.pt"]  # no half file left
+    assert checkpoint.load_file(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
+
+
+def test_checkpoints_load_memory_mapped_and_without_mmap_when_it_fails(tmp_path, monkeypatch):
+    """The ranks of a node resuming together share the file's pages (torch.load(mmap=True)); where
+    mmap fails the file is read the plain way, with the same result."""
+    path = str(tmp_path / "ckpt_000001.pt")
+    weights = torch.arange(4096, dtype=torch.float32)
+    checkpoint.save_file(path, {"step": 1, "model": {"w": weights}})
+    ckpt = checkpoint.load_file(path)
+    assert torch.equal(ckpt["model"]["w"], weights)
+    if os.path.exists("/proc/self/maps"):  # Linux: the file is mapped, not copied
+        with open("/proc/self/maps") as f:
+            assert path in f.read()
+    real_load = torch.load
+
+    def no_mmap(*args, mmap=None, **kw):
+        if mmap:
+            raise RuntimeError("mmap is not supported on this file system")
+        return real_load(*args, **kw)
+    monkeypatch.setattr(torch, "load", no_mmap)
+    assert torch.equal(checkpoint.load_file(path)["model"]["w"], weights)
+
+
+@pytest.mark.parametrize("sharding", ["none", "fsdp"])
+def test_torchrun_restart_after_a_killed_rank_resumes_by_itself(data_dir, tmp_path, sharding):
+    """torchrun --max-restarts with --resume: rank 1 dies with SIGKILL mid-run, the group is started
+    again, resumes from the last checkpoint, and ends with the per-step losses and the weights of a
+    run that never failed, under DDP and under FSDP."""
+    args = TINY + ["--data-dir", data_dir, "--max-steps", "8", "--checkpoint-every", "3", "--eval-every", "0",
+                   "--resume", "--sharding", sharding]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    ref = str(tmp_path / "ref")
+    p = subprocess.run(launch + [TRAIN] + args + ["--log-dir", ref], capture_output=True, text=True, env=ENV,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    log_dir = str(tmp_path / "log")
+    env = dict(ENV, FAULT="kill:1:5")  # rank 1 kills itself at step 5, two steps past a checkpoint
+    p = subprocess.run(launch + ["--max-restarts=1", FAULT_TRAINER] + args + ["--log-dir", log_dir],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert [h["restart"] for h in records(log_dir, "run")] == [0, 1]
+    assert "torchrun restart 1" in p.stdout and "resuming" in p.stdout
+    assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(ref, "train")]
+    _, model_a, optim_a = final_state(ref)
+    _, model_b, optim_b = final_state(log_dir)
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)  # bit for bit on CPU
+    assert all(torch.equal(optim_a["state"][i]["exp_avg_sq"], optim_b["state"][i]["exp_avg_sq"])
+               for i in optim_a["state"])
