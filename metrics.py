@@ -198,15 +198,12 @@ def steps_logged(log_dir):
 # Experiment trackers: Weights & Biases and TensorBoard, optional
 
 
-TRACKER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}  # flag -> the package it needs
-
-
-def check_tracker_installed(flag):
-    """UserError naming the pip install when the package a tracking flag needs is missing."""
+def check_tracker_installed(package):
+    """UserError naming the pip install when the package of a tracking flag (--wandb, --tensorboard:
+    each flag is named after its package) is missing."""
     import importlib.util
-    package = TRACKER_PACKAGES[flag]
     if importlib.util.find_spec(package) is None:
-        raise UserError(f"--{flag} needs the {package} package, which is not installed: pip install {package}")
+        raise UserError(f"--{package} needs the {package} package, which is not installed: pip install {package}")
 
 
 class Trackers:
