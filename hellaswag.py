@@ -113,7 +113,7 @@ def parse_item(line, where):
     raise common.UserError(f"{where}: malformed HellaSwag line ({problem}); {fix}")
 
 
-COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\xfd7zXZ\x00", "xz"), (b"BZh", "bz2"))  # first bytes of each format
+COMPRESSED = ((b"\x1f\x8b", "gzip", gzip), (b"\xfd7zXZ\x00", "xz", lzma), (b"BZh", "bz2", bz2))  # first bytes
 
 
 def open_text(path):
@@ -121,9 +121,8 @@ def open_text(path):
     (a .jsonl.gz copy, say); the name of the compression (or None)."""
     with open(path, "rb") as f:
         head = f.read(6)
-    for magic, kind in COMPRESSED:
+    for magic, kind, module in COMPRESSED:
         if head.startswith(magic):
-            module = {"gzip": gzip, "xz": lzma, "bz2": bz2}[kind]
             return module.open(path, "rt", encoding="utf-8", errors="replace"), kind
     return open(path, encoding="utf-8", errors="replace"), None
 

@@ -36,6 +36,10 @@ from model import GPT, GPTConfig, PRESETS
 from train_config import DEFAULT_WARMUP, FIXED_ON_RESUME, LAUNCH_ONLY, check_relations, parse_args, settings
 from tokenizer import gpt2_bpe_files
 
+# ----------------------------------------------------------------------------------------------
+# The learning-rate schedule
+
+
 @dataclass(frozen=True)
 class Schedule:
     """The learning rate at each step, for a group whose peak rate is `peak`: linear warm-up over
