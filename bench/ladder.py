@@ -332,6 +332,9 @@ def run_rung(spec):
         result["build_s"] = time.perf_counter() - t0
 
         ranks = Ranks(device=device)
+        # what the rung's optimizer did, beyond its losses: how far one block matrix moved
+        moved = raw_model.transformer.h[0].attn.c_attn.weight
+        start_weights = moved.detach().float().clone()
 
         schedule = train_gpt2.schedule_of(TRAIN)
 
@@ -361,6 +364,10 @@ def run_rung(spec):
         tps = result["tokens_per_step"] / (median / 1e3)
         peak_dtype = low_precision_dtype(device)
         peak = peak_flops(device_name(device), peak_dtype)
+        optimizers = getattr(optimizer, "optimizers", [optimizer])
+        result.update(optimizers=[type(o).__name__ for o in optimizers],
+                      optimizer_state=sum(len(o.state) for o in optimizers),
+                      weight_change=float((moved.detach().float() - start_weights).norm()))
         result.update(status="ok", step_ms=step_ms, wall_ms=timer.wall, median_ms=median,
                       min_ms=min(step_ms), max_ms=max(step_ms), tokens_per_s=tps, losses=losses,
                       final_loss=losses[-1], mfu_peak_dtype=peak_dtype,
