@@ -21,18 +21,32 @@ PADDED_VOCAB_SIZE = 50304  # next multiple of 128: tensor-core friendly shapes f
 
 
 class KVCache:
-    """Pre-allocated keys and values for every layer, filled as generation goes. Only positions
-    below pos are ever read, so the memory is left uninitialised."""
+    """Keys and values for every layer, filled as generation goes. The memory is allocated at the
+    first write, in the dtype attention computes in (the keys' own): that is the parameters' dtype
+    only in plain fp32; under autocast, or FSDP's 16-bit parameters for the forward while its
+    stored shards stay fp32, it is not. Only positions below pos are ever read, so the memory is
+    left uninitialised."""
 
-    def __init__(self, n_layer, batch_size, n_head, max_len, head_dim, device, dtype):
-        shape = (n_layer, batch_size, n_head, max_len, head_dim)
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+    def __init__(self, n_layer, batch_size, n_head, max_len, head_dim, device):
+        self.shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        self.device = device
+        self.k = self.v = None
         self.pos = 0  # number of positions already written
 
     @property
     def max_len(self):
-        return self.k.size(3)
+        return self.shape[3]
+
+    def append(self, layer, k, v):
+        """Store layer's keys and values (B, nh, T, hs) at positions pos..pos+T-1; return the layer's
+        keys and values for positions 0..pos+T-1 (pos itself moves on once every layer has written)."""
+        if self.k is None:
+            self.k = torch.empty(self.shape, device=self.device, dtype=k.dtype)
+            self.v = torch.empty(self.shape, device=self.device, dtype=v.dtype)
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
 class CausalSelfAttention(nn.Module):
@@ -60,10 +74,7 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             p = cache.pos
-            cache.k[layer, :, :, p:p + T] = k
-            cache.v[layer, :, :, p:p + T] = v
-            k = cache.k[layer, :, :, :p + T]  # (B, nh, p+T, hs)
-            v = cache.v[layer, :, :, :p + T]
+            k, v = cache.append(layer, k, v)  # (B, nh, p+T, hs)
             if p == 0:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             elif T == 1:
@@ -352,10 +363,8 @@ class GPT(nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if use_cache and cache is None and idx.size(1) < self.config.block_size:
-                param = self.lm_head.weight
                 hs = self.config.n_embd // self.config.n_head
-                cache = KVCache(self.config.n_layer, B, self.config.n_head, cache_len, hs, idx.device,
-                                param.dtype)
+                cache = KVCache(self.config.n_layer, B, self.config.n_head, cache_len, hs, idx.device)
                 logits, _ = self(idx, cache=cache)  # prefill: the whole prompt at once
             elif cache is not None and cache.pos < cache.max_len:
                 logits, _ = self(idx[:, -1:], cache=cache)  # one new token per forward

@@ -162,6 +162,7 @@ def _set_block_forwards(raw_model, activation_checkpointing, compile_blocks):
         if compile_blocks:
             forward = torch.compile(forward)  # compile sees the checkpoint (as torchtitan orders them)
         block.forward = forward
+        block._compiled = compile_blocks
 
 
 def mixed_precision_policy(dtype):
@@ -215,24 +216,36 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
 
 @contextmanager
 def grad_sync(model, enabled):
-    """Around forward and backward of a micro-step: enabled=False accumulates the gradients locally
-    without communication (DDP's no_sync, FSDP2's set_requires_gradient_sync(False)); the last
-    micro-step of a batch runs with enabled=True and reduces the sum."""
+    """Around forward and backward of a micro-step. Under DDP, enabled=False accumulates the
+    gradients locally without communication (no_sync) and the last micro-step (enabled=True)
+    all-reduces their sum. FSDP reduce-scatters at every micro-step, whatever `enabled` says, and
+    accumulates into the sharded gradients: skipping the sync there would keep every parameter's
+    full fp32 gradient on every GPU between micro-steps (6.2 GB at GPT-2 XL, what the 2 x 24 GB
+    recipe cannot spare), for the saving of communication that backward overlaps anyway; torchtitan
+    makes the same choice by default."""
     from torch.nn.parallel import DistributedDataParallel
-    if enabled:
-        yield
-    elif isinstance(model, DistributedDataParallel):
+    if enabled or not isinstance(model, DistributedDataParallel):
+        yield  # one process, FSDP, or the last micro-step
+    else:
         with model.no_sync():
             yield
-    elif is_fsdp(model):
-        fsdp = unwrap(model)
-        fsdp.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            fsdp.set_requires_gradient_sync(True)
-    else:
-        yield  # one process: nothing to sync
+
+
+@contextmanager
+def uncompiled(raw_model):
+    """The blocks' plain forwards for a while. Under FSDP each block's forward is compiled for
+    training (wrap_model); HellaSwag's packed rows and KV-cache sampling would make Dynamo compile
+    again for every new shape, cache position and layer until it gave up, so they run eagerly on the
+    same sharded weights. A no-op where the blocks were not compiled one by one."""
+    saved = {}
+    for block in raw_model.transformer.h:
+        if getattr(block, "_compiled", False):
+            saved[block] = block.__dict__.pop("forward")  # Block.forward (the class's) shows through
+    try:
+        yield raw_model
+    finally:
+        for block, forward in saved.items():
+            block.forward = forward
 
 
 def clip_grad_norm(model, max_norm):

@@ -98,19 +98,21 @@ def stream_sample(model, tokens, printer, device, dtype="float32", max_new_token
     return new
 
 
-def training_samples(model, prompt, num_samples, max_new_tokens, seed, device, stop=None):
+def training_samples(model, prompt, num_samples, max_new_tokens, seed, device, dtype="float32", stop=None):
     """The trainer's samples: num_samples continuations of prompt (top-k 50, temperature 1), as
-    one-line strings. stop: a common.StopFlag; a stop request ends generation at the next token."""
+    one-line strings, computed under the run's autocast dtype. stop: a common.StopFlag; a stop
+    request ends generation at the next token."""
     enc = get_tokenizer()
     idx = torch.tensor([enc.encode(prompt)] * num_samples, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
     new = []
-    for tokens in model.generate_stream(idx, max_new_tokens, temperature=1.0, top_k=50, generator=gen):
-        new.append(tokens)
-        if stop is not None and stop.signal is not None:
-            break
+    with autocast(device, dtype):
+        for tokens in model.generate_stream(idx, max_new_tokens, temperature=1.0, top_k=50, generator=gen):
+            new.append(tokens)
+            if stop is not None and stop.signal is not None:
+                break
     model.train(was_training)
     rows = torch.cat([idx] + [t[:, None] for t in new], dim=1).tolist()
     return [enc.decode(row).replace("\n", " ") for row in rows]

@@ -92,7 +92,7 @@ def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
 def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=None,
                timer=None):
     """One optimizer step: forward and backward over grad_accum micro-batches (DDP all-reduces the
-    gradients on the last one only), unscale, clip, and the update itself unless the loss or the
+    gradients on the last one only, FSDP reduce-scatters each one: parallel.grad_sync), unscale, clip, and the update itself unless the loss or the
     gradient norm is not finite (with fp16 the gradient scaler decides). The step's one host-device
     sync also carries this rank's stop request (stop: a common.StopFlag, read there, after the
     backward passes) to the others, so a request that came during the step ends the run after it.
@@ -207,7 +207,8 @@ def evaluate(run, step, stop):
         log.line(f"step {step} | val_loss {val_loss:.4f}")
         log.record("val", step=step, val_loss=val_loss, tokens=step * cfg.total_batch_size)
     if due(cfg.hellaswag_every):
-        result = run.hellaswag(run.raw_model, run.dtype, should_stop)
+        with parallel.uncompiled(run.raw_model):
+            result = run.hellaswag(run.raw_model, run.dtype, should_stop)
         if result is None and should_stop():
             return False
         if result is not None:
@@ -217,8 +218,9 @@ def evaluate(run, step, stop):
             log.record("hellaswag", step=step, tokens=step * cfg.total_batch_size, **result)
     if (ranks.is_master or run.fsdp) and step > 0 and due(cfg.sample_every):
         # under FSDP every forward is a collective: a stop request must not end one rank's loop early
-        texts = sample.training_samples(run.raw_model, cfg.sample_prompt, cfg.num_samples, cfg.sample_tokens,
-                                        cfg.seed + step, ranks.device, None if run.fsdp else stop)
+        with parallel.uncompiled(run.raw_model):
+            texts = sample.training_samples(run.raw_model, cfg.sample_prompt, cfg.num_samples, cfg.sample_tokens,
+                                            cfg.seed + step, ranks.device, run.dtype, None if run.fsdp else stop)
         for i, text in enumerate(texts):
             log.line(f"sample {i} | {text}")
             log.record("sample", step=step, index=i, text=text)

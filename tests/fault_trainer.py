@@ -1,17 +1,26 @@
 """
-train_gpt2.py with one fault injected, for the tests that check how a run survives it; the trainer
-itself carries no test hook. Run it as the trainer (python or torchrun), with FAULT set to
-KIND:RANK:STEP: that rank sends itself the signal as the optimizer step STEP begins (its
-train_step call, after the loop has read its stop flag), in the first launch only (not after a
-torchrun restart).
-    kill   SIGKILL: the process dies at once (a lost worker)
-    term   SIGTERM: a stop request that arrives while the step runs
+train_gpt2.py instrumented for the tests that check how a run survives a fault or what it
+compiles; the trainer itself carries no test hook. Run it as the trainer (python or torchrun),
+with any of these set:
+  FAULT=KIND:RANK:STEP     that rank sends itself the signal as the optimizer step STEP begins (its
+                           train_step call, after the loop has read its stop flag), in the first
+                           launch only (not after a torchrun restart)
+        kill   SIGKILL: the process dies at once (a lost worker)
+        term   SIGTERM: a stop request that arrives while the step runs
+  COMPILE_BACKEND=NAME     torch.compile uses this Dynamo backend (aot_eager: inductor's graphs
+                           without a C++ build on a small CPU)
+  COMPILE_LOG=PATH         each rank appends one JSON line to PATH.rankN per evaluation at the top of
+                           a step: {"step", "graphs"}, the graphs Dynamo compiled during it
 """
+import functools
+import json
 import os
 import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
 
 import common  # noqa: E402
 import parallel  # noqa: E402
@@ -32,6 +41,32 @@ def inject(spec):
     train_gpt2.train_step = faulty
 
 
+def count_compiles(backend, log_path):
+    """torch.compile with `backend`, counting the graphs it is handed; with log_path, the count of
+    each evaluation is written down."""
+    from torch._dynamo.backends.registry import lookup_backend
+    real_backend, graphs = lookup_backend(backend), [0]
+
+    def counting(gm, example_inputs):
+        graphs[0] += 1
+        return real_backend(gm, example_inputs)
+    torch.compile = functools.partial(torch.compile, backend=counting)
+    if not log_path:
+        return
+    real_evaluate = train_gpt2.evaluate
+
+    def evaluate(run, step, stop):
+        before = graphs[0]
+        result = real_evaluate(run, step, stop)
+        with open(f"{log_path}.rank{run.ranks.rank}", "a") as f:
+            f.write(json.dumps({"step": step, "graphs": graphs[0] - before}) + "\n")
+        return result
+    train_gpt2.evaluate = evaluate
+
+
 if __name__ == "__main__":
-    inject(os.environ["FAULT"])
+    if os.environ.get("FAULT"):
+        inject(os.environ["FAULT"])
+    if os.environ.get("COMPILE_BACKEND"):
+        count_compiles(os.environ["COMPILE_BACKEND"], os.environ.get("COMPILE_LOG"))
     common.run_main(train_gpt2.main)

@@ -206,7 +206,7 @@ def test_cached_logits_match_full_forward():
     from model import KVCache
     idx = torch.randint(0, 50257, (2, 20))
     full, _ = m(idx)
-    cache = KVCache(2, 2, 2, 64, 16, "cpu", torch.float32)
+    cache = KVCache(2, 2, 2, 64, 16, "cpu")
     m(idx[:, :12], cache=cache)
     step, _ = m(idx[:, 12:15], cache=cache)  # a chunk after the prefill uses the explicit mask
     assert (step[:, -1, :50257] - full[:, 14, :50257]).abs().max().item() < 1e-4

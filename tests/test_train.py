@@ -113,6 +113,58 @@ def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_pat
         assert torch.equal(exported(idx)[0][..., :50257], model.eval()(idx)[0][..., :50257])
 
 
+def hellaswag_items(path, n):
+    """n HellaSwag items in the official format."""
+    path.write_text("".join(json.dumps({"ctx": f"The cat sees item {i}.", "endings": ["A.", "It runs.", "B c.", "D."],
+                                        "label": i % 4}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_fsdp_in_bf16_compiled_evaluates_samples_resumes_and_exports(data_dir, tmp_path):
+    """FSDP with the 16-bit policy GPUs use (bf16 parameters in forward and backward, fp32 master
+    shards), compiled block by block (aot_eager), through every phase of a run: training, validation,
+    HellaSwag and samples, a sample right after a training step with no evaluation before it (where
+    the sharded weights are fp32 and the forward bf16), a SIGTERM, a resume with --resume alone and
+    the export. Evaluation compiles nothing once the first one has run (HellaSwag and samples run
+    uncompiled), and the resumed run ends bit-identical to the one that never stopped."""
+    base = TINY + ["--data-dir", data_dir, "--max-steps", "6", "--fsdp", "--dtype", "bfloat16", "--compile",
+                   "--eval-every", "4", "--hellaswag-every", "4", "--hellaswag-file",
+                   hellaswag_items(tmp_path / "hs.jsonl", 5), "--sample-every", "3", "--num-samples", "1",
+                   "--sample-tokens", "4", "--checkpoint-every", "0", "--export-hf"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULT_TRAINER]
+    env = dict(ENV, COMPILE_BACKEND="aot_eager", COMPILE_LOG=str(tmp_path / "compiles"))
+
+    def trainer(args, **extra):
+        p = subprocess.run(launch + args, capture_output=True, text=True, env=dict(env, **extra), timeout=900)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p.stdout
+
+    whole = str(tmp_path / "whole")
+    out = trainer(base + ["--log-dir", whole])
+    assert "dtype bfloat16" in out and "compile on" in out
+    assert [r["step"] for r in records(whole, "sample")] == [3, 5]
+    assert [r["step"] for r in records(whole, "hellaswag")] == [0, 4, 5]
+    for rank in (0, 1):
+        with open(tmp_path / f"compiles.rank{rank}") as f:
+            compiled = [json.loads(line) for line in f]
+        assert [c["step"] for c in compiled] == list(range(6))
+        assert all(c["graphs"] == 0 for c in compiled[1:]), compiled  # nothing new after the first
+    stopped = str(tmp_path / "stopped")
+    trainer(base + ["--log-dir", stopped], FAULT="term:0:4")
+    assert checkpoint.step_of(checkpoint.latest_checkpoint(stopped)) == 5
+    trainer(["--log-dir", stopped, "--resume"])
+    assert [r["loss"] for r in records(stopped, "train")] == [r["loss"] for r in records(whole, "train")]
+    _, model_a, optim_a = final_state(whole)
+    _, model_b, optim_b = final_state(stopped)
+    assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+    assert all(torch.equal(optim_a["state"][i]["exp_avg"], optim_b["state"][i]["exp_avg"]) for i in optim_a["state"])
+    exported, _ = checkpoint.load_model(os.path.join(stopped, "hf"))
+    model, _ = checkpoint.load_model(stopped)
+    idx = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        assert torch.equal(exported(idx)[0][..., :50257], model(idx)[0][..., :50257])
+
+
 def test_muon_accumulates_trains_on_two_processes_and_resumes_exactly(data_dir, tmp_path):
     """--optimizer muon through the trainer: micro-batches of 2 with accumulation equal one batch of
     4; two processes equal one; a kill -9 mid-run, resumed with --resume alone, ends bit-identical
