@@ -39,6 +39,12 @@ def bf16_supported(device):
     return kind in ("cpu", "mps")
 
 
+def muon_dtype(device):
+    """What Muon's Newton-Schulz iteration runs in: bfloat16 (torch.optim.Muon's) where the device
+    has it, float16 on GPUs without it (T4, V100, P100), whose tensor cores compute in fp16."""
+    return torch.bfloat16 if bf16_supported(device) else torch.float16
+
+
 def pick_dtype(requested, device):
     """'auto': bf16 on GPUs that have it (Ampere+), fp16 on older GPUs (T4, V100), fp32 on CPU."""
     kind = device.split(":")[0]

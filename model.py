@@ -305,13 +305,14 @@ class GPT(nn.Module):
     # Training helpers
 
     def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8,
-                             device_type="cpu", fused=None, muon_lr=None, muon_momentum=0.95):
+                             device_type="cpu", fused=None, muon_lr=None, muon_momentum=0.95,
+                             muon_dtype=torch.bfloat16):
         """AdamW; weight decay on 2-D weights (matmuls, embeddings) only, not biases or norms.
         With muon_lr: the 2-D weights inside the blocks (attention and MLP projections) are
         trained by torch.optim.Muon instead, at muon_lr with Nesterov momentum muon_momentum and
         no weight decay (as Keller Jordan's Muon and the modded-nanogpt speedrun train them), and
         AdamW keeps the embeddings (the tied head with them), the LayerNorm gains and every bias:
-        an Optimizers pair."""
+        an Optimizers pair. muon_dtype: what Muon orthogonalises in (see Muon)."""
         params = [p for p in self.parameters() if p.requires_grad]
         matrices = []
         if muon_lr is not None:
@@ -328,7 +329,8 @@ class GPT(nn.Module):
             return adamw
         # the learning rate is scaled by sqrt(max(1, rows / columns)) per matrix (torch's "original",
         # Keller Jordan's rule), so that wide and tall matrices take updates of the same RMS
-        muon = torch.optim.Muon(matrices, lr=muon_lr, momentum=muon_momentum, nesterov=True, weight_decay=0.0)
+        muon = Muon(matrices, lr=muon_lr, momentum=muon_momentum, nesterov=True, weight_decay=0.0,
+                    ortho_dtype=muon_dtype)
         return Optimizers(muon, adamw)
 
     def flops_per_token(self, seq_len=None):
@@ -410,6 +412,56 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon, whose Newton-Schulz iteration runs in bfloat16, with the choice of another
+    dtype for GPUs without bf16 (T4, V100, P100): ortho_dtype float16 (their tensor cores' type; the
+    iteration keeps every entry within [-1, 1], far inside fp16's range) or float32. In bfloat16 it
+    is torch's own step. The state and its checkpoints are the same either way."""
+
+    def __init__(self, params, ortho_dtype=torch.bfloat16, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ortho_dtype = ortho_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.ortho_dtype == torch.bfloat16:
+            return super().step(closure)
+        assert closure is None, "the trainer passes no closure"
+        for group in self.param_groups:
+            momentum, lr = group["momentum"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)  # as torch's: B = mu B + (1 - mu) g
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                       self.ortho_dtype)
+                rows, cols = p.shape[:2]
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # torch's "original" scaling
+        return None
+
+
+def orthogonalize(g, coefficients, steps, eps, dtype):
+    """The quintic Newton-Schulz iteration of Keller Jordan's Muon, as torch.optim.Muon runs it,
+    in `dtype`: g (2-D) mapped to roughly U V^T of its SVD (singular values pushed into ~[0.5, 1.5])."""
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T  # iterate on the wide orientation: the Gram matrix is the smaller one
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
 
 
 class Optimizers:

@@ -309,7 +309,8 @@ def build_optimizer(cfg, raw_model, ranks, dtype):
     scaler unscales the gradients before either optimizer sees them."""
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
                                                ranks.device_type, muon_lr=muon_lr(cfg),
-                                               muon_momentum=cfg.muon_momentum)
+                                               muon_momentum=cfg.muon_momentum,
+                                               muon_dtype=device.muon_dtype(ranks.device))
     scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
     return optimizer, scaler
 
@@ -357,6 +358,8 @@ def write_header(run, origin, resume_path, fitted, changes):
              f"{' (auto-fit)' if fitted else ''}{val_note}")
     auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < DEFAULT_WARMUP
     muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if muon_lr(cfg) else ""
+    if muon and device.muon_dtype(ranks.device) != torch.bfloat16:
+        muon += " (Newton-Schulz in float16: no bfloat16 on this GPU)"
     log.line(f"lr {cfg.max_lr:g}{muon}: {cfg.warmup_steps} warm-up steps"
              f"{' (10% of --max-steps; --warmup-steps sets it)' if auto_warmup else ''}"
              f", {'cosine' if cfg.lr_schedule == 'cosine' else 'stable, then linear'} to "

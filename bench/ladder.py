@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import measure  # noqa: E402
 
 import common  # noqa: E402
-from device import autocast, device_name, peak_flops, pick_device, pick_dtype  # noqa: E402
+from device import autocast, device_name, muon_dtype, peak_flops, pick_device, pick_dtype  # noqa: E402
 from metrics import git_commit, versions  # noqa: E402
 from parallel import Ranks  # noqa: E402
 import parallel  # noqa: E402
@@ -326,7 +326,8 @@ def run_rung(spec):
         optimizer = raw_model.configure_optimizers(TRAIN.weight_decay, TRAIN.max_lr, (TRAIN.beta1, TRAIN.beta2),
                                                    TRAIN.eps, kind, fused=s["fused_adamw"],
                                                    muon_lr=TRAIN.muon_lr if s["optimizer"] == "muon" else None,
-                                                   muon_momentum=TRAIN.muon_momentum)
+                                                   muon_momentum=TRAIN.muon_momentum,
+                                                   muon_dtype=muon_dtype(device))
         scaler = torch.amp.GradScaler(kind, enabled=(dtype == "float16"))
         loader = TokenLoader(spec["data_dir"], "train", B, T, device=device, prefetch=s["prefetch"])
         result["build_s"] = time.perf_counter() - t0

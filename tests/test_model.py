@@ -187,6 +187,39 @@ def test_muon_for_the_block_matrices_adamw_for_the_rest():
     assert len(state["optimizers"]) == 2 and "momentum_buffer" in state["optimizers"][0]["state"][0]
 
 
+def test_muon_without_bf16_orthogonalises_in_another_dtype_and_steps_as_torch_does(monkeypatch):
+    """GPUs without bf16 (T4, V100) run Muon's Newton-Schulz in fp16 (or fp32): the iteration is
+    torch's, and the step around it (momentum, Nesterov, the shape's LR scale, weight decay) is too."""
+    import torch.optim._muon as torch_muon
+    from model import Muon, orthogonalize
+    torch.manual_seed(0)
+    coefficients, steps, eps = (3.4445, -4.775, 2.0315), 5, 1e-7
+    for shape in ((8, 24), (24, 8)):  # wide and tall
+        g = torch.randn(shape)
+        ours = orthogonalize(g, coefficients, steps, eps, torch.bfloat16)
+        assert torch.equal(ours, torch_muon._zeropower_via_newtonschulz(g, coefficients, steps, eps))
+        exact = orthogonalize(g.double(), coefficients, steps, eps, torch.float64)
+        for dtype, tol in ((torch.float16, 5e-3), (torch.float32, 1e-5)):
+            assert (orthogonalize(g, coefficients, steps, eps, dtype).double() - exact).abs().max() < tol
+    # the step: ours in float32 against torch's with its iteration run in float32 as well
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz",
+                        lambda g, c, n, e: orthogonalize(g, c, n, e, torch.float32))
+    a, b = torch.nn.Parameter(torch.randn(24, 8)), torch.nn.Parameter(torch.randn(8, 24))
+    a2, b2 = (torch.nn.Parameter(t.detach().clone()) for t in (a, b))
+    kw = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01)
+    ours, ref = Muon([a, b], ortho_dtype=torch.float32, **kw), torch.optim.Muon([a2, b2], **kw)
+    for _ in range(3):
+        for p, q in ((a, a2), (b, b2)):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+    for p, q in ((a, a2), (b, b2)):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert ours.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
+    torch.testing.assert_close(ours.state[a]["momentum_buffer"], ref.state[a2]["momentum_buffer"])
+
+
 def test_kv_cache_greedy_equals_no_cache():
     torch.manual_seed(0)
     m = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)).eval()
