@@ -4,6 +4,7 @@ and its peak FLOP/s (what MFU divides by).
 """
 
 import contextlib
+import re
 
 import torch
 
@@ -24,8 +25,13 @@ def pick_device(requested="auto"):
     if kind == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {requested} but PyTorch sees no CUDA GPU "
                         f"(torch {torch.__version__}); use --device cpu or install a CUDA build of PyTorch")
-    if kind == "cuda" and ":" in requested and int(requested.split(":")[1]) >= torch.cuda.device_count():
-        raise UserError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) visible")
+    if kind == "cuda" and ":" in requested:
+        index = requested.split(":")[1]
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            raise UserError(f"--device {requested}: the GPUs visible are cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        # made current: what asks "the current device" (cuBLAS handles, CUDA events, kernels launched
+        # without a device) must ask this one, not cuda:0
+        torch.cuda.set_device(requested)
     if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise UserError("--device mps but Apple MPS is not available here; use --device cpu")
     return requested
@@ -35,8 +41,26 @@ def bf16_supported(device):
     """Whether the device computes in bfloat16 natively (emulation on old GPUs does not count)."""
     kind = device.split(":")[0]
     if kind == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
+        if torch.version.hip:  # ROCm: every GPU it runs on has bf16
+            return torch.cuda.is_bf16_supported()
+        # asked of this device, by capability: torch.cuda.is_bf16_supported() asks the current one
+        return torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and newer
     return kind in ("cpu", "mps")
+
+
+TRITON_MIN_CAPABILITY = (7, 0)  # Triton, which torch.compile's inductor writes GPU kernels in, needs Volta+
+
+
+def compile_blocker(device):
+    """Why torch.compile cannot run on this device, as a phrase, or None where it can."""
+    if device.split(":")[0] != "cuda" or torch.version.hip:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < TRITON_MIN_CAPABILITY:
+        need = ".".join(map(str, TRITON_MIN_CAPABILITY))
+        return (f"the {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}, and Triton, "
+                f"which torch.compile generates GPU code with, needs {need} or newer")
+    return None
 
 
 def muon_dtype(device):
@@ -89,27 +113,38 @@ def synchronize(device):
         torch.mps.synchronize()
 
 
-# Dense (no sparsity) tensor-core peak FLOP/s from the vendors' datasheets, as (bf16, fp16);
-# None where the chip has no bf16. Matched against torch.cuda.get_device_name() in order,
-# so more specific names come first ("A100" before "A10", "L40S" before "L4").
+# Dense (no sparsity) tensor-core peak FLOP/s from the vendors' datasheets, as (bf16, fp16); None
+# where the chip has no bf16. A row matches a GPU when all its words are words of the GPU's name
+# (gpu_words()), whole words only: "RTX A1000" is not an A100. More specific rows come first.
 PEAK_FLOPS = [
-    ("H100 PCIe", 756e12, 756e12),
-    ("H100 NVL", 835e12, 835e12),
-    ("H100", 989e12, 989e12),   # SXM ("NVIDIA H100 80GB HBM3")
-    ("H200", 989e12, 989e12),
-    ("GH200", 989e12, 989e12),
-    ("A100", 312e12, 312e12),
-    ("A10G", 70e12, 70e12),     # AWS variant of the A10, lower clocks
-    ("A10", 125e12, 125e12),
-    ("L40S", 362e12, 362e12),
-    ("L40", 181e12, 181e12),
-    ("L4", 121e12, 121e12),
-    ("RTX 4090", 165e12, 165e12),  # fp32 accumulate, which PyTorch uses
-    ("RTX 3090", 71e12, 71e12),    # fp32 accumulate
-    ("A6000", 155e12, 155e12),
-    ("V100", None, 125e12),
-    ("T4", None, 65e12),
+    (("H100", "PCIE"), 756e12, 756e12),
+    (("H100", "NVL"), 835e12, 835e12),
+    (("H100",), 989e12, 989e12),   # SXM ("NVIDIA H100 80GB HBM3")
+    (("H200", "NVL"), 835e12, 835e12),
+    (("H200",), 989e12, 989e12),
+    (("GH200",), 989e12, 989e12),
+    (("A100",), 312e12, 312e12),
+    (("A10G",), 70e12, 70e12),     # AWS's variant of the A10, lower clocks
+    (("A10",), 125e12, 125e12),
+    (("L40S",), 362e12, 362e12),
+    (("L40",), 181e12, 181e12),
+    (("L4",), 121e12, 121e12),
+    (("RTX", "4090"), 165e12, 165e12),  # fp32 accumulate, which PyTorch uses
+    (("RTX", "3090"), 71e12, 71e12),    # fp32 accumulate
+    (("RTX", "A6000"), 155e12, 155e12),
+    (("V100S",), None, 130e12),
+    (("V100", "PCIE"), None, 112e12),
+    (("V100",), None, 125e12),     # SXM2
+    (("T4",), None, 65e12),
+    (("P100",), None, 18.7e12),    # no tensor cores: fp16 at twice the fp32 rate
 ]
+
+
+def gpu_words(device_name):
+    """The words of a GPU's name, upper-case, without the vendor and family words:
+    "NVIDIA A100-SXM4-80GB" -> {"A100", "SXM4", "80GB"}, "Tesla V100-PCIE-16GB" -> {"V100", "PCIE", "16GB"}."""
+    words = re.split(r"[\s\-_/]+", device_name.upper())
+    return {w for w in words if w and w not in ("NVIDIA", "TESLA", "GEFORCE", "QUADRO")}
 
 
 def peak_flops(device_name, dtype):
@@ -117,8 +152,9 @@ def peak_flops(device_name, dtype):
     None if unknown: what GPT.estimate_mfu divides by."""
     if not device_name or dtype not in ("bfloat16", "float16"):
         return None  # fp32 and CPUs: no honest single number, so MFU is reported as unknown
-    for pattern, bf16, fp16 in PEAK_FLOPS:
-        if pattern in device_name:
+    words = gpu_words(device_name)
+    for model, bf16, fp16 in PEAK_FLOPS:
+        if words.issuperset(model):
             return bf16 if dtype == "bfloat16" else fp16
     return None
 
@@ -134,7 +170,7 @@ def slow_settings(device, dtype, compile_on, deterministic, micro_batch_tokens):
     if kind == "cuda":
         if dtype == "float32" and bf16_supported(device):
             warn.append("float32 on a GPU with bfloat16: several times slower; use --dtype auto")
-        if not compile_on:
+        if not compile_on and compile_blocker(device) is None:
             warn.append("torch.compile is off on CUDA: expect ~1.5-2x slower steps; drop --no-compile")
         if micro_batch_tokens < 8192:
             warn.append(f"a micro-batch of {micro_batch_tokens} tokens is small enough for the GPU to idle; "

@@ -91,7 +91,11 @@ def setup_distributed(requested_device="auto", timeout_s=None):
         # One key prefix per attempt keeps the attempts apart.
         store, rank, world_size = next(tdist.rendezvous("env://", rank, world_size, timeout=timeout))
         store = tdist.PrefixStore(f"attempt_{torchrun_restart()}", store)
-        tdist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        # device_id binds NCCL's communicator to this rank's GPU at once (no guess from the current
+        # device at the first collective, and barriers know which GPU to use)
+        extra = dict(device_id=torch.device(device)) if backend == "nccl" else {}
+        tdist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                 **extra)
         common.mark_joined_process_group()
     return Ranks(rank, local_rank, world_size, device)
 

@@ -236,7 +236,10 @@ def evaluate(run, step, stop):
 def configure_backends(cfg, ranks):
     """The autocast dtype and whether to compile; TF32 and determinism switches."""
     dtype = device.pick_dtype(cfg.dtype, ranks.device)
-    compile_on = ranks.device_type == "cuda" if cfg.compile is None else cfg.compile
+    blocker = device.compile_blocker(ranks.device)
+    if cfg.compile and blocker:
+        raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")
+    compile_on = ranks.device_type == "cuda" and blocker is None if cfg.compile is None else cfg.compile
     if ranks.device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True
@@ -346,8 +349,10 @@ def write_header(run, origin, resume_path, fitted, changes):
     log.line(f"run: {start} | model {origin}, {model.num_params() / 1e6:.1f}M parameters")
     for change in changes:
         log.line(f"resume: {change}")
+    blocker = None if run.compile else device.compile_blocker(ranks.device)
     log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | world size {ranks.world_size} | "
-             f"compile {'on' if run.compile else 'off'} | git {commit} | torch {torch.__version__}")
+             f"compile {'on' if run.compile else 'off'}{f' ({blocker})' if blocker else ''} | git {commit} | "
+             f"torch {torch.__version__}")
     val_note = ""
     if run.val_loader is not None:
         whole = run.val_steps == run.val_loader.batches_per_epoch

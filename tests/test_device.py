@@ -8,32 +8,109 @@ import device
 from device import peak_flops
 
 
-def test_peak_flops_by_gpu_name():
+# what torch.cuda.get_device_name() returns on real machines, and each one's dense peak (bf16, fp16)
+REAL_GPUS = [
+    ("NVIDIA H100 80GB HBM3", 989e12, 989e12), ("NVIDIA H100 PCIe", 756e12, 756e12),
+    ("NVIDIA H100 NVL", 835e12, 835e12), ("NVIDIA H200", 989e12, 989e12), ("NVIDIA H200 NVL", 835e12, 835e12),
+    ("NVIDIA GH200 480GB", 989e12, 989e12), ("NVIDIA A100-SXM4-80GB", 312e12, 312e12),
+    ("NVIDIA A100-SXM4-40GB", 312e12, 312e12), ("NVIDIA A100 80GB PCIe", 312e12, 312e12),
+    ("NVIDIA A100-PCIE-40GB", 312e12, 312e12), ("NVIDIA A10G", 70e12, 70e12), ("NVIDIA A10", 125e12, 125e12),
+    ("NVIDIA L4", 121e12, 121e12), ("NVIDIA L40", 181e12, 181e12), ("NVIDIA L40S", 362e12, 362e12),
+    ("NVIDIA GeForce RTX 4090", 165e12, 165e12), ("NVIDIA GeForce RTX 3090", 71e12, 71e12),
+    ("NVIDIA RTX A6000", 155e12, 155e12), ("Tesla V100-SXM2-16GB", None, 125e12),
+    ("Tesla V100-SXM2-32GB", None, 125e12), ("Tesla V100-PCIE-16GB", None, 112e12),
+    ("Tesla V100S-PCIE-32GB", None, 130e12), ("Tesla T4", None, 65e12), ("Tesla P100-PCIE-16GB", None, 18.7e12),
+    # no row of their own, and no other GPU's row either (an A1000 is not an A100, an L4000 not an L4)
+    ("NVIDIA RTX A1000", None, None), ("NVIDIA RTX A2000 12GB", None, None), ("NVIDIA RTX 4000 Ada Generation", None, None),
+    ("Quadro RTX 6000", None, None), ("NVIDIA GeForce GTX 1080 Ti", None, None),
+]
+
+
+@pytest.mark.parametrize("name,bf16,fp16", REAL_GPUS)
+def test_peak_flops_by_whole_gpu_name(name, bf16, fp16):
+    assert peak_flops(name, "bfloat16") == bf16 and peak_flops(name, "float16") == fp16
+    assert peak_flops(name, "float32") is None  # no honest fp32 peak
+
+
+def test_peak_flops_of_no_gpu():
     assert peak_flops("cpu", "float32") is None and peak_flops("cpu", "bfloat16") is None
     assert peak_flops("Some Future GPU", "bfloat16") is None
-    assert peak_flops("NVIDIA H100 80GB HBM3", "float32") is None  # no honest fp32 peak
-    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
-    assert peak_flops("NVIDIA A10G", "bfloat16") == 70e12          # not the A100's entry
-    assert peak_flops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312e12
-    assert peak_flops("NVIDIA L40S", "bfloat16") == 362e12
-    assert peak_flops("NVIDIA L4", "bfloat16") == 121e12
-    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
-    assert peak_flops("Tesla T4", "bfloat16") is None
-    assert peak_flops("Tesla T4", "float16") == 65e12
-    assert peak_flops("Tesla V100-SXM2-16GB", "float16") == 125e12
+
+
+def fake_gpus(monkeypatch, gpus):
+    """CUDA as a machine with these GPUs would show it: gpus, [(name, (major, minor))] by index."""
+    index = lambda d=None: 0 if d is None else int(str(d).split(":")[1]) if ":" in str(d) else 0  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: gpus[index(d)][0])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: gpus[index(d)][1])
+    monkeypatch.setattr(torch.version, "hip", None)
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    # what asks the current device instead of the given one would answer for cuda:0
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: gpus[0][1] >= (8, 0))
+    return current
 
 
 def test_dtype_and_device_choice(monkeypatch):
     assert device.pick_dtype("auto", "cpu") == "float32"
     with pytest.raises(common.UserError, match="float16"):
         device.pick_dtype("float16", "cpu")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    current = fake_gpus(monkeypatch, [("Tesla T4", (7, 5)), ("NVIDIA A100-SXM4-80GB", (8, 0))])
     assert device.pick_dtype("auto", "cuda") == "float16"  # T4 / V100: fp16 with a gradient scaler
     with pytest.raises(common.UserError, match="Tesla T4 has no bfloat16"):
-        device.pick_dtype("bf16", "cuda")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert device.pick_dtype("auto", "cuda:0") == "bfloat16"
+        device.pick_dtype("bf16", "cuda:0")
+    # a mixed machine: cuda:1 is asked about itself, and made the current device
+    assert device.pick_device("cuda:1") == "cuda:1" and current == ["cuda:1"]
+    assert device.pick_dtype("auto", "cuda:1") == "bfloat16"
+    assert device.muon_dtype("cuda:0") == torch.float16 and device.muon_dtype("cuda:1") == torch.bfloat16
+    with pytest.raises(common.UserError, match="cuda:0 to cuda:1"):
+        device.pick_device("cuda:2")
+
+
+@pytest.mark.parametrize("gpu,default,explicit", [
+    (("Tesla P100-PCIE-16GB", (6, 0)), False, "needs 7.0 or newer"),  # Kaggle's P100: no Triton
+    (("Tesla T4", (7, 5)), True, None),
+    (("NVIDIA H100 80GB HBM3", (9, 0)), True, None),
+])
+def test_compile_by_default_only_where_triton_runs(monkeypatch, gpu, default, explicit):
+    import argparse
+    import parallel
+    import train_gpt2
+    fake_gpus(monkeypatch, [gpu])
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    ranks = parallel.Ranks(device="cuda")
+    try:
+        cfg = argparse.Namespace(dtype="auto", compile=None, deterministic=False)
+        assert train_gpt2.configure_backends(cfg, ranks)[1] is default
+        if explicit:
+            assert explicit in device.compile_blocker("cuda")
+            with pytest.raises(common.UserError, match=f"--compile: the {gpu[0]} has compute capability 6.0"):
+                train_gpt2.configure_backends(argparse.Namespace(dtype="auto", compile=True, deterministic=False),
+                                              ranks)
+            # and no advice to turn on what cannot run
+            assert not any("compile" in w for w in device.slow_settings("cuda", "float16", False, False, 2 ** 16))
+        else:
+            assert device.compile_blocker("cuda") is None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
+    import torch.distributed as tdist
+    import parallel
+    fake_gpus(monkeypatch, [("NVIDIA H100 80GB HBM3", (9, 0))] * 2)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(common, "_joined_process_group", False)  # put back after the test
+    monkeypatch.setattr(tdist, "is_initialized", lambda: False)
+    monkeypatch.setattr(tdist, "rendezvous", lambda *a, **k: iter([(tdist.HashStore(), 1, 2)]))
+    calls = []
+    monkeypatch.setattr(tdist, "init_process_group", lambda **kw: calls.append(kw))
+    ranks = parallel.setup_distributed("auto")
+    assert ranks.device == "cuda:1" and calls[0]["backend"] == "nccl"
+    assert calls[0]["device_id"] == torch.device("cuda:1")
 
 
 def test_synchronize_waits_on_the_device_it_is_given(monkeypatch):
