@@ -397,47 +397,113 @@ def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
     return [b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0]
 
 
-def cuda_memory_probe(model, block_size, device, dtype, margin=0.10, agree=lambda ok: ok):
-    """fits(b): one forward+backward at micro-batch b stays under (1 - margin) of the GPU's memory,
+# What a failed allocation says: PyTorch's caching allocator raises OutOfMemoryError, but cuBLAS and
+# cuDNN report theirs (a handle or workspace they could not get) as plain RuntimeErrors.
+ALLOCATION_FAILURES = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED", "NOT_ENOUGH_WORKSPACE")
+
+
+def is_allocation_failure(e):
+    """Whether an exception means the device ran out of memory (then a size does not fit)."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(m in str(e) for m in ALLOCATION_FAILURES))
+
+
+class CudaMemory:
+    """The GPU memory counters the micro-batch probe reads (tests give it a fake one)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def capacity(self):
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    def reset(self):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self):
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reserve(self, nbytes):
+        """Allocate nbytes and let them go: raises where they are not free."""
+        torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)  # freed at once, kept in the cache
+
+
+def memory_probe(model, block_size, device, dtype, memory, agree, activation_bytes=None, margin=0.10):
+    """fits(b): one forward+backward at micro-batch b stays under (1 - margin) of the device's memory,
     counting the AdamW state (two fp32 moments per parameter it holds) that the real step adds.
-    `model` is the model as it will train (sharded, activation-checkpointed); agree(ok) makes every
-    rank take the same answer, since under FSDP each probe is a collective."""
-    total = torch.cuda.get_device_properties(device).total_memory
+    `model` is the model as it will train (sharded, activation-checkpointed); memory: a CudaMemory.
+    agree(ok, error) -> ok: the same answer on every rank (an error on any rank raises on all).
+
+    Any allocation failure means "does not fit", on every rank. Under FSDP a forward is a sequence of
+    collectives, and a rank that failed in the middle of one would leave the others waiting for it:
+    there each rank first tries to allocate the activations the plan expects (activation_bytes(b),
+    generous already), the ranks agree on that, and only a size that all could allocate is run."""
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731  (an FSDP shard)
     optimizer_bytes = 2 * 4 * sum(local(p).numel() for p in model.parameters())
+    capacity = memory.capacity()
+    sharded = is_fsdp(model)
+
+    def attempt(step):
+        try:
+            step()
+            return True, None
+        except Exception as e:  # noqa: BLE001 (every rank must reach agree(), whatever happened)
+            return False, None if is_allocation_failure(e) else f"{type(e).__name__}: {common.first_line(e)}"
+
+    def forward_backward(b):
+        x = torch.randint(0, model.config.vocab_size, (b, block_size), device=device)
+        with autocast(device, dtype):
+            _, loss = model(x, x)
+        loss.backward()
 
     def fits(b):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        memory.reset()
         try:
-            x = torch.randint(0, model.config.vocab_size, (b, block_size), device=device)
-            with autocast(device, dtype):
-                _, loss = model(x, x)
-            loss.backward()
-            ok = torch.cuda.max_memory_allocated(device) + optimizer_bytes <= (1 - margin) * total
-        except torch.cuda.OutOfMemoryError:
-            ok = False  # still through agree(): the other ranks are waiting in it
+            if sharded and not agree(*attempt(lambda: memory.reserve(activation_bytes(b)))):
+                return False
+            ok, error = attempt(lambda: forward_backward(b))
+            ok = ok and memory.peak() + optimizer_bytes <= (1 - margin) * capacity
         finally:
             model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-        return agree(ok)
+            if sharded:  # a forward that stopped half-way may leave blocks gathered
+                for m in model.modules():
+                    if hasattr(m, "reshard"):
+                        m.reshard()
+            memory.reset()
+        return agree(ok, error)
     return fits
 
 
-def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size):
-    """The micro-batch for --micro-batch-size auto; ranks: the run's Ranks."""
+def agree_across(ranks):
+    """agree(ok, error) for memory_probe: True only where every rank's ok is; a rank's unexpected
+    error is raised on every rank (as a RuntimeError naming the rank), so none waits for it."""
+    def agree(ok, error=None):
+        answers = gather((ok, error), ranks)
+        for rank, (_, problem) in enumerate(answers):
+            if problem:
+                raise RuntimeError(f"the micro-batch probe failed on rank {rank}: {problem}")
+        return all(fit for fit, _ in answers)
+    return agree
+
+
+def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, activation_bytes=None, memory=None):
+    """The micro-batch for --micro-batch-size auto; ranks: the run's Ranks. activation_bytes(b): the
+    memory plan's activations at micro-batch b (what FSDP's ranks reserve first); memory: the
+    device's counters (CudaMemory on CUDA; elsewhere none, and the answer is 8 or fewer)."""
     cands = micro_batch_candidates(total_batch_size, block_size, ranks.world_size)
     if not cands:
         raise UserError(f"--total-batch-size {total_batch_size} is not divisible by block size x GPUs "
                         f"({block_size} x {ranks.world_size}); use a multiple of {block_size * ranks.world_size}")
-    if ranks.device_type == "cuda":
-        agree = lambda ok: all(gather(ok, ranks))  # noqa: E731
-        best = largest_fitting(cands, cuda_memory_probe(model, block_size, ranks.device, dtype, agree=agree))
-        if best is None:
-            raise UserError(f"even a micro-batch of 1 x {block_size} tokens does not fit in GPU memory: use "
-                            "--sharding fsdp over several GPUs, --activation-checkpointing, or a smaller --model")
-    else:
-        best = max(b for b in cands if b <= 8)  # the same on every rank
+    if memory is None and ranks.device_type == "cuda":
+        memory = CudaMemory(ranks.device)
+    if memory is None:
+        return max(b for b in cands if b <= 8)  # the same on every rank
+    fits = memory_probe(model, block_size, ranks.device, dtype, memory, agree_across(ranks), activation_bytes)
+    best = largest_fitting(cands, fits)
+    if best is None:
+        raise UserError(f"even a micro-batch of 1 x {block_size} tokens does not fit in GPU memory: use "
+                        "--sharding fsdp over several GPUs, --activation-checkpointing, or a smaller --model")
     return best
 
 

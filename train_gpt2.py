@@ -278,7 +278,12 @@ def build_model(cfg, ckpt):
 def batch_geometry(cfg, ranks, model, dtype):
     """(micro-batch, accumulation steps): say each number once, derive the rest and assert it."""
     if cfg.micro_batch_size == "auto":
-        micro_batch = parallel.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size)
+        c = model.config
+        activations = lambda b: parallel.memory_plan(  # noqa: E731
+            model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, dtype, b, c.block_size, c.n_layer,
+            c.n_embd, cfg.activation_checkpointing)["activations"]
+        micro_batch = parallel.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size,
+                                                  activations)
     else:
         micro_batch = cfg.micro_batch_size
     tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size

@@ -1,6 +1,7 @@
 """parallel.py: FSDP2 and DDP on two CPU processes (gloo) against one process, activation
 checkpointing against none, an exact resume from full state dicts, and the memory plan's arithmetic.
 Every scenario trains with the trainer's own step (train_gpt2.train_step) on its own loader."""
+import datetime
 import functools
 import os
 
@@ -73,10 +74,39 @@ def run(raw, sharding, data_dir, ranks, steps=STEPS, checkpointing=False, compil
     return model, optimizer, data, losses, norms
 
 
+class FakeMemory:
+    """A device with room for everything, whose allocations of fail_from bytes or more fail."""
+
+    def __init__(self, fail_from=None):
+        self.fail_from = fail_from
+
+    def capacity(self):
+        return 2 ** 40
+
+    def reset(self):
+        pass
+
+    def peak(self):
+        return 0
+
+    def reserve(self, nbytes):
+        if self.fail_from is not None and nbytes >= self.fail_from:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
+
+
+def failing_forward(raw, failure, idx, targets=None, **kw):
+    """GPT.forward, except that a micro-batch of 4 or more raises `failure`."""
+    if idx.size(0) >= 4:
+        raise failure
+    return GPT.forward(raw, idx, targets, **kw)
+
+
 def worker(rank, world, tmp):
     """Every two-process scenario in one spawn (starting processes is the slow part)."""
     torch.set_num_threads(1)
-    tdist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    # a scenario that leaves one rank waiting fails in minutes instead of hanging the suite
+    tdist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                             timeout=datetime.timedelta(minutes=5))
     ranks = parallel.Ranks(rank, rank, world, "cpu")
     data_dir = f"{tmp}/data"
     out = {}
@@ -152,6 +182,22 @@ def worker(rank, world, tmp):
             model(x, x)[1].backward()
         out["between_micro_steps"] = [(p.to_local().numel(), p.numel(), None if p.grad is None else
                                        p.grad.to_local().numel()) for p in raw.parameters()]
+
+        # the micro-batch probe with allocation failures on rank 1 only, from micro-batch 4 up
+        out["probe"] = {}
+        for name in ("ddp", "fsdp", "error"):
+            raw = tiny_gpt()
+            model = parallel.wrap_model(raw, "fsdp" if name == "fsdp" else "none", "cpu", rank, "float32")
+            if rank == 1 and name != "fsdp":  # DDP probes the GPT itself: a forward without collectives
+                failure = (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
+                           if name == "ddp" else ValueError("something else went wrong"))
+                raw.forward = functools.partial(failing_forward, raw, failure)
+            try:
+                out["probe"][name] = parallel.choose_micro_batch(
+                    16 * CONFIG["block_size"] * world, ranks, raw, "float32", CONFIG["block_size"],
+                    activation_bytes=lambda b: b, memory=FakeMemory(fail_from=4 if rank == 1 else None))
+            except RuntimeError as e:
+                out["probe"][name] = str(e)
     finally:
         tdist.destroy_process_group()
     torch.save(out, f"{tmp}/out{rank}.pt")
@@ -249,6 +295,17 @@ def test_fsdp_holds_only_gradient_shards_between_micro_steps(two_ranks):
         held = r["between_micro_steps"]
         assert all(grad == shard for shard, _, grad in held), held
         assert sum(shard for shard, _, _ in held) <= sum(full for _, full, _ in held) // 2 + 128
+
+
+def test_micro_batch_probe_agrees_when_one_rank_runs_out_of_memory(two_ranks):
+    """Rank 1 cannot allocate a micro-batch of 4 (a cuBLAS failure inside DDP's forward, a failed
+    reservation under FSDP, where the forward itself is a collective): both ranks take 2, the largest
+    size that fits everywhere, without waiting on each other. Another error on rank 1 stops both."""
+    (r0, r1), _ = two_ranks
+    assert r0["probe"]["ddp"] == r1["probe"]["ddp"] == 2
+    assert r0["probe"]["fsdp"] == r1["probe"]["fsdp"] == 2
+    assert r0["probe"]["error"] == r1["probe"]["error"]
+    assert "the micro-batch probe failed on rank 1: ValueError: something else went wrong" == r0["probe"]["error"]
 
 
 def test_fsdp_checkpoint_is_a_plain_gpt_state_dict(two_ranks):
