@@ -229,7 +229,9 @@ def restore_settings(cfg, ckpt, path, fixed, launch_only):
         was = stored[key]
         if key in ("n_layer", "n_head", "n_embd"):  # None in a preset's run: its shape says the value
             was = ckpt["model_config"][key]
-        if key not in cfg.given or now == was or (key == "micro_batch_size" and now == "auto"):
+        if key == "micro_batch_size" and key not in cfg.given and stored.get("micro_batch_auto"):
+            continue  # fitted: fit again, on the device this launch has ("auto", as parsed)
+        if key not in cfg.given or now == was:
             setattr(cfg, key, stored[key])
             continue
         flag = "--" + key.replace("_", "-")

@@ -292,16 +292,19 @@ class TokenLoader:
     """(x, y) batches of B×T int64 next-token pairs from one split's shards.
 
     Order: the split's shards form one token stream (in name order, or permuted per epoch with
-    shuffle_seed), cut into windows of B*T+1 tokens that overlap by one (x = window[:-1],
-    y = window[1:]), so no token is skipped or repeated at shard boundaries. Window k goes to rank
-    k % world_size; the last, incomplete round of windows (fewer than world_size*B*T tokens) is
-    left out of an epoch, and after it the loader starts the next epoch (wraps). Default
-    (shuffle_seed=None): the shards in order, the windows in order, the same every epoch.
-    With a seed, epoch e permutes the shard order and the window order with rng(seed, e).
+    shuffle_seed), cut into sequences of T tokens: sequence s is x = stream[s*T : s*T+T] with the
+    targets y one token further on, so no token is skipped or repeated at shard boundaries. An
+    epoch is all (num_tokens - 1) // T sequences, in order, or permuted with rng(seed, epoch) when
+    shuffle_seed is set; after it the next epoch begins (wraps), also inside a batch.
+    All ranks draw from one sequence counter: each next_batch() takes the next world_size * B
+    sequences, B consecutive ones for each rank, rank 0 first (in order, rank r's i-th batch is
+    the stream's window i*world_size + r of B*T+1 tokens).
 
-    Every rank consumes batches in lockstep, so the position is one number, the batches consumed;
-    state_dict() from any rank restores every rank. With prefetch (default on CUDA) the next
-    batch is made by a background thread into pinned memory and copied with non_blocking=True.
+    The position is that counter, in sequences: state_dict() from any rank restores every rank,
+    and the batch size may differ on resume (a run moved to a GPU with less memory takes a
+    smaller micro-batch): the same sequences come in the same order, only grouped otherwise. With
+    prefetch (default on CUDA) the next batch is made by a background thread into pinned memory
+    and copied with non_blocking=True.
     """
 
     def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1,
@@ -323,8 +326,8 @@ class TokenLoader:
         self.sizes = [len(s) for s in self.shards]
         self.num_tokens = sum(self.sizes)
         self.tokens_per_batch = batch_size * seq_len
-        self.num_windows = (self.num_tokens - 1) // self.tokens_per_batch  # in one epoch, all ranks
-        self.batches_per_epoch = self.num_windows // world_size  # per rank
+        self.num_sequences = (self.num_tokens - 1) // seq_len  # in one epoch
+        self.batches_per_epoch = self.num_sequences // (world_size * batch_size)  # whole batches, per rank
         if self.batches_per_epoch == 0:
             need = world_size * self.tokens_per_batch + 1
             raise UserError(f"the {split} split of {data_dir} has {self.num_tokens:,} tokens, fewer than one batch "
@@ -332,53 +335,65 @@ class TokenLoader:
                             "batch size / sequence length, or prepare more data with python fineweb.py")
         names = [os.path.basename(p) for p in self.paths]
         self.fingerprint = hashlib.sha256(json.dumps([split, names, self.sizes]).encode()).hexdigest()[:16]
-        self.consumed = 0
+        self.position = 0  # sequences handed out so far, over all ranks
         self._layout_cache = None
         if prefetch is None:
             prefetch = self.device.type == "cuda"
         self._pin = self.device.type == "cuda"
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="TokenLoader") if prefetch else None
-        self._ahead = None  # (batch index, future) being made in the background
+        self._ahead = None  # (position, future) being made in the background
 
     # -- order --------------------------------------------------------------------------------
 
     def _layout(self, epoch):
-        """Shard order, where each shard starts in the epoch's stream, and the window order."""
+        """Shard order, where each shard starts in the epoch's stream, and the sequence order."""
         if self._layout_cache is None or self._layout_cache[0] != epoch:
             order = np.arange(len(self.shards))
-            windows = None
+            sequences = None
             if self.shuffle_seed is not None:
                 rng = np.random.default_rng([self.shuffle_seed, epoch])
                 order = rng.permutation(len(self.shards))
-                windows = rng.permutation(self.num_windows)
+                sequences = rng.permutation(self.num_sequences)
             starts = np.concatenate(([0], np.cumsum([self.sizes[i] for i in order])[:-1])).tolist()
-            self._layout_cache = (epoch, order.tolist(), starts, windows)
+            self._layout_cache = (epoch, order.tolist(), starts, sequences)
         return self._layout_cache[1:]
 
-    def window_start(self, i):
-        """(epoch, stream position) of this rank's i-th batch since the start."""
-        epoch, j = divmod(i, self.batches_per_epoch)
-        _, _, windows = self._layout(epoch)
-        k = j * self.world_size + self.rank
-        return epoch, (k if windows is None else int(windows[k])) * self.tokens_per_batch
+    def sequence_start(self, g):
+        """(epoch, stream position) of the g-th sequence handed out since the start."""
+        epoch, j = divmod(g, self.num_sequences)
+        _, _, sequences = self._layout(epoch)
+        return epoch, (j if sequences is None else int(sequences[j])) * self.T
 
-    def _make(self, i):
-        """This rank's i-th batch as one CPU int64 tensor of B*T+1 tokens (pinned for CUDA)."""
-        epoch, start = self.window_start(i)
+    def _read(self, epoch, start, out):
+        """Fill out (a 1-D numpy view) with the epoch's stream from position start; it may span shards."""
         order, starts, _ = self._layout(epoch)
-        n = self.tokens_per_batch + 1
-        buf = torch.empty(n, dtype=torch.int64, pin_memory=self._pin)
-        out = buf.numpy()
         k = bisect.bisect_right(starts, start) - 1
-        filled = 0
-        while filled < n:  # a window may span shards
+        filled, n = 0, len(out)
+        while filled < n:
             shard = self.shards[order[k]]
             lo = start + filled - starts[k]
             take = min(n - filled, len(shard) - lo)
             out[filled:filled + take] = shard[lo:lo + take]
             filled += take
             k += 1
-        top = int(out.max())
+
+    def _make(self, position):
+        """This rank's batch when `position` sequences have been handed out, as one CPU int64 tensor
+        of B rows of T+1 tokens (pinned for CUDA)."""
+        buf = torch.empty(self.B, self.T + 1, dtype=torch.int64, pin_memory=self._pin)
+        rows = buf.numpy()
+        first = position + self.rank * self.B
+        r = 0
+        while r < self.B:
+            epoch, start = self.sequence_start(first + r)
+            run = 1  # consecutive sequences of one epoch are one contiguous read
+            while (r + run < self.B and self.sequence_start(first + r + run) == (epoch, start + run * self.T)):
+                run += 1
+            span = np.empty(run * self.T + 1, dtype=np.int64)
+            self._read(epoch, start, span)
+            rows[r:r + run] = np.lib.stride_tricks.as_strided(span, (run, self.T + 1), (self.T * 8, 8))
+            r += run
+        top = int(rows.max())
         if top >= self.vocab_size:
             raise UserError(f"token id {top} in the {self.split} data of {self.data_dir} is >= the model's "
                             f"vocab_size {self.vocab_size}: the shards were made with another tokenizer; "
@@ -393,29 +408,29 @@ class TokenLoader:
         return x, y
 
     def next_host_batch(self):
-        """The next batch as B*T+1 tokens in host memory (pinned for CUDA). The trainer's timing
-        breakdown calls this, to_device() and prefetch_next() apart, to tell preparation from copy."""
-        i = self.consumed
-        if self._ahead is not None and self._ahead[0] == i:
+        """The next batch as B rows of T+1 tokens in host memory (pinned for CUDA). The trainer's
+        timing breakdown calls this, to_device() and prefetch_next() apart, to tell preparation from copy."""
+        position = self.position
+        if self._ahead is not None and self._ahead[0] == position:
             buf = self._ahead[1].result()
             self._ahead = None
         else:
             self._cancel_ahead()
-            buf = self._make(i)
-        self.consumed = i + 1
+            buf = self._make(position)
+        self.position = position + self.world_size * self.B
         return buf
 
     def to_device(self, buf):
         """(x, y) views on the loader's device of a next_host_batch() buffer (an async copy on CUDA)."""
         if self.device.type != "cpu":
             buf = buf.to(self.device, non_blocking=self._pin)
-        return buf[:-1].view(self.B, self.T), buf[1:].view(self.B, self.T)
+        return buf[:, :-1], buf[:, 1:]
 
     def prefetch_next(self):
         """Start making the next batch in the background (if prefetching); call it after the copy,
         so the thread works while the caller computes."""
         if self._thread is not None and self._ahead is None:
-            self._ahead = (self.consumed, self._thread.submit(self._make, self.consumed))
+            self._ahead = (self.position, self._thread.submit(self._make, self.position))
 
     def _cancel_ahead(self):
         if self._ahead is not None:
@@ -429,31 +444,39 @@ class TokenLoader:
 
     @property
     def epoch(self):
-        return self.consumed // self.batches_per_epoch
+        return self.position // self.num_sequences
 
     def reset(self):
         """Back to the first batch of the split (the trainer calls this before each validation)."""
         self._cancel_ahead()
-        self.consumed = 0
+        self.position = 0
 
     # -- resume -----------------------------------------------------------------------------------
 
     def state_dict(self):
-        """Position after the batches consumed so far (a prefetched batch does not count)."""
-        return {"format": "token-loader-v1", "batches": self.consumed, "epoch": self.epoch,
+        """Position after the batches handed out so far, in sequences over all ranks (a prefetched
+        batch does not count)."""
+        return {"format": "token-loader-v2", "sequences": self.position, "epoch": self.epoch,
                 "split": self.split, "world_size": self.world_size, "batch_size": self.B,
                 "seq_len": self.T, "shuffle_seed": self.shuffle_seed, "num_tokens": self.num_tokens,
                 "fingerprint": self.fingerprint}
 
     def load_state_dict(self, sd):
-        if not isinstance(sd, dict) or sd.get("format") != "token-loader-v1":
+        """Continue where sd (any rank's state_dict(), with any batch size) left off."""
+        if not isinstance(sd, dict) or sd.get("format") not in ("token-loader-v1", "token-loader-v2"):
             raise UserError("the loader state is not from TokenLoader: start without resuming the data position")
         mine = self.state_dict()
-        for key, what in (("split", "split"), ("world_size", "number of processes (world size)"),
-                          ("batch_size", "batch size"), ("seq_len", "sequence length"),
-                          ("shuffle_seed", "shuffle seed"), ("fingerprint", "data (shard names and sizes)")):
+        for key, what in (("split", "split"), ("seq_len", "sequence length"), ("shuffle_seed", "shuffle seed"),
+                          ("fingerprint", "data (shard names and sizes)")):
             if sd.get(key) != mine[key]:
                 raise UserError(f"the loader state was saved with another {what} ({sd.get(key)!r}, now "
                                 f"{mine[key]!r}): resume with the same settings and data as the saved run")
+        if sd["format"] == "token-loader-v1":  # counted in batches of a fixed size, in epochs that
+            position = sd["batches"] * sd["world_size"] * sd["batch_size"]  # dropped their last round
+            if sd["shuffle_seed"] is not None or position >= self.num_sequences:
+                raise UserError("the loader state was saved by an older version of this loader, in an order it "
+                                "no longer makes (shuffled, or past the first epoch): start a new run")
+        else:
+            position = int(sd["sequences"])
         self._cancel_ahead()
-        self.consumed = int(sd["batches"])
+        self.position = position

@@ -132,10 +132,12 @@ RANGES = [
 
 # --resume takes every setting of the run from its checkpoint. A flag given on the command line
 # that differs from the stored run is applied, and printed, unless it would change the math in the
-# middle of the run: those are refused. Where the run is written and which checkpoint continues it
-# are this launch's own.
+# middle of the run: those are refused. The micro-batch does not change the math (the total batch
+# does, and the data position is counted in sequences): a run whose micro-batch was fitted fits it
+# again on the GPU it resumes on, and another value may be given. Where the run is written and
+# which checkpoint continues it are this launch's own.
 FIXED_ON_RESUME = ("model", "n_layer", "n_head", "n_embd", "block_size", "init_from", "total_batch_size",
-                   "micro_batch_size", "shuffle_seed", "seed", "optimizer")
+                   "shuffle_seed", "seed", "optimizer")
 LAUNCH_ONLY = ("log_dir", "resume")
 
 

@@ -409,7 +409,7 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
                                 cfg.activation_checkpointing, compile_on)
-    fitted = cfg.micro_batch_size == "auto"
+    fitted = cfg.micro_batch_auto = cfg.micro_batch_size == "auto"  # stored: a resume fits it again
     cfg.micro_batch_size, grad_accum = batch_geometry(cfg, ranks, raw_model, dtype)
     train_loader, val_loader, val_steps = build_data(cfg, ranks, raw_model.config.vocab_size)
     optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)

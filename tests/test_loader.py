@@ -115,7 +115,7 @@ def test_resume_sees_the_same_batches(tmp_path, seed, prefetch):
     for _ in range(5):
         a.next_batch()
     sd = a.state_dict()
-    assert sd["batches"] == 5  # the batch prefetched in the background does not count
+    assert sd["sequences"] == 5 * 2 * 2  # 5 batches of 2 ranks x 2; the one prefetched does not count
     json.dumps(sd)  # plain python types
     b = TokenLoader(d, "train", 2, 3, **dict(kw, rank=0))
     b.load_state_dict(sd)  # any rank's state restores every rank: they move in lockstep
@@ -130,15 +130,58 @@ def test_resume_sees_the_same_batches(tmp_path, seed, prefetch):
 def test_state_from_another_run_is_refused(tmp_path):
     d = make_shards(tmp_path / "a")
     sd = TokenLoader(d, "train", 2, 3, world_size=2).state_dict()
-    with pytest.raises(UserError, match="world size"):
-        TokenLoader(d, "train", 2, 3, world_size=3).load_state_dict(sd)
-    with pytest.raises(UserError, match="batch size"):
-        TokenLoader(d, "train", 1, 3, world_size=2).load_state_dict(sd)
+    with pytest.raises(UserError, match="sequence length"):
+        TokenLoader(d, "train", 2, 4, world_size=2).load_state_dict(sd)
+    with pytest.raises(UserError, match="shuffle seed"):
+        TokenLoader(d, "train", 2, 3, world_size=2, shuffle_seed=1).load_state_dict(sd)
     other = make_shards(tmp_path / "b", train_sizes=[40, 40, 40])
     with pytest.raises(UserError, match="data"):
         TokenLoader(other, "train", 2, 3, world_size=2).load_state_dict(sd)
     with pytest.raises(UserError, match="not from TokenLoader"):
         TokenLoader(d, "train", 2, 3).load_state_dict({"step": 3})
+
+
+@pytest.mark.parametrize("seed", [None, 4])
+@pytest.mark.parametrize("new_batch", [1, 3, 6])
+def test_resume_with_another_batch_size_reads_the_same_sequences_in_order(tmp_path, seed, new_batch):
+    """A run moved to a smaller (or larger) GPU changes its micro-batch: resumed with another batch
+    size, the ranks together read the same sequences in the same order, across epoch ends too."""
+    d = make_shards(tmp_path)
+    world, T = 2, 3
+
+    def sequences(loaders, batches):
+        """Every rank's rows, in the order the ranks hand them out (rank 0's batch first)."""
+        rows = []
+        for _ in range(batches):
+            for ld in loaders:
+                rows += [tuple(r) for r in ld.next_batch()[0].tolist()]
+        return rows
+    ref = [TokenLoader(d, "train", 2, T, r, world, shuffle_seed=seed) for r in range(world)]
+    want = sequences(ref, 3 * ref[0].batches_per_epoch)
+    first = [TokenLoader(d, "train", 2, T, r, world, shuffle_seed=seed) for r in range(world)]
+    got = sequences(first, 5)
+    sd = first[1].state_dict()
+    resumed = [TokenLoader(d, "train", new_batch, T, r, world, shuffle_seed=seed) for r in range(world)]
+    for ld in resumed:
+        ld.load_state_dict(sd)
+    got += sequences(resumed, (len(want) - len(got)) // (world * new_batch))
+    assert got == want[:len(got)] and len(got) > len(want) - world * new_batch
+
+
+def test_state_of_the_batch_counting_loader_continues_the_first_epoch(tmp_path):
+    """Checkpoints written before positions were counted in sequences: batches of the saved size."""
+    d = make_shards(tmp_path)
+    ref = TokenLoader(d, "train", 2, 3, world_size=2)
+    for _ in range(4):
+        ref.next_batch()
+    want = ref.next_batch()
+    old = dict(ref.state_dict(), format="token-loader-v1", batches=4)
+    del old["sequences"]
+    ld = TokenLoader(d, "train", 2, 3, world_size=2)
+    ld.load_state_dict(old)
+    assert all(torch.equal(a, b) for a, b in zip(ld.next_batch(), want))
+    with pytest.raises(UserError, match="older version"):
+        TokenLoader(d, "train", 2, 3, world_size=2, shuffle_seed=1).load_state_dict(dict(old, shuffle_seed=1))
 
 
 def test_reads_fineweb_output(tmp_path):

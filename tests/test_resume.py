@@ -88,6 +88,44 @@ def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, 
     assert [r["step"] for r in records(log_dir, "val")] == [0, 4, 8, 9, 10, 11]  # every step after the resume
 
 
+def test_resume_with_another_micro_batch_reads_the_same_data(data_dir, tmp_path):
+    """A run moved to a GPU with less (or more) memory: resumed with --micro-batch-size 1, or auto
+    (4 on a CPU here), where it ran at 2, it reads the same sequences in the same order (the data
+    position is counted in sequences), so its losses and weights match the run that never stopped
+    up to the summation order of the accumulation."""
+    base = TINY + ["--data-dir", data_dir, "--max-steps", "6", "--checkpoint-every", "3", "--eval-every", "0"]
+    whole = str(tmp_path / "whole")
+    run(base + ["--log-dir", whole])
+    ref = records(whole, "train")
+    _, want, _ = final_state(whole)
+    for micro, accum in (("1", 4), ("auto", 1)):
+        log_dir = str(tmp_path / micro)
+        os.makedirs(log_dir)
+        shutil.copy(os.path.join(whole, "ckpt_000003.pt"), log_dir)
+        p = run(["--log-dir", log_dir, "--resume", "--micro-batch-size", micro])
+        assert f"resume: --micro-batch-size 2 -> {micro} (from the command line)" in p.stdout, p.stdout
+        assert f"x {accum} accumulation step(s)" in p.stdout
+        got = records(log_dir, "train")
+        assert [r["step"] for r in got] == [3, 4, 5]
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref[3:]], rel=1e-5)
+        assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref[3:]], rel=1e-4)
+        _, model, _ = final_state(log_dir)
+        for k in want:
+            torch.testing.assert_close(model[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_fitted_micro_batch_is_fitted_again_on_resume():
+    """Not named on the command line: a micro-batch the run chose by itself is chosen again (on the
+    GPU this launch has), one the user gave is kept."""
+    ckpt = {"step": 3, "model_config": dict(n_layer=12, n_head=12, n_embd=768),
+            "config": vars(train_config.parse_args([]))}
+    for fitted, expected in ((True, "auto"), (False, 16)):
+        ckpt["config"].update(micro_batch_size=16, micro_batch_auto=fitted)
+        cfg = train_config.parse_args(["--resume"])
+        checkpoint.restore_settings(cfg, ckpt, "ckpt", train_config.FIXED_ON_RESUME, train_config.LAUNCH_ONLY)
+        assert cfg.micro_batch_size == expected
+
+
 def test_one_trainer_per_log_dir(data_dir, tmp_path):
     """A second trainer on a log directory in use gets one line naming the running one, with or
     without --resume; a kill -9 of the first leaves nothing to clean up."""

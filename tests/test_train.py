@@ -283,8 +283,6 @@ BAD = {
                                       "--optimizer adamw and this command asks for muon"),
     "zero muon lr": (["--optimizer", "muon", "--muon-lr", "0"], "--muon-lr must be a positive number"),
     "muon momentum of 1": (["--optimizer", "muon", "--muon-momentum", "1"], "--muon-momentum must be at least 0"),
-    "resume with another micro-batch": (["--log-dir", "{ref}", "--resume", "--micro-batch-size", "1"],
-                                        "micro-batch-size"),
     "bad micro-batch": (["--micro-batch-size", "lots"], "micro-batch-size"),
     "hellaswag file missing": (["--hellaswag-every", "1", "--hellaswag-file", "{base}/hs.jsonl"], "hellaswag-file"),
     "log dir is a file": (["--log-dir", "{junk}"], "is a file"),
