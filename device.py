@@ -5,10 +5,32 @@ and its peak FLOP/s (what MFU divides by).
 
 import contextlib
 import re
+import sys
 
 import torch
 
 from common import UserError
+
+# The oldest PyTorch this project runs on, and what it needs from it: torch.optim.Muon (2.9), built on
+# every optimizer step. The test suite passes on 2.9.1 (README).
+MIN_TORCH = (2, 9)
+
+
+def torch_too_old(version):
+    """The one line to stop on when PyTorch `version` is older than MIN_TORCH, else None."""
+    found = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", str(version)).groups())
+    if found >= MIN_TORCH:
+        return None
+    need = ".".join(map(str, MIN_TORCH))
+    return (f"error: PyTorch {version} is older than {need}, the oldest these scripts run on (they use "
+            f"torch.optim.Muon); upgrade it: pip install -U 'torch>={need}'")
+
+
+# checked when the scripts import this module, before model.py (which subclasses torch.optim.Muon)
+# fails with an AttributeError
+if torch_too_old(torch.__version__):
+    print(torch_too_old(torch.__version__), file=sys.stderr)
+    raise SystemExit(2)
 
 
 def pick_device(requested="auto"):

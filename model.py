@@ -414,7 +414,9 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-class Muon(torch.optim.Muon):
+# torch.optim.Muon came in PyTorch 2.9; on an older one this module still imports (fineweb.py needs
+# only its constants) and device.py stops the scripts that train with one line
+class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
     """torch.optim.Muon, whose Newton-Schulz iteration runs in bfloat16, with the choice of another
     dtype for GPUs without bf16 (T4, V100, P100): ortho_dtype float16 (their tensor cores' type; the
     iteration keeps every entry within [-1, 1], far inside fp16's range) or float32. In bfloat16 it

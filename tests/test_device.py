@@ -1,11 +1,15 @@
 """device.py: the autocast dtype each device gets, peak FLOP/s by GPU name, and waiting for the
 right device."""
+import os
+
 import pytest
 import torch
 
 import common
 import device
 from device import peak_flops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # what torch.cuda.get_device_name() returns on real machines, and each one's dense peak (bf16, fp16)
@@ -122,3 +126,16 @@ def test_synchronize_waits_on_the_device_it_is_given(monkeypatch):
     device.synchronize("cuda:1")
     device.synchronize("mps")
     assert calls == [("cuda", "cuda:1"), ("mps", None)]
+
+
+def test_too_old_pytorch_is_one_line_naming_the_upgrade():
+    import subprocess
+    import sys
+    assert device.torch_too_old("2.9.1+cu128") is None and device.torch_too_old("2.13.0") is None
+    assert device.torch_too_old("10.0") is None
+    for script in ("train_gpt2", "sample", "hellaswag"):
+        p = subprocess.run([sys.executable, "-c", f"import torch; torch.__version__ = '2.8.0'; import {script}"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+            "error: PyTorch 2.8.0 is older than 2.9, the oldest these scripts run on (they use torch.optim.Muon); "
+            "upgrade it: pip install -U 'torch>=2.9'"], p.stderr
