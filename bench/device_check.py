@@ -18,6 +18,14 @@ Steps, each a subprocess with its own time limit; a failure is reported and the 
   hellaswag  hellaswag.py --compile on the run's checkpoint
   sample     sample.py on the run's checkpoint
   bench_hellaswag, bench_sample   the benchmarks of BENCHMARKS.md on this device
+  compile_gate   whether torch.compile can run here (Triton needs compute capability 7.0+), and
+                 what the trainer's header says about it
+  probe      the micro-batch auto-fit with this process allowed 30% of the GPU's memory: sizes that
+             fit on the whole card fail here, and the probe must take a smaller one and train
+  micro_a, micro_b   a run with the fitted micro-batch, then a copy of its middle checkpoint
+             resumed with --micro-batch-size 4 (a GPU with less memory): same data, same losses
+  fsdp_bf16  FSDP over 2 GPUs in bf16, compiled, sampling right after a training step (skipped
+             on a machine with fewer than 2 GPUs)
 HellaSwag uses synthetic items written next to the results (the machine may be offline).
 Every step's command, exit status, time and output tail go to --out as JSON and text files.
 """
@@ -92,6 +100,19 @@ def last_timing(log_path):
     return " ".join(f"{k} {float(v):.0f}" for k, v in re.findall(r"(\w+)_ms ([\d.]+)", lines[-1])) + " (ms)"
 
 
+def same_losses(log_a, log_b):
+    """How far run b's losses are from run a's at the steps both logged, or ''."""
+    try:
+        a, b = ({r["step"]: r["loss"] for r in plot.read_metrics(d)["train"]} for d in (log_a, log_b))
+    except UserError:
+        return ""
+    both = sorted(set(a) & set(b))
+    if not both:
+        return ""
+    worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in both)
+    return f"steps {both[0]}-{both[-1]}: losses within {worst:.1e} (relative) of the fitted run"
+
+
 def write_items(path, n):
     from bench_hellaswag import synthetic_items
     with open(path, "w") as f:
@@ -148,6 +169,30 @@ def main():
                             + bench_dtype + bench_hs, None),
         "bench_sample": ([PY, "bench/bench_sample.py", "--device", args.device] + bench_dtype + bench_gen, None),
     }
+    # the GPU-readiness checks: compile gating, the probe under memory pressure, a resume with a
+    # smaller micro-batch, FSDP in bf16
+    gate = ("import sys, torch, device; d = sys.argv[1]; "
+            "print('capability', torch.cuda.get_device_capability(d) if d.startswith('cuda') else '-', "
+            "'| compile', 'off: ' + device.compile_blocker(d) if device.compile_blocker(d) else 'allowed')")
+    steps["compile_gate"] = ([PY, "-c", gate, args.device], None)
+    probe = ("import runpy, sys, torch; torch.cuda.set_per_process_memory_fraction(0.3); "
+             "sys.argv = ['train_gpt2.py'] + sys.argv[1:]; runpy.run_path('train_gpt2.py', run_name='__main__')")
+    if args.device.startswith("cuda"):
+        steps["probe"] = ([PY, "-c", probe, "--log-dir", os.path.join(out, "probe"), "--max-steps", "3"]
+                          + short[2:], None)
+    micro_a, micro_b = os.path.join(out, "micro_a"), os.path.join(out, "micro_b")
+    micro = short + ["--checkpoint-every", "6"]
+    steps["micro_a"] = ([PY, "train_gpt2.py", "--log-dir", micro_a] + micro, None)
+    steps["micro_b"] = (["sh", "-c", f"mkdir -p {micro_b} && cp {micro_a}/ckpt_000006.pt {micro_b}/ && "
+                         f"{PY} train_gpt2.py --log-dir {micro_b} --resume --micro-batch-size 4"], None)
+    fsdp = ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py", "--fsdp",
+             "--log-dir", os.path.join(out, "fsdp_bf16"), "--sample-every", "3", "--num-samples", "2"]
+            + [a for a in short if a not in ("--sample-every", "0")] + ["--max-steps", "6"])
+    gpus = __import__("torch").cuda.device_count() if args.device.startswith("cuda") else 0
+    if gpus >= 2:
+        steps["fsdp_bf16"] = (fsdp, None)
+    else:
+        print(f"fsdp_bf16: skipped, {gpus} GPU(s) here (NCCL needs one GPU per rank)", flush=True)
     if not args.device.startswith("cuda"):
         del steps["fp16"]  # float16 autocast is a CUDA path; the trainer refuses it elsewhere
     only = set(args.only.split(",")) if args.only else set(steps)
@@ -172,6 +217,10 @@ def main():
                                          len(l.split("  ")) > 2), "")
         if r["name"].startswith("bench_"):  # the speed ratios the benchmark printed last
             figures[r["name"]] = " / ".join(m for l in r["tail"] for m in re.findall(r"(\d+\.\d+x)", l))
+    figures["micro_b"] = same_losses(micro_a, micro_b)
+    for r in results:
+        if r["name"] in ("compile_gate", "probe"):
+            figures[r["name"]] = next((l for l in r["tail"] if l.startswith(("capability", "batch "))), "")
     print(f"\n{'step':16s} {'result':8s} {'seconds':>8s}  figure")
     for r in results:
         ok = "ok" if r["rc"] == 0 else f"rc {r['rc']}"

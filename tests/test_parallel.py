@@ -546,5 +546,7 @@ def test_a_process_that_joined_a_group_exits_with_its_status_and_its_output(tmp_
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 2 if fail else 0], outs
     for rank, (out, err) in enumerate(outs):
-        assert out == f"rank {rank} done", (out, err)
+        # gloo itself prints a connection line on stdout in some PyTorch versions (2.9)
+        ours = "\n".join(line for line in out.split("\n") if not line.startswith("[Gloo]"))
+        assert ours == f"rank {rank} done", (out, err)
     assert outs[1][1].strip().splitlines()[-1:] == (["error: rank 1 cannot go on"] if fail else []), outs[1][1]
