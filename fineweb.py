@@ -317,7 +317,8 @@ def read_tasks(ds, start_doc, column, encoding_errors="strict"):
             if encoding_errors == "strict":
                 raise UserError(f"a document from number {doc:,} on is not UTF-8 ({first_line(e)}): convert the "
                                 "input to UTF-8, or pass --encoding-errors replace")
-            texts = [b and b.decode("utf-8", "replace") for b in col.cast(pa.large_binary()).to_pylist()]
+            texts = [None if b is None else b.decode("utf-8", "replace")
+                     for b in col.cast(pa.large_binary()).to_pylist()]
         doc += table.num_rows
         sizes = np.cumsum(pc.fill_null(pc.binary_length(col), 0).to_numpy())
         # cut where the running byte count crosses each multiple of TASK_BYTES
@@ -344,15 +345,19 @@ def _init_worker(encoding):
 
 
 def encode_documents(texts):
-    """[EOT] + tokens for each document, concatenated, as uint16; and each document's length."""
+    """[EOT] + tokens for each document, concatenated, as uint16; and each document's length.
+    A null text (None) is no document: length 0, not even an <|endoftext|>, where an empty
+    string is an empty document. It keeps its place, so document numbers stay the source's."""
     enc = _worker_encoding or get_tokenizer()
     # encode_to_numpy with no special tokens allowed == encode_ordinary (a literal "<|endoftext|>"
     # in the text is ordinary text), without building a Python list of ints per document
-    docs = [enc.encode_to_numpy(t or "", disallowed_special=()) for t in texts]
-    lens = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
+    docs = [None if t is None else enc.encode_to_numpy(t, disallowed_special=()) for t in texts]
+    lens = np.fromiter((0 if d is None else len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
     out = np.empty(int(lens.sum()), dtype=np.uint32)
     pos = 0
     for d in docs:
+        if d is None:
+            continue
         out[pos] = EOT_TOKEN
         out[pos + 1:pos + 1 + len(d)] = d
         pos += len(d) + 1
@@ -479,7 +484,7 @@ def tokenize_into_shards(args, ds, pool, manifest):
     done = sum(s["tokens"] for s in manifest["shards"])
     progress = Progress(ds, args.text_column, doc, done, args.max_tokens)
     writer = ShardWriter(args.out_dir, manifest, progress.bar.write)
-    end = [doc, skip]
+    end, nulls = [doc, skip], 0
     try:
         tasks = read_tasks(ds, doc, args.text_column, args.encoding_errors)
         for tokens, lens, nbytes in ordered_map(_encode_task, tasks, pool, TASKS_PER_WORKER * args.workers):
@@ -491,6 +496,7 @@ def tokenize_into_shards(args, ds, pool, manifest):
             ends = np.cumsum(lens)
             writer.add(tokens, lambda n, doc=doc, ends=ends, skip=skip: position_after(n, doc, ends, skip))
             end = position_after(len(tokens), doc, ends, skip)
+            nulls += int(np.count_nonzero(lens[:end[0] - doc] == 0))  # null texts (encode_documents)
             done += len(tokens)
             doc += len(lens)
             skip = 0
@@ -503,7 +509,7 @@ def tokenize_into_shards(args, ds, pool, manifest):
             writer.close()  # on an error too: let a shard being written finish, with its manifest entry
         finally:
             progress.bar.close()  # so that an error starts a line of its own
-    return done, progress.close()
+    return done, nulls, progress.close()
 
 
 def prepare(args):
@@ -538,7 +544,9 @@ def prepare(args):
         n_docs = None if args.streaming else len(ds)  # unknown when streaming
         # too little text for a val and a train split (a token each) is known before tokenizing: each
         # token of GPT-2's byte-level BPE has a byte of text at least, plus one <|endoftext|> a document
-        if n_docs is not None and text_bytes(ds.data.column(args.text_column)) + n_docs < 2:
+        # (a null text is none: encode_documents)
+        column = None if args.streaming else ds.data.column(args.text_column)
+        if column is not None and text_bytes(column) + n_docs - column.null_count < 2:
             raise UserError(f"{describe(source)} makes at most 1 token, too few for a validation and a train "
                             "split: add text")
         known = previous.get("num_documents") if previous else None
@@ -557,7 +565,7 @@ def prepare(args):
         if keep:
             print(f"resuming {out_dir} after {len(keep)} shards ({sum(s['tokens'] for s in keep):,} tokens), "
                   f"at document {keep[-1]['end'][0]:,}")
-        done, rate = tokenize_into_shards(args, ds, pool, manifest)
+        done, nulls, rate = tokenize_into_shards(args, ds, pool, manifest)
         n_train = sum(s["tokens"] for s in manifest["shards"] if s["split"] == "train")
         if n_train == 0:  # known only now for a streamed source
             discard(out_dir, manifest, created)
@@ -576,6 +584,8 @@ def prepare(args):
     manifest.update(complete=True, total_tokens=done, documents=last_doc + (offset > 0),
                     split_tokens={"val": shards[0]["tokens"], "train": n_train})
     write_manifest(out_dir, manifest)
+    if nulls:
+        print(f"skipped {nulls:,} document(s) with no text (null in column {args.text_column!r})")
     print(f"done: {done:,} tokens in {len(shards)} shards in {out_dir} ({rate / 1e6:.2f}M tokens/s this run); "
           f"train with: python train_gpt2.py --data-dir {out_dir}")
     return manifest

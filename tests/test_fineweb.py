@@ -471,3 +471,15 @@ def test_default_fineweb_download(tmp_path, hf_hub_online):
     assert m["source"]["dataset"] == fineweb.DEFAULT_DATASET and m["source"]["name"] == fineweb.DEFAULT_NAME
     assert m["complete"] and m["total_tokens"] == 30000
     assert [s["name"] for s in m["shards"]][:2] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_null_texts_are_skipped_and_counted(tmp_path, capsys, streaming):
+    """A null in the text column is no document (no <|endoftext|> of its own), unlike an empty
+    string; the run says at the end how many it skipped."""
+    docs = [DOCS[0], None, DOCS[1], "", None, DOCS[2]]
+    data = write_parquet(tmp_path / "d.parquet", docs)
+    prepare(tmp_path, tmp_path / "out", "--data-files", data, *(["--streaming"] if streaming else []))
+    np.testing.assert_array_equal(stream_of(tmp_path / "out"), expected_stream([d for d in docs if d is not None]))
+    *_, skipped, done = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert skipped == "skipped 2 document(s) with no text (null in column 'text')" and done.startswith("done: ")
