@@ -53,6 +53,11 @@ HUB_NAME = re.compile(r"[\w.\-]+(/[\w.\-]+)?")  # a hub id (owner/name), not a l
 READ_DOCS = 256          # documents per Arrow read
 TASK_BYTES = 1 << 20     # text per worker task: ~250k tokens, ~0.1 s of tiktoken, IPC cost < 1%
 TASKS_PER_WORKER = 4     # in flight per worker: enough to hide a slow read, bounded memory
+# The least --max-tokens: each split must hold one trainer batch of the smallest shape worth training,
+# a 64-token context and batch 1, which takes 64 + 1 tokens (the targets are the inputs shifted by
+# one: dataloader.TokenLoader); a stream this short gives validation a tenth (dataloader.val_size).
+SMALLEST_BATCH_TOKENS = 64 * 1 + 1
+MIN_MAX_TOKENS = VAL_SHARE * SMALLEST_BATCH_TOKENS
 
 
 def cpu_count():
@@ -103,7 +108,8 @@ def parse_args(argv=None):
                      help=f"tokens of the validation split (the stream's first ones); a corpus with fewer than "
                           f"{VAL_SHARE}x this many gives a tenth of its tokens instead")
     out.add_argument("--max-tokens", type=int, default=None,
-                     help="stop after this many tokens, validation included (quick experiments)")
+                     help=f"stop after this many tokens, validation included (quick experiments); at least "
+                          f"{MIN_MAX_TOKENS}, so that each split holds a batch of a 64-token context")
     out.add_argument("--workers", type=int, default=cpu_count(), help="tokenizer processes (1: no subprocesses)")
     out.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
                      help="multiprocessing start method (default: the platform's)")
@@ -125,10 +131,13 @@ def parse_args(argv=None):
         args.prefix = DEFAULT_PREFIX if default_source else "data"
     if not re.fullmatch(r"[A-Za-z0-9.\-]+", args.prefix):
         raise UserError(f"--prefix {args.prefix!r}: use letters, digits, '.' and '-' only")
-    # --max-tokens: a token for validation and one for training, at least
-    for flag, least in (("shard_size", 1), ("val_tokens", 1), ("max_tokens", 2), ("workers", 1)):
-        if getattr(args, flag) is not None and getattr(args, flag) < least:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= {least} (got {getattr(args, flag)})")
+    for flag in ("shard_size", "val_tokens", "workers"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    if args.max_tokens is not None and args.max_tokens < MIN_MAX_TOKENS:
+        raise UserError(f"--max-tokens {args.max_tokens} is too few: each split needs one training batch, "
+                        f"{SMALLEST_BATCH_TOKENS} tokens at the smallest (a 64-token context, batch 1, plus 1), and "
+                        f"validation gets a tenth of a stream this short, so pass at least {MIN_MAX_TOKENS}")
     args.command = "python fineweb.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     return args
 

@@ -383,8 +383,8 @@ def test_corpus_smaller_than_a_shard_works_with_defaults(tmp_path, capsys):
     assert m["split_tokens"] == {"val": len(want) // 10, "train": len(want) - len(want) // 10}
     assert [s["name"] for s in m["shards"]] == ["data_val_000000.npy", "data_train_000001.npy"]
     np.testing.assert_array_equal(stream_of(tmp_path / "out"), want)
-    prepare(tmp_path, tmp_path / "part", "--data-files", data, "--max-tokens", "200")
-    assert json.load(open(tmp_path / "part" / "manifest.json"))["split_tokens"]["val"] == 20
+    prepare(tmp_path, tmp_path / "part", "--data-files", data, "--max-tokens", "700")
+    assert json.load(open(tmp_path / "part" / "manifest.json"))["split_tokens"]["val"] == 70
     prepare(tmp_path, tmp_path / "part", "--data-files", data)
     assert shard_bytes(tmp_path / "part") == shard_bytes(tmp_path / "out")
 
@@ -483,3 +483,18 @@ def test_null_texts_are_skipped_and_counted(tmp_path, capsys, streaming):
     np.testing.assert_array_equal(stream_of(tmp_path / "out"), expected_stream([d for d in docs if d is not None]))
     *_, skipped, done = capsys.readouterr().out.rstrip("\n").split("\n")
     assert skipped == "skipped 2 document(s) with no text (null in column 'text')" and done.startswith("done: ")
+
+
+def test_max_tokens_too_few_for_a_batch_in_each_split(tmp_path, capsys):
+    """--max-tokens is refused before anything is written when a split would hold less than one
+    trainer batch of the smallest useful shape (T=64, B=1); the least it takes gives both splits one."""
+    data = write_jsonl(tmp_path / "d.jsonl", big_docs(20, seed=6))
+    least = fineweb.MIN_MAX_TOKENS
+    for few in (2, least - 1):
+        err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", data, "--max-tokens", str(few))
+        assert f"--max-tokens {few} is too few" in err and f"at least {least}" in err, err
+        assert not os.path.exists(tmp_path / "out")
+    prepare(tmp_path, tmp_path / "out", "--data-files", data, "--max-tokens", str(least))
+    for split in ("val", "train"):
+        x, y = dataloader.TokenLoader(str(tmp_path / "out"), split, batch_size=1, seq_len=64).next_batch()
+        assert x.shape == y.shape == (1, 64)
