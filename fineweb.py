@@ -110,7 +110,8 @@ def parse_args(argv=None):
     out.add_argument("--max-tokens", type=int, default=None,
                      help=f"stop after this many tokens, validation included (quick experiments); at least "
                           f"{MIN_MAX_TOKENS}, so that each split holds a batch of a 64-token context")
-    out.add_argument("--workers", type=int, default=cpu_count(), help="tokenizer processes (1: no subprocesses)")
+    out.add_argument("--workers", type=int, default=cpu_count(),
+                     help="tokenizer processes, at most the CPU cores this process may use (1: no subprocesses)")
     out.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
                      help="multiprocessing start method (default: the platform's)")
     out.add_argument("--verify", action="store_true",
@@ -134,6 +135,11 @@ def parse_args(argv=None):
     for flag in ("shard_size", "val_tokens", "workers"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    cores = cpu_count()
+    if args.workers > cores:  # more processes than cores only add switching and memory
+        print(f"--workers {args.workers} is more than the {cores} CPU cores this process may use: using {cores}",
+              flush=True)
+        args.workers = cores
     if args.max_tokens is not None and args.max_tokens < MIN_MAX_TOKENS:
         raise UserError(f"--max-tokens {args.max_tokens} is too few: each split needs one training batch, "
                         f"{SMALLEST_BATCH_TOKENS} tokens at the smallest (a 64-token context, batch 1, plus 1), and "

@@ -498,3 +498,13 @@ def test_max_tokens_too_few_for_a_batch_in_each_split(tmp_path, capsys):
     for split in ("val", "train"):
         x, y = dataloader.TokenLoader(str(tmp_path / "out"), split, batch_size=1, seq_len=64).next_batch()
         assert x.shape == y.shape == (1, 64)
+
+
+def test_workers_capped_at_the_cores(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(fineweb, "cpu_count", lambda: 3)
+    common_args = ["--data-files", "x.jsonl", "--out-dir", str(tmp_path / "out")]
+    assert fineweb.parse_args(common_args + ["--workers", "64"]).workers == 3
+    assert capsys.readouterr().out == "--workers 64 is more than the 3 CPU cores this process may use: using 3\n"
+    assert fineweb.parse_args(common_args + ["--workers", "2"]).workers == 2
+    assert fineweb.parse_args(common_args).workers == 3
+    assert capsys.readouterr().out == ""
