@@ -246,6 +246,90 @@ def load_cached(args, kwargs):
         dconf.HF_HUB_OFFLINE, hconf.HF_HUB_OFFLINE = saved
 
 
+@contextlib.contextmanager
+def datasets_errors_held():
+    """`datasets` logs a file it cannot read, with pyarrow's message, just before it raises; the
+    caller words that error in one line (naming the file: unreadable_file), so such records are
+    dropped from its handlers meanwhile. Warnings and progress bars still show."""
+    import logging
+    handlers = logging.getLogger("datasets").handlers
+
+    def below_error(record):
+        return record.levelno < logging.ERROR
+    for h in handlers:
+        h.addFilter(below_error)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(below_error)
+
+
+def parquet_problem(path):
+    """Why a parquet file cannot be read, or None. `datasets` fails on a file with no rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError, ValueError) as e:
+        return f"{path} is not a parquet file ({first_line(e)}): leave it out of --data-files"
+    if rows == 0:
+        return f"{path} holds no rows (an empty parquet file): leave it out of --data-files"
+    return None
+
+
+def json_problem(path):
+    """Where a .json / .jsonl file stops being JSON, or None. A file whose first line is a whole
+    JSON value is JSON lines, checked line by line; any other is one JSON document."""
+    import json
+
+    def bad(number, e):
+        return f"{path}, line {number}: not JSON ({e.msg}): fix that line, or leave the file out"
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = True
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                if not first:
+                    return bad(number, e)
+                break  # the first line is not a whole value: the file is one JSON document
+            first = False
+        else:
+            return None
+        f.seek(0)
+        try:
+            json.load(f)
+        except json.JSONDecodeError as e:
+            return bad(e.lineno, e)
+    return None
+
+
+def unreadable_file(source):
+    """The first local file `datasets` cannot read, as a one-line error, or None; asked once it has
+    failed, since it names the file only in a log record (compressed files are left to its words)."""
+    check = {"parquet": parquet_problem, "json": json_problem}.get(source.get("kind"))
+    for path in source.get("data_files", []) if check else []:
+        problem = None if path.endswith(COMPRESSED) else check(path)
+        if problem:
+            return problem
+    return None
+
+
+def read_failure(source, what, cause):
+    """The one-line error for a source `datasets` failed to read; cause: the exception it raised."""
+    problem = unreadable_file(source)
+    if problem:
+        return UserError(problem)
+    if isinstance(cause, UnicodeDecodeError):  # from a compressed file the UTF-8 check could not open
+        return UserError(f"{what} holds bytes that are not UTF-8 ({first_line(cause)}): convert the files "
+                         "to UTF-8, or pass --encoding-errors replace")
+    return UserError(f"could not read {what}: {type(cause).__name__}: {first_line(cause)} "
+                     "(an empty or malformed file?)")
+
+
 def load_source(args, source, offline=None):
     """The documents as a datasets.Dataset (or IterableDataset with --streaming), one column.
     offline: why the hub cannot be reached (then only the datasets cache is tried)."""
@@ -256,32 +340,28 @@ def load_source(args, source, offline=None):
     what = f"dataset {args.dataset!r}" + (f" (config {args.name!r})" if args.name else "")
     kwargs = dict(split=args.split, streaming=args.streaming, cache_dir=args.cache_dir)
     try:
-        if "data_files" in source:
-            what = f"--data-files ({len(source['data_files'])} {source['kind']} files)"
-            if source["kind"] == "text":
-                kwargs["sample_by"] = source["sample_by"]
-            if source["kind"] in ("text", "json"):
-                kwargs["encoding_errors"] = source["encoding_errors"]
-            ds = datasets.load_dataset(source["kind"], data_files=source["data_files"], **kwargs)
-        elif offline:
-            ds = None if args.streaming else load_cached(args, kwargs)
-            if ds is None:
-                raise UserError(f"cannot download {what}: {offline}, and it is not in the datasets cache "
-                                f"(--streaming never is); {offline_hint}")
-        else:
-            ds = datasets.load_dataset(args.dataset, name=args.name, **kwargs)
+        with datasets_errors_held():
+            if "data_files" in source:
+                what = f"--data-files ({len(source['data_files'])} {source['kind']} files)"
+                if source["kind"] == "text":
+                    kwargs["sample_by"] = source["sample_by"]
+                if source["kind"] in ("text", "json"):
+                    kwargs["encoding_errors"] = source["encoding_errors"]
+                ds = datasets.load_dataset(source["kind"], data_files=source["data_files"], **kwargs)
+            elif offline:
+                ds = None if args.streaming else load_cached(args, kwargs)
+                if ds is None:
+                    raise UserError(f"cannot download {what}: {offline}, and it is not in the datasets cache "
+                                    f"(--streaming never is); {offline_hint}")
+            else:
+                ds = datasets.load_dataset(args.dataset, name=args.name, **kwargs)
     except DatasetNotFoundError as e:
         raise UserError(f"{what} not found on the Hugging Face hub ({first_line(e)}); "
                         f"check --dataset, or {offline_hint}")
     except ConnectionError as e:
         raise UserError(f"could not reach the Hugging Face hub for {what} ({first_line(e)}); {offline_hint}")
     except DatasetGenerationError as e:
-        cause = e.__cause__ or e
-        if isinstance(cause, UnicodeDecodeError):  # from a compressed file the UTF-8 check could not open
-            raise UserError(f"{what} holds bytes that are not UTF-8 ({first_line(cause)}): convert the files "
-                            "to UTF-8, or pass --encoding-errors replace")
-        raise UserError(f"could not read {what}: {type(cause).__name__}: {first_line(cause)} "
-                        "(an empty or malformed file?)")
+        raise read_failure(source, what, e.__cause__ or e)
     except ValueError as e:
         msg = first_line(e)
         if "BuilderConfig" in msg or "Config name is missing" in msg:
@@ -312,14 +392,30 @@ def text_bytes(column):
     return pc.sum(pc.binary_length(column)).as_py() or 0
 
 
-def read_tasks(ds, start_doc, column, encoding_errors="strict"):
+def arrow_tables(ds, source):
+    """ds as Arrow tables of READ_DOCS documents. A streamed source is read only here, so a file
+    that fails to read fails here, in one line as in load_source."""
+    import pyarrow as pa
+    tables = ds.with_format("arrow").iter(batch_size=READ_DOCS)
+    while True:
+        try:
+            with datasets_errors_held():
+                table = next(tables)
+        except StopIteration:
+            return
+        except (pa.ArrowException, ValueError) as e:
+            raise read_failure(source, describe(source), e)
+        yield table
+
+
+def read_tasks(ds, start_doc, column, source, encoding_errors="strict"):
     """Yield (texts, bytes): runs of consecutive documents of about TASK_BYTES, from start_doc."""
     import pyarrow as pa
     import pyarrow.compute as pc
     if start_doc:
         ds = ds.skip(start_doc)
     doc = start_doc
-    for table in ds.with_format("arrow").iter(batch_size=READ_DOCS):
+    for table in arrow_tables(ds, source):
         if table.num_rows == 0:
             continue
         if column not in table.column_names:  # a streamed source may say its columns only now
@@ -501,7 +597,7 @@ def tokenize_into_shards(args, ds, pool, manifest):
     writer = ShardWriter(args.out_dir, manifest, progress.bar.write)
     end, nulls = [doc, skip], 0
     try:
-        tasks = read_tasks(ds, doc, args.text_column, args.encoding_errors)
+        tasks = read_tasks(ds, doc, args.text_column, manifest["source"], args.encoding_errors)
         for tokens, lens, nbytes in ordered_map(_encode_task, tasks, pool, TASKS_PER_WORKER * args.workers):
             if skip:  # the document where the last kept shard ended: drop what that shard has
                 tokens, lens = tokens[skip:], lens.copy()

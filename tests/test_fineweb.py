@@ -218,17 +218,20 @@ def test_worker_processes_give_same_bytes(tmp_path):
 # bad input: one UserError line that says what to do
 
 
-def fails(capsys, tmp_path, out, *args):
+def fails(capture, tmp_path, out, *args):
     """fineweb run as the command line runs it (common.run_main): exit status 2, and the one
-    line it prints, which starts with "error: " (a traceback would fail the test instead)."""
-    capsys.readouterr()
+    line it prints, which starts with "error: " (a traceback would fail the test instead).
+    capture: capsys, or capfd to see `datasets`' log too (its handler, made at import, holds the
+    stderr of that moment)."""
+    capture.readouterr()
     with pytest.raises(SystemExit) as e:
         run_main(lambda: prepare(tmp_path, out, *args))
-    err = capsys.readouterr().err
+    err = capture.readouterr().err
     *before, line = err.rstrip("\n").split("\n")
     assert e.value.code == 2 and line.startswith("error: ") and "Traceback" not in err, err
-    # what `datasets` shows of the work it did before the problem was found: progress bars only
-    assert all(re.search(r"examples/s|tok/s|it/s", b) for b in before), err
+    # what `datasets` shows of the work it did before the problem was found: progress bars only,
+    # which name no file (its log lines, which would, can share a line with a bar)
+    assert all(re.search(r"examples/s|tok/s|it/s", b) and str(tmp_path) not in b for b in before), err
     return line
 
 
@@ -508,3 +511,29 @@ def test_workers_capped_at_the_cores(tmp_path, capsys, monkeypatch):
     assert fineweb.parse_args(common_args + ["--workers", "2"]).workers == 2
     assert fineweb.parse_args(common_args).workers == 3
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("how", [[], ["--streaming"]])
+def test_unreadable_file_named_in_one_line(tmp_path, capfd, how):
+    """An empty parquet file, one that is not parquet, a bad line in a JSON-lines file and a broken
+    JSON document: one line naming the file (and the line), and nothing from `datasets` but its
+    progress bars. Streamed, the files are read only while tokenizing."""
+    good = write_parquet(tmp_path / "a.parquet", DOCS)
+    empty = write_parquet(tmp_path / "b.parquet", [])
+    for files in ([empty], [good, empty]):
+        line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", *files)
+        assert line == f"error: {empty} holds no rows (an empty parquet file): leave it out of --data-files"
+    os.remove(empty)
+    (tmp_path / "c.parquet").write_text("not parquet at all\n")
+    line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", good, str(tmp_path / "c.parquet"))
+    assert line.startswith(f"error: {tmp_path / 'c.parquet'} is not a parquet file (")
+    lines = tmp_path / "d.jsonl"
+    lines.write_text('{"text": "one"}\n{"text": "two"}\n\n{"text": three}\n{"text": "four"}\n')
+    line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", str(lines))
+    assert line == f"error: {lines}, line 4: not JSON (Expecting value): fix that line, or leave the file out"
+    document = tmp_path / "e.json"
+    document.write_text('[\n  {"text": "one"},\n  {"text": "two"}\n  {"text": "three"}\n]\n')
+    line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", str(document))
+    assert line == (f"error: {document}, line 4: not JSON (Expecting ',' delimiter): fix that line, "
+                    "or leave the file out")
+    assert not os.path.exists(tmp_path / "out")  # nor did any of them leave a directory behind
