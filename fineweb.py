@@ -48,6 +48,7 @@ DEFAULT_NAME = "sample-10BT"
 DEFAULT_OUT_DIR = os.path.join(HERE, "edu_fineweb10B")
 DEFAULT_PREFIX = "edufineweb"  # build-nanogpt's shard names, so its scripts find ours
 FILE_KINDS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}
+FILE_TYPES = ", ".join(list(FILE_KINDS)[:-1]) + " or " + list(FILE_KINDS)[-1]  # for messages
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 HUB_NAME = re.compile(r"[\w.\-]+(/[\w.\-]+)?")  # a hub id (owner/name), not a local path
 READ_DOCS = 256          # documents per Arrow read
@@ -152,11 +153,40 @@ def parse_args(argv=None):
 # Reading the source through `datasets` (imported here only: the trainer imports this file)
 
 
+def data_suffix(path):
+    """A file's type suffix and the compression after it, lower case: ('.jsonl', '.gz') for a.JSONL.gz."""
+    compression = next((c for c in COMPRESSED if path.endswith(c)), "")
+    return os.path.splitext(path[:len(path) - len(compression)])[1].lower(), compression
+
+
+def directory_globs(directory):
+    """UserError for --data-files DIR: the globs that would take its data files, by kind, the most
+    files first; a recursive glob where they are in subdirectories only."""
+    found = {}
+    for recursive in (False, True):
+        for path in glob.glob(os.path.join(directory, "**" if recursive else "", "*"), recursive=recursive):
+            ext, compression = data_suffix(path)
+            if os.path.isfile(path) and ext in FILE_KINDS:
+                pattern = os.path.join(directory, "**" if recursive else "", "*" + ext + compression)
+                found[pattern] = found.get(pattern, 0) + 1
+        if found:
+            break
+    if not found:
+        return UserError(f"--data-files {directory} is a directory with no {FILE_TYPES} files in it: "
+                         "pass a glob of such files")
+    globs = " or ".join(f"'{p}' ({n} file{'s' if n > 1 else ''})"
+                        for p, n in sorted(found.items(), key=lambda item: (-item[1], item[0])))
+    return UserError(f"--data-files {directory} is a directory: pass a glob of its files, such as {globs}")
+
+
 def resolve_data_files(patterns):
     """Expand globs (sorted within each, in the order given); all files must be one kind."""
     files, seen = [], set()
     for pattern in patterns:
-        found = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        path = os.path.expanduser(pattern)
+        if os.path.isdir(path):
+            raise directory_globs(path.rstrip(os.sep) or os.sep)
+        found = sorted(glob.glob(path, recursive=True))
         found = [f for f in found if os.path.isfile(f)]
         if not found:
             raise UserError(f"--data-files {pattern!r} matches no file")
@@ -164,10 +194,9 @@ def resolve_data_files(patterns):
         seen.update(files)
     kinds = set()
     for f in files:
-        stem = f[:-len(f.rsplit(".", 1)[-1]) - 1] if f.endswith(COMPRESSED) else f
-        ext = os.path.splitext(stem)[1].lower()
+        ext, _ = data_suffix(f)
         if ext not in FILE_KINDS:
-            raise UserError(f"{f}: unsupported file type {ext or '(none)'!r}; use .parquet, .json, .jsonl or .txt")
+            raise UserError(f"{f}: unsupported file type {ext or '(none)'!r}; use {FILE_TYPES}")
         kinds.add(FILE_KINDS[ext])
     if len(kinds) > 1:
         raise UserError(f"--data-files mixes {' and '.join(sorted(kinds))} files; prepare one kind at a time")

@@ -537,3 +537,24 @@ def test_unreadable_file_named_in_one_line(tmp_path, capfd, how):
     assert line == (f"error: {document}, line 4: not JSON (Expecting ',' delimiter): fix that line, "
                     "or leave the file out")
     assert not os.path.exists(tmp_path / "out")  # nor did any of them leave a directory behind
+
+
+def test_data_files_directory_suggests_a_glob(tmp_path, capsys):
+    os.makedirs(tmp_path / "corpus")
+    for name in ("a.parquet", "b.parquet"):
+        write_parquet(tmp_path / "corpus" / name, DOCS)
+    write_jsonl(tmp_path / "corpus" / "c.jsonl", DOCS)
+    (tmp_path / "corpus" / "notes.md").write_text("not data")
+    corpus = str(tmp_path / "corpus")
+    err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", corpus)
+    assert err == (f"error: --data-files {corpus} is a directory: pass a glob of its files, such as "
+                   f"'{corpus}/*.parquet' (2 files) or '{corpus}/*.jsonl' (1 file)")
+    prepare(tmp_path, tmp_path / "out", "--data-files", f"{corpus}/*.parquet")  # what it suggested works
+    os.makedirs(tmp_path / "only_nested" / "x")  # files in subdirectories only: a recursive glob
+    (tmp_path / "only_nested" / "x" / "e.txt").write_text("text")
+    err = fails(capsys, tmp_path, tmp_path / "out2", "--data-files", str(tmp_path / "only_nested"))
+    assert f"such as '{tmp_path / 'only_nested'}/**/*.txt' (1 file)" in err
+    os.makedirs(tmp_path / "nothing")
+    err = fails(capsys, tmp_path, tmp_path / "out2", "--data-files", str(tmp_path / "nothing"))
+    assert err == (f"error: --data-files {tmp_path / 'nothing'} is a directory with no .parquet, .json, .jsonl "
+                   "or .txt files in it: pass a glob of such files")
