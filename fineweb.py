@@ -48,11 +48,17 @@ DEFAULT_NAME = "sample-10BT"
 DEFAULT_OUT_DIR = os.path.join(HERE, "edu_fineweb10B")
 DEFAULT_PREFIX = "edufineweb"  # build-nanogpt's shard names, so its scripts find ours
 FILE_KINDS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}
+FILE_TYPES = ", ".join(list(FILE_KINDS)[:-1]) + " or " + list(FILE_KINDS)[-1]  # for messages
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 HUB_NAME = re.compile(r"[\w.\-]+(/[\w.\-]+)?")  # a hub id (owner/name), not a local path
 READ_DOCS = 256          # documents per Arrow read
 TASK_BYTES = 1 << 20     # text per worker task: ~250k tokens, ~0.1 s of tiktoken, IPC cost < 1%
 TASKS_PER_WORKER = 4     # in flight per worker: enough to hide a slow read, bounded memory
+# The least --max-tokens: each split must hold one trainer batch of the smallest shape worth training,
+# a 64-token context and batch 1, which takes 64 + 1 tokens (the targets are the inputs shifted by
+# one: dataloader.TokenLoader); a stream this short gives validation a tenth (dataloader.val_size).
+SMALLEST_BATCH_TOKENS = 64 * 1 + 1
+MIN_MAX_TOKENS = VAL_SHARE * SMALLEST_BATCH_TOKENS
 
 
 def cpu_count():
@@ -103,8 +109,10 @@ def parse_args(argv=None):
                      help=f"tokens of the validation split (the stream's first ones); a corpus with fewer than "
                           f"{VAL_SHARE}x this many gives a tenth of its tokens instead")
     out.add_argument("--max-tokens", type=int, default=None,
-                     help="stop after this many tokens, validation included (quick experiments)")
-    out.add_argument("--workers", type=int, default=cpu_count(), help="tokenizer processes (1: no subprocesses)")
+                     help=f"stop after this many tokens, validation included (quick experiments); at least "
+                          f"{MIN_MAX_TOKENS}, so that each split holds a batch of a 64-token context")
+    out.add_argument("--workers", type=int, default=cpu_count(),
+                     help="tokenizer processes, at most the CPU cores this process may use (1: no subprocesses)")
     out.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
                      help="multiprocessing start method (default: the platform's)")
     out.add_argument("--verify", action="store_true",
@@ -125,10 +133,18 @@ def parse_args(argv=None):
         args.prefix = DEFAULT_PREFIX if default_source else "data"
     if not re.fullmatch(r"[A-Za-z0-9.\-]+", args.prefix):
         raise UserError(f"--prefix {args.prefix!r}: use letters, digits, '.' and '-' only")
-    # --max-tokens: a token for validation and one for training, at least
-    for flag, least in (("shard_size", 1), ("val_tokens", 1), ("max_tokens", 2), ("workers", 1)):
-        if getattr(args, flag) is not None and getattr(args, flag) < least:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= {least} (got {getattr(args, flag)})")
+    for flag in ("shard_size", "val_tokens", "workers"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    cores = cpu_count()
+    if args.workers > cores:  # more processes than cores only add switching and memory
+        print(f"--workers {args.workers} is more than the {cores} CPU cores this process may use: using {cores}",
+              flush=True)
+        args.workers = cores
+    if args.max_tokens is not None and args.max_tokens < MIN_MAX_TOKENS:
+        raise UserError(f"--max-tokens {args.max_tokens} is too few: each split needs one training batch, "
+                        f"{SMALLEST_BATCH_TOKENS} tokens at the smallest (a 64-token context, batch 1, plus 1), and "
+                        f"validation gets a tenth of a stream this short, so pass at least {MIN_MAX_TOKENS}")
     args.command = "python fineweb.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     return args
 
@@ -137,11 +153,40 @@ def parse_args(argv=None):
 # Reading the source through `datasets` (imported here only: the trainer imports this file)
 
 
+def data_suffix(path):
+    """A file's type suffix and the compression after it, lower case: ('.jsonl', '.gz') for a.JSONL.gz."""
+    compression = next((c for c in COMPRESSED if path.endswith(c)), "")
+    return os.path.splitext(path[:len(path) - len(compression)])[1].lower(), compression
+
+
+def directory_globs(directory):
+    """UserError for --data-files DIR: the globs that would take its data files, by kind, the most
+    files first; a recursive glob where they are in subdirectories only."""
+    found = {}
+    for recursive in (False, True):
+        for path in glob.glob(os.path.join(directory, "**" if recursive else "", "*"), recursive=recursive):
+            ext, compression = data_suffix(path)
+            if os.path.isfile(path) and ext in FILE_KINDS:
+                pattern = os.path.join(directory, "**" if recursive else "", "*" + ext + compression)
+                found[pattern] = found.get(pattern, 0) + 1
+        if found:
+            break
+    if not found:
+        return UserError(f"--data-files {directory} is a directory with no {FILE_TYPES} files in it: "
+                         "pass a glob of such files")
+    globs = " or ".join(f"'{p}' ({n} file{'s' if n > 1 else ''})"
+                        for p, n in sorted(found.items(), key=lambda item: (-item[1], item[0])))
+    return UserError(f"--data-files {directory} is a directory: pass a glob of its files, such as {globs}")
+
+
 def resolve_data_files(patterns):
     """Expand globs (sorted within each, in the order given); all files must be one kind."""
     files, seen = [], set()
     for pattern in patterns:
-        found = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        path = os.path.expanduser(pattern)
+        if os.path.isdir(path):
+            raise directory_globs(path.rstrip(os.sep) or os.sep)
+        found = sorted(glob.glob(path, recursive=True))
         found = [f for f in found if os.path.isfile(f)]
         if not found:
             raise UserError(f"--data-files {pattern!r} matches no file")
@@ -149,10 +194,9 @@ def resolve_data_files(patterns):
         seen.update(files)
     kinds = set()
     for f in files:
-        stem = f[:-len(f.rsplit(".", 1)[-1]) - 1] if f.endswith(COMPRESSED) else f
-        ext = os.path.splitext(stem)[1].lower()
+        ext, _ = data_suffix(f)
         if ext not in FILE_KINDS:
-            raise UserError(f"{f}: unsupported file type {ext or '(none)'!r}; use .parquet, .json, .jsonl or .txt")
+            raise UserError(f"{f}: unsupported file type {ext or '(none)'!r}; use {FILE_TYPES}")
         kinds.add(FILE_KINDS[ext])
     if len(kinds) > 1:
         raise UserError(f"--data-files mixes {' and '.join(sorted(kinds))} files; prepare one kind at a time")
@@ -231,6 +275,90 @@ def load_cached(args, kwargs):
         dconf.HF_HUB_OFFLINE, hconf.HF_HUB_OFFLINE = saved
 
 
+@contextlib.contextmanager
+def datasets_errors_held():
+    """`datasets` logs a file it cannot read, with pyarrow's message, just before it raises; the
+    caller words that error in one line (naming the file: unreadable_file), so such records are
+    dropped from its handlers meanwhile. Warnings and progress bars still show."""
+    import logging
+    handlers = logging.getLogger("datasets").handlers
+
+    def below_error(record):
+        return record.levelno < logging.ERROR
+    for h in handlers:
+        h.addFilter(below_error)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(below_error)
+
+
+def parquet_problem(path):
+    """Why a parquet file cannot be read, or None. `datasets` fails on a file with no rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError, ValueError) as e:
+        return f"{path} is not a parquet file ({first_line(e)}): leave it out of --data-files"
+    if rows == 0:
+        return f"{path} holds no rows (an empty parquet file): leave it out of --data-files"
+    return None
+
+
+def json_problem(path):
+    """Where a .json / .jsonl file stops being JSON, or None. A file whose first line is a whole
+    JSON value is JSON lines, checked line by line; any other is one JSON document."""
+    import json
+
+    def bad(number, e):
+        return f"{path}, line {number}: not JSON ({e.msg}): fix that line, or leave the file out"
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = True
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                if not first:
+                    return bad(number, e)
+                break  # the first line is not a whole value: the file is one JSON document
+            first = False
+        else:
+            return None
+        f.seek(0)
+        try:
+            json.load(f)
+        except json.JSONDecodeError as e:
+            return bad(e.lineno, e)
+    return None
+
+
+def unreadable_file(source):
+    """The first local file `datasets` cannot read, as a one-line error, or None; asked once it has
+    failed, since it names the file only in a log record (compressed files are left to its words)."""
+    check = {"parquet": parquet_problem, "json": json_problem}.get(source.get("kind"))
+    for path in source.get("data_files", []) if check else []:
+        problem = None if path.endswith(COMPRESSED) else check(path)
+        if problem:
+            return problem
+    return None
+
+
+def read_failure(source, what, cause):
+    """The one-line error for a source `datasets` failed to read; cause: the exception it raised."""
+    problem = unreadable_file(source)
+    if problem:
+        return UserError(problem)
+    if isinstance(cause, UnicodeDecodeError):  # from a compressed file the UTF-8 check could not open
+        return UserError(f"{what} holds bytes that are not UTF-8 ({first_line(cause)}): convert the files "
+                         "to UTF-8, or pass --encoding-errors replace")
+    return UserError(f"could not read {what}: {type(cause).__name__}: {first_line(cause)} "
+                     "(an empty or malformed file?)")
+
+
 def load_source(args, source, offline=None):
     """The documents as a datasets.Dataset (or IterableDataset with --streaming), one column.
     offline: why the hub cannot be reached (then only the datasets cache is tried)."""
@@ -241,32 +369,28 @@ def load_source(args, source, offline=None):
     what = f"dataset {args.dataset!r}" + (f" (config {args.name!r})" if args.name else "")
     kwargs = dict(split=args.split, streaming=args.streaming, cache_dir=args.cache_dir)
     try:
-        if "data_files" in source:
-            what = f"--data-files ({len(source['data_files'])} {source['kind']} files)"
-            if source["kind"] == "text":
-                kwargs["sample_by"] = source["sample_by"]
-            if source["kind"] in ("text", "json"):
-                kwargs["encoding_errors"] = source["encoding_errors"]
-            ds = datasets.load_dataset(source["kind"], data_files=source["data_files"], **kwargs)
-        elif offline:
-            ds = None if args.streaming else load_cached(args, kwargs)
-            if ds is None:
-                raise UserError(f"cannot download {what}: {offline}, and it is not in the datasets cache "
-                                f"(--streaming never is); {offline_hint}")
-        else:
-            ds = datasets.load_dataset(args.dataset, name=args.name, **kwargs)
+        with datasets_errors_held():
+            if "data_files" in source:
+                what = f"--data-files ({len(source['data_files'])} {source['kind']} files)"
+                if source["kind"] == "text":
+                    kwargs["sample_by"] = source["sample_by"]
+                if source["kind"] in ("text", "json"):
+                    kwargs["encoding_errors"] = source["encoding_errors"]
+                ds = datasets.load_dataset(source["kind"], data_files=source["data_files"], **kwargs)
+            elif offline:
+                ds = None if args.streaming else load_cached(args, kwargs)
+                if ds is None:
+                    raise UserError(f"cannot download {what}: {offline}, and it is not in the datasets cache "
+                                    f"(--streaming never is); {offline_hint}")
+            else:
+                ds = datasets.load_dataset(args.dataset, name=args.name, **kwargs)
     except DatasetNotFoundError as e:
         raise UserError(f"{what} not found on the Hugging Face hub ({first_line(e)}); "
                         f"check --dataset, or {offline_hint}")
     except ConnectionError as e:
         raise UserError(f"could not reach the Hugging Face hub for {what} ({first_line(e)}); {offline_hint}")
     except DatasetGenerationError as e:
-        cause = e.__cause__ or e
-        if isinstance(cause, UnicodeDecodeError):  # from a compressed file the UTF-8 check could not open
-            raise UserError(f"{what} holds bytes that are not UTF-8 ({first_line(cause)}): convert the files "
-                            "to UTF-8, or pass --encoding-errors replace")
-        raise UserError(f"could not read {what}: {type(cause).__name__}: {first_line(cause)} "
-                        "(an empty or malformed file?)")
+        raise read_failure(source, what, e.__cause__ or e)
     except ValueError as e:
         msg = first_line(e)
         if "BuilderConfig" in msg or "Config name is missing" in msg:
@@ -297,14 +421,30 @@ def text_bytes(column):
     return pc.sum(pc.binary_length(column)).as_py() or 0
 
 
-def read_tasks(ds, start_doc, column, encoding_errors="strict"):
+def arrow_tables(ds, source):
+    """ds as Arrow tables of READ_DOCS documents. A streamed source is read only here, so a file
+    that fails to read fails here, in one line as in load_source."""
+    import pyarrow as pa
+    tables = ds.with_format("arrow").iter(batch_size=READ_DOCS)
+    while True:
+        try:
+            with datasets_errors_held():
+                table = next(tables)
+        except StopIteration:
+            return
+        except (pa.ArrowException, ValueError) as e:
+            raise read_failure(source, describe(source), e)
+        yield table
+
+
+def read_tasks(ds, start_doc, column, source, encoding_errors="strict"):
     """Yield (texts, bytes): runs of consecutive documents of about TASK_BYTES, from start_doc."""
     import pyarrow as pa
     import pyarrow.compute as pc
     if start_doc:
         ds = ds.skip(start_doc)
     doc = start_doc
-    for table in ds.with_format("arrow").iter(batch_size=READ_DOCS):
+    for table in arrow_tables(ds, source):
         if table.num_rows == 0:
             continue
         if column not in table.column_names:  # a streamed source may say its columns only now
@@ -317,7 +457,8 @@ def read_tasks(ds, start_doc, column, encoding_errors="strict"):
             if encoding_errors == "strict":
                 raise UserError(f"a document from number {doc:,} on is not UTF-8 ({first_line(e)}): convert the "
                                 "input to UTF-8, or pass --encoding-errors replace")
-            texts = [b and b.decode("utf-8", "replace") for b in col.cast(pa.large_binary()).to_pylist()]
+            texts = [None if b is None else b.decode("utf-8", "replace")
+                     for b in col.cast(pa.large_binary()).to_pylist()]
         doc += table.num_rows
         sizes = np.cumsum(pc.fill_null(pc.binary_length(col), 0).to_numpy())
         # cut where the running byte count crosses each multiple of TASK_BYTES
@@ -344,15 +485,19 @@ def _init_worker(encoding):
 
 
 def encode_documents(texts):
-    """[EOT] + tokens for each document, concatenated, as uint16; and each document's length."""
+    """[EOT] + tokens for each document, concatenated, as uint16; and each document's length.
+    A null text (None) is no document: length 0, not even an <|endoftext|>, where an empty
+    string is an empty document. It keeps its place, so document numbers stay the source's."""
     enc = _worker_encoding or get_tokenizer()
     # encode_to_numpy with no special tokens allowed == encode_ordinary (a literal "<|endoftext|>"
     # in the text is ordinary text), without building a Python list of ints per document
-    docs = [enc.encode_to_numpy(t or "", disallowed_special=()) for t in texts]
-    lens = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
+    docs = [None if t is None else enc.encode_to_numpy(t, disallowed_special=()) for t in texts]
+    lens = np.fromiter((0 if d is None else len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
     out = np.empty(int(lens.sum()), dtype=np.uint32)
     pos = 0
     for d in docs:
+        if d is None:
+            continue
         out[pos] = EOT_TOKEN
         out[pos + 1:pos + 1 + len(d)] = d
         pos += len(d) + 1
@@ -479,9 +624,9 @@ def tokenize_into_shards(args, ds, pool, manifest):
     done = sum(s["tokens"] for s in manifest["shards"])
     progress = Progress(ds, args.text_column, doc, done, args.max_tokens)
     writer = ShardWriter(args.out_dir, manifest, progress.bar.write)
-    end = [doc, skip]
+    end, nulls = [doc, skip], 0
     try:
-        tasks = read_tasks(ds, doc, args.text_column, args.encoding_errors)
+        tasks = read_tasks(ds, doc, args.text_column, manifest["source"], args.encoding_errors)
         for tokens, lens, nbytes in ordered_map(_encode_task, tasks, pool, TASKS_PER_WORKER * args.workers):
             if skip:  # the document where the last kept shard ended: drop what that shard has
                 tokens, lens = tokens[skip:], lens.copy()
@@ -491,6 +636,7 @@ def tokenize_into_shards(args, ds, pool, manifest):
             ends = np.cumsum(lens)
             writer.add(tokens, lambda n, doc=doc, ends=ends, skip=skip: position_after(n, doc, ends, skip))
             end = position_after(len(tokens), doc, ends, skip)
+            nulls += int(np.count_nonzero(lens[:end[0] - doc] == 0))  # null texts (encode_documents)
             done += len(tokens)
             doc += len(lens)
             skip = 0
@@ -503,7 +649,7 @@ def tokenize_into_shards(args, ds, pool, manifest):
             writer.close()  # on an error too: let a shard being written finish, with its manifest entry
         finally:
             progress.bar.close()  # so that an error starts a line of its own
-    return done, progress.close()
+    return done, nulls, progress.close()
 
 
 def prepare(args):
@@ -538,7 +684,9 @@ def prepare(args):
         n_docs = None if args.streaming else len(ds)  # unknown when streaming
         # too little text for a val and a train split (a token each) is known before tokenizing: each
         # token of GPT-2's byte-level BPE has a byte of text at least, plus one <|endoftext|> a document
-        if n_docs is not None and text_bytes(ds.data.column(args.text_column)) + n_docs < 2:
+        # (a null text is none: encode_documents)
+        column = None if args.streaming else ds.data.column(args.text_column)
+        if column is not None and text_bytes(column) + n_docs - column.null_count < 2:
             raise UserError(f"{describe(source)} makes at most 1 token, too few for a validation and a train "
                             "split: add text")
         known = previous.get("num_documents") if previous else None
@@ -557,7 +705,7 @@ def prepare(args):
         if keep:
             print(f"resuming {out_dir} after {len(keep)} shards ({sum(s['tokens'] for s in keep):,} tokens), "
                   f"at document {keep[-1]['end'][0]:,}")
-        done, rate = tokenize_into_shards(args, ds, pool, manifest)
+        done, nulls, rate = tokenize_into_shards(args, ds, pool, manifest)
         n_train = sum(s["tokens"] for s in manifest["shards"] if s["split"] == "train")
         if n_train == 0:  # known only now for a streamed source
             discard(out_dir, manifest, created)
@@ -576,6 +724,8 @@ def prepare(args):
     manifest.update(complete=True, total_tokens=done, documents=last_doc + (offset > 0),
                     split_tokens={"val": shards[0]["tokens"], "train": n_train})
     write_manifest(out_dir, manifest)
+    if nulls:
+        print(f"skipped {nulls:,} document(s) with no text (null in column {args.text_column!r})")
     print(f"done: {done:,} tokens in {len(shards)} shards in {out_dir} ({rate / 1e6:.2f}M tokens/s this run); "
           f"train with: python train_gpt2.py --data-dir {out_dir}")
     return manifest

@@ -174,12 +174,14 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, cache=None, pos=None, mask=None):
+    def forward(self, idx, targets=None, cache=None, pos=None, mask=None, last_only=False):
         """idx (B, T) token ids -> (logits (B, T, padded_vocab), loss or None).
         pos and mask pack several sequences into one row (hellaswag.py: a context once, then its
         endings side by side): pos (B, T) is each token's position in its own sequence, and mask
         (B, 1, T, T) bool says which tokens each token attends to (True = attends). Without them,
-        position t is t and attention is causal."""
+        position t is t and attention is causal. last_only: the last position's logits only,
+        (B, 1, padded_vocab), all that generation needs; the LM head is then one position's work
+        instead of T's, the larger part of a forward for a small model."""
         B, T = idx.size()
         if pos is None:
             start = cache.pos if cache is not None else 0
@@ -194,8 +196,10 @@ class GPT(nn.Module):
         if cache is not None:
             cache.pos += T
         x = self.transformer.ln_f(x)
-        if targets is None and cache is not None:
-            x = x[:, -1:, :]  # generation only needs the last position's logits
+        if last_only:
+            if targets is not None:
+                raise ValueError("last_only gives one position's logits: the loss needs them all")
+            x = x[:, -1:, :]  # (B, 1, C)
         logits = self.lm_head(x)  # (B, T, padded_vocab)
         if self.config.padded_vocab_size > self.config.vocab_size:
             # padded ids are not tokens: they must get no probability, in the loss or in sampling
@@ -367,13 +371,13 @@ class GPT(nn.Module):
             if use_cache and cache is None and idx.size(1) < self.config.block_size:
                 hs = self.config.n_embd // self.config.n_head
                 cache = KVCache(self.config.n_layer, B, self.config.n_head, cache_len, hs, idx.device)
-                logits, _ = self(idx, cache=cache)  # prefill: the whole prompt at once
+                logits, _ = self(idx, cache=cache, last_only=True)  # prefill: the whole prompt at once
             elif cache is not None and cache.pos < cache.max_len:
-                logits, _ = self(idx[:, -1:], cache=cache)  # one new token per forward
+                logits, _ = self(idx[:, -1:], cache=cache, last_only=True)  # one new token per forward
             else:
                 # no cache, or the context is full: recompute over the last block_size tokens
                 cache = None
-                logits, _ = self(idx[:, -self.config.block_size:])
+                logits, _ = self(idx[:, -self.config.block_size:], last_only=True)
             logits = logits[:, -1, :].float()
             nxt = sample_next(logits, temperature, top_k, top_p, generator)
             if eos_token is not None:

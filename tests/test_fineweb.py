@@ -218,17 +218,20 @@ def test_worker_processes_give_same_bytes(tmp_path):
 # bad input: one UserError line that says what to do
 
 
-def fails(capsys, tmp_path, out, *args):
+def fails(capture, tmp_path, out, *args):
     """fineweb run as the command line runs it (common.run_main): exit status 2, and the one
-    line it prints, which starts with "error: " (a traceback would fail the test instead)."""
-    capsys.readouterr()
+    line it prints, which starts with "error: " (a traceback would fail the test instead).
+    capture: capsys, or capfd to see `datasets`' log too (its handler, made at import, holds the
+    stderr of that moment)."""
+    capture.readouterr()
     with pytest.raises(SystemExit) as e:
         run_main(lambda: prepare(tmp_path, out, *args))
-    err = capsys.readouterr().err
+    err = capture.readouterr().err
     *before, line = err.rstrip("\n").split("\n")
     assert e.value.code == 2 and line.startswith("error: ") and "Traceback" not in err, err
-    # what `datasets` shows of the work it did before the problem was found: progress bars only
-    assert all(re.search(r"examples/s|tok/s|it/s", b) for b in before), err
+    # what `datasets` shows of the work it did before the problem was found: progress bars only,
+    # which name no file (its log lines, which would, can share a line with a bar)
+    assert all(re.search(r"examples/s|tok/s|it/s", b) and str(tmp_path) not in b for b in before), err
     return line
 
 
@@ -383,8 +386,8 @@ def test_corpus_smaller_than_a_shard_works_with_defaults(tmp_path, capsys):
     assert m["split_tokens"] == {"val": len(want) // 10, "train": len(want) - len(want) // 10}
     assert [s["name"] for s in m["shards"]] == ["data_val_000000.npy", "data_train_000001.npy"]
     np.testing.assert_array_equal(stream_of(tmp_path / "out"), want)
-    prepare(tmp_path, tmp_path / "part", "--data-files", data, "--max-tokens", "200")
-    assert json.load(open(tmp_path / "part" / "manifest.json"))["split_tokens"]["val"] == 20
+    prepare(tmp_path, tmp_path / "part", "--data-files", data, "--max-tokens", "700")
+    assert json.load(open(tmp_path / "part" / "manifest.json"))["split_tokens"]["val"] == 70
     prepare(tmp_path, tmp_path / "part", "--data-files", data)
     assert shard_bytes(tmp_path / "part") == shard_bytes(tmp_path / "out")
 
@@ -471,3 +474,87 @@ def test_default_fineweb_download(tmp_path, hf_hub_online):
     assert m["source"]["dataset"] == fineweb.DEFAULT_DATASET and m["source"]["name"] == fineweb.DEFAULT_NAME
     assert m["complete"] and m["total_tokens"] == 30000
     assert [s["name"] for s in m["shards"]][:2] == ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_null_texts_are_skipped_and_counted(tmp_path, capsys, streaming):
+    """A null in the text column is no document (no <|endoftext|> of its own), unlike an empty
+    string; the run says at the end how many it skipped."""
+    docs = [DOCS[0], None, DOCS[1], "", None, DOCS[2]]
+    data = write_parquet(tmp_path / "d.parquet", docs)
+    prepare(tmp_path, tmp_path / "out", "--data-files", data, *(["--streaming"] if streaming else []))
+    np.testing.assert_array_equal(stream_of(tmp_path / "out"), expected_stream([d for d in docs if d is not None]))
+    *_, skipped, done = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert skipped == "skipped 2 document(s) with no text (null in column 'text')" and done.startswith("done: ")
+
+
+def test_max_tokens_too_few_for_a_batch_in_each_split(tmp_path, capsys):
+    """--max-tokens is refused before anything is written when a split would hold less than one
+    trainer batch of the smallest useful shape (T=64, B=1); the least it takes gives both splits one."""
+    data = write_jsonl(tmp_path / "d.jsonl", big_docs(20, seed=6))
+    least = fineweb.MIN_MAX_TOKENS
+    for few in (2, least - 1):
+        err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", data, "--max-tokens", str(few))
+        assert f"--max-tokens {few} is too few" in err and f"at least {least}" in err, err
+        assert not os.path.exists(tmp_path / "out")
+    prepare(tmp_path, tmp_path / "out", "--data-files", data, "--max-tokens", str(least))
+    for split in ("val", "train"):
+        x, y = dataloader.TokenLoader(str(tmp_path / "out"), split, batch_size=1, seq_len=64).next_batch()
+        assert x.shape == y.shape == (1, 64)
+
+
+def test_workers_capped_at_the_cores(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(fineweb, "cpu_count", lambda: 3)
+    common_args = ["--data-files", "x.jsonl", "--out-dir", str(tmp_path / "out")]
+    assert fineweb.parse_args(common_args + ["--workers", "64"]).workers == 3
+    assert capsys.readouterr().out == "--workers 64 is more than the 3 CPU cores this process may use: using 3\n"
+    assert fineweb.parse_args(common_args + ["--workers", "2"]).workers == 2
+    assert fineweb.parse_args(common_args).workers == 3
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("how", [[], ["--streaming"]])
+def test_unreadable_file_named_in_one_line(tmp_path, capfd, how):
+    """An empty parquet file, one that is not parquet, a bad line in a JSON-lines file and a broken
+    JSON document: one line naming the file (and the line), and nothing from `datasets` but its
+    progress bars. Streamed, the files are read only while tokenizing."""
+    good = write_parquet(tmp_path / "a.parquet", DOCS)
+    empty = write_parquet(tmp_path / "b.parquet", [])
+    for files in ([empty], [good, empty]):
+        line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", *files)
+        assert line == f"error: {empty} holds no rows (an empty parquet file): leave it out of --data-files"
+    os.remove(empty)
+    (tmp_path / "c.parquet").write_text("not parquet at all\n")
+    line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", good, str(tmp_path / "c.parquet"))
+    assert line.startswith(f"error: {tmp_path / 'c.parquet'} is not a parquet file (")
+    lines = tmp_path / "d.jsonl"
+    lines.write_text('{"text": "one"}\n{"text": "two"}\n\n{"text": three}\n{"text": "four"}\n')
+    line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", str(lines))
+    assert line == f"error: {lines}, line 4: not JSON (Expecting value): fix that line, or leave the file out"
+    document = tmp_path / "e.json"
+    document.write_text('[\n  {"text": "one"},\n  {"text": "two"}\n  {"text": "three"}\n]\n')
+    line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", str(document))
+    assert line == (f"error: {document}, line 4: not JSON (Expecting ',' delimiter): fix that line, "
+                    "or leave the file out")
+    assert not os.path.exists(tmp_path / "out")  # nor did any of them leave a directory behind
+
+
+def test_data_files_directory_suggests_a_glob(tmp_path, capsys):
+    os.makedirs(tmp_path / "corpus")
+    for name in ("a.parquet", "b.parquet"):
+        write_parquet(tmp_path / "corpus" / name, DOCS)
+    write_jsonl(tmp_path / "corpus" / "c.jsonl", DOCS)
+    (tmp_path / "corpus" / "notes.md").write_text("not data")
+    corpus = str(tmp_path / "corpus")
+    err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", corpus)
+    assert err == (f"error: --data-files {corpus} is a directory: pass a glob of its files, such as "
+                   f"'{corpus}/*.parquet' (2 files) or '{corpus}/*.jsonl' (1 file)")
+    prepare(tmp_path, tmp_path / "out", "--data-files", f"{corpus}/*.parquet")  # what it suggested works
+    os.makedirs(tmp_path / "only_nested" / "x")  # files in subdirectories only: a recursive glob
+    (tmp_path / "only_nested" / "x" / "e.txt").write_text("text")
+    err = fails(capsys, tmp_path, tmp_path / "out2", "--data-files", str(tmp_path / "only_nested"))
+    assert f"such as '{tmp_path / 'only_nested'}/**/*.txt' (1 file)" in err
+    os.makedirs(tmp_path / "nothing")
+    err = fails(capsys, tmp_path, tmp_path / "out2", "--data-files", str(tmp_path / "nothing"))
+    assert err == (f"error: --data-files {tmp_path / 'nothing'} is a directory with no .parquet, .json, .jsonl "
+                   "or .txt files in it: pass a glob of such files")

@@ -233,6 +233,29 @@ def test_kv_cache_greedy_equals_no_cache():
     assert torch.equal(m.generate(prompt, 5, temperature=0), b[:, :12])
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_past_the_context_computes_the_last_logits_only(use_cache):
+    """Past block_size, generation recomputes a sliding window: the LM head sees its last position
+    only, and each token is what a plain forward over the whole window picks (up to a tie within
+    rounding between the top two logits, where either pick is right)."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)).eval()
+    prompt = torch.randint(0, 50257, (2, 5))
+    seen = []
+    hook = m.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(tuple(inputs[0].shape)))
+    try:
+        out = m.generate(prompt, 30, temperature=0, use_cache=use_cache)
+    finally:
+        hook.remove()
+    assert len(seen) == 30 and all(shape[1] == 1 for shape in seen), seen
+    with torch.no_grad():
+        for t in range(prompt.size(1), out.size(1)):
+            logits, _ = m(out[:, max(0, t - 16):t])  # the whole window, every position's logits
+            last = logits[:, -1, :]
+            chosen = last.gather(1, out[:, t:t + 1]).squeeze(1)
+            assert (last.max(dim=-1).values - chosen <= 1e-4).all(), t
+
+
 def test_cached_logits_match_full_forward():
     torch.manual_seed(0)
     m = GPT(GPTConfig(**TINY)).eval()
