@@ -22,6 +22,7 @@ import glob
 import os
 import random
 import re
+import time
 from dataclasses import asdict
 
 import numpy as np
@@ -214,6 +215,26 @@ def find_resume(resume, log_dir):
     if path is None and resume != "latest":
         raise UserError(f"--resume {resume}: no ckpt_*.pt in that directory")
     return path, ckpt, skipped  # (None, None, []) for --resume with nothing to continue yet: it is always safe
+
+
+def set_aside_later(log_dir, path, step):
+    """Resuming log_dir from its own checkpoint `path` of `step` while later checkpoints exist starts
+    a new branch: the later ones (and the export of the old branch's end, LOG_DIR/hf) are moved to
+    LOG_DIR/superseded/after_step_<step>_<time>/, so that every reader (--resume, sample.py,
+    hellaswag.py, plot.py, the checkpoint rotation) sees the new branch only. Nothing is deleted.
+    Returns (the folder, the names moved), or (None, []) where nothing was later."""
+    if not (os.path.isdir(log_dir) and os.path.samefile(os.path.dirname(os.path.abspath(path)), log_dir)):
+        return None, []
+    later = [p for p in list_checkpoints(log_dir) if step_of(p) > step]
+    if not later:
+        return None, []
+    dest = os.path.join(log_dir, "superseded", f"after_step_{step}_{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(dest)
+    export = os.path.join(log_dir, "hf")
+    moved = later + ([export] if os.path.isdir(export) else [])
+    for p in moved:
+        os.replace(p, os.path.join(dest, os.path.basename(p)))
+    return dest, [os.path.basename(p) for p in moved]
 
 
 def restore_settings(cfg, ckpt, path, fixed, launch_only):

@@ -108,10 +108,16 @@ class RunLog:
         self.text = self.metrics = self.lock = None  # opened at the first write: bad input leaves no trace
         self.trackers = None
 
-    def _open(self):
-        if self.text is None:
+    def hold(self):
+        """Take the log directory's lock now (rank 0), before anything of this launch touches the
+        directory (trackers, checkpoints set aside): a launch refused by the lock leaves it as it was."""
+        if self.active and self.lock is None:
             os.makedirs(self.log_dir, exist_ok=True)
             self.lock = take_lock(self.log_dir)
+
+    def _open(self):
+        if self.text is None:
+            self.hold()
             # line-buffered: a crash or a kill loses at most the line being written
             self.text = open(os.path.join(self.log_dir, TEXT_LOG_FILE), "a", buffering=1)
             self.metrics = open(os.path.join(self.log_dir, METRICS_FILE), "a", buffering=1)
@@ -133,9 +139,11 @@ class RunLog:
                 self.trackers.send(kind, fields)
 
     def close(self):
-        """Close the files and the trackers, and release the lock."""
+        """Close the files and the trackers, and release the lock (its holder's line goes with it)."""
         if self.trackers is not None:
             self.trackers.close()
+        if self.lock is not None:
+            self.lock.truncate(0)
         for f in (self.text, self.metrics, self.lock):
             if f is not None:
                 f.close()

@@ -337,6 +337,19 @@ class GPT(nn.Module):
                     ortho_dtype=muon_dtype)
         return Optimizers(muon, adamw)
 
+    @staticmethod
+    def set_optimizer_settings(optimizer, weight_decay, betas, eps, muon_momentum=None):
+        """Put these settings into an optimizer from configure_optimizers, over what a loaded state
+        dict brought back (load_state_dict restores each group's own values): a resume that changes
+        them must train with the new ones. AdamW's first group is the decayed one."""
+        for opt in getattr(optimizer, "optimizers", [optimizer]):
+            if isinstance(opt, torch.optim.AdamW):
+                for i, group in enumerate(opt.param_groups):
+                    group.update(weight_decay=weight_decay if i == 0 else 0.0, betas=tuple(betas), eps=eps)
+            elif muon_momentum is not None:
+                for group in opt.param_groups:
+                    group["momentum"] = muon_momentum
+
     def flops_per_token(self, seq_len=None):
         """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12·L·d·T for
         attention scores and values (the nanoGPT / PaLM appendix B convention)."""

@@ -413,11 +413,19 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
     cfg.micro_batch_size, grad_accum = batch_geometry(cfg, ranks, raw_model, dtype)
     train_loader, val_loader, val_steps = build_data(cfg, ranks, raw_model.config.vocab_size)
     optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)
+    log.hold()  # the lock first: a launch it refuses must not touch the directory
+    if ckpt is not None and ranks.is_master:
+        dest, moved = checkpoint.set_aside_later(cfg.log_dir, resume_path, ckpt["step"])
+        if moved:
+            log.line(f"resume: a new branch from step {ckpt['step']}: moved the old branch's later "
+                     f"{', '.join(moved)} to {dest}")
     start_trackers(cfg, ranks, log, ckpt["step"] if ckpt is not None else 0)
     checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
                                           optimizer=optimizer, scaler=scaler, train_loader=train_loader,
                                           config=settings(cfg), fsdp=fsdp)
     start_step = checkpoints.restore(ckpt, resume_path) if ckpt is not None else 0
+    # the settings of this launch, over the param groups the checkpoint brought back
+    GPT.set_optimizer_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
     del ckpt
     run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, raw_model=raw_model,
               model=model, eval_model=getattr(model, "module", model), optimizer=optimizer, scaler=scaler,

@@ -2,6 +2,7 @@
 disk, a corrupt checkpoint, a restarted torchrun group, the settings a resume restores or refuses,
 and one trainer per log directory."""
 import errno
+import importlib.util
 import io
 import json
 import os
@@ -17,6 +18,7 @@ import torch
 import checkpoint
 import common
 import train_config
+import train_gpt2
 from runs import ENV, FAULT_TRAINER, TINY, TRAIN, final_state, records, run
 
 
@@ -131,22 +133,92 @@ def test_one_trainer_per_log_dir(data_dir, tmp_path):
     without --resume; a kill -9 of the first leaves nothing to clean up."""
     log_dir = str(tmp_path / "log")
     args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--eval-every", "0"]
-    first = subprocess.Popen([sys.executable, TRAIN] + args + ["--max-steps", "100000"], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=ENV)
+    tracked = ["--tensorboard"] if importlib.util.find_spec("tensorboard") else []
+    first = subprocess.Popen([sys.executable, TRAIN] + args + tracked + ["--max-steps", "100000"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
         for line in first.stdout:
             if line.startswith("step     1 |"):
                 break
-        for extra in (["--resume"], []):
+        first.send_signal(signal.SIGSTOP)  # holds its lock, writes nothing meanwhile
+        before = snapshot(log_dir)
+        for extra in (["--resume"] + tracked, []):
             p = run(args + ["--max-steps", "2"] + extra, check=False)
             lines = p.stderr.strip().splitlines()
             assert p.returncode == 2 and len(lines) == 1, p.stdout[-2000:] + p.stderr
             assert f"is in use by a trainer that is still running (pid {first.pid} on " in lines[0]
+        # a refused launch touched nothing: no TensorBoard file of its own, no checkpoint moved
+        assert snapshot(log_dir) == before
     finally:
         first.kill()
         first.wait(timeout=600)
     p = run(args + ["--max-steps", "3", "--resume"])  # no checkpoint yet: --resume starts it afresh
     assert "new run" in p.stdout and records(log_dir, "end")[-1]["reason"] == "finished"
+    with open(os.path.join(log_dir, "trainer.lock")) as f:
+        assert f.read() == ""  # "pid ... on host" only while a trainer holds it
+
+
+def snapshot(folder):
+    """Every file under folder, with its bytes."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), folder)] = f.read()
+    return out
+
+
+def test_resume_applies_changed_optimizer_settings(data_dir, reference_run, tmp_path):
+    """--weight-decay, --beta1/2, --eps and --muon-momentum named on a resume reach the optimizer,
+    not only the printed change and the stored config (load_state_dict brings back the old ones)."""
+    log_dir = str(tmp_path / "adamw")
+    shutil.copytree(reference_run, log_dir)
+    run(["--log-dir", log_dir, "--resume", "--max-steps", "11", "--weight-decay", "0.3", "--beta1", "0.8",
+         "--beta2", "0.99", "--eps", "1e-6"])
+    decay, no_decay = final_state(log_dir)[2]["param_groups"]
+    assert (decay["weight_decay"], decay["betas"], decay["eps"]) == (0.3, (0.8, 0.99), 1e-6)
+    assert (no_decay["weight_decay"], no_decay["betas"], no_decay["eps"]) == (0.0, (0.8, 0.99), 1e-6)
+    muon_dir = str(tmp_path / "muon")
+    base = TINY + ["--data-dir", data_dir, "--log-dir", muon_dir, "--optimizer", "muon", "--eval-every", "0"]
+    run(base + ["--max-steps", "2"])
+    run(["--log-dir", muon_dir, "--resume", "--max-steps", "3", "--muon-momentum", "0.9"])
+    muon, _ = final_state(muon_dir)[2]["optimizers"]
+    assert muon["param_groups"][0]["momentum"] == 0.9
+
+
+def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(data_dir, tmp_path):
+    """Resuming from step 2 of a run that reached 6 starts a new branch: the old branch's later
+    checkpoints and its export are moved aside (not deleted, and said so), the rotation keeps the
+    new branch, and --resume alone, sample.py's and hellaswag.py's loader and plot.py all follow it."""
+    import plot
+    log_dir = str(tmp_path / "log")
+    base = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--eval-every", "0", "--checkpoint-every", "2",
+                   "--keep-checkpoints", "2"]
+    run(base + ["--max-steps", "6", "--keep-checkpoints", "3", "--export-hf"])
+    old = {s: checkpoint.load_file(checkpoint.checkpoint_path(log_dir, s))["model"] for s in (4, 6)}
+    p = subprocess.run([sys.executable, FAULT_TRAINER, "--log-dir", log_dir, "--resume",
+                        checkpoint.checkpoint_path(log_dir, 2), "--max-lr", "1e-3"], capture_output=True,
+                       text=True, env=dict(ENV, FAULT="term:0:1"), timeout=900)  # stops after step 3
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr
+    moved = [line for line in p.stdout.splitlines() if "a new branch from step 2" in line]
+    assert len(moved) == 1 and "ckpt_000004.pt, ckpt_000006.pt, hf" in moved[0], p.stdout
+    aside = moved[0].split(" to ")[-1]
+    assert sorted(os.listdir(aside)) == ["ckpt_000004.pt", "ckpt_000006.pt", "hf"]
+    assert torch.equal(checkpoint.load_file(os.path.join(aside, "ckpt_000006.pt"))["model"]["lm_head.weight"],
+                       old[6]["lm_head.weight"])
+    assert [os.path.basename(c) for c in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000002.pt", "ckpt_000004.pt"]
+    new4 = checkpoint.load_file(checkpoint.checkpoint_path(log_dir, 4))
+    assert new4["config"]["max_lr"] == 1e-3 and not torch.equal(new4["model"]["lm_head.weight"], old[4]["lm_head.weight"])
+    model, what = checkpoint.load_model(log_dir)  # what sample.py and hellaswag.py load
+    assert "ckpt_000004.pt" in what and torch.equal(model.state_dict()["lm_head.weight"], new4["model"]["lm_head.weight"])
+    summary = plot.summarize(log_dir)
+    assert summary["status"] == "signal" and summary["checkpoint_step"] == 4 and summary["steps"] == 4
+    p = run(["--log-dir", log_dir, "--resume"])  # continues the new branch, at its own learning rate
+    assert "resuming" in p.stdout and "ckpt_000004.pt at step 4" in p.stdout
+    schedule = train_gpt2.Schedule(warmup_steps=2, max_steps=6, min_lr_ratio=0.1)
+    assert [r["lr"] for r in records(log_dir, "train")] == pytest.approx(
+        [schedule.lr(s, 3e-3) for s in range(2)] + [schedule.lr(s, 1e-3) for s in range(2, 6)])
+    assert records(log_dir, "run")[-1]["config"]["max_lr"] == 1e-3 and os.path.isdir(os.path.join(log_dir, "hf"))
 
 
 def test_a_run_that_failed_before_its_first_step_does_not_block_the_retry(data_dir, tmp_path):
