@@ -236,15 +236,39 @@ class Trackers:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(os.path.join(log_dir, "tb"), purge_step=start_step)
         self.queue = queue.Queue()
+        if self.wandb is not None and start_step > 0:
+            self.replay(log_dir, start_step)
         self.thread = threading.Thread(target=self._send_all, name="trackers", daemon=True)
         self.thread.start()
+
+    REPLAYED_KINDS = ("val", "hellaswag", "train")  # in the trainer's order within a step
+
+    def replay(self, log_dir, start_step):
+        """Queue for W&B the records of metrics.jsonl that a killed launch may never have handed to
+        W&B's service (a kill -9 loses what it had queued), up to start_step, where this launch begins:
+        those after the last launch that ended (and so finished its W&B run), and from the W&B run's
+        step on (what it holds: the server's, online; 0 offline, where it cannot know). A step W&B
+        holds already is not sent twice (see _send)."""
+        try:
+            m = read_metrics(log_dir)
+        except UserError:
+            return  # nothing logged yet
+        held = self.wandb.step
+        for launch in m["launches"]:
+            end = launch["end"]
+            if end is not None:  # its end record's step: max_steps when finished, else its last step
+                held = max(held, end["step"] + (end["reason"] != "finished"))
+        records = [(r["step"], self.REPLAYED_KINDS.index(kind), kind, r) for kind in self.REPLAYED_KINDS
+                   for r in m[kind] if held <= r["step"] < start_step]
+        for _, _, kind, r in sorted(records, key=lambda t: t[:2]):
+            self.queue.put((kind, {k: v for k, v in r.items() if k not in ("kind", "time")}, ("wandb",)))
 
     @property
     def wandb_id(self):
         return self.wandb.id if self.wandb is not None else None
 
     def send(self, kind, fields):
-        self.queue.put((kind, fields))
+        self.queue.put((kind, fields, ("wandb", "tensorboard")))
 
     def _send_all(self):
         while (item := self.queue.get()) is not None:
@@ -256,7 +280,9 @@ class Trackers:
                 print(f"tracking: a {item[0]} record was not sent ({type(e).__name__}: {e})", file=sys.stderr,
                       flush=True)
 
-    def _send(self, kind, fields):
+    def _send(self, kind, fields, to):
+        """Send one record to the trackers named in `to` (a replayed one goes to W&B only:
+        TensorBoard's files keep what a killed launch wrote)."""
         step = fields.get("step")
         if kind in self.CONFIG_KINDS:
             if self.wandb is not None:
@@ -270,13 +296,13 @@ class Trackers:
             values = {f"sample/{fields['index']}": fields["text"]}
         else:
             values = {f"{kind}/{k}": v for k, v in fields.items() if k != "step" and v is not None}
-        if self.writer is not None:
+        if self.writer is not None and "tensorboard" in to:
             for name, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(name, value, step)
                 elif isinstance(value, str):
                     self.writer.add_text(name, value, step)
-        if self.wandb is not None and step >= self.wandb.step:  # a lower step: the W&B run has it already
+        if self.wandb is not None and "wandb" in to and step >= self.wandb.step:  # lower: W&B has it already
             self.wandb.log(values, step=step)
 
     def close(self):

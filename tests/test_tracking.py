@@ -90,7 +90,8 @@ def test_wandb_and_tensorboard_hold_the_records_across_a_kill_and_two_resumes(tm
     assert {"run/text_summary", "sample/0/text_summary", "checkpoint/path/text_summary"} <= set(texts)
 
     # W&B: one run (its id stored in the checkpoints), continued by each launch; the launch that
-    # was killed lost what W&B's service had not written yet, so its file may hold nothing
+    # was killed lost what W&B's service had not written yet, so its file may hold nothing, and the
+    # next launch sends those steps again from metrics.jsonl
     runs = wandb_runs(log_dir)
     stored = checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))["config"]["wandb_id"]
     dirs = sorted(glob.glob(os.path.join(log_dir, "wandb", "offline-run-*")))
@@ -98,14 +99,14 @@ def test_wandb_and_tensorboard_hold_the_records_across_a_kill_and_two_resumes(tm
     assert [run_id for run_id, _, _ in runs[1:]] == [stored, stored]
     (_, first, _), (_, second, config), (_, third, _) = runs
     logged = [row["_step"] for row in second + third if "train/loss" in row]
-    assert logged == [3, 4, 5, 6, 7]  # each resumed launch from its own first step, none twice
+    assert logged == list(range(8))  # the killed launch's steps replayed, then each launch's own, none twice
     for row in second + third:
         if "train/loss" in row:
             assert row["train/loss"] == train[row["_step"]]["loss"] and row["train/tokens"] == train[row["_step"]]["tokens"]
     assert config["run"]["config"]["max_steps"] == 6 and config["run"]["step"] == 3
     samples = [row for row in second if "sample/0" in row]  # every 3 steps, and at the last step
     assert [row["_step"] for row in samples] == [3, 5] and samples[0]["sample/0"].startswith("Hello, I'm a language model,")
-    assert [row["_step"] for row in second if "val/val_loss" in row] == [4, 5]
+    assert [row["_step"] for row in second if "val/val_loss" in row] == [0, 2, 4, 5]
     assert all(row["_step"] <= 3 for row in first)  # whatever of steps 0-3 reached the killed launch's file
 
 
@@ -134,6 +135,26 @@ def test_a_step_the_wandb_run_holds_already_is_not_sent_again(tmp_path):
     trackers.close()
     assert fake.logged == [(s, [f"{k}/{f}"]) for s in (7, 8, 9) for k, f in (("val", "val_loss"), ("train", "loss"))]
     assert fake.finished
+
+
+def test_a_resumed_launch_replays_what_the_wandb_run_never_received(tmp_path):
+    """Online, the W&B run holds steps up to its .step: a launch resuming at step 4 of a run whose
+    W&B history ends at step 2 sends steps 2 and 3 from metrics.jsonl (evaluation before the step's
+    training, as the trainer logs them), then its own."""
+    log = metrics.RunLog(str(tmp_path), True)
+    for step in range(6):
+        if step % 2 == 0:
+            log.record("val", step=step, val_loss=3.0, tokens=step * 64)
+        log.record("train", step=step, loss=1.0 / (step + 1), tokens=(step + 1) * 64, tok_per_s=1e3, dt_ms=64.0)
+    log.close()
+    trackers = metrics.Trackers(str(tmp_path))
+    fake = trackers.wandb = FakeWandbRun(step=2)
+    trackers.replay(str(tmp_path), start_step=4)
+    trackers.send("train", {"step": 4, "loss": 0.1})
+    trackers.close()
+    train_fields = ["train/dt_ms", "train/loss", "train/tok_per_s", "train/tokens"]
+    assert fake.logged == [(2, ["val/tokens", "val/val_loss"]), (2, train_fields), (3, train_fields),
+                           (4, ["train/loss"])]
 
 
 def test_a_missing_package_is_one_line(monkeypatch):
