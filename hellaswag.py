@@ -372,8 +372,13 @@ class TrainingHook:
                 self.log.line(f"hellaswag: skipped for this run ({error or 'data missing on another rank'})")
                 return None
             self.items = items
+        # a bar on a terminal, else one line: scoring 10,042 items takes minutes on a slow GPU
+        bar = self.ranks.is_master and sys.stdout.isatty()
+        if self.ranks.is_master and not bar:
+            print(f"hellaswag: scoring {len(self.items):,} items on {self.ranks.world_size} rank(s)...", flush=True)
         return evaluate(raw_model, self.items, self.ranks.device, dtype, rank=self.ranks.rank,
-                        world_size=self.ranks.world_size, should_stop=should_stop, lockstep=self.lockstep)
+                        world_size=self.ranks.world_size, progress=bar, should_stop=should_stop,
+                        lockstep=self.lockstep)
 
 
 # ----------------------------------------------------------------------------------------------

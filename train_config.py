@@ -180,6 +180,15 @@ def check_relations(cfg):
     if cfg.total_batch_size % cfg.block_size:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of "
                         f"--block-size {cfg.block_size}")
+    given = getattr(cfg, "given", frozenset())
+    for flag in ("muon_lr", "muon_momentum"):
+        if flag in given and cfg.optimizer != "muon":
+            raise UserError(f"--{flag.replace('_', '-')} is a setting of --optimizer muon, and this run uses "
+                            f"{cfg.optimizer}: add --optimizer muon, or drop it")
+    for flag in ("model", "n_layer", "n_head", "n_embd"):
+        if flag in given and cfg.init_from:
+            raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "
+                            f"from {cfg.init_from}; drop it")
     if cfg.warmup_steps > cfg.max_steps:
         raise UserError(f"--warmup-steps {cfg.warmup_steps} is more than --max-steps {cfg.max_steps}: the run "
                         "would end before the learning rate reaches its peak; lower it, or raise --max-steps")

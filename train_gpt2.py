@@ -459,6 +459,10 @@ def train(cfg):
         if cfg.max_steps < ckpt["step"]:
             raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {resume_path} has "
                             "done: give more, or leave it out to keep the run's")
+        if cfg.max_steps == ckpt["step"]:  # nothing to train, export or log again
+            common.print0(f"{cfg.log_dir}: the run already finished its {ckpt['step']} steps ({resume_path}); "
+                          "pass a larger --max-steps to train on")
+            return 0
     for flag in ("wandb", "tensorboard"):
         if getattr(cfg, flag):
             metrics.check_tracker_installed(flag)

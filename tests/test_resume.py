@@ -79,6 +79,9 @@ def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, 
     assert p.returncode == 2 and "--warmup-steps 11 is more than --max-steps 10" in p.stderr, p.stderr
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "5"], check=False)
     assert p.returncode == 2 and "--max-steps 5 is fewer than the 10 steps" in p.stderr, p.stderr
+    before = snapshot(log_dir)
+    p = run(["--log-dir", log_dir, "--resume"])  # finished: nothing to do, and nothing written
+    assert p.stdout.startswith(f"{log_dir}: the run already finished its 10 steps") and snapshot(log_dir) == before
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "12", "--eval-every", "1", "--dist-timeout", "20"])
     for change in ("--max-steps 10 -> 12", "--eval-every 4 -> 1", "--dist-timeout 15.0 -> 20.0"):
         assert f"resume: {change} (from the command line)" in p.stdout, p.stdout
