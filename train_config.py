@@ -127,7 +127,8 @@ RANGES = [
     (("max_lr", "eps", "dist_timeout", "muon_lr"), lambda v: v > 0, "a positive number"),
     (("beta1", "beta2", "muon_momentum"), lambda v: 0 <= v < 1, "at least 0 and below 1"),
     (("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1"),
-    (("seed",), lambda v: -2 ** 63 <= v < 2 ** 64, "a 64-bit integer"),
+    # the seed goes to numpy too (np.random.seed), which takes nothing outside 0..2**32-1
+    (("seed",), lambda v: 0 <= v < 2 ** 32, "between 0 and 2**32-1 = 4294967295"),
 ]
 
 # --resume takes every setting of the run from its checkpoint. A flag given on the command line

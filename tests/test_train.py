@@ -252,6 +252,8 @@ BAD = {
     "warm-up longer than the run": (["--warmup-steps", "5"], "--warmup-steps 5 is more than --max-steps 2"),
     "zero hellaswag limit": (["--hellaswag-limit", "0"], "--hellaswag-limit must be at least 1"),
     "negative shuffle seed": (["--shuffle-seed", "-1"], "--shuffle-seed must be 0 or more"),
+    "negative seed": (["--seed", "-1"], "--seed must be between 0 and 2**32-1"),
+    "seed above 32 bits": (["--seed", str(2 ** 32)], "--seed must be between 0 and 2**32-1"),
 }
 
 
