@@ -5,6 +5,7 @@ probe asked before a download. Imports nothing from the project.
 """
 
 import errno
+import glob
 import os
 import shutil
 import signal
@@ -141,8 +142,45 @@ def atomic_write(path, write_fn):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    try:  # make the rename itself durable
-        fd = os.open(d, os.O_RDONLY)
+    fsync_path(d)  # make the rename itself durable
+
+
+def atomic_directory(path, write_fn):
+    """write_fn(tmp) fills a new directory beside path, which then takes path's place; an older
+    directory at path is replaced only once the new one is whole, so a failure (a full disk) or a
+    kill while writing leaves the older one, or none, never half of a new one. One writer at a
+    time per path: what a killed writer left (.NAME.tmp*, .NAME.old*) is cleared up first."""
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old*")):
+        if os.path.exists(path):
+            shutil.rmtree(stale, ignore_errors=True)
+        else:  # killed between the two renames below: the older directory goes back
+            os.rename(stale, path)
+    tmp = os.path.join(parent, f".{name}.tmp{os.getpid()}")
+    old = os.path.join(parent, f".{name}.old{os.getpid()}")
+    try:
+        os.makedirs(tmp)
+        write_fn(tmp)
+        for root, _, files in os.walk(tmp):
+            for f in files:
+                fsync_path(os.path.join(root, f))
+        if os.path.exists(path):  # a directory cannot be renamed over one that holds files
+            os.rename(path, old)
+        os.rename(tmp, path)
+    finally:
+        for d in (tmp, old):
+            shutil.rmtree(d, ignore_errors=True)
+    fsync_path(parent)
+
+
+def fsync_path(path):
+    """fsync a file or a directory (a directory: so that a rename in it is durable), where the
+    file system allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
@@ -152,9 +190,12 @@ def atomic_write(path, write_fn):
 
 
 def out_of_space(e, directory, needed=0):
-    """Whether the OSError e, raised writing into directory, means the disk is full. Not every
-    writer says so: numpy reports a short write as "N requested and M written", with no errno."""
+    """Whether the error e (an OSError, mostly), raised writing into directory, means the disk is
+    full. Not every writer says so with an errno: numpy reports a short write as "N requested and
+    M written", and safetensors raises its own SafetensorError, naming Rust's "os error 28"."""
     if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(f"os error {code})" in str(e) for code in (errno.ENOSPC, errno.EDQUOT)):
         return True
     try:
         return shutil.disk_usage(directory).free <= needed

@@ -525,8 +525,15 @@ def export_hf(run):
         if model is not None:
             model.load_state_dict(state)
     if run.ranks.is_master:
+        from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
         out = os.path.join(run.cfg.log_dir, "hf")
-        model.export_hf(out, tokenizer_files=gpt2_bpe_files())
+        try:  # into a directory beside hf/ that replaces it once whole: a full disk leaves no half export
+            common.atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
+        except (OSError, SafetensorError) as e:
+            why = "no space left on its disk" if common.out_of_space(e, run.cfg.log_dir) else common.first_line(e)
+            raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
+                            f"(the last: {run.checkpoints.last_path}): free space under --log-dir, then --resume "
+                            "exports it")
         run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 
 

@@ -206,11 +206,21 @@ class DiskFull(io.RawIOBase):
         return self.f.write(b)
 
 
-def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def train_in_process():
+    """train_gpt2.train(parse_args(argv)) in this process. The trainer installs its own signal
+    handlers: pytest's come back afterwards."""
+    import train_gpt2
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield lambda argv: train_gpt2.train(train_config.parse_args(argv))
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch, train_in_process):
     """The disk fills while the step-6 checkpoint is written: torch's zip writer turns the OSError
     into its own RuntimeError ("unexpected pos"); the run still ends in one line, with the step-3
     checkpoint whole and no temporary file left."""
-    import train_gpt2
     real = checkpoint.atomic_write
 
     def filling(path, write_fn):
@@ -218,20 +228,48 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path
             return real(path, write_fn)
         return real(path, lambda f: write_fn(DiskFull(f, 4096)))
     monkeypatch.setattr(checkpoint, "atomic_write", filling)
-    # the trainer installs its own signal handlers: pytest's come back afterwards
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     log_dir = str(tmp_path / "log")
-    args = train_config.parse_args(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10",
-                                         "--checkpoint-every", "3"])
-    try:
-        with pytest.raises(common.UserError, match=r"ckpt_000006.pt \(no space left on its disk\)") as e:
-            train_gpt2.train(args)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    with pytest.raises(common.UserError, match=r"ckpt_000006.pt \(no space left on its disk\)") as e:
+        train_in_process(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10",
+                                 "--checkpoint-every", "3"])
     assert "ckpt_000003.pt is intact" in str(e.value) and "\n" not in str(e.value)
     assert sorted(f for f in os.listdir(log_dir) if "ckpt" in f) == ["ckpt_000003.pt"]  # no half file left
     assert checkpoint.load_file(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
+
+
+@pytest.mark.parametrize("error", ["OSError", "SafetensorError"])
+def test_full_disk_during_the_hf_export_keeps_the_earlier_export(data_dir, tmp_path, monkeypatch, train_in_process,
+                                                                 error):
+    """The disk fills while the final model is exported (after config.json, before the weights):
+    one line that says so, the earlier export in LOG_DIR/hf untouched, nothing half-written left
+    beside it, and the run's last checkpoint whole; with space again, --resume exports it."""
+    import safetensors
+    import transformers
+    log_dir = str(tmp_path / "log")
+    hf = os.path.join(log_dir, "hf")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--eval-every", "0", "--export-hf"]
+    assert train_in_process(args + ["--max-steps", "2"]) == 0
+    earlier = {name: open(os.path.join(hf, name), "rb").read() for name in os.listdir(hf)}
+    assert "model.safetensors" in earlier
+
+    def full_disk(self, out_dir, **kwargs):  # safetensors raises its own type; os.write an OSError
+        self.config.save_pretrained(out_dir)
+        if error == "OSError":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "save_pretrained", full_disk)
+    with pytest.raises(common.UserError, match=r"^could not export the final model to .*hf \(no space left on its "
+                                               r"disk\); the checkpoints are intact .*ckpt_000003.pt") as e:
+        train_in_process(args + ["--max-steps", "3", "--resume"])
+    assert "\n" not in str(e.value)
+    assert sorted(os.listdir(log_dir)) == sorted(["ckpt_000002.pt", "ckpt_000003.pt", "hf", "log.txt",
+                                                  "metrics.jsonl", "trainer.lock"])  # no partial export beside hf/
+    assert {name: open(os.path.join(hf, name), "rb").read() for name in os.listdir(hf)} == earlier
+    assert checkpoint.load_file(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
+    monkeypatch.undo()
+    assert train_in_process(args + ["--max-steps", "3", "--resume"]) == 0
+    assert sorted(os.listdir(hf)) == sorted(earlier)
+    assert open(os.path.join(hf, "model.safetensors"), "rb").read() != earlier["model.safetensors"]
 
 
 def test_checkpoints_load_memory_mapped_and_without_mmap_when_it_fails(tmp_path, monkeypatch):
