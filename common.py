@@ -77,6 +77,16 @@ def exit_process(code):
     os._exit(code or 0)
 
 
+def to_devnull(stream):
+    """Point stream's file descriptor (sys.stdout's, say, once its reader went away) at /dev/null,
+    so that later writes to it, the interpreter's flush at exit among them, fail no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
+
+
 def print0(*args, **kwargs):
     """print on rank 0 only, flushed (notebooks and nohup otherwise hold output back)."""
     if int(os.environ.get("RANK", "0")) == 0:

@@ -195,5 +195,5 @@ if __name__ == "__main__":
     try:
         common.run_main(main)
     except BrokenPipeError:  # the reader went away (python sample.py | head): stop without a traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        common.to_devnull(sys.stdout)
         sys.exit(1)

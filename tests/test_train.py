@@ -12,7 +12,7 @@ import torch
 
 import checkpoint
 import train_config
-from runs import ENV, FAULT_TRAINER, TINY, final_state, records, run, torchrun
+from runs import ENV, FAULT_TRAINER, TINY, TRAIN, final_state, records, run, torchrun
 
 
 def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
@@ -166,6 +166,35 @@ def test_two_node_torchrun_on_loopback(data_dir, tmp_path, free_port):
     assert [n.returncode for n in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
     assert records(log_dir, "run")[0]["world_size"] == 2
     assert len(records(log_dir, "train")) == 3
+
+
+def test_a_closed_stdout_does_not_end_the_run(data_dir, tmp_path):
+    """python train_gpt2.py ... | head -2: the reader closes the pipe after two lines; the run goes
+    on to its end and its checkpoint, with every line in log.txt."""
+    fcntl = pytest.importorskip("fcntl")
+    if not hasattr(fcntl, "F_SETPIPE_SZ"):
+        pytest.skip("the pipe's size cannot be set on this system")
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "24", "--timing-breakdown", "1"]
+    read_end, write_end = os.pipe()
+    # a pipe of one page, which the run's output outgrows: the trainer writes into it after the
+    # reader has gone, however fast or slow either side runs
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    proc = subprocess.Popen([sys.executable, TRAIN] + args, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
+    os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        head = reader.readline() + reader.readline()
+    err = proc.communicate(timeout=900)[1]
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert head.startswith("run: new run")
+    assert err.count("stdout was closed") == 1
+    assert checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))["step"] == 24
+    with open(os.path.join(log_dir, "log.txt")) as f:
+        text = f.read()
+    assert len(text) > 4096 + len(head)  # more than the pipe held
+    steps = [int(l.split("|")[0].split()[1]) for l in text.splitlines() if l.startswith("step ") and "| loss" in l]
+    assert steps == list(range(24))
 
 
 def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
