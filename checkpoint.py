@@ -22,6 +22,7 @@ import glob
 import os
 import random
 import re
+import shlex
 from dataclasses import asdict
 
 import numpy as np
@@ -216,6 +217,11 @@ def find_resume(resume, log_dir):
     return path, ckpt, skipped  # (None, None, []) for --resume with nothing to continue yet: it is always safe
 
 
+def resume_command(log_dir):
+    """The command that continues the run in log_dir, quoted for the shell (a path with spaces)."""
+    return f"python train_gpt2.py --log-dir {shlex.quote(log_dir)} --resume"
+
+
 def restore_settings(cfg, ckpt, path, fixed, launch_only):
     """--resume: the run's settings, from its checkpoint into cfg (the trainer's parsed flags;
     cfg.given: the flags the command line named). A named flag whose value differs from the run's
@@ -311,7 +317,7 @@ def load_model(spec, device="cpu"):
         path, ckpt, skipped = newest_that_loads(spec)
         if path is None:
             raise UserError(f"{spec} has no ckpt_*.pt checkpoint and no config.json; "
-                            "train one with python train_gpt2.py --log-dir " + spec)
+                            "train one with python train_gpt2.py --log-dir " + shlex.quote(spec))
         model, what = model_from_checkpoint(ckpt, path), f"checkpoint {path}"
         if skipped:  # as the trainer's --resume does: the newest one may be cut short by a full disk
             what += f" (skipped {len(skipped)} newer that do not load: {skipped[0]})"

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -215,11 +216,11 @@ def remedy(data_dir, manifest):
     """What to do about a missing, damaged or unfinished shard directory. The directory may be a
     copy of the one fineweb.py wrote: its manifest names the original, and the command that made it."""
     if manifest is None or not manifest.get("command"):
-        return f"prepare it with: python fineweb.py --out-dir {data_dir}"
+        return f"prepare it with: python fineweb.py --out-dir {shlex.quote(data_dir)}"
     origin = manifest.get("out_dir")
     if origin and not (os.path.isdir(origin) and os.path.samefile(origin, data_dir)):
         return (f"copy the shards again from {origin} ({data_dir} is a copy of {origin}, made by: "
-                f"{manifest['command']}), or re-run that command with --out-dir {data_dir}")
+                f"{manifest['command']}), or re-run that command with --out-dir {shlex.quote(data_dir)}")
     return f"re-run the command that made it (it redoes only what is missing): {manifest['command']}"
 
 

@@ -577,7 +577,7 @@ def prepare(args):
                     split_tokens={"val": shards[0]["tokens"], "train": n_train})
     write_manifest(out_dir, manifest)
     print(f"done: {done:,} tokens in {len(shards)} shards in {out_dir} ({rate / 1e6:.2f}M tokens/s this run); "
-          f"train with: python train_gpt2.py --data-dir {out_dir}")
+          f"train with: python train_gpt2.py --data-dir {shlex.quote(out_dir)}")
     return manifest
 
 

@@ -189,7 +189,7 @@ def format_summary(s):
             words = words.replace("at step {}", "before its first step")
         lines.append(f"  status      {words.format(s['stop_step'])}")
         if s["checkpoint"]:
-            lines.append(f"  resume      python train_gpt2.py --log-dir {s['log_dir']} --resume "
+            lines.append(f"  resume      {checkpoint.resume_command(s['log_dir'])} "
                          f"(continues at step {s['checkpoint_step']} from {s['checkpoint']})")
         else:
             lines.append("  resume      no checkpoint written: a new launch starts from step 0")

@@ -505,7 +505,7 @@ def loop(run):
         if run.checkpoints.last_step != done:
             run.checkpoints.save(done)
         log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
-                 f"continue with: python train_gpt2.py --log-dir {cfg.log_dir} --resume")
+                 f"continue with: {checkpoint.resume_command(cfg.log_dir)}")
     elif cfg.export_hf:
         export_hf(run)
     # the end record's step: max_steps when finished, else the last step that ran (-1: none)
@@ -532,8 +532,8 @@ def export_hf(run):
         except (OSError, SafetensorError) as e:
             why = "no space left on its disk" if common.out_of_space(e, run.cfg.log_dir) else common.first_line(e)
             raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
-                            f"(the last: {run.checkpoints.last_path}): free space under --log-dir, then --resume "
-                            "exports it")
+                            f"(the last: {run.checkpoints.last_path}): free space under --log-dir, then "
+                            f"{checkpoint.resume_command(run.cfg.log_dir)} exports it")
         run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -387,6 +388,14 @@ def test_corpus_smaller_than_a_shard_works_with_defaults(tmp_path, capsys):
     assert json.load(open(tmp_path / "part" / "manifest.json"))["split_tokens"]["val"] == 20
     prepare(tmp_path, tmp_path / "part", "--data-files", data)
     assert shard_bytes(tmp_path / "part") == shard_bytes(tmp_path / "out")
+
+
+def test_train_with_line_quotes_the_out_dir(tmp_path, capsys):
+    """The command printed at the end names --out-dir as the shell must be given it (a space here)."""
+    out = tmp_path / "my data"
+    prepare(tmp_path, out, "--data-files", write_jsonl(tmp_path / "d.jsonl", DOCS * 3))
+    command = capsys.readouterr().out.split("train with: ")[1].splitlines()[0]
+    assert shlex.split(command) == ["python", "train_gpt2.py", "--data-dir", str(out)]
 
 
 def test_too_little_text_fails_before_tokenizing(tmp_path, capsys, monkeypatch):

@@ -185,9 +185,9 @@ def fails(capsys, *args, **kw):
 
 def test_missing_empty_or_file_data_dir(tmp_path, capsys):
     assert "does not exist" in fails(capsys, str(tmp_path / "nope"), "train", 2, 3)
-    os.makedirs(tmp_path / "empty")
-    err = fails(capsys, str(tmp_path / "empty"), "train", 2, 3)
-    assert "no train shards" in err and f"python fineweb.py --out-dir {tmp_path / 'empty'}" in err
+    os.makedirs(tmp_path / "empty dir")
+    err = fails(capsys, str(tmp_path / "empty dir"), "train", 2, 3)
+    assert "no train shards" in err and f"python fineweb.py --out-dir '{tmp_path / 'empty dir'}'" in err
     (tmp_path / "afile").write_text("x")
     assert "is a file, not a directory" in fails(capsys, str(tmp_path / "afile"), "train", 2, 3)
 

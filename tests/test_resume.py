@@ -5,6 +5,7 @@ import errno
 import io
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -46,10 +47,10 @@ def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
 
 def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_dir, reference_run, tmp_path):
     """SIGTERM while step 5 runs: the run ends after step 5, not after the next one (the request is
-    read at the step's sync), with a checkpoint of its 6 steps; then `--log-dir L --resume` alone,
-    with none of the run's flags, continues it with the run's settings to the reference's losses
-    and weights, bit for bit."""
-    log_dir = str(tmp_path / "log")
+    read at the step's sync), with a checkpoint of its 6 steps; then the command it prints,
+    `--log-dir L --resume` alone (L has a space: quoted for the shell), with none of the run's
+    flags, continues it with the run's settings to the reference's losses and weights, bit for bit."""
+    log_dir = str(tmp_path / "my run")
     args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "100"]
     p = subprocess.run([sys.executable, FAULT_TRAINER] + args, capture_output=True, text=True,
                        env=dict(ENV, FAULT="term:0:5"), timeout=900)
@@ -58,7 +59,9 @@ def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_di
     assert records(log_dir, "end")[-1] == dict(records(log_dir, "end")[-1], step=5, reason="signal")
     assert [r["step"] for r in records(log_dir, "train")] == list(range(6))
     assert final_state(log_dir)[0] == 6
-    p = run(["--log-dir", log_dir, "--resume"])
+    command = shlex.split(p.stdout.split("continue with: ")[1].splitlines()[0])
+    assert command == ["python", "train_gpt2.py", "--log-dir", log_dir, "--resume"]
+    p = run(command[2:])
     assert f"resuming {log_dir}/ckpt_000006.pt at step 6 with the run's settings" in p.stdout
     assert "resume: " not in p.stdout  # nothing changed
     assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
