@@ -10,6 +10,7 @@ import math
 import os
 
 import common
+import hellaswag
 from common import UserError
 from model import PRESETS
 
@@ -161,9 +162,16 @@ def parse_args(argv=None, description=None):
             if value is not None and not (math.isfinite(value) and test(value)):
                 raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
     common.check_output_dir(args.log_dir, "--log-dir")
-    if args.hellaswag_file is not None and not os.path.isfile(args.hellaswag_file):
-        raise UserError(f"--hellaswag-file {args.hellaswag_file} does not exist; give the path of a "
-                        f"hellaswag_val.jsonl, or leave it out to download the file once")
+    if args.hellaswag_file is not None:
+        if not os.path.isfile(args.hellaswag_file):
+            raise UserError(f"--hellaswag-file {args.hellaswag_file} does not exist; give the path of a "
+                            f"hellaswag_val.jsonl, or leave it out to download the file once")
+        # read now, as far as the run will read it: a file named on the command line that cannot be
+        # scored is bad input, not a HellaSwag "skipped" found at the end of the run
+        try:
+            hellaswag.load_items(args.hellaswag_file, limit=args.hellaswag_limit, flag="--hellaswag-file")
+        except UserError as e:
+            raise UserError(f"--hellaswag-file: {e}")
     # defaults that scale with the run, resolved here so that the rest reads one value
     if args.warmup_steps is None:
         args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)

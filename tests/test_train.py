@@ -232,11 +232,13 @@ def bad_input_setup(data_dir, tmp_path_factory, reference_run):
     truncated = base / "ckpt_000009.pt"
     with open(good, "rb") as f:
         truncated.write_bytes(f.read()[:2000])
+    malformed = base / "hs_malformed.jsonl"
+    malformed.write_text('{"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}\n{oops\n')
     hf_dir = base / "hf"
     from model import GPT, GPTConfig
     GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=16)).export_hf(str(hf_dir))
     return dict(base=str(base), junk=str(junk), truncated=str(truncated), hf=str(hf_dir),
-                data=data_dir, ref=reference_run)
+                malformed=str(malformed), data=data_dir, ref=reference_run)
 
 
 BAD = {
@@ -264,6 +266,8 @@ BAD = {
                                         "micro-batch-size"),
     "bad micro-batch": (["--micro-batch-size", "lots"], "micro-batch-size"),
     "hellaswag file missing": (["--hellaswag-every", "1", "--hellaswag-file", "{base}/hs.jsonl"], "hellaswag-file"),
+    "hellaswag file malformed": (["--hellaswag-every", "1", "--hellaswag-file", "{malformed}"],
+                                 "--hellaswag-file: {malformed} line 2: malformed HellaSwag line, not JSON"),
     "log dir is a file": (["--log-dir", "{junk}"], "is a file"),
     "log dir under a file": (["--log-dir", "{junk}/run1"], "cannot be made"),
     "resume with a larger block size": (["--log-dir", "{ref}", "--resume", "--block-size", "64"], "--block-size 32 and"),
@@ -290,6 +294,7 @@ BAD = {
 def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path):
     extra, expect = BAD[case]
     extra = [a.format(**bad_input_setup) for a in extra]
+    expect = expect.format(**bad_input_setup)
     log_dir = str(tmp_path / "fresh")
     args = TINY + ["--data-dir", bad_input_setup["data"], "--log-dir", log_dir, "--max-steps", "2"] + extra
     before = sorted(os.listdir(bad_input_setup["ref"]))
@@ -300,6 +305,18 @@ def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr
     assert sorted(os.listdir(bad_input_setup["ref"])) == before  # nothing written over
     assert not os.path.exists(log_dir)  # and nothing left behind
+
+
+def test_hellaswag_file_is_read_at_start_as_far_as_the_limit(tmp_path):
+    """--hellaswag-file is read when the flags are, up to --hellaswag-limit: what lies past the
+    items a run scores does not stop it."""
+    hs = tmp_path / "hs.jsonl"
+    hs.write_text('{"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}\nnot json\n')
+    log_dir = str(tmp_path / "log")
+    assert train_config.parse_args(["--hellaswag-file", str(hs), "--hellaswag-limit", "1", "--log-dir", log_dir])
+    with pytest.raises(train_config.UserError, match="line 2: malformed HellaSwag line"):
+        train_config.parse_args(["--hellaswag-file", str(hs), "--log-dir", log_dir])
+    assert not os.path.exists(log_dir)
 
 
 def test_lr_schedule():
