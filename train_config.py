@@ -89,8 +89,11 @@ def build_parser(description=None):
     a("--wandb-run", metavar="NAME", help="the W&B run's name (default: the log directory's name)")
     a("--wandb-id", metavar="ID", help="the W&B run to continue (default: a new one; --resume continues the run's "
                                        "own, stored in its checkpoints)")
-    a("--tensorboard", action="store_true",
-      help="also write every record as TensorBoard events to LOG_DIR/tb (pip install tensorboard)")
+    a("--no-wandb", dest="wandb", action="store_const", const=None,
+      help="send nothing to W&B: with --resume, turns off the project the run was started with")
+    a("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
+      help="also write every record as TensorBoard events to LOG_DIR/tb (pip install tensorboard); "
+           "--no-tensorboard turns it off in a resumed run that had it")
     a("--plot", action=argparse.BooleanOptionalAction, default=True,
       help="redraw LOG_DIR/plot.png at each evaluation when matplotlib is installed (default: on)")
     # hardware

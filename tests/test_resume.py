@@ -91,6 +91,35 @@ def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, 
     assert [r["step"] for r in records(log_dir, "val")] == [0, 4, 8, 9, 10, 11]  # every step after the resume
 
 
+def test_resume_turns_the_trackers_off(reference_run, tmp_path):
+    """A run started with --wandb and --tensorboard, resumed where neither package is installed: the
+    trackers are refused in one line, and --no-wandb --no-tensorboard resume it without them."""
+    log_dir = str(tmp_path / "log")
+    shutil.copytree(reference_run, log_dir)  # a finished 10-step run, then given both trackers
+    path = checkpoint.latest_checkpoint(log_dir)
+    ckpt = checkpoint.load_file(path)
+    ckpt["config"].update(wandb="gpt2-tests", wandb_id="abc123", tensorboard=True)
+    checkpoint.save_file(path, ckpt)
+    # the trainer as `python train_gpt2.py` runs it, on a Python where both imports fail
+    without = ("import runpy, sys; sys.modules['wandb'] = sys.modules['tensorboard'] = None; "
+               f"sys.argv = [{TRAIN!r}] + sys.argv[1:]; runpy.run_path({TRAIN!r}, run_name='__main__')")
+    args = [sys.executable, "-c", without, "--log-dir", log_dir, "--resume", "--max-steps", "12"]
+    p = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=900)
+    assert p.returncode == 2 and p.stderr.strip() == ("error: --wandb needs the wandb package, which is not "
+                                                      "installed: pip install wandb"), p.stderr
+    p = subprocess.run(args + ["--no-wandb"], capture_output=True, text=True, env=ENV, timeout=900)
+    assert p.returncode == 2 and "--tensorboard needs the tensorboard package" in p.stderr, p.stderr
+    p = subprocess.run(args + ["--no-wandb", "--no-tensorboard"], capture_output=True, text=True, env=ENV,
+                       timeout=900)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "resume: --tensorboard True -> False (from the command line)" in p.stdout
+    assert "resume: --wandb gpt2-tests -> None (from the command line)" in p.stdout
+    assert not os.path.exists(os.path.join(log_dir, "tb")) and not os.path.exists(os.path.join(log_dir, "wandb"))
+    config = checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))["config"]
+    assert config["max_steps"] == 12 and not config["tensorboard"] and config["wandb"] is None
+    assert [r["step"] for r in records(log_dir, "train")] == list(range(12))
+
+
 def test_one_trainer_per_log_dir(data_dir, tmp_path):
     """A second trainer on a log directory in use gets one line naming the running one, with or
     without --resume; a kill -9 of the first leaves nothing to clean up."""
