@@ -33,6 +33,8 @@ from common import UserError, atomic_write, first_line, hub_unreachable, out_of_
 from model import GPT, GPTConfig
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
+# how a torch.save file begins: a zip archive (torch >= 1.6), or a pickle of protocol 2 or later (older)
+TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")
 CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 
 # ----------------------------------------------------------------------------------------------
@@ -79,6 +81,13 @@ def load_file(path, map_location="cpu"):
     """Read a checkpoint written by train_gpt2.py; UserError for anything else."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # anything else (a text file, say) would be fed to the unpickler, whose complaints ("could not
+    # convert string to float") say nothing useful; an empty file is one cut short
+    if head and not head.startswith(TORCH_FILE_MAGIC):
+        raise UserError(f"{path} is not a checkpoint: not a torch zip or pickle file (it begins {head!r}); pass a "
+                        "ckpt_*.pt written by train_gpt2.py")
     try:
         try:
             # mmap: the ranks of a node that resume together share one copy of the file in the page

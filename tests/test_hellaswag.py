@@ -451,7 +451,8 @@ def test_cli_bad_models(files, tmp_path, capsys):
                                                        files["data"]], capsys)
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"\x00not a checkpoint" * 50)
-    assert "not a readable checkpoint" in cli_error(["--model", str(garbage), "--data-file", files["data"]], capsys)
+    assert "is not a checkpoint: not a torch zip or pickle file" in cli_error(["--model", str(garbage), "--data-file",
+                                                                               files["data"]], capsys)
     assert "does not exist" in cli_error(["--model", files["ckpt"], "--data-file", "nope.jsonl"], capsys)
     assert "is a directory" in cli_error(["--model", files["ckpt"], "--data-file", str(tmp_path)], capsys)
 

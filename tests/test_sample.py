@@ -209,9 +209,10 @@ def test_model_naming_nothing_loadable(tmp_path, capsys):
     assert "not found" in cli_error(["--model", str(tmp_path / "ckpt_000001.pt")], capsys)
     (tmp_path / "empty_log").mkdir()
     assert "has no ckpt_*.pt checkpoint" in cli_error(["--model", str(tmp_path / "empty_log")], capsys)
-    for name, content in (("garbage.pt", b"\x00not a checkpoint" * 50), ("empty.pt", b"")):
+    for name, content, why in (("garbage.pt", b"\x00not a checkpoint" * 50, "is not a checkpoint: not a torch zip"),
+                               ("empty.pt", b"", "not a readable checkpoint")):  # an empty file: one cut short
         (tmp_path / name).write_bytes(content)
-        assert "not a readable checkpoint" in cli_error(["--model", str(tmp_path / name)], capsys)
+        assert why in cli_error(["--model", str(tmp_path / name)], capsys)
 
 
 def test_prompt_longer_than_context_no_traceback(log_dir):

@@ -228,6 +228,8 @@ def bad_input_setup(data_dir, tmp_path_factory, reference_run):
     base = tmp_path_factory.mktemp("bad")
     junk = base / "junk.pt"
     junk.write_bytes(b"this is not a checkpoint")
+    notes = base / "notes.txt"  # a text file: its first letter is the unpickler's float opcode
+    notes.write_text("For the record, these are notes.\n")
     good = checkpoint.latest_checkpoint(reference_run)
     truncated = base / "ckpt_000009.pt"
     with open(good, "rb") as f:
@@ -238,7 +240,7 @@ def bad_input_setup(data_dir, tmp_path_factory, reference_run):
     from model import GPT, GPTConfig
     GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=16)).export_hf(str(hf_dir))
     return dict(base=str(base), junk=str(junk), truncated=str(truncated), hf=str(hf_dir),
-                malformed=str(malformed), data=data_dir, ref=reference_run)
+                malformed=str(malformed), notes=str(notes), data=data_dir, ref=reference_run)
 
 
 BAD = {
@@ -248,7 +250,9 @@ BAD = {
     "batch not divisible": (["--total-batch-size", "96"], "not divisible"),
     "block size too large for init-from": (["--init-from", "{hf}", "--block-size", "64"], "block-size"),
     "resume path missing": (["--resume", "{base}/ckpt_000123.pt"], "no such file"),
-    "resume not a checkpoint": (["--resume", "{junk}"], "not a"),
+    "resume not a checkpoint": (["--resume", "{junk}"], "{junk} is not a checkpoint: not a torch zip or pickle file"),
+    "resume a text file": (["--resume", "{notes}"], "{notes} is not a checkpoint: not a torch zip or pickle file"),
+    "init from a text file": (["--init-from", "{notes}"], "{notes} is not a checkpoint: not a torch zip or pickle"),
     "resume truncated checkpoint": (["--resume", "{truncated}"], "truncated"),
     "unknown device": (["--device", "tpu"], "unknown device"),
     "existing run without --resume": (["--log-dir", "{ref}"], "--resume"),
