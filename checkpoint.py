@@ -280,11 +280,35 @@ def model_from_checkpoint(ckpt, path="the checkpoint"):
     """The GPT a checkpoint holds, on the CPU; one line if its model does not load."""
     try:
         model = GPT(GPTConfig(**ckpt["model_config"]))
+        check_weights_fit(model, ckpt["model"], path)
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{path} is damaged: its model does not load ({type(e).__name__}: {first_line(e, 160)}); "
                         "use an earlier ckpt_*.pt from the same directory")
     return model
+
+
+def check_weights_fit(model, weights, path):
+    """UserError naming the first weight (in the model's order) that is missing from `weights`, has
+    another shape there, or is not the model's: torch's own message starts with a line that names
+    none ("Error(s) in loading state_dict for GPT:"). model: the GPT the checkpoint's config makes."""
+    expected = model.state_dict()
+    problem = None
+    for key, tensor in expected.items():
+        shape = tuple(getattr(weights.get(key), "shape", ()))
+        if key not in weights:
+            problem = f"{key} {tuple(tensor.shape)} is missing"
+        elif shape != tuple(tensor.shape):
+            problem = f"{key} has shape {shape} there, {tuple(tensor.shape)} in the model its config describes"
+        if problem:
+            break
+    else:
+        extra = [k for k in weights if k not in expected]
+        if not extra:
+            return
+        problem = f"{extra[0]} is not a weight of the model its config describes"
+    raise UserError(f"{path} does not hold the model its config describes: {problem}; use an earlier ckpt_*.pt "
+                    "from the same directory")
 
 
 def model_from_hub(name):

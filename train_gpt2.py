@@ -245,11 +245,13 @@ def configure_backends(cfg, ranks):
     return dtype, compile_on
 
 
-def build_model(cfg, ckpt):
-    """The GPT on the CPU and where it came from: a checkpoint's shape (its weights are put back by
-    Checkpointer.restore), pretrained weights (--init-from) or a preset."""
+def build_model(cfg, ckpt, ckpt_path):
+    """The GPT on the CPU and where it came from: the shape of checkpoint ckpt (read from ckpt_path;
+    its weights are put back by Checkpointer.restore), pretrained weights (--init-from) or a preset."""
     if ckpt is not None:
-        return GPT(GPTConfig(**ckpt["model_config"])), "resumed"
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        checkpoint.check_weights_fit(model, ckpt["model"], ckpt_path)
+        return model, "resumed"
     if cfg.init_from:
         model, what = checkpoint.load_model(cfg.init_from)
         if cfg.block_size > model.config.block_size:
@@ -388,7 +390,7 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw_model, origin = build_model(cfg, ckpt)
+    raw_model, origin = build_model(cfg, ckpt, resume_path)
     raw_model.to(ranks.device)
     cfg.block_size = raw_model.config.block_size  # --init-from may have set it
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this

@@ -304,6 +304,26 @@ def test_full_disk_during_the_hf_export_keeps_the_earlier_export(data_dir, tmp_p
     assert open(os.path.join(hf, "model.safetensors"), "rb").read() != earlier["model.safetensors"]
 
 
+def test_weights_that_do_not_fit_the_config_name_the_first_misfit(reference_run):
+    """One line naming the first weight that is missing, has another shape or is not the model's,
+    in place of torch's "Error(s) in loading state_dict for GPT:"."""
+    path = checkpoint.latest_checkpoint(reference_run)
+    ckpt = checkpoint.load_file(path)
+    assert checkpoint.model_from_checkpoint(ckpt, path).config.n_embd == 32
+    weights = ckpt["model"]
+    cases = [({k: v for k, v in weights.items() if k != "transformer.h.1.ln_1.bias"},
+              "transformer.h.1.ln_1.bias (32,) is missing"),
+             (dict(weights, **{"transformer.h.2.ln_1.bias": weights["transformer.h.1.ln_1.bias"]}),
+              "transformer.h.2.ln_1.bias is not a weight of the model its config describes"),
+             (dict(weights, **{"transformer.ln_f.weight": torch.ones(31)}),
+              "transformer.ln_f.weight has shape (31,) there, (32,) in the model its config describes")]
+    for misfit, problem in cases:
+        with pytest.raises(common.UserError) as e:
+            checkpoint.model_from_checkpoint(dict(ckpt, model=misfit), path)
+        assert str(e.value) == (f"{path} does not hold the model its config describes: {problem}; use an earlier "
+                                "ckpt_*.pt from the same directory")
+
+
 def test_checkpoints_load_memory_mapped_and_without_mmap_when_it_fails(tmp_path, monkeypatch):
     """The ranks of a node resuming together share the file's pages (torch.load(mmap=True)); where
     mmap fails the file is read the plain way, with the same result."""

@@ -236,11 +236,15 @@ def bad_input_setup(data_dir, tmp_path_factory, reference_run):
         truncated.write_bytes(f.read()[:2000])
     malformed = base / "hs_malformed.jsonl"
     malformed.write_text('{"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}\n{oops\n')
+    misfit = base / "misfit.pt"  # a config with more positions than its weights
+    ckpt = checkpoint.load_file(good)
+    ckpt["model_config"]["block_size"] = 64
+    checkpoint.save_file(str(misfit), ckpt)
     hf_dir = base / "hf"
     from model import GPT, GPTConfig
     GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=16)).export_hf(str(hf_dir))
     return dict(base=str(base), junk=str(junk), truncated=str(truncated), hf=str(hf_dir),
-                malformed=str(malformed), notes=str(notes), data=data_dir, ref=reference_run)
+                malformed=str(malformed), notes=str(notes), misfit=str(misfit), data=data_dir, ref=reference_run)
 
 
 BAD = {
@@ -251,6 +255,10 @@ BAD = {
     "block size too large for init-from": (["--init-from", "{hf}", "--block-size", "64"], "block-size"),
     "resume path missing": (["--resume", "{base}/ckpt_000123.pt"], "no such file"),
     "resume not a checkpoint": (["--resume", "{junk}"], "{junk} is not a checkpoint: not a torch zip or pickle file"),
+    "resume weights that do not fit the config": (["--resume", "{misfit}", "--max-steps", "12"], "{misfit} does not hold the model its "
+                                                  "config describes: transformer.wpe.weight has shape (32, 32) "
+                                                  "there, (64, 32) in the model"),
+    "init from weights that do not fit the config": (["--init-from", "{misfit}"], "transformer.wpe.weight has shape"),
     "resume a text file": (["--resume", "{notes}"], "{notes} is not a checkpoint: not a torch zip or pickle file"),
     "init from a text file": (["--init-from", "{notes}"], "{notes} is not a checkpoint: not a torch zip or pickle"),
     "resume truncated checkpoint": (["--resume", "{truncated}"], "truncated"),
