@@ -1,9 +1,10 @@
 """
-What every script shares, and nothing else: one-line user errors and the exit path, stop requests,
-rank-0 printing, file-system helpers (output-directory checks, atomic writes) and the connection
-probe asked before a download. Imports nothing from the project.
+What every script shares, and nothing else: one-line user errors and the exit path (the command
+line's among them), stop requests, rank-0 printing, file-system helpers (output-directory checks,
+atomic writes) and the connection probe asked before a download. Imports nothing from the project.
 """
 
+import argparse
 import errno
 import glob
 import os
@@ -26,6 +27,15 @@ def first_line(e, limit=300):
     """The first line of an exception's message (its type's name when it has none), for one-line errors."""
     text = str(e).strip()
     return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose command-line errors (an unknown flag, a bad choice or value, a
+    missing argument) are one line, as every other bad input is: argparse's own message, which
+    names the flag and, for a bad choice, the valid ones, instead of the whole usage; exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {' '.join(message.split())} (see --help)\n")
 
 
 _joined_process_group = False  # set by mark_joined_process_group(); decides how run_main exits

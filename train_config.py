@@ -21,8 +21,8 @@ DEFAULT_MUON_LR = 0.02  # Keller Jordan's Muon and nanochat's matrix learning ra
 
 def build_parser(description=None):
     """Every flag of the trainer, with its unit and default; description: what --help says first."""
-    p = argparse.ArgumentParser(prog="train_gpt2.py", description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.ArgumentParser(prog="train_gpt2.py", description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     # model
     a("--model", default="gpt2", choices=sorted(PRESETS), help="architecture preset (default: gpt2, 124M)")

@@ -259,6 +259,16 @@ def test_first_bad_utf8_across_chunk_ends(tmp_path):
         assert fineweb.first_bad_utf8(str(tmp_path / "bad"), chunk) == len(text.encode())
 
 
+def test_command_line_errors_are_one_line(tmp_path, capsys):
+    """argparse's own errors too: the flag, the valid choices, and where to look; no usage block."""
+    assert fails(capsys, tmp_path, tmp_path / "out", "--sample-by", "sentence") == (
+        "error: argument --sample-by: invalid choice: 'sentence' (choose from 'document', 'paragraph', 'line') "
+        "(see --help)")
+    assert fails(capsys, tmp_path, tmp_path / "out", "--shard-sise", "10") == (
+        "error: unrecognized arguments: --shard-sise 10 (see --help)")
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_missing_column_and_empty_text_leave_no_out_dir(tmp_path, capsys):
     data = write_parquet(tmp_path / "d.parquet", DOCS, column="content")
     err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", data)

@@ -269,6 +269,16 @@ def test_errors_in_process(tmp_path, capsys, case, needle):
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err
 
 
+def test_command_line_errors_are_one_line(capsys):
+    """argparse's own errors too: the flag and where to look, no usage block."""
+    for argv, needle in (([], "error: the following arguments are required: LOG_DIR (see --help)"),
+                         (["log", "--smooth", "lots"], "error: argument --smooth: invalid int value: 'lots' (see --help)")):
+        with pytest.raises(SystemExit) as e:
+            common.run_main(lambda: plot.main(argv))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == needle + "\n"
+
+
 def test_out_that_cannot_be_written_is_one_line(logs, tmp_path, capsys, monkeypatch):
     """--out naming a directory, or a location the process cannot write (read-only, full)."""
     dirs, _ = logs

@@ -179,6 +179,8 @@ def test_bad_input(log_dir, tmp_path, capsys, monkeypatch):
     (["--top-p", "1.01"], "--top-p must be in (0, 1]"),
     (["--top-p", "nan"], "--top-p must be in (0, 1]"),
     (["--seed", str(2 ** 64)], "--seed must fit in 64 bits"),
+    (["--top-k", "many"], "error: argument --top-k: invalid int value: 'many' (see --help)"),
+    (["--temprature", "1"], "error: unrecognized arguments: --temprature 1 (see --help)"),
 ])
 def test_bad_numbers(log_dir, capsys, flags, needle):
     assert needle in cli_error(["--model", str(log_dir)] + flags, capsys)

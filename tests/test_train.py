@@ -297,6 +297,10 @@ BAD = {
     "warm-up longer than the run": (["--warmup-steps", "5"], "--warmup-steps 5 is more than --max-steps 2"),
     "zero hellaswag limit": (["--hellaswag-limit", "0"], "--hellaswag-limit must be at least 1"),
     "negative shuffle seed": (["--shuffle-seed", "-1"], "--shuffle-seed must be 0 or more"),
+    "unknown flag": (["--learning-rate", "3e-4"], "error: unrecognized arguments: --learning-rate 3e-4 (see --help)"),
+    "bad choice": (["--optimizer", "sgd"], "error: argument --optimizer: invalid choice: 'sgd' (choose from 'adamw', "
+                                           "'muon') (see --help)"),
+    "not a number": (["--max-steps", "ten"], "error: argument --max-steps: invalid int value: 'ten' (see --help)"),
     "negative seed": (["--seed", "-1"], "--seed must be between 0 and 2**32-1"),
     "seed above 32 bits": (["--seed", str(2 ** 32)], "--seed must be between 0 and 2**32-1"),
 }
