@@ -473,9 +473,14 @@ def loop(run):
         loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
                                                   run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
         if not finite and run.dtype != "float16" and cfg.on_nonfinite == "stop":
-            log.line(f"step {step} | loss {loss} | grad_norm {norm}: non-finite; stopping. "
-                     f"The last good checkpoint is {run.checkpoints.last_path or 'none (no checkpoint yet)'}: "
-                     "resume from it with a lower --max-lr, or pass --on-nonfinite skip")
+            rates = "--max-lr or --muon-lr" if muon_lr(cfg) else "--max-lr"  # under Muon, either may be the cause
+            if run.checkpoints.last_path:
+                advice = (f"The last good checkpoint is {run.checkpoints.last_path}: resume from it with a lower "
+                          f"{rates}")
+            else:  # --resume with no checkpoint starts the run afresh
+                advice = f"No checkpoint was written yet: start the run again (--resume) with a lower {rates}"
+            log.line(f"step {step} | loss {loss} | grad_norm {norm}: non-finite; stopping. {advice}, "
+                     "or pass --on-nonfinite skip")
             log.record("end", step=step, reason="nonfinite")
             return 3
         done = step + 1

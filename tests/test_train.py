@@ -203,6 +203,7 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
                     "--warmup-steps", "0", "--max-lr", "1e30", "--eval-every", "0"], check=False)
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     assert "non-finite; stopping" in p.stdout and "Traceback" not in p.stderr
+    assert "resume from it with a lower --max-lr, or pass --on-nonfinite skip" in p.stdout  # AdamW: no --muon-lr
     end = records(log_dir, "end")[-1]
     assert end["reason"] == "nonfinite"
     step, model, _ = final_state(log_dir)
@@ -221,6 +222,14 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     assert p.returncode == 0 and "skipped (non-finite)" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
     _, model, _ = final_state(log3)
     assert all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
+    # under Muon, with no checkpoint yet: both rates named, and no checkpoint to resume from
+    log4 = str(tmp_path / "log4")
+    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log4, "--max-steps", "6", "--warmup-steps", "0",
+                    "--max-lr", "1e30", "--eval-every", "0", "--optimizer", "muon"], check=False)
+    assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
+    assert ("non-finite; stopping. No checkpoint was written yet: start the run again (--resume) with a lower "
+            "--max-lr or --muon-lr, or pass --on-nonfinite skip") in p.stdout
+    assert "none" not in p.stdout.split("non-finite; stopping")[1] and checkpoint.list_checkpoints(log4) == []
 
 
 @pytest.fixture(scope="module")
