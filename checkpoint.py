@@ -22,6 +22,7 @@ import glob
 import os
 import random
 import re
+import shlex
 import time
 from dataclasses import asdict
 
@@ -33,6 +34,8 @@ from common import UserError, atomic_write, first_line, hub_unreachable, out_of_
 from model import GPT, GPTConfig
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
+# how a torch.save file begins: a zip archive (torch >= 1.6), or a pickle of protocol 2 or later (older)
+TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")
 CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 
 # ----------------------------------------------------------------------------------------------
@@ -79,6 +82,13 @@ def load_file(path, map_location="cpu"):
     """Read a checkpoint written by train_gpt2.py; UserError for anything else."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # anything else (a text file, say) would be fed to the unpickler, whose complaints ("could not
+    # convert string to float") say nothing useful; an empty file is one cut short
+    if head and not head.startswith(TORCH_FILE_MAGIC):
+        raise UserError(f"{path} is not a checkpoint: not a torch zip or pickle file (it begins {head!r}); pass a "
+                        "ckpt_*.pt written by train_gpt2.py")
     try:
         try:
             # mmap: the ranks of a node that resume together share one copy of the file in the page
@@ -237,6 +247,11 @@ def set_aside_later(log_dir, path, step):
     return dest, [os.path.basename(p) for p in moved]
 
 
+def resume_command(log_dir):
+    """The command that continues the run in log_dir, quoted for the shell (a path with spaces)."""
+    return f"python train_gpt2.py --log-dir {shlex.quote(log_dir)} --resume"
+
+
 def restore_settings(cfg, ckpt, path, fixed, launch_only):
     """--resume: the run's settings, from its checkpoint into cfg (the trainer's parsed flags;
     cfg.given: the flags the command line named). A named flag whose value differs from the run's
@@ -288,11 +303,35 @@ def model_from_checkpoint(ckpt, path="the checkpoint"):
     """The GPT a checkpoint holds, on the CPU; one line if its model does not load."""
     try:
         model = GPT(GPTConfig(**ckpt["model_config"]))
+        check_weights_fit(model, ckpt["model"], path)
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"{path} is damaged: its model does not load ({type(e).__name__}: {first_line(e, 160)}); "
                         "use an earlier ckpt_*.pt from the same directory")
     return model
+
+
+def check_weights_fit(model, weights, path):
+    """UserError naming the first weight (in the model's order) that is missing from `weights`, has
+    another shape there, or is not the model's: torch's own message starts with a line that names
+    none ("Error(s) in loading state_dict for GPT:"). model: the GPT the checkpoint's config makes."""
+    expected = model.state_dict()
+    problem = None
+    for key, tensor in expected.items():
+        shape = tuple(getattr(weights.get(key), "shape", ()))
+        if key not in weights:
+            problem = f"{key} {tuple(tensor.shape)} is missing"
+        elif shape != tuple(tensor.shape):
+            problem = f"{key} has shape {shape} there, {tuple(tensor.shape)} in the model its config describes"
+        if problem:
+            break
+    else:
+        extra = [k for k in weights if k not in expected]
+        if not extra:
+            return
+        problem = f"{extra[0]} is not a weight of the model its config describes"
+    raise UserError(f"{path} does not hold the model its config describes: {problem}; use an earlier ckpt_*.pt "
+                    "from the same directory")
 
 
 def model_from_hub(name):
@@ -334,7 +373,7 @@ def load_model(spec, device="cpu"):
         path, ckpt, skipped = newest_that_loads(spec)
         if path is None:
             raise UserError(f"{spec} has no ckpt_*.pt checkpoint and no config.json; "
-                            "train one with python train_gpt2.py --log-dir " + spec)
+                            "train one with python train_gpt2.py --log-dir " + shlex.quote(spec))
         model, what = model_from_checkpoint(ckpt, path), f"checkpoint {path}"
         if skipped:  # as the trainer's --resume does: the newest one may be cut short by a full disk
             what += f" (skipped {len(skipped)} newer that do not load: {skipped[0]})"

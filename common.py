@@ -1,10 +1,12 @@
 """
-What every script shares, and nothing else: one-line user errors and the exit path, stop requests,
-rank-0 printing, file-system helpers (output-directory checks, atomic writes) and the connection
-probe asked before a download. Imports nothing from the project.
+What every script shares, and nothing else: one-line user errors and the exit path (the command
+line's among them), stop requests, rank-0 printing, file-system helpers (output-directory checks,
+atomic writes) and the connection probe asked before a download. Imports nothing from the project.
 """
 
+import argparse
 import errno
+import glob
 import os
 import shutil
 import signal
@@ -25,6 +27,15 @@ def first_line(e, limit=300):
     """The first line of an exception's message (its type's name when it has none), for one-line errors."""
     text = str(e).strip()
     return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose command-line errors (an unknown flag, a bad choice or value, a
+    missing argument) are one line, as every other bad input is: argparse's own message, which
+    names the flag and, for a bad choice, the valid ones, instead of the whole usage; exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {' '.join(message.split())} (see --help)\n")
 
 
 _joined_process_group = False  # set by mark_joined_process_group(); decides how run_main exits
@@ -74,6 +85,16 @@ def exit_process(code):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
+
+
+def to_devnull(stream):
+    """Point stream's file descriptor (sys.stdout's, say, once its reader went away) at /dev/null,
+    so that later writes to it, the interpreter's flush at exit among them, fail no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
 
 
 def print0(*args, **kwargs):
@@ -141,8 +162,45 @@ def atomic_write(path, write_fn):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    try:  # make the rename itself durable
-        fd = os.open(d, os.O_RDONLY)
+    fsync_path(d)  # make the rename itself durable
+
+
+def atomic_directory(path, write_fn):
+    """write_fn(tmp) fills a new directory beside path, which then takes path's place; an older
+    directory at path is replaced only once the new one is whole, so a failure (a full disk) or a
+    kill while writing leaves the older one, or none, never half of a new one. One writer at a
+    time per path: what a killed writer left (.NAME.tmp*, .NAME.old*) is cleared up first."""
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old*")):
+        if os.path.exists(path):
+            shutil.rmtree(stale, ignore_errors=True)
+        else:  # killed between the two renames below: the older directory goes back
+            os.rename(stale, path)
+    tmp = os.path.join(parent, f".{name}.tmp{os.getpid()}")
+    old = os.path.join(parent, f".{name}.old{os.getpid()}")
+    try:
+        os.makedirs(tmp)
+        write_fn(tmp)
+        for root, _, files in os.walk(tmp):
+            for f in files:
+                fsync_path(os.path.join(root, f))
+        if os.path.exists(path):  # a directory cannot be renamed over one that holds files
+            os.rename(path, old)
+        os.rename(tmp, path)
+    finally:
+        for d in (tmp, old):
+            shutil.rmtree(d, ignore_errors=True)
+    fsync_path(parent)
+
+
+def fsync_path(path):
+    """fsync a file or a directory (a directory: so that a rename in it is durable), where the
+    file system allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
@@ -152,9 +210,12 @@ def atomic_write(path, write_fn):
 
 
 def out_of_space(e, directory, needed=0):
-    """Whether the OSError e, raised writing into directory, means the disk is full. Not every
-    writer says so: numpy reports a short write as "N requested and M written", with no errno."""
+    """Whether the error e (an OSError, mostly), raised writing into directory, means the disk is
+    full. Not every writer says so with an errno: numpy reports a short write as "N requested and
+    M written", and safetensors raises its own SafetensorError, naming Rust's "os error 28"."""
     if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(f"os error {code})" in str(e) for code in (errno.ENOSPC, errno.EDQUOT)):
         return True
     try:
         return shutil.disk_usage(directory).free <= needed

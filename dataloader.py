@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -27,6 +28,7 @@ from model import GPT2_VOCAB_SIZE
 MANIFEST = "manifest.json"
 FORMAT = "gpt2-token-shards-v1"
 TOKEN_DTYPE = np.uint16
+NPY_MAGIC = b"\x93NUMPY"  # how every .npy file begins
 VAL_SHARE = 10  # a corpus under VAL_SHARE * val_tokens gives 1/VAL_SHARE of its tokens to validation
 SHARD_RE = re.compile(r"^(?P<prefix>.+)_(?P<split>val|train)_(?P<index>\d{6})\.npy$")
 
@@ -215,11 +217,11 @@ def remedy(data_dir, manifest):
     """What to do about a missing, damaged or unfinished shard directory. The directory may be a
     copy of the one fineweb.py wrote: its manifest names the original, and the command that made it."""
     if manifest is None or not manifest.get("command"):
-        return f"prepare it with: python fineweb.py --out-dir {data_dir}"
+        return f"prepare it with: python fineweb.py --out-dir {shlex.quote(data_dir)}"
     origin = manifest.get("out_dir")
     if origin and not (os.path.isdir(origin) and os.path.samefile(origin, data_dir)):
         return (f"copy the shards again from {origin} ({data_dir} is a copy of {origin}, made by: "
-                f"{manifest['command']}), or re-run that command with --out-dir {data_dir}")
+                f"{manifest['command']}), or re-run that command with --out-dir {shlex.quote(data_dir)}")
     return f"re-run the command that made it (it redoes only what is missing): {manifest['command']}"
 
 
@@ -276,12 +278,14 @@ def open_shard(path, fix):
     """A read-only memory map of one shard: pages are read on use, so data may exceed RAM."""
     if not os.path.isfile(path):
         raise UserError(f"shard {path} is missing: {fix}")
+    with open(path, "rb") as f:
+        head = f.read(len(NPY_MAGIC))
+    if head and head != NPY_MAGIC:  # numpy would take it for pickled data, and advise allow_pickle
+        raise UserError(f"shard {path} is not a .npy file (it begins {head!r}, not numpy's {NPY_MAGIC!r}): {fix}")
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        # a short file fails the memory map; a damaged header fails numpy's parser (it then
-        # guesses "pickled data", which would mislead here)
-        raise UserError(f"shard {path} is truncated or not a .npy file ({first_line(e)}): {fix}")
+    except (OSError, ValueError, EOFError) as e:  # a short file fails the memory map or the header's parser
+        raise UserError(f"shard {path} is truncated or its header is damaged ({first_line(e)}): {fix}")
     if arr.dtype != TOKEN_DTYPE or arr.ndim != 1:
         raise UserError(f"shard {path} holds a {arr.dtype} array of shape {arr.shape}, expected 1-D uint16 "
                         f"tokens as fineweb.py writes them: {fix}")

@@ -35,7 +35,7 @@ from collections import deque
 
 import numpy as np
 
-from common import UserError, check_output_dir, first_line, hub_unreachable, run_main
+from common import ArgumentParser, UserError, check_output_dir, first_line, hub_unreachable, run_main
 from dataloader import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, VAL_SHARE, ShardWriter, intact,
                         plan_resume, read_manifest, verify, write_manifest)
 from metrics import versions
@@ -77,8 +77,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def parse_args(argv=None):
     """The command line, checked: one-line errors for bad values."""
-    p = argparse.ArgumentParser(description="Tokenize a text corpus into uint16 GPT-2 token shards.",
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(description="Tokenize a text corpus into uint16 GPT-2 token shards.",
+                       formatter_class=HelpFormatter)
     src = p.add_argument_group("source (a Hugging Face dataset, or local files)")
     src.add_argument("--dataset", default=DEFAULT_DATASET,
                      help="Hugging Face dataset name or local dataset directory")
@@ -727,7 +727,7 @@ def prepare(args):
     if nulls:
         print(f"skipped {nulls:,} document(s) with no text (null in column {args.text_column!r})")
     print(f"done: {done:,} tokens in {len(shards)} shards in {out_dir} ({rate / 1e6:.2f}M tokens/s this run); "
-          f"train with: python train_gpt2.py --data-dir {out_dir}")
+          f"train with: python train_gpt2.py --data-dir {shlex.quote(out_dir)}")
     return manifest
 
 

@@ -15,7 +15,6 @@ torch.compile'd model, and stops between batches when its should_stop says so.
 Offline: --data-file path/to/hellaswag_val.jsonl, or the copy cached by an earlier download.
 """
 
-import argparse
 import bz2
 import gzip
 import json
@@ -387,7 +386,7 @@ class TrainingHook:
 
 def parse_args(argv=None):
     """The command line, checked: one-line errors for bad values."""
-    p = argparse.ArgumentParser(description="HellaSwag accuracy of a GPT-2 model (completion style).")
+    p = common.ArgumentParser(description="HellaSwag accuracy of a GPT-2 model (completion style).")
     p.add_argument("--model", required=True,
                    help="Hugging Face name or directory (gpt2, gpt2-medium, ...), a checkpoint written "
                         "by train_gpt2.py, or a log directory (its latest checkpoint)")

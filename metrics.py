@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 
-from common import UserError, first_line, unreachable
+from common import UserError, first_line, to_devnull, unreachable
 from device import synchronize
 
 METRICS_FILE = "metrics.jsonl"
@@ -100,13 +100,15 @@ class RunLog:
     """log.txt and metrics.jsonl of one run. Rank 0 writes; other ranks hold a RunLog that does
     nothing, so the training loop calls it without asking which rank it is. The first write takes
     the log directory's lock (one trainer per directory) and holds it until close(). With
-    trackers (a Trackers), every record goes to them too."""
+    trackers (a Trackers), every record goes to them too. A stdout whose reader went away (a pipe
+    into head) ends the printing, not the run: log.txt keeps every line."""
 
     def __init__(self, log_dir, active):
         self.active = active
         self.log_dir = log_dir
         self.text = self.metrics = self.lock = None  # opened at the first write: bad input leaves no trace
         self.trackers = None
+        self.printing = True  # False once stdout is gone
 
     def hold(self):
         """Take the log directory's lock now (rank 0), before anything of this launch touches the
@@ -123,11 +125,25 @@ class RunLog:
             self.metrics = open(os.path.join(self.log_dir, METRICS_FILE), "a", buffering=1)
 
     def line(self, msg):
-        """Print msg and append it to log.txt."""
+        """Append msg to log.txt and print it."""
         if self.active:
             self._open()
-            print(msg, flush=True)
             self.text.write(msg + "\n")
+            if self.printing:
+                try:
+                    print(msg, flush=True)
+                except BrokenPipeError:
+                    self._stdout_gone()
+
+    def _stdout_gone(self):
+        self.printing = False
+        to_devnull(sys.stdout)
+        path = os.path.join(self.log_dir, TEXT_LOG_FILE)
+        try:
+            print(f"note: stdout was closed; training goes on, its lines only in {path}", file=sys.stderr,
+                  flush=True)
+        except BrokenPipeError:  # stderr went into the same pipe (2>&1)
+            to_devnull(sys.stderr)
 
     def record(self, kind, **fields):
         """Append {"kind": kind, **fields, "time": now} to metrics.jsonl."""

@@ -23,7 +23,6 @@ How the numbers are defined (summarize() returns them, format_summary() prints t
   "span"), started at the first value so the start is not pulled toward zero.
 """
 
-import argparse
 import math
 import os
 import statistics
@@ -189,7 +188,7 @@ def format_summary(s):
             words = words.replace("at step {}", "before its first step")
         lines.append(f"  status      {words.format(s['stop_step'])}")
         if s["checkpoint"]:
-            lines.append(f"  resume      python train_gpt2.py --log-dir {s['log_dir']} --resume "
+            lines.append(f"  resume      {checkpoint.resume_command(s['log_dir'])} "
                          f"(continues at step {s['checkpoint_step']} from {s['checkpoint']})")
         else:
             lines.append("  resume      no checkpoint written: a new launch starts from step 0")
@@ -407,7 +406,7 @@ class PlotWriter:
 
 def parse_args(argv=None):
     """The command line, checked: one-line errors for bad values."""
-    p = argparse.ArgumentParser(description="Summarise training runs and plot them against GPT-2's baselines.")
+    p = common.ArgumentParser(description="Summarise training runs and plot them against GPT-2's baselines.")
     p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR",
                    help="log directories of train_gpt2.py (its --log-dir); several overlay in one plot")
     p.add_argument("--out", help="PNG to write (default: LOG_DIR/plot.png for one run, runs.png for several)")

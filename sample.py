@@ -9,7 +9,6 @@ With no prompt, generation starts from <|endoftext|>, the token GPT-2 saw betwee
 The samples go to stdout (and nothing else does); where the model came from goes to stderr.
 """
 
-import argparse
 import codecs
 import math
 import os
@@ -124,7 +123,7 @@ def training_samples(model, prompt, num_samples, max_new_tokens, seed, device, d
 
 def parse_args(argv=None):
     """The command line, checked: one-line errors for bad values."""
-    p = argparse.ArgumentParser(description="Sample from a GPT-2 model, streaming tokens as they come.")
+    p = common.ArgumentParser(description="Sample from a GPT-2 model, streaming tokens as they come.")
     p.add_argument("--model", default="log",
                    help="checkpoint written by train_gpt2.py, a log directory (its latest checkpoint), or a "
                         "Hugging Face name or directory such as gpt2 (default: log)")
@@ -197,5 +196,5 @@ if __name__ == "__main__":
     try:
         common.run_main(main)
     except BrokenPipeError:  # the reader went away (python sample.py | head): stop without a traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        common.to_devnull(sys.stdout)
         sys.exit(1)

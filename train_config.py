@@ -10,6 +10,7 @@ import math
 import os
 
 import common
+import hellaswag
 from common import UserError
 from model import PRESETS
 
@@ -20,8 +21,8 @@ DEFAULT_MUON_LR = 0.02  # Keller Jordan's Muon and nanochat's matrix learning ra
 
 def build_parser(description=None):
     """Every flag of the trainer, with its unit and default; description: what --help says first."""
-    p = argparse.ArgumentParser(prog="train_gpt2.py", description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.ArgumentParser(prog="train_gpt2.py", description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     # model
     a("--model", default="gpt2", choices=sorted(PRESETS), help="architecture preset (default: gpt2, 124M)")
@@ -88,8 +89,11 @@ def build_parser(description=None):
     a("--wandb-run", metavar="NAME", help="the W&B run's name (default: the log directory's name)")
     a("--wandb-id", metavar="ID", help="the W&B run to continue (default: a new one; --resume continues the run's "
                                        "own, stored in its checkpoints)")
-    a("--tensorboard", action="store_true",
-      help="also write every record as TensorBoard events to LOG_DIR/tb (pip install tensorboard)")
+    a("--no-wandb", dest="wandb", action="store_const", const=None,
+      help="send nothing to W&B: with --resume, turns off the project the run was started with")
+    a("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
+      help="also write every record as TensorBoard events to LOG_DIR/tb (pip install tensorboard); "
+           "--no-tensorboard turns it off in a resumed run that had it")
     a("--plot", action=argparse.BooleanOptionalAction, default=True,
       help="redraw LOG_DIR/plot.png at each evaluation when matplotlib is installed (default: on)")
     # hardware
@@ -127,7 +131,8 @@ RANGES = [
     (("max_lr", "eps", "dist_timeout", "muon_lr"), lambda v: v > 0, "a positive number"),
     (("beta1", "beta2", "muon_momentum"), lambda v: 0 <= v < 1, "at least 0 and below 1"),
     (("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1"),
-    (("seed",), lambda v: -2 ** 63 <= v < 2 ** 64, "a 64-bit integer"),
+    # the seed goes to numpy too (np.random.seed), which takes nothing outside 0..2**32-1
+    (("seed",), lambda v: 0 <= v < 2 ** 32, "between 0 and 2**32-1 = 4294967295"),
 ]
 
 # --resume takes every setting of the run from its checkpoint. A flag given on the command line
@@ -162,9 +167,16 @@ def parse_args(argv=None, description=None):
             if value is not None and not (math.isfinite(value) and test(value)):
                 raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
     common.check_output_dir(args.log_dir, "--log-dir")
-    if args.hellaswag_file is not None and not os.path.isfile(args.hellaswag_file):
-        raise UserError(f"--hellaswag-file {args.hellaswag_file} does not exist; give the path of a "
-                        f"hellaswag_val.jsonl, or leave it out to download the file once")
+    if args.hellaswag_file is not None:
+        if not os.path.isfile(args.hellaswag_file):
+            raise UserError(f"--hellaswag-file {args.hellaswag_file} does not exist; give the path of a "
+                            f"hellaswag_val.jsonl, or leave it out to download the file once")
+        # read now, as far as the run will read it: a file named on the command line that cannot be
+        # scored is bad input, not a HellaSwag "skipped" found at the end of the run
+        try:
+            hellaswag.load_items(args.hellaswag_file, limit=args.hellaswag_limit, flag="--hellaswag-file")
+        except UserError as e:
+            raise UserError(f"--hellaswag-file: {e}")
     # defaults that scale with the run, resolved here so that the rest reads one value
     if args.warmup_steps is None:
         args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)

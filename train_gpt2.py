@@ -250,11 +250,13 @@ def configure_backends(cfg, ranks):
     return dtype, compile_on
 
 
-def build_model(cfg, ckpt):
-    """The GPT on the CPU and where it came from: a checkpoint's shape (its weights are put back by
-    Checkpointer.restore), pretrained weights (--init-from) or a preset."""
+def build_model(cfg, ckpt, ckpt_path):
+    """The GPT on the CPU and where it came from: the shape of checkpoint ckpt (read from ckpt_path;
+    its weights are put back by Checkpointer.restore), pretrained weights (--init-from) or a preset."""
     if ckpt is not None:
-        return GPT(GPTConfig(**ckpt["model_config"])), "resumed"
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        checkpoint.check_weights_fit(model, ckpt["model"], ckpt_path)
+        return model, "resumed"
     if cfg.init_from:
         model, what = checkpoint.load_model(cfg.init_from)
         if cfg.block_size > model.config.block_size:
@@ -403,7 +405,7 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw_model, origin = build_model(cfg, ckpt)
+    raw_model, origin = build_model(cfg, ckpt, resume_path)
     raw_model.to(ranks.device)
     cfg.block_size = raw_model.config.block_size  # --init-from may have set it
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
@@ -498,9 +500,14 @@ def loop(run):
         loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
                                                   run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
         if not finite and run.dtype != "float16" and cfg.on_nonfinite == "stop":
-            log.line(f"step {step} | loss {loss} | grad_norm {norm}: non-finite; stopping. "
-                     f"The last good checkpoint is {run.checkpoints.last_path or 'none (no checkpoint yet)'}: "
-                     "resume from it with a lower --max-lr, or pass --on-nonfinite skip")
+            rates = "--max-lr or --muon-lr" if muon_lr(cfg) else "--max-lr"  # under Muon, either may be the cause
+            if run.checkpoints.last_path:
+                advice = (f"The last good checkpoint is {run.checkpoints.last_path}: resume from it with a lower "
+                          f"{rates}")
+            else:  # --resume with no checkpoint starts the run afresh
+                advice = f"No checkpoint was written yet: start the run again (--resume) with a lower {rates}"
+            log.line(f"step {step} | loss {loss} | grad_norm {norm}: non-finite; stopping. {advice}, "
+                     "or pass --on-nonfinite skip")
             log.record("end", step=step, reason="nonfinite")
             return 3
         done = step + 1
@@ -532,7 +539,7 @@ def loop(run):
         if run.checkpoints.last_step != done:
             run.checkpoints.save(done)
         log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
-                 f"continue with: python train_gpt2.py --log-dir {cfg.log_dir} --resume")
+                 f"continue with: {checkpoint.resume_command(cfg.log_dir)}")
     elif cfg.export_hf:
         export_hf(run)
     # the end record's step: max_steps when finished, else the last step that ran (-1: none)
@@ -552,8 +559,15 @@ def export_hf(run):
         if model is not None:
             model.load_state_dict(state)
     if run.ranks.is_master:
+        from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
         out = os.path.join(run.cfg.log_dir, "hf")
-        model.export_hf(out, tokenizer_files=gpt2_bpe_files())
+        try:  # into a directory beside hf/ that replaces it once whole: a full disk leaves no half export
+            common.atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
+        except (OSError, SafetensorError) as e:
+            why = "no space left on its disk" if common.out_of_space(e, run.cfg.log_dir) else common.first_line(e)
+            raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
+                            f"(the last: {run.checkpoints.last_path}): free space under --log-dir, then "
+                            f"{checkpoint.resume_command(run.cfg.log_dir)} exports it")
         run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 
 

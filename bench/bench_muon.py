@@ -17,6 +17,7 @@ muon rung measures Muon's cost per step in turns, with its spread.
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -97,8 +98,8 @@ def main():
         json.dump({"config": vars(args), "target": target, "runs": adamw + muon}, f, indent=1)
     print(f"\nheadline: Muon at its defaults reaches the best AdamW's final val loss {target:.4f} in "
           + (f"{default['fraction']:.2f}x the steps (goal <= 0.75)" if default["fraction"] else "no fewer steps"))
-    print(f"plot: python plot.py {best['log_dir']} {default['log_dir']} --labels AdamW Muon "
-          f"--out {os.path.join(args.out, 'muon_vs_adamw.png')}")
+    print("plot: python plot.py " + shlex.join([best["log_dir"], default["log_dir"], "--labels", "AdamW", "Muon",
+                                                 "--out", os.path.join(args.out, "muon_vs_adamw.png")]))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -261,6 +262,16 @@ def test_first_bad_utf8_across_chunk_ends(tmp_path):
         assert fineweb.first_bad_utf8(str(tmp_path / "bad"), chunk) == len(text.encode())
 
 
+def test_command_line_errors_are_one_line(tmp_path, capsys):
+    """argparse's own errors too: the flag, the valid choices, and where to look; no usage block."""
+    assert fails(capsys, tmp_path, tmp_path / "out", "--sample-by", "sentence") == (
+        "error: argument --sample-by: invalid choice: 'sentence' (choose from 'document', 'paragraph', 'line') "
+        "(see --help)")
+    assert fails(capsys, tmp_path, tmp_path / "out", "--shard-sise", "10") == (
+        "error: unrecognized arguments: --shard-sise 10 (see --help)")
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_missing_column_and_empty_text_leave_no_out_dir(tmp_path, capsys):
     data = write_parquet(tmp_path / "d.parquet", DOCS, column="content")
     err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", data)
@@ -390,6 +401,14 @@ def test_corpus_smaller_than_a_shard_works_with_defaults(tmp_path, capsys):
     assert json.load(open(tmp_path / "part" / "manifest.json"))["split_tokens"]["val"] == 70
     prepare(tmp_path, tmp_path / "part", "--data-files", data)
     assert shard_bytes(tmp_path / "part") == shard_bytes(tmp_path / "out")
+
+
+def test_train_with_line_quotes_the_out_dir(tmp_path, capsys):
+    """The command printed at the end names --out-dir as the shell must be given it (a space here)."""
+    out = tmp_path / "my data"
+    prepare(tmp_path, out, "--data-files", write_jsonl(tmp_path / "d.jsonl", DOCS * 3))
+    command = capsys.readouterr().out.split("train with: ")[1].splitlines()[0]
+    assert shlex.split(command) == ["python", "train_gpt2.py", "--data-dir", str(out)]
 
 
 def test_too_little_text_fails_before_tokenizing(tmp_path, capsys, monkeypatch):

@@ -451,7 +451,8 @@ def test_cli_bad_models(files, tmp_path, capsys):
                                                        files["data"]], capsys)
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"\x00not a checkpoint" * 50)
-    assert "not a readable checkpoint" in cli_error(["--model", str(garbage), "--data-file", files["data"]], capsys)
+    assert "is not a checkpoint: not a torch zip or pickle file" in cli_error(["--model", str(garbage), "--data-file",
+                                                                               files["data"]], capsys)
     assert "does not exist" in cli_error(["--model", files["ckpt"], "--data-file", "nope.jsonl"], capsys)
     assert "is a directory" in cli_error(["--model", files["ckpt"], "--data-file", str(tmp_path)], capsys)
 
@@ -461,6 +462,8 @@ def test_cli_bad_models(files, tmp_path, capsys):
     (["--limit", "-5"], "--limit must be at least 1, got -5"),
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
     (["--batch-size", "-2"], "--batch-size must be at least 1, got -2"),
+    (["--limit", "all"], "error: argument --limit: invalid int value: 'all' (see --help)"),
+    (["--compile", "yes"], "error: unrecognized arguments: yes (see --help)"),
 ])
 def test_cli_bad_numbers(files, capsys, flags, needle):
     assert needle in cli_error(["--model", files["ckpt"], "--data-file", files["data"]] + flags, capsys)

@@ -228,9 +228,9 @@ def fails(capsys, *args, **kw):
 
 def test_missing_empty_or_file_data_dir(tmp_path, capsys):
     assert "does not exist" in fails(capsys, str(tmp_path / "nope"), "train", 2, 3)
-    os.makedirs(tmp_path / "empty")
-    err = fails(capsys, str(tmp_path / "empty"), "train", 2, 3)
-    assert "no train shards" in err and f"python fineweb.py --out-dir {tmp_path / 'empty'}" in err
+    os.makedirs(tmp_path / "empty dir")
+    err = fails(capsys, str(tmp_path / "empty dir"), "train", 2, 3)
+    assert "no train shards" in err and f"python fineweb.py --out-dir '{tmp_path / 'empty dir'}'" in err
     (tmp_path / "afile").write_text("x")
     assert "is a file, not a directory" in fails(capsys, str(tmp_path / "afile"), "train", 2, 3)
 
@@ -264,7 +264,21 @@ def test_corrupted_shard_header(tmp_path, capsys):
     with open(path, "r+b") as f:
         f.write(b"garbage!")  # over the magic string and version
     err = fails(capsys, d, "train", 2, 3)
-    assert f"shard {path} is truncated or not a .npy file" in err
+    assert f"shard {path} is not a .npy file (it begins b'garbag', not numpy's b'\\x93NUMPY')" in err
+    with open(path, "r+b") as f:
+        f.write(b"\x93NUMPY\xff\xff")  # the magic string, then a version numpy does not know
+    err = fails(capsys, d, "train", 2, 3)
+    assert f"shard {path} is truncated or its header is damaged" in err
+
+
+def test_text_file_as_a_shard(tmp_path, capsys):
+    """Not numpy's advice on pickled data (allow_pickle=), which would mislead here."""
+    d = make_shards(tmp_path)
+    path = os.path.join(d, "edufineweb_train_000002.npy")
+    with open(path, "w") as f:
+        f.write("Call me Ishmael. Some years ago...\n")
+    err = fails(capsys, d, "train", 2, 3)
+    assert f"shard {path} is not a .npy file (it begins b'Call m'" in err and "pickle" not in err
 
 
 def test_truncated_shard_in_a_copied_directory(tmp_path, capsys):

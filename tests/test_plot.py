@@ -80,7 +80,7 @@ def logs(tmp_path_factory):
     # a CPU run: no evaluation at all, MFU unknown
     cpu = launch(0, 29, 1000.0, seed=4, max_steps=30, val_every=0, mfu=False, end="finished")
     dirs = {"full": write_log(root / "full", full, checkpoints=(25, 50)),
-            "resumed": write_log(root / "resumed", first + second, tail=CUT_LINE, checkpoints=(20, 30)),
+            "resumed": write_log(root / "resumed run", first + second, tail=CUT_LINE, checkpoints=(20, 30)),
             "cpu": write_log(root / "cpu", cpu)}
     # the records that stand, as the test knows them: the resumed launch replaces steps 20 on
     train = {"full": of(full, "train"),
@@ -123,7 +123,7 @@ def test_summary_numbers_match_the_file(logs, name):
     text = plot.format_summary(s)
     assert f"{expected[name]['steps']:,} / " in text
     if name == "resumed":
-        assert f"--log-dir {dirs[name]} --resume" in text and "ckpt_000030.pt" in text
+        assert f"--log-dir '{dirs[name]}' --resume" in text and "ckpt_000030.pt" in text  # quoted: a space
     if name == "cpu":
         assert "MFU         n/a" in text and "HellaSwag   n/a" in text
 
@@ -267,6 +267,16 @@ def test_errors_in_process(tmp_path, capsys, case, needle):
         common.run_main(lambda: plot.main(argv))
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and needle in err
+
+
+def test_command_line_errors_are_one_line(capsys):
+    """argparse's own errors too: the flag and where to look, no usage block."""
+    for argv, needle in (([], "error: the following arguments are required: LOG_DIR (see --help)"),
+                         (["log", "--smooth", "lots"], "error: argument --smooth: invalid int value: 'lots' (see --help)")):
+        with pytest.raises(SystemExit) as e:
+            common.run_main(lambda: plot.main(argv))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == needle + "\n"
 
 
 def test_out_that_cannot_be_written_is_one_line(logs, tmp_path, capsys, monkeypatch):

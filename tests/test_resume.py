@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -48,10 +49,10 @@ def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
 
 def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_dir, reference_run, tmp_path):
     """SIGTERM while step 5 runs: the run ends after step 5, not after the next one (the request is
-    read at the step's sync), with a checkpoint of its 6 steps; then `--log-dir L --resume` alone,
-    with none of the run's flags, continues it with the run's settings to the reference's losses
-    and weights, bit for bit."""
-    log_dir = str(tmp_path / "log")
+    read at the step's sync), with a checkpoint of its 6 steps; then the command it prints,
+    `--log-dir L --resume` alone (L has a space: quoted for the shell), with none of the run's
+    flags, continues it with the run's settings to the reference's losses and weights, bit for bit."""
+    log_dir = str(tmp_path / "my run")
     args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "100"]
     p = subprocess.run([sys.executable, FAULT_TRAINER] + args, capture_output=True, text=True,
                        env=dict(ENV, FAULT="term:0:5"), timeout=900)
@@ -60,7 +61,9 @@ def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_di
     assert records(log_dir, "end")[-1] == dict(records(log_dir, "end")[-1], step=5, reason="signal")
     assert [r["step"] for r in records(log_dir, "train")] == list(range(6))
     assert final_state(log_dir)[0] == 6
-    p = run(["--log-dir", log_dir, "--resume"])
+    command = shlex.split(p.stdout.split("continue with: ")[1].splitlines()[0])
+    assert command == ["python", "train_gpt2.py", "--log-dir", log_dir, "--resume"]
+    p = run(command[2:])
     assert f"resuming {log_dir}/ckpt_000006.pt at step 6 with the run's settings" in p.stdout
     assert "resume: " not in p.stdout  # nothing changed
     assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
@@ -129,6 +132,35 @@ def test_a_fitted_micro_batch_is_fitted_again_on_resume():
         cfg = train_config.parse_args(["--resume"])
         checkpoint.restore_settings(cfg, ckpt, "ckpt", train_config.FIXED_ON_RESUME, train_config.LAUNCH_ONLY)
         assert cfg.micro_batch_size == expected
+
+
+def test_resume_turns_the_trackers_off(reference_run, tmp_path):
+    """A run started with --wandb and --tensorboard, resumed where neither package is installed: the
+    trackers are refused in one line, and --no-wandb --no-tensorboard resume it without them."""
+    log_dir = str(tmp_path / "log")
+    shutil.copytree(reference_run, log_dir)  # a finished 10-step run, then given both trackers
+    path = checkpoint.latest_checkpoint(log_dir)
+    ckpt = checkpoint.load_file(path)
+    ckpt["config"].update(wandb="gpt2-tests", wandb_id="abc123", tensorboard=True)
+    checkpoint.save_file(path, ckpt)
+    # the trainer as `python train_gpt2.py` runs it, on a Python where both imports fail
+    without = ("import runpy, sys; sys.modules['wandb'] = sys.modules['tensorboard'] = None; "
+               f"sys.argv = [{TRAIN!r}] + sys.argv[1:]; runpy.run_path({TRAIN!r}, run_name='__main__')")
+    args = [sys.executable, "-c", without, "--log-dir", log_dir, "--resume", "--max-steps", "12"]
+    p = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=900)
+    assert p.returncode == 2 and p.stderr.strip() == ("error: --wandb needs the wandb package, which is not "
+                                                      "installed: pip install wandb"), p.stderr
+    p = subprocess.run(args + ["--no-wandb"], capture_output=True, text=True, env=ENV, timeout=900)
+    assert p.returncode == 2 and "--tensorboard needs the tensorboard package" in p.stderr, p.stderr
+    p = subprocess.run(args + ["--no-wandb", "--no-tensorboard"], capture_output=True, text=True, env=ENV,
+                       timeout=900)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "resume: --tensorboard True -> False (from the command line)" in p.stdout
+    assert "resume: --wandb gpt2-tests -> None (from the command line)" in p.stdout
+    assert not os.path.exists(os.path.join(log_dir, "tb")) and not os.path.exists(os.path.join(log_dir, "wandb"))
+    config = checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))["config"]
+    assert config["max_steps"] == 12 and not config["tensorboard"] and config["wandb"] is None
+    assert [r["step"] for r in records(log_dir, "train")] == list(range(12))
 
 
 def test_one_trainer_per_log_dir(data_dir, tmp_path):
@@ -319,11 +351,21 @@ class DiskFull(io.RawIOBase):
         return self.f.write(b)
 
 
-def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def train_in_process():
+    """train_gpt2.train(parse_args(argv)) in this process. The trainer installs its own signal
+    handlers: pytest's come back afterwards."""
+    import train_gpt2
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield lambda argv: train_gpt2.train(train_config.parse_args(argv))
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch, train_in_process):
     """The disk fills while the step-6 checkpoint is written: torch's zip writer turns the OSError
     into its own RuntimeError ("unexpected pos"); the run still ends in one line, with the step-3
     checkpoint whole and no temporary file left."""
-    import train_gpt2
     real = checkpoint.atomic_write
 
     def filling(path, write_fn):
@@ -331,20 +373,68 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path
             return real(path, write_fn)
         return real(path, lambda f: write_fn(DiskFull(f, 4096)))
     monkeypatch.setattr(checkpoint, "atomic_write", filling)
-    # the trainer installs its own signal handlers: pytest's come back afterwards
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     log_dir = str(tmp_path / "log")
-    args = train_config.parse_args(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10",
-                                         "--checkpoint-every", "3"])
-    try:
-        with pytest.raises(common.UserError, match=r"ckpt_000006.pt \(no space left on its disk\)") as e:
-            train_gpt2.train(args)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    with pytest.raises(common.UserError, match=r"ckpt_000006.pt \(no space left on its disk\)") as e:
+        train_in_process(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10",
+                                 "--checkpoint-every", "3"])
     assert "ckpt_000003.pt is intact" in str(e.value) and "\n" not in str(e.value)
     assert sorted(f for f in os.listdir(log_dir) if "ckpt" in f) == ["ckpt_000003.pt"]  # no half file left
     assert checkpoint.load_file(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
+
+
+@pytest.mark.parametrize("error", ["OSError", "SafetensorError"])
+def test_full_disk_during_the_hf_export_keeps_the_earlier_export(data_dir, tmp_path, monkeypatch, train_in_process,
+                                                                 error):
+    """The disk fills while the final model is exported (after config.json, before the weights):
+    one line that says so, the earlier export in LOG_DIR/hf untouched, nothing half-written left
+    beside it, and the run's last checkpoint whole; with space again, --resume exports it."""
+    import safetensors
+    import transformers
+    log_dir = str(tmp_path / "log")
+    hf = os.path.join(log_dir, "hf")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--eval-every", "0", "--export-hf"]
+    assert train_in_process(args + ["--max-steps", "2"]) == 0
+    earlier = {name: open(os.path.join(hf, name), "rb").read() for name in os.listdir(hf)}
+    assert "model.safetensors" in earlier
+
+    def full_disk(self, out_dir, **kwargs):  # safetensors raises its own type; os.write an OSError
+        self.config.save_pretrained(out_dir)
+        if error == "OSError":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "save_pretrained", full_disk)
+    with pytest.raises(common.UserError, match=r"^could not export the final model to .*hf \(no space left on its "
+                                               r"disk\); the checkpoints are intact .*ckpt_000003.pt") as e:
+        train_in_process(args + ["--max-steps", "3", "--resume"])
+    assert "\n" not in str(e.value)
+    assert sorted(os.listdir(log_dir)) == sorted(["ckpt_000002.pt", "ckpt_000003.pt", "hf", "log.txt",
+                                                  "metrics.jsonl", "trainer.lock"])  # no partial export beside hf/
+    assert {name: open(os.path.join(hf, name), "rb").read() for name in os.listdir(hf)} == earlier
+    assert checkpoint.load_file(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
+    monkeypatch.undo()
+    assert train_in_process(args + ["--max-steps", "3", "--resume"]) == 0
+    assert sorted(os.listdir(hf)) == sorted(earlier)
+    assert open(os.path.join(hf, "model.safetensors"), "rb").read() != earlier["model.safetensors"]
+
+
+def test_weights_that_do_not_fit_the_config_name_the_first_misfit(reference_run):
+    """One line naming the first weight that is missing, has another shape or is not the model's,
+    in place of torch's "Error(s) in loading state_dict for GPT:"."""
+    path = checkpoint.latest_checkpoint(reference_run)
+    ckpt = checkpoint.load_file(path)
+    assert checkpoint.model_from_checkpoint(ckpt, path).config.n_embd == 32
+    weights = ckpt["model"]
+    cases = [({k: v for k, v in weights.items() if k != "transformer.h.1.ln_1.bias"},
+              "transformer.h.1.ln_1.bias (32,) is missing"),
+             (dict(weights, **{"transformer.h.2.ln_1.bias": weights["transformer.h.1.ln_1.bias"]}),
+              "transformer.h.2.ln_1.bias is not a weight of the model its config describes"),
+             (dict(weights, **{"transformer.ln_f.weight": torch.ones(31)}),
+              "transformer.ln_f.weight has shape (31,) there, (32,) in the model its config describes")]
+    for misfit, problem in cases:
+        with pytest.raises(common.UserError) as e:
+            checkpoint.model_from_checkpoint(dict(ckpt, model=misfit), path)
+        assert str(e.value) == (f"{path} does not hold the model its config describes: {problem}; use an earlier "
+                                "ckpt_*.pt from the same directory")
 
 
 def test_checkpoints_load_memory_mapped_and_without_mmap_when_it_fails(tmp_path, monkeypatch):

@@ -179,6 +179,8 @@ def test_bad_input(log_dir, tmp_path, capsys, monkeypatch):
     (["--top-p", "1.01"], "--top-p must be in (0, 1]"),
     (["--top-p", "nan"], "--top-p must be in (0, 1]"),
     (["--seed", str(2 ** 64)], "--seed must fit in 64 bits"),
+    (["--top-k", "many"], "error: argument --top-k: invalid int value: 'many' (see --help)"),
+    (["--temprature", "1"], "error: unrecognized arguments: --temprature 1 (see --help)"),
 ])
 def test_bad_numbers(log_dir, capsys, flags, needle):
     assert needle in cli_error(["--model", str(log_dir)] + flags, capsys)
@@ -209,9 +211,10 @@ def test_model_naming_nothing_loadable(tmp_path, capsys):
     assert "not found" in cli_error(["--model", str(tmp_path / "ckpt_000001.pt")], capsys)
     (tmp_path / "empty_log").mkdir()
     assert "has no ckpt_*.pt checkpoint" in cli_error(["--model", str(tmp_path / "empty_log")], capsys)
-    for name, content in (("garbage.pt", b"\x00not a checkpoint" * 50), ("empty.pt", b"")):
+    for name, content, why in (("garbage.pt", b"\x00not a checkpoint" * 50, "is not a checkpoint: not a torch zip"),
+                               ("empty.pt", b"", "not a readable checkpoint")):  # an empty file: one cut short
         (tmp_path / name).write_bytes(content)
-        assert "not a readable checkpoint" in cli_error(["--model", str(tmp_path / name)], capsys)
+        assert why in cli_error(["--model", str(tmp_path / name)], capsys)
 
 
 def test_prompt_longer_than_context_no_traceback(log_dir):

@@ -12,7 +12,7 @@ import torch
 
 import checkpoint
 import train_config
-from runs import ENV, FAULT_TRAINER, TINY, final_state, records, run, torchrun
+from runs import ENV, FAULT_TRAINER, TINY, TRAIN, final_state, records, run, torchrun
 
 
 def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
@@ -223,12 +223,42 @@ def test_two_node_torchrun_on_loopback(data_dir, tmp_path, free_port):
     assert len(records(log_dir, "train")) == 3
 
 
+def test_a_closed_stdout_does_not_end_the_run(data_dir, tmp_path):
+    """python train_gpt2.py ... | head -2: the reader closes the pipe after two lines; the run goes
+    on to its end and its checkpoint, with every line in log.txt."""
+    fcntl = pytest.importorskip("fcntl")
+    if not hasattr(fcntl, "F_SETPIPE_SZ"):
+        pytest.skip("the pipe's size cannot be set on this system")
+    log_dir = str(tmp_path / "log")
+    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "24", "--timing-breakdown", "1"]
+    read_end, write_end = os.pipe()
+    # a pipe of one page, which the run's output outgrows: the trainer writes into it after the
+    # reader has gone, however fast or slow either side runs
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    proc = subprocess.Popen([sys.executable, TRAIN] + args, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                            env=ENV)
+    os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        head = reader.readline() + reader.readline()
+    err = proc.communicate(timeout=900)[1]
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert head.startswith("run: new run")
+    assert err.count("stdout was closed") == 1
+    assert checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))["step"] == 24
+    with open(os.path.join(log_dir, "log.txt")) as f:
+        text = f.read()
+    assert len(text) > 4096 + len(head)  # more than the pipe held
+    steps = [int(l.split("|")[0].split()[1]) for l in text.splitlines() if l.startswith("step ") and "| loss" in l]
+    assert steps == list(range(24))
+
+
 def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     log_dir = str(tmp_path / "log")
     p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "12", "--checkpoint-every", "1",
                     "--warmup-steps", "0", "--max-lr", "1e30", "--eval-every", "0"], check=False)
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     assert "non-finite; stopping" in p.stdout and "Traceback" not in p.stderr
+    assert "resume from it with a lower --max-lr, or pass --on-nonfinite skip" in p.stdout  # AdamW: no --muon-lr
     end = records(log_dir, "end")[-1]
     assert end["reason"] == "nonfinite"
     step, model, _ = final_state(log_dir)
@@ -247,6 +277,14 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     assert p.returncode == 0 and "skipped (non-finite)" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
     _, model, _ = final_state(log3)
     assert all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
+    # under Muon, with no checkpoint yet: both rates named, and no checkpoint to resume from
+    log4 = str(tmp_path / "log4")
+    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log4, "--max-steps", "6", "--warmup-steps", "0",
+                    "--max-lr", "1e30", "--eval-every", "0", "--optimizer", "muon"], check=False)
+    assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
+    assert ("non-finite; stopping. No checkpoint was written yet: start the run again (--resume) with a lower "
+            "--max-lr or --muon-lr, or pass --on-nonfinite skip") in p.stdout
+    assert "none" not in p.stdout.split("non-finite; stopping")[1] and checkpoint.list_checkpoints(log4) == []
 
 
 @pytest.fixture(scope="module")
@@ -254,15 +292,23 @@ def bad_input_setup(data_dir, tmp_path_factory, reference_run):
     base = tmp_path_factory.mktemp("bad")
     junk = base / "junk.pt"
     junk.write_bytes(b"this is not a checkpoint")
+    notes = base / "notes.txt"  # a text file: its first letter is the unpickler's float opcode
+    notes.write_text("For the record, these are notes.\n")
     good = checkpoint.latest_checkpoint(reference_run)
     truncated = base / "ckpt_000009.pt"
     with open(good, "rb") as f:
         truncated.write_bytes(f.read()[:2000])
+    malformed = base / "hs_malformed.jsonl"
+    malformed.write_text('{"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}\n{oops\n')
+    misfit = base / "misfit.pt"  # a config with more positions than its weights
+    ckpt = checkpoint.load_file(good)
+    ckpt["model_config"]["block_size"] = 64
+    checkpoint.save_file(str(misfit), ckpt)
     hf_dir = base / "hf"
     from model import GPT, GPTConfig
     GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=16)).export_hf(str(hf_dir))
     return dict(base=str(base), junk=str(junk), truncated=str(truncated), hf=str(hf_dir),
-                data=data_dir, ref=reference_run)
+                malformed=str(malformed), notes=str(notes), misfit=str(misfit), data=data_dir, ref=reference_run)
 
 
 BAD = {
@@ -272,7 +318,13 @@ BAD = {
     "batch not divisible": (["--total-batch-size", "96"], "not divisible"),
     "block size too large for init-from": (["--init-from", "{hf}", "--block-size", "64"], "block-size"),
     "resume path missing": (["--resume", "{base}/ckpt_000123.pt"], "no such file"),
-    "resume not a checkpoint": (["--resume", "{junk}"], "not a"),
+    "resume not a checkpoint": (["--resume", "{junk}"], "{junk} is not a checkpoint: not a torch zip or pickle file"),
+    "resume weights that do not fit the config": (["--resume", "{misfit}", "--max-steps", "12"], "{misfit} does not hold the model its "
+                                                  "config describes: transformer.wpe.weight has shape (32, 32) "
+                                                  "there, (64, 32) in the model"),
+    "init from weights that do not fit the config": (["--init-from", "{misfit}"], "transformer.wpe.weight has shape"),
+    "resume a text file": (["--resume", "{notes}"], "{notes} is not a checkpoint: not a torch zip or pickle file"),
+    "init from a text file": (["--init-from", "{notes}"], "{notes} is not a checkpoint: not a torch zip or pickle"),
     "resume truncated checkpoint": (["--resume", "{truncated}"], "truncated"),
     "unknown device": (["--device", "tpu"], "unknown device"),
     "existing run without --resume": (["--log-dir", "{ref}"], "--resume"),
@@ -292,6 +344,8 @@ BAD = {
     "muon momentum of 1": (["--optimizer", "muon", "--muon-momentum", "1"], "--muon-momentum must be at least 0"),
     "bad micro-batch": (["--micro-batch-size", "lots"], "micro-batch-size"),
     "hellaswag file missing": (["--hellaswag-every", "1", "--hellaswag-file", "{base}/hs.jsonl"], "hellaswag-file"),
+    "hellaswag file malformed": (["--hellaswag-every", "1", "--hellaswag-file", "{malformed}"],
+                                 "--hellaswag-file: {malformed} line 2: malformed HellaSwag line, not JSON"),
     "log dir is a file": (["--log-dir", "{junk}"], "is a file"),
     "log dir under a file": (["--log-dir", "{junk}/run1"], "cannot be made"),
     "resume with a larger block size": (["--log-dir", "{ref}", "--resume", "--block-size", "64"], "--block-size 32 and"),
@@ -309,6 +363,12 @@ BAD = {
     "warm-up longer than the run": (["--warmup-steps", "5"], "--warmup-steps 5 is more than --max-steps 2"),
     "zero hellaswag limit": (["--hellaswag-limit", "0"], "--hellaswag-limit must be at least 1"),
     "negative shuffle seed": (["--shuffle-seed", "-1"], "--shuffle-seed must be 0 or more"),
+    "unknown flag": (["--learning-rate", "3e-4"], "error: unrecognized arguments: --learning-rate 3e-4 (see --help)"),
+    "bad choice": (["--optimizer", "sgd"], "error: argument --optimizer: invalid choice: 'sgd' (choose from 'adamw', "
+                                           "'muon') (see --help)"),
+    "not a number": (["--max-steps", "ten"], "error: argument --max-steps: invalid int value: 'ten' (see --help)"),
+    "negative seed": (["--seed", "-1"], "--seed must be between 0 and 2**32-1"),
+    "seed above 32 bits": (["--seed", str(2 ** 32)], "--seed must be between 0 and 2**32-1"),
 }
 
 
@@ -316,6 +376,7 @@ BAD = {
 def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path):
     extra, expect = BAD[case]
     extra = [a.format(**bad_input_setup) for a in extra]
+    expect = expect.format(**bad_input_setup)
     log_dir = str(tmp_path / "fresh")
     base = TINY
     if "--init-from" in extra:  # the architecture comes from there: no shape flags (refused, see BAD)
@@ -329,6 +390,18 @@ def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], p.stderr
     assert sorted(os.listdir(bad_input_setup["ref"])) == before  # nothing written over
     assert not os.path.exists(log_dir)  # and nothing left behind
+
+
+def test_hellaswag_file_is_read_at_start_as_far_as_the_limit(tmp_path):
+    """--hellaswag-file is read when the flags are, up to --hellaswag-limit: what lies past the
+    items a run scores does not stop it."""
+    hs = tmp_path / "hs.jsonl"
+    hs.write_text('{"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}\nnot json\n')
+    log_dir = str(tmp_path / "log")
+    assert train_config.parse_args(["--hellaswag-file", str(hs), "--hellaswag-limit", "1", "--log-dir", log_dir])
+    with pytest.raises(train_config.UserError, match="line 2: malformed HellaSwag line"):
+        train_config.parse_args(["--hellaswag-file", str(hs), "--log-dir", log_dir])
+    assert not os.path.exists(log_dir)
 
 
 def test_lr_schedule():
