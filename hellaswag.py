@@ -374,7 +374,7 @@ class TrainingHook:
         # a bar on a terminal, else one line: scoring 10,042 items takes minutes on a slow GPU
         bar = self.ranks.is_master and sys.stdout.isatty()
         if self.ranks.is_master and not bar:
-            print(f"hellaswag: scoring {len(self.items):,} items on {self.ranks.world_size} rank(s)...", flush=True)
+            self.log.line(f"hellaswag: scoring {len(self.items):,} items on {self.ranks.world_size} rank(s)...")
         return evaluate(raw_model, self.items, self.ranks.device, dtype, rank=self.ranks.rank,
                         world_size=self.ranks.world_size, progress=bar, should_stop=should_stop,
                         lockstep=self.lockstep)

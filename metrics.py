@@ -98,8 +98,8 @@ def git_commit():
 
 class RunLog:
     """log.txt and metrics.jsonl of one run. Rank 0 writes; other ranks hold a RunLog that does
-    nothing, so the training loop calls it without asking which rank it is. The first write takes
-    the log directory's lock (one trainer per directory) and holds it until close(). With
+    nothing, so the training loop calls it without asking which rank it is. hold(), or else the
+    first write, takes the log directory's lock (one trainer per directory) until close(). With
     trackers (a Trackers), every record goes to them too. A stdout whose reader went away (a pipe
     into head) ends the printing, not the run: log.txt keeps every line."""
 
