@@ -4,7 +4,7 @@ each of the 4 endings; the model's loss over the ending tokens picks the answer.
   acc       the ending with the lowest summed loss
   acc_norm  the ending with the lowest mean loss per ending token
 For OpenAI's GPT-2 124M this gives acc 0.2859, acc_norm 0.2955 on the 10,042 validation items
-(GPT-3 124M: 0.337, from the GPT-3 paper). Follows build-nanogpt's hellaswag.py, batched.
+(GPT-3 124M: 0.337, from the GPT-3 paper). Follows build-nanogpt's hellaswag.py, batched (scoring.py: the engine shared with core.py).
 
     python hellaswag.py --model gpt2                  # Hugging Face name or directory
     python hellaswag.py --model log/ --limit 500      # latest checkpoint written by train_gpt2.py
@@ -31,6 +31,7 @@ import torch.distributed as tdist
 import checkpoint
 import common
 import parallel
+import scoring
 from device import autocast, device_name, pick_dtype
 from tokenizer import EOT_TOKEN, get_tokenizer
 
@@ -38,8 +39,6 @@ HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/
 HELLASWAG_FILE = "hellaswag_val.jsonl"
 HELLASWAG_VAL_ITEMS = 10042
 N_ENDINGS = 4
-SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple of this: few shapes
-LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
 CONNECT_TIMEOUT = 5  # seconds to wait for the download's host to answer before calling it offline
 READ_TIMEOUT = 30  # seconds of silence from the server before a download is given up
 
@@ -171,96 +170,18 @@ def render(item, enc, block_size):
     return ctx[cut:], endings
 
 
-def pack(ctx, endings):
-    """One row holding the context once and then the 4 endings side by side, as lists:
-    tokens; pos, each token's position in its own sequence (an ending starts where the context
-    ends); seg, 0 for the context and j + 1 for ending j. Each ending attends to the context and
-    to itself only (see attention_mask), so it is scored exactly as in its own row, while the
-    context is run once instead of 4 times (about half the tokens for HellaSwag's lengths)."""
-    tokens, pos, seg = list(ctx), list(range(len(ctx))), [0] * len(ctx)
-    for j, e in enumerate(endings):
-        tokens += e
-        pos += range(len(ctx), len(ctx) + len(e))
-        seg += [j + 1] * len(e)
-    return tokens, pos, seg
-
-
-def attention_mask(seg):
-    """(B, 1, T, T) bool from seg (B, T): token i sees token j <= i when j is context (seg 0) or in
-    i's own segment. Padding (seg -1) sees the context and padding, so no row is all False."""
-    T = seg.size(1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
-    sees = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (B, T, T)
-    return (sees & causal)[:, None]
-
-
-def model_block_size(model):
-    """block_size of a GPT, also through torch.compile (which forwards attributes) or DDP (.module)."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
-    return getattr(getattr(model, "config", None), "block_size", 1024)
-
-
-def target_losses(logits, where, targets):
-    """Loss (float32) of targets at flat positions `where` of logits (B, T, V). Only the scored
-    positions are upcast and normalised, a chunk at a time so bf16 logits don't double in memory.
-    Padded ids hold -inf: logsumexp and a gather never multiply -inf by zero."""
-    flat = logits.view(-1, logits.size(-1))
-    step = max(1, LOGIT_CHUNK // flat.size(1))
-    out = []
-    for i in range(0, len(where), step):
-        lg = flat[where[i:i + step]].float()  # (scored positions, V)
-        out.append(torch.logsumexp(lg, dim=-1) - lg.gather(-1, targets[i:i + step, None]).squeeze(-1))
-    return torch.cat(out)
-
-
-@torch.no_grad()
 def scored_batches(model, items, device, dtype="float32", batch_size=4):
-    """Scores items batch by batch: yields (sums, counts) after each forward pass, the same two
-    tensors each time with the rows of the items scored so far filled in; after the last batch
-    they are score_items' result. Each item is one packed row (pack()); the rows are sorted by
-    length and batch_size of them share a forward pass, padded on the right to a common length."""
+    """Scores items batch by batch (scoring.scored_batches: the context once, the 4 endings side by
+    side in one row): yields (sums, counts) after each forward pass, each (n, 4) float64 on the CPU,
+    the same two tensors each time with the rows of the items scored so far filled in."""
     enc = get_tokenizer()
-    block_size = model_block_size(model)
-    rendered = [render(item, enc, block_size) for item in items]
-    packed = [pack(ctx, endings) for ctx, endings in rendered]
-    compiled = hasattr(model, "_orig_mod")  # torch.compile'd: recompiles for every new shape
-    bucket = SEQ_BUCKET if compiled else 8  # eager: just enough rounding for tensor-core shapes
-    order = sorted(range(len(items)), key=lambda i: -len(packed[i][0]))  # longest first: an OOM shows at once
-    sums = torch.zeros(len(items), N_ENDINGS, dtype=torch.float64)
-    counts = torch.tensor([[len(e) for e in endings] for _, endings in rendered],
-                          dtype=torch.float64).view(-1, N_ENDINGS)
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
-        T = -(-max(len(packed[i][0]) for i in batch) // bucket) * bucket
-        B = min(batch_size, len(items)) if compiled else len(batch)  # compiled: the last batch too
-        idx = torch.zeros(B, T, dtype=torch.long)
-        pos = torch.zeros(B, T, dtype=torch.long)
-        seg = torch.full((B, T), -1, dtype=torch.long)
-        where, targets, ending_of = [], [], []  # per scored token: flat position predicting it, token, ending
-        for b, i in enumerate(batch):
-            tokens, p, s = packed[i]
-            n = len(tokens)
-            idx[b, :n], pos[b, :n], seg[b, :n] = torch.tensor(tokens), torch.tensor(p), torch.tensor(s)
-            ctx, endings = rendered[i]
-            at = len(ctx)
-            for j, e in enumerate(endings):
-                # the last context token predicts each ending's first token, then each ending token the next
-                where += [b * T + len(ctx) - 1] + list(range(b * T + at, b * T + at + len(e) - 1))
-                targets += e
-                ending_of += [i * N_ENDINGS + j] * len(e)
-                at += len(e)
-        idx, pos, seg = idx.to(device), pos.to(device), seg.to(device)
-        with autocast(device, dtype):
-            logits, _ = model(idx, pos=pos, mask=attention_mask(seg))
-        losses = target_losses(logits, torch.tensor(where, device=device), torch.tensor(targets, device=device))
-        sums.view(-1).index_add_(0, torch.tensor(ending_of), losses.double().cpu())
-        yield sums, counts
-
-
-def n_batches(n_items, batch_size):
-    """Forward passes for n_items at batch_size items each."""
-    return -(-n_items // batch_size)
+    block_size = scoring.model_block_size(model)
+    rows = []
+    for item in items:
+        ctx, endings = render(item, enc, block_size)
+        rows.append((ctx, [([], e) for e in endings]))
+    for sums, counts, _ in scoring.scored_batches(model, rows, device, dtype, batch_size):
+        yield sums.view(-1, N_ENDINGS), counts.view(-1, N_ENDINGS)
 
 
 def score_items(model, items, device, dtype="float32", batch_size=4, progress=False):
@@ -269,23 +190,12 @@ def score_items(model, items, device, dtype="float32", batch_size=4, progress=Fa
     batches = scored_batches(model, items, device, dtype, batch_size)
     if progress:
         from tqdm import tqdm
-        batches = tqdm(batches, total=n_batches(len(items), batch_size), desc="hellaswag", unit="batch",
+        batches = tqdm(batches, total=scoring.n_batches(len(items), batch_size), desc="hellaswag", unit="batch",
                        dynamic_ncols=True)
     sums = counts = torch.zeros(0, N_ENDINGS, dtype=torch.float64)
     for sums, counts in batches:
         pass
     return sums, counts
-
-
-def shard(n, rank, world_size):
-    """Indices of the items rank evaluates: every item once over all ranks, none twice."""
-    return range(rank, n, world_size)
-
-
-def default_batch_size(device):
-    """Items per forward pass: 16 on a GPU; 4 on CPU, where a forward is compute-bound already and
-    larger batches measured slower (BENCHMARKS.md)."""
-    return 16 if device.startswith("cuda") else 4
 
 
 def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
@@ -295,38 +205,22 @@ def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, wor
     every rank must call this. model: a GPT (model(idx, pos=, mask=) -> (logits, loss)), also
     torch.compile'd; pass the model itself, not a DDP wrapper. It is put in eval mode and its
     train/eval state restored afterwards. batch_size: items per forward pass, one packed row
-    each (default: default_batch_size(device)).
+    each (default: scoring.default_batch_size(device)).
     should_stop: None, or a function called before each batch; when it returns True, evaluate
-    returns None at once (a stop request must not wait for 10,042 items). It may be a collective
-    (an all-reduce of every rank's flag): every rank calls it the same number of times,
-    ceil(ceil(len(items) / world_size) / batch_size), also where its own share is shorter or
-    used up, and all ranks see the same answers, so all return None together.
-    lockstep: every rank makes that same number of forward passes too (under FSDP each forward
-    gathers parameters from all ranks): a rank past its share runs a one-token pass instead."""
-    batch_size = batch_size or default_batch_size(device)
-    mine = [items[i] for i in shard(len(items), rank, world_size)]
-    # from numbers equal on every rank: the longest share's batch count, not this rank's own
-    batches = n_batches(n_batches(len(items), world_size), batch_size)
+    returns None at once (a stop request must not wait for 10,042 items); it may be a collective,
+    and lockstep keeps FSDP's forwards in step (see scoring.drain)."""
+    batch_size = batch_size or scoring.default_batch_size(device)
+    mine = [items[i] for i in scoring.shard(len(items), rank, world_size)]
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
     try:
-        scores = scored_batches(model, mine, device, dtype, batch_size)
-        steps = range(batches)
-        if progress:
-            from tqdm import tqdm
-            steps = tqdm(steps, desc="hellaswag", unit="batch", dynamic_ncols=True)
-        sums = counts = None
-        for _ in steps:
-            if should_stop is not None and should_stop():
-                return None
-            scored = next(scores, None)
-            if scored is not None:
-                sums, counts = scored
-            elif lockstep:  # past the end of this rank's share: keep the others' collectives company
-                with torch.no_grad(), autocast(device, dtype):
-                    model(torch.zeros((1, 1), dtype=torch.long, device=device))
+        scored = scoring.drain(model, scored_batches(model, mine, device, dtype, batch_size), len(items), batch_size,
+                               world_size, device, dtype, should_stop, lockstep, "hellaswag" if progress else None)
+        if scored is scoring.STOPPED:
+            return None
         if mine:
+            sums, counts = scored
             labels = torch.tensor([item["label"] for item in mine])
             correct = int((sums.argmin(dim=1) == labels).sum())
             correct_norm = int(((sums / counts).argmin(dim=1) == labels).sum())

@@ -183,16 +183,18 @@ def parse_args(argv=None, description=None):
     if args.val_tokens is None:
         between = args.eval_every * args.total_batch_size // 4  # validation costs at most ~10% of training
         args.val_tokens = min(DEFAULT_VAL_TOKENS, between) if args.eval_every else DEFAULT_VAL_TOKENS
-    check_relations(args)
+    check_relations(args, parsing=True)
     return args
 
 
-def check_relations(cfg):
+def check_relations(cfg, parsing=False):
     """The checks between flags (after parsing, and again once a resume has restored the run's settings)."""
     if cfg.total_batch_size % cfg.block_size:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of "
                         f"--block-size {cfg.block_size}")
-    given = getattr(cfg, "given", frozenset())
+    # a resume's optimizer and init-from are the run's, known once its checkpoint is read: train()
+    # checks again then
+    given = getattr(cfg, "given", frozenset()) if not (parsing and cfg.resume) else frozenset()
     for flag in ("muon_lr", "muon_momentum"):
         if flag in given and cfg.optimizer != "muon":
             raise UserError(f"--{flag.replace('_', '-')} is a setting of --optimizer muon, and this run uses "

@@ -457,11 +457,13 @@ def train(cfg):
     changes = []
     if ckpt is not None:
         changes = checkpoint.restore_settings(cfg, ckpt, resume_path, FIXED_ON_RESUME, LAUNCH_ONLY)
+    if cfg.resume is not None:
         check_relations(cfg)
+    if ckpt is not None:
         if cfg.max_steps < ckpt["step"]:
             raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {resume_path} has "
                             "done: give more, or leave it out to keep the run's")
-        if cfg.max_steps == ckpt["step"]:  # nothing to train, export or log again
+        if cfg.max_steps == ckpt["step"] and not export_pending(cfg, resume_path):  # nothing to do or log
             common.print0(f"{cfg.log_dir}: the run already finished its {ckpt['step']} steps ({resume_path}); "
                           "pass a larger --max-steps to train on")
             return 0
@@ -548,6 +550,14 @@ def loop(run):
         run.plotter.kick()
         run.plotter.join()
     return 0
+
+
+def export_pending(cfg, final_checkpoint):
+    """Whether a run at its last step still owes its Hugging Face export (one cut short by a full
+    disk, say): on, and LOG_DIR/hf has no weights written after the final checkpoint."""
+    weights = os.path.join(cfg.log_dir, "hf", "model.safetensors")
+    return cfg.export_hf and not (os.path.isfile(weights) and
+                                  os.path.getmtime(weights) >= os.path.getmtime(final_checkpoint))
 
 
 def export_hf(run):

@@ -19,6 +19,7 @@ sys.path.insert(0, REPO)
 import common  # noqa: E402
 import checkpoint  # noqa: E402
 import parallel  # noqa: E402
+import scoring  # noqa: E402
 import tokenizer  # noqa: E402
 import hellaswag  # noqa: E402
 
@@ -116,11 +117,12 @@ def test_packed_row_matches_separate_rows(model):
     """The packing itself: positions restart after the context for each ending, and an ending
     sees the context and itself only, so its logits equal those of its own unpacked row."""
     ctx, endings = [5, 6, 7], [[8, 9], [10], [11, 12, 13], [14]]
-    tokens, pos, seg = hellaswag.pack(ctx, endings)
+    tokens, pos, seg, where = scoring.pack(ctx, [([], e) for e in endings])
     assert pos == [0, 1, 2, 3, 4, 3, 3, 4, 5, 3]
     assert seg == [0, 0, 0, 1, 1, 2, 3, 3, 3, 4]
+    assert where == [2, 3, 2, 2, 6, 7, 2]  # the context's last token predicts each ending's first
     seg_t = torch.tensor([seg + [-1, -1]])  # two padding tokens
-    mask = hellaswag.attention_mask(seg_t)
+    mask = scoring.attention_mask(seg_t)
     assert mask[0, 0, 3].tolist() == [True] * 4 + [False] * 8  # ending 0's first token
     assert mask[0, 0, 11].tolist() == [True] * 3 + [False] * 7 + [True] * 2  # padding: context + padding
     idx = torch.tensor([tokens + [0, 0]])
@@ -148,7 +150,7 @@ def test_compiled_model_and_train_state(model):
 def test_shard_covers_every_item_once():
     for n in (0, 1, 7, 10):
         for world in (1, 2, 3):
-            got = [i for r in range(world) for i in hellaswag.shard(n, r, world)]
+            got = [i for r in range(world) for i in scoring.shard(n, r, world)]
             assert sorted(got) == list(range(n))
 
 

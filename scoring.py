@@ -1,0 +1,175 @@
+"""
+Scoring continuations with a GPT: the engine that HellaSwag (hellaswag.py) and CORE (core.py)
+share. An item becomes one row: a prefix its options share, then each option as its own
+sequence (its own context, if any, and the continuation that is scored), side by side:
+
+    multiple choice   prefix = the question, options = ([], each answer)       (HellaSwag too)
+    schema            prefix = nothing,      options = (each context, the one continuation)
+    language model    prefix = the context,  options = ([], the continuation)
+
+An attention mask lets each option see the prefix and itself only, and positions restart where
+the prefix ends, so every option is scored exactly as in its own sequence while the prefix is
+computed once. Rows are sorted by length and a batch of them shares one forward pass. What comes
+out per option: the summed loss of its continuation tokens, their count, and whether each of them
+was the model's greedy prediction.
+
+Rank-aware: every rank scores its share of the rows (rows rank::world_size), and drain() runs the
+batches so that a stop request and FSDP's collective forwards keep all ranks in step.
+"""
+
+import torch
+
+from device import autocast
+
+SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple of this: few shapes
+LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
+
+
+def model_block_size(model):
+    """block_size of a GPT, also through torch.compile (which forwards attributes) or DDP (.module)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return getattr(getattr(model, "config", None), "block_size", 1024)
+
+
+def pack(prefix, options):
+    """One row, as lists: tokens; pos, each token's position in its own sequence (an option starts
+    where the prefix ends); seg, 0 for the prefix and j + 1 for option j; where, the index of the
+    token that predicts each continuation token (the one before it in its own sequence), option by
+    option, in order. options: [(own context tokens, continuation tokens)]; a continuation's first
+    token needs something before it, in the option's context or the prefix."""
+    tokens, pos, seg, where = list(prefix), list(range(len(prefix))), [0] * len(prefix), []
+    for j, (own, continuation) in enumerate(options):
+        assert continuation and (own or prefix), "a continuation needs a token before it"
+        start = len(tokens)
+        tokens += own + continuation
+        pos += range(len(prefix), len(prefix) + len(own) + len(continuation))
+        seg += [j + 1] * (len(own) + len(continuation))
+        first = start + len(own)  # the continuation's first token
+        before = first - 1 if own else len(prefix) - 1
+        where += [before] + list(range(first, first + len(continuation) - 1))
+    return tokens, pos, seg, where
+
+
+def attention_mask(seg):
+    """(B, 1, T, T) bool from seg (B, T): token i sees token j <= i when j is prefix (seg 0) or in
+    i's own segment. Padding (seg -1) sees the prefix and padding, so no row is all False."""
+    T = seg.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
+    sees = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (B, T, T)
+    return (sees & causal)[:, None]
+
+
+def target_scores(logits, where, targets):
+    """For targets at flat positions `where` of logits (B, T, V): each one's loss (float32) and
+    whether it was the argmax. Only the scored positions are upcast and normalised, a chunk at a
+    time so bf16 logits don't double in memory. Padded ids hold -inf: logsumexp and a gather never
+    multiply -inf by zero, and they are never the argmax."""
+    flat = logits.view(-1, logits.size(-1))
+    step = max(1, LOGIT_CHUNK // flat.size(1))
+    losses, greedy = [], []
+    for i in range(0, len(where), step):
+        lg = flat[where[i:i + step]].float()  # (scored positions, V)
+        t = targets[i:i + step]
+        losses.append(torch.logsumexp(lg, dim=-1) - lg.gather(-1, t[:, None]).squeeze(-1))
+        greedy.append(lg.argmax(dim=-1) == t)
+    return torch.cat(losses), torch.cat(greedy)
+
+
+def n_options(rows):
+    """How many options the rows hold in all."""
+    return sum(len(options) for _, options in rows)
+
+
+@torch.no_grad()
+def scored_batches(model, rows, device, dtype="float32", batch_size=4):
+    """Scores rows batch by batch: yields (sums, counts, exact) after each forward pass, the same
+    three tensors each time (float64, float64, bool; one entry per option, the rows' options in
+    order) with the rows scored so far filled in. rows: [(prefix, [(own context, continuation)])],
+    each at most the model's block_size long once packed."""
+    packed = [pack(prefix, options) for prefix, options in rows]
+    first = [0]  # the index of each row's first option
+    for _, options in rows:
+        first.append(first[-1] + len(options))
+    compiled = hasattr(model, "_orig_mod")  # torch.compile'd: recompiles for every new shape
+    bucket = SEQ_BUCKET if compiled else 8  # eager: just enough rounding for tensor-core shapes
+    order = sorted(range(len(rows)), key=lambda i: -len(packed[i][0]))  # longest first: an OOM shows at once
+    sums = torch.zeros(first[-1], dtype=torch.float64)
+    counts = torch.tensor([len(c) for _, options in rows for _, c in options], dtype=torch.float64)
+    exact = torch.zeros(first[-1], dtype=torch.bool)
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
+        T = -(-max(len(packed[i][0]) for i in batch) // bucket) * bucket
+        B = min(batch_size, len(rows)) if compiled else len(batch)  # compiled: the last batch too
+        idx = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        seg = torch.full((B, T), -1, dtype=torch.long)
+        where, targets, option_of = [], [], []  # per scored token: flat position predicting it, token, option
+        for b, i in enumerate(batch):
+            tokens, p, s, w = packed[i]
+            n = len(tokens)
+            idx[b, :n], pos[b, :n], seg[b, :n] = torch.tensor(tokens), torch.tensor(p), torch.tensor(s)
+            where += [b * T + k for k in w]
+            for j, (_, continuation) in enumerate(rows[i][1]):
+                targets += continuation
+                option_of += [first[i] + j] * len(continuation)
+        idx, pos, seg = idx.to(device), pos.to(device), seg.to(device)
+        with autocast(device, dtype):
+            logits, _ = model(idx, pos=pos, mask=attention_mask(seg))
+        losses, greedy = target_scores(logits, torch.tensor(where, device=device),
+                                       torch.tensor(targets, device=device))
+        option_of = torch.tensor(option_of)
+        sums.index_add_(0, option_of, losses.double().cpu())
+        missed = torch.zeros(first[-1], dtype=torch.long).index_add_(0, option_of, (~greedy).long().cpu())
+        touched = torch.zeros(first[-1], dtype=torch.bool)
+        touched[option_of] = True
+        exact |= touched & (missed == 0)
+        yield sums, counts, exact
+
+
+def n_batches(n_items, batch_size):
+    """Forward passes for n_items at batch_size items each."""
+    return -(-n_items // batch_size)
+
+
+def shard(n, rank, world_size):
+    """Indices of the items rank scores: every item once over all ranks, none twice."""
+    return range(rank, n, world_size)
+
+
+def default_batch_size(device):
+    """Rows per forward pass: 16 on a GPU; 4 on CPU, where a forward is compute-bound already and
+    larger batches measured slower (BENCHMARKS.md)."""
+    return 16 if device.startswith("cuda") else 4
+
+
+STOPPED = object()  # what drain() returns when a stop request ended it
+
+
+def drain(model, scores, n_total, batch_size, world_size, device, dtype, should_stop=None, lockstep=False,
+          progress=None):
+    """Run `scores` (a scored_batches generator over this rank's share of n_total rows) to its end
+    and return its last result (None for an empty share), or STOPPED.
+    should_stop: None, or a function called before each batch; when it returns True, drain returns
+    STOPPED at once. It may be a collective (an all-reduce of every rank's flag): every rank calls it
+    the same number of times, ceil(ceil(n_total / world_size) / batch_size), also where its own
+    share is shorter or used up, and all ranks see the same answers, so all stop together.
+    lockstep: every rank makes that same number of forward passes too (under FSDP each forward
+    gathers parameters from all ranks): a rank past its share runs a one-token pass instead.
+    progress: a description for a tqdm bar, or None."""
+    batches = n_batches(n_batches(n_total, world_size), batch_size)  # equal on every rank
+    steps = range(batches)
+    if progress:
+        from tqdm import tqdm
+        steps = tqdm(steps, desc=progress, unit="batch", dynamic_ncols=True)
+    last = None
+    for _ in steps:
+        if should_stop is not None and should_stop():
+            return STOPPED
+        scored = next(scores, None)
+        if scored is not None:
+            last = scored
+        elif lockstep:  # past the end of this rank's share: keep the others' collectives company
+            with torch.no_grad(), autocast(device, dtype):
+                model(torch.zeros((1, 1), dtype=torch.long, device=device))
+    return last
