@@ -32,7 +32,7 @@ import checkpoint
 import common
 import parallel
 import scoring
-from device import autocast, device_name, pick_dtype
+from device import device_name, pick_dtype
 from tokenizer import EOT_TOKEN, get_tokenizer
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -215,8 +215,9 @@ def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, wor
     if hasattr(model, "eval"):
         model.eval()
     try:
-        scored = scoring.drain(model, scored_batches(model, mine, device, dtype, batch_size), len(items), batch_size,
-                               world_size, device, dtype, should_stop, lockstep, "hellaswag" if progress else None)
+        batches = scoring.n_batches(scoring.n_batches(len(items), world_size), batch_size)  # the longest share's
+        scored = scoring.drain(model, scored_batches(model, mine, device, dtype, batch_size), batches, device, dtype,
+                               should_stop, lockstep, "hellaswag" if progress else None)
         if scored is scoring.STOPPED:
             return None
         if mine:

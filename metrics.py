@@ -21,6 +21,7 @@ metrics.jsonl: one JSON object per line, appended, flushed after each record. Ev
               step: (step + 1) * tokens_per_step), skipped (true: a non-finite step not applied)
   val         step, val_loss, tokens (seen before the step: step * tokens_per_step)
   hellaswag   step, acc, acc_norm, n (items scored), tokens (as for val)
+  core        step, core (the mean centred accuracy), centered ({task: centred accuracy}), tokens
   checkpoint  step (steps completed: a resume starts there), path
   sample      step, index, text: one of the samples printed at that step
   timing      step, data_ms, copy_ms, forward_ms, backward_ms, optimizer_ms, eval_ms: mean ms
@@ -56,9 +57,10 @@ REQUIRED = {"run": ("step",),
             "train": ("step", "loss", "tokens", "tok_per_s", "dt_ms"),
             "val": ("step", "val_loss", "tokens"),
             "hellaswag": ("step", "acc_norm", "tokens"),
+            "core": ("step", "core", "tokens"),
             "checkpoint": ("step", "path"),
             "end": ("step", "reason")}
-STEP_KINDS = ("train", "val", "hellaswag", "checkpoint")  # read_metrics keeps one record per step
+STEP_KINDS = ("train", "val", "hellaswag", "core", "checkpoint")  # read_metrics keeps one record per step
 
 # ----------------------------------------------------------------------------------------------
 # Provenance: what produced a run
@@ -257,7 +259,7 @@ class Trackers:
         self.thread = threading.Thread(target=self._send_all, name="trackers", daemon=True)
         self.thread.start()
 
-    REPLAYED_KINDS = ("val", "hellaswag", "train")  # in the trainer's order within a step
+    REPLAYED_KINDS = ("val", "hellaswag", "core", "train")  # in the trainer's order within a step
 
     def replay(self, log_dir, start_step):
         """Queue for W&B the records of metrics.jsonl that a killed launch may never have handed to
@@ -310,8 +312,12 @@ class Trackers:
             return
         if kind == "sample":  # one text per sample
             values = {f"sample/{fields['index']}": fields["text"]}
-        else:
-            values = {f"{kind}/{k}": v for k, v in fields.items() if k != "step" and v is not None}
+        else:  # a dict of numbers (CORE's per task) as one scalar each: core/centered/arc_easy
+            values = {}
+            for k, v in fields.items():
+                if k != "step" and v is not None:
+                    values.update({f"{kind}/{k}/{kk}": vv for kk, vv in v.items()} if isinstance(v, dict)
+                                  else {f"{kind}/{k}": v})
         if self.writer is not None and "tensorboard" in to:
             for name, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -7,7 +7,8 @@ writes into its log directory (metrics.py: the format, and the reader used here)
 
 The PNG has four panels against tokens seen: train loss (faint: every step, solid: EMA) and
 validation loss (dashed) with OpenAI GPT-2 124M's validation loss; HellaSwag acc_norm with
-GPT-2 124M and GPT-3 124M; tokens/s; MFU. Several runs overlay, one colour each.
+GPT-2 124M and GPT-3 124M (and CORE, when the run scored it, on the right axis with GPT-2 124M's
+and 1.5B's); tokens/s; MFU. Several runs overlay, one colour each.
 matplotlib is optional: without it the summaries still print.
 
 How the numbers are defined (summarize() returns them, format_summary() prints them):
@@ -33,6 +34,7 @@ import threading
 import checkpoint
 import common
 from common import UserError
+from core import GPT2_CORE
 from metrics import read_metrics
 
 # Reference lines, each with where its number comes from.
@@ -43,6 +45,9 @@ LOSS_REFERENCES = [(GPT2_VAL_LOSS, f"OpenAI GPT-2 124M (val loss on FineWeb-Edu 
 LEGEND_WIDTH = 30  # characters per legend line: longer labels wrap, so legends stay narrow
 HELLASWAG_REFERENCES = [(GPT3_HELLASWAG, f"GPT-3 124M {GPT3_HELLASWAG} (Brown et al. 2020)"),
                         (GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {GPT2_HELLASWAG}")]
+GPT2_CORE_124M, GPT2_CORE_XL = GPT2_CORE["124M"], GPT2_CORE["1.5B"]  # as nanochat measures them (core.py)
+CORE_REFERENCES = [(GPT2_CORE_XL, f"OpenAI GPT-2 1.5B CORE {GPT2_CORE_XL} (nanochat)"),
+                   (GPT2_CORE_124M, f"OpenAI GPT-2 124M CORE {GPT2_CORE_124M} (nanochat)")]
 
 # ----------------------------------------------------------------------------------------------
 # Summary
@@ -87,6 +92,7 @@ def summarize(log_dir):
     wall_time_s; tok_per_s_mean, tok_per_s_steady, mfu (steady-state median, a fraction);
     val_loss_best, val_loss_best_step, val_loss_final, val_loss_final_step;
     hellaswag_best, hellaswag_best_step, hellaswag_final, hellaswag_final_step (acc_norm);
+    core_best, core_best_step, core_final, core_final_step (CORE, when the run scored it);
     status ("finished", "signal", "nonfinite", "error" from the last launch's end record, or
     "stopped" when it has none: killed, or still running); stop_step (the end record's step, or
     the last logged train step); checkpoint, checkpoint_step (what --resume continues from; the
@@ -99,6 +105,8 @@ def summarize(log_dir):
     step_time = sum(r["dt_ms"] for r in train)
     best_val = min((r for r in val if math.isfinite(r["val_loss"])), key=lambda r: r["val_loss"], default=None)
     best_hs = max(hs, key=lambda r: r["acc_norm"], default=None)
+    cores = m["core"]
+    best_core = max(cores, key=lambda r: r["core"], default=None)
     end = m["launches"][-1]["end"]
     checkpoint, checkpoint_step = _checkpoint(log_dir, m)
     return {
@@ -125,6 +133,10 @@ def summarize(log_dir):
         "hellaswag_best_step": best_hs["step"] if best_hs else None,
         "hellaswag_final": hs[-1]["acc_norm"] if hs else None,
         "hellaswag_final_step": hs[-1]["step"] if hs else None,
+        "core_best": best_core["core"] if best_core else None,
+        "core_best_step": best_core["step"] if best_core else None,
+        "core_final": cores[-1]["core"] if cores else None,
+        "core_final_step": cores[-1]["step"] if cores else None,
         "status": end["reason"] if end else "stopped",
         "stop_step": end["step"] if end else (train[-1]["step"] if train else None),
         "checkpoint": checkpoint,
@@ -173,7 +185,10 @@ def format_summary(s):
                                       else "n/a (peak FLOPs of this device unknown)"))
     for name, key, references, missing in (
             ("val loss", "val_loss", f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}", "no evaluation logged"),
-            ("HellaSwag", "hellaswag", f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}", "not evaluated")):
+            ("HellaSwag", "hellaswag", f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}", "not evaluated"),
+            ("CORE", "core", f"GPT-2 124M: {GPT2_CORE_124M}, 1.5B: {GPT2_CORE_XL}", None)):
+        if missing is None and s[f"{key}_best"] is None:
+            continue  # CORE is off by default: no line for it then
         if s[f"{key}_best"] is None:
             lines.append(f"  {name:<11} n/a ({missing})")
         else:
@@ -296,6 +311,7 @@ def build_figure(log_dirs, labels=None, smooth=None):
     fig = Figure(figsize=(17, 9), dpi=100, layout="constrained")
     (ax_loss, ax_hs), (ax_tps, ax_mfu) = fig.subplots(2, 2)
     loss_late, loss_all = [GPT2_VAL_LOSS], [GPT2_VAL_LOSS]
+    ax_core = None  # CORE on the HellaSwag panel's right axis, when a run scored it
     for i, (m, label) in enumerate(zip(runs, labels)):
         color, train, val, hs = f"C{i}", m["train"], m["val"], m["hellaswag"]
         loss = [r["loss"] for r in train]
@@ -311,6 +327,10 @@ def build_figure(log_dirs, labels=None, smooth=None):
         if hs:
             ax_hs.plot([r["tokens"] for r in hs], [r["acc_norm"] for r in hs], "-o", color=color,
                        markersize=3, linewidth=1.2, label=label)
+        if m["core"]:
+            ax_core = ax_core or ax_hs.twinx()
+            ax_core.plot([r["tokens"] for r in m["core"]], [r["core"] for r in m["core"]], "--s", color=color,
+                         markersize=3, linewidth=1.2, label=f"{label} CORE (right axis)")
         steps = warmed_up(m)
         if steps:
             _curve(ax_tps, [r["tokens"] for r in steps], [r["tok_per_s"] for r in steps], color, label, span)
@@ -328,6 +348,12 @@ def build_figure(log_dirs, labels=None, smooth=None):
     # differ and the GPT-2 line sits
     low, high = min(loss_all), max(loss_late)
     ax_loss.set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
+    if ax_core is not None:
+        for (value, text), color in zip(CORE_REFERENCES, ("firebrick", "black")):
+            ax_core.axhline(value, color=color, linestyle=(0, (5, 5)), linewidth=1.0, label=text)
+        cores = [r["core"] for m in runs for r in m["core"]]
+        ax_core.set_ylim(min([0.0] + cores) - 0.01, max([GPT2_CORE_XL] + cores) + 0.02)
+        ax_core.set_ylabel("CORE (centred accuracy, mean of 22 tasks)")
     scores = [r["acc_norm"] for m in runs for r in m["hellaswag"]]
     ax_hs.set_ylim(min([0.24] + scores) - 0.005, max([0.35] + scores) + 0.01)
     ax_tps.set_ylim(bottom=0)
@@ -336,14 +362,14 @@ def build_figure(log_dirs, labels=None, smooth=None):
     ax_loss.set_title(f"Loss (train: faint per step, solid {smoothing}; val: dashed)" if span > 1
                       else "Loss (train: per step; val: dashed)")
     ax_loss.set_ylabel("cross-entropy loss (nats/token)")
-    ax_hs.set_title("HellaSwag (acc_norm, 0-shot)")
+    ax_hs.set_title("HellaSwag (acc_norm, 0-shot)" + ("; CORE dashed, right axis" if ax_core is not None else ""))
     ax_hs.set_ylabel("accuracy")
     ax_tps.set_title(f"Throughput ({smoothing}; first step of each launch left out)")
     ax_tps.set_ylabel("tokens/s (all ranks)")
     ax_tps.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v)))
     ax_mfu.set_title(f"Model FLOPs utilisation ({smoothing})")
     ax_mfu.set_ylabel("MFU (% of the device's peak FLOPs)")
-    if not scores:
+    if not scores and ax_core is None:
         ax_hs.text(0.5, 0.6, "not evaluated", transform=ax_hs.transAxes, ha="center", color="gray")
     if not ax_mfu.lines:
         ax_mfu.text(0.5, 0.5, "MFU not measured (peak FLOPs of the device unknown, e.g. CPU)",
@@ -358,6 +384,9 @@ def build_figure(log_dirs, labels=None, smooth=None):
         ax.set_xlabel(f"tokens seen ({unit})" if unit else "tokens seen")
         ax.grid(alpha=0.3)
         handles, texts = ax.get_legend_handles_labels()
+        if ax is ax_hs and ax_core is not None:  # one legend for both of the panel's axes
+            more = ax_core.get_legend_handles_labels()
+            handles, texts = handles + more[0], texts + more[1]
         if handles:
             # outside the panel, to its right: any corner inside covers some run's curves (a short
             # run's loss starts top left, a long one's ends bottom right), and loc="best" only

@@ -146,18 +146,17 @@ def default_batch_size(device):
 STOPPED = object()  # what drain() returns when a stop request ended it
 
 
-def drain(model, scores, n_total, batch_size, world_size, device, dtype, should_stop=None, lockstep=False,
-          progress=None):
-    """Run `scores` (a scored_batches generator over this rank's share of n_total rows) to its end
-    and return its last result (None for an empty share), or STOPPED.
+def drain(model, scores, batches, device, dtype, should_stop=None, lockstep=False, progress=None):
+    """Run `scores` (a scored_batches generator over this rank's share of the rows) to its end and
+    return its last result (None for an empty share), or STOPPED. batches: the same number on every
+    rank, at least the batches of the longest share.
     should_stop: None, or a function called before each batch; when it returns True, drain returns
     STOPPED at once. It may be a collective (an all-reduce of every rank's flag): every rank calls it
-    the same number of times, ceil(ceil(n_total / world_size) / batch_size), also where its own
-    share is shorter or used up, and all ranks see the same answers, so all stop together.
+    `batches` times, also where its own share is shorter or used up, and all ranks see the same
+    answers, so all stop together.
     lockstep: every rank makes that same number of forward passes too (under FSDP each forward
     gathers parameters from all ranks): a rank past its share runs a one-token pass instead.
     progress: a description for a tqdm bar, or None."""
-    batches = n_batches(n_batches(n_total, world_size), batch_size)  # equal on every rank
     steps = range(batches)
     if progress:
         from tqdm import tqdm

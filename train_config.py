@@ -74,6 +74,11 @@ def build_parser(description=None):
     a("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps; 0 = off (default: 250)")
     a("--hellaswag-file", help="local hellaswag_val.jsonl (default: download once to the cache)")
     a("--hellaswag-limit", type=int, help="score only the first N HellaSwag items (default: all 10,042)")
+    a("--core-every", type=int, default=0,
+      help="CORE (core.py: 22 in-context tasks, nanochat's yardstick) every N steps; 0 = off (default: 0)")
+    a("--core-bundle", help="the unzipped DCLM eval_bundle for CORE (default: download it once to the cache)")
+    a("--core-limit", type=int, default=500,
+      help="items per CORE task (default: 500, as nanochat scores it during training)")
     a("--sample-every", type=int, default=250, help="print samples every N steps; 0 = off (default: 250)")
     a("--sample-prompt", default="Hello, I'm a language model,", help="prompt for the samples")
     a("--num-samples", type=int, default=4, help="samples each time (default: 4)")
@@ -125,8 +130,8 @@ def build_parser(description=None):
 # Every numeric flag's range, checked right after parsing: (flags, test, what the test asks for).
 RANGES = [
     (("n_layer", "n_head", "n_embd", "block_size", "total_batch_size", "max_steps", "keep_checkpoints",
-      "val_tokens", "hellaswag_limit", "num_samples", "sample_tokens"), lambda v: v >= 1, "at least 1"),
-    (("warmup_steps", "eval_every", "hellaswag_every", "sample_every", "checkpoint_every", "timing_breakdown",
+      "val_tokens", "hellaswag_limit", "core_limit", "num_samples", "sample_tokens"), lambda v: v >= 1, "at least 1"),
+    (("warmup_steps", "eval_every", "hellaswag_every", "core_every", "sample_every", "checkpoint_every", "timing_breakdown",
       "shuffle_seed", "weight_decay", "grad_clip"), lambda v: v >= 0, "0 or more"),
     (("max_lr", "eps", "dist_timeout", "muon_lr"), lambda v: v > 0, "a positive number"),
     (("beta1", "beta2", "muon_momentum"), lambda v: 0 <= v < 1, "at least 0 and below 1"),
@@ -177,6 +182,12 @@ def parse_args(argv=None, description=None):
             hellaswag.load_items(args.hellaswag_file, limit=args.hellaswag_limit, flag="--hellaswag-file")
         except UserError as e:
             raise UserError(f"--hellaswag-file: {e}")
+    if args.core_bundle is not None:  # the same for a bundle: its task list and baselines, read now
+        import core
+        try:
+            core.read_tasks(args.core_bundle)
+        except UserError as e:
+            raise UserError(f"--core-bundle: {e}")
     # defaults that scale with the run, resolved here so that the rest reads one value
     if args.warmup_steps is None:
         args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)

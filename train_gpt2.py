@@ -24,6 +24,7 @@ import torch
 
 import checkpoint
 import common
+import core
 import device
 import hellaswag
 import metrics
@@ -163,6 +164,7 @@ class Run:
     start_step: int              # steps already done when this launch began
     peak_flops: Optional[float]  # the device's peak FLOP/s in dtype, for MFU (None: unknown)
     hellaswag: hellaswag.TrainingHook
+    core: core.TrainingHook
     plotter: plot.PlotWriter
 
 
@@ -216,6 +218,16 @@ def evaluate(run, step, stop):
             log.line(f"step {step} | hellaswag acc_norm {result['acc_norm']:.4f} "
                      f"acc {result['acc']:.4f} n {result['n']}")
             log.record("hellaswag", step=step, tokens=step * cfg.total_batch_size, **result)
+    if due(cfg.core_every):
+        with parallel.uncompiled(run.raw_model):
+            result = run.core(run.raw_model, run.dtype, should_stop)
+        if result is None and should_stop():
+            return False
+        if result is not None:
+            evaluated = True
+            log.line(f"step {step} | core {result['core']:.4f} over {len(result['tasks'])} tasks")
+            log.record("core", step=step, tokens=step * cfg.total_batch_size, core=result["core"],
+                       centered={label: r["centered"] for label, r in result["tasks"].items()})
     if (ranks.is_master or run.fsdp) and step > 0 and due(cfg.sample_every):
         # under FSDP every forward is a collective: a stop request must not end one rank's loop early
         with parallel.uncompiled(run.raw_model):
@@ -435,6 +447,7 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
               val_steps=val_steps, checkpoints=checkpoints, start_step=start_step,
               peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
               hellaswag=hellaswag.TrainingHook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
+              core=core.TrainingHook(cfg.core_bundle, cfg.core_limit, ranks, log, lockstep=fsdp),
               plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master))
     write_header(run, origin, resume_path, fitted, changes)
     return run

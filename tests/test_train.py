@@ -12,6 +12,7 @@ import torch
 
 import checkpoint
 import train_config
+from core_bundle import TASKS, write_bundle
 from runs import ENV, FAULT_TRAINER, TINY, TRAIN, final_state, records, run, torchrun
 
 
@@ -22,9 +23,11 @@ def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
                                                                         "A.", "My friend paints the sky."],
               "label": i % 4} for i in range(5)]
     hs_file.write_text("".join(json.dumps(item) + "\n" for item in items))
+    bundle = write_bundle(tmp_path / "bundle")
     p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "30", "--max-lr", "1e-2",
                     "--export-hf", "--sample-every", "15", "--num-samples", "2", "--sample-tokens", "8",
-                    "--hellaswag-every", "15", "--hellaswag-file", str(hs_file)])
+                    "--hellaswag-every", "15", "--hellaswag-file", str(hs_file), "--core-every", "15",
+                    "--core-bundle", bundle, "--core-limit", "4"])
     train = records(log_dir, "train")
     assert [r["step"] for r in train] == list(range(30))
     assert abs(train[0]["loss"] - math.log(50257)) < 0.5  # untrained: about uniform over the vocabulary
@@ -56,6 +59,17 @@ def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
     import hellaswag
     final, _ = checkpoint.load_model(log_dir)
     assert hs[-1]["acc_norm"] == hellaswag.evaluate(final, items, "cpu")["acc_norm"]
+    # CORE too: in the log, metrics.jsonl (each task's centred accuracy) and the plot's summary
+    import core
+    import plot
+    cores = records(log_dir, "core")
+    assert [r["step"] for r in cores] == [0, 15, 29] and all(len(r["centered"]) == len(TASKS) for r in cores)
+    assert sum(1 for l in p.stdout.splitlines() if "| core " in l and f"over {len(TASKS)} tasks" in l) == 3
+    standalone = core.evaluate(final, core.load_tasks(bundle, None, 4), "cpu")
+    assert cores[-1]["core"] == pytest.approx(standalone["core"], abs=1e-12)
+    summary = plot.summarize(log_dir)
+    assert summary["core_final"] == cores[-1]["core"] and summary["core_best"] == max(r["core"] for r in cores)
+    assert "  CORE        best " in plot.format_summary(summary)
     # the final export loads in transformers with the same logits as the checkpoint
     from transformers import GPT2LMHeadModel
     hf = GPT2LMHeadModel.from_pretrained(os.path.join(log_dir, "hf")).eval()
@@ -133,7 +147,8 @@ def test_fsdp_in_bf16_compiled_evaluates_samples_resumes_and_exports(data_dir, t
     base = TINY + ["--data-dir", data_dir, "--max-steps", "6", "--fsdp", "--dtype", "bfloat16", "--compile",
                    "--eval-every", "4", "--hellaswag-every", "4", "--hellaswag-file",
                    hellaswag_items(tmp_path / "hs.jsonl", 5), "--sample-every", "3", "--num-samples", "1",
-                   "--sample-tokens", "4", "--checkpoint-every", "0", "--export-hf"]
+                   "--sample-tokens", "4", "--checkpoint-every", "0", "--export-hf", "--core-every", "4",
+                   "--core-bundle", write_bundle(tmp_path / "bundle"), "--core-limit", "3"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULT_TRAINER]
     env = dict(ENV, COMPILE_BACKEND="aot_eager", COMPILE_LOG=str(tmp_path / "compiles"))
 
@@ -147,6 +162,7 @@ def test_fsdp_in_bf16_compiled_evaluates_samples_resumes_and_exports(data_dir, t
     assert "dtype bfloat16" in out and "compile on" in out
     assert [r["step"] for r in records(whole, "sample")] == [3, 5]
     assert [r["step"] for r in records(whole, "hellaswag")] == [0, 4, 5]
+    assert [r["step"] for r in records(whole, "core")] == [0, 4, 5]  # on both ranks, uncompiled, in step
     for rank in (0, 1):
         with open(tmp_path / f"compiles.rank{rank}") as f:
             compiled = [json.loads(line) for line in f]

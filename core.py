@@ -1,0 +1,477 @@
+"""
+CORE (Li et al. 2024, "DataComp-LM", section 3.5 and appendix G): 22 in-context tasks, each task's
+accuracy centred on its random baseline, (acc - baseline) / (1 - baseline), and their mean. It is
+the yardstick of nanochat's time-to-GPT-2 leaderboard. As nanochat measures it (full data, bf16,
+1024-token context): OpenAI's GPT-2 124M 0.1139, 355M 0.1849, 774M 0.2146, 1.5B 0.2565.
+
+    python core.py --model gpt2                          # a Hugging Face name or directory
+    python core.py --model log/ --limit 500              # the newest checkpoint of a run, 500 items a task
+    python core.py --model log/hf --tasks arc_easy,piqa --json
+    torchrun --nproc_per_node=8 core.py --model log/ckpt_019073.pt
+
+The tasks come from the DCLM eval bundle (the one nanochat uses): core.yaml lists them (type,
+few-shot count, the delimiter between question and answer), eval_meta_data.csv holds their random
+baselines (in percent), eval_data/ one JSONL per task. It is downloaded once into a cache, or read
+from --bundle-dir. Three kinds of task:
+    multiple_choice    one question, several answers: the lowest mean loss per answer token wins
+    schema             several contexts, one continuation: the context under which the
+                       continuation has the lowest mean loss wins
+    language_modeling  a context and its continuation: right if every continuation token is the
+                       model's greedy prediction
+Prompts are rendered as nanochat renders them, so the numbers compare: few-shot examples drawn per
+item with random.Random(1234 + index), never the item itself, each followed by a blank line; every
+sequence starts with <|endoftext|> and keeps its last block_size tokens; the scored tokens are
+where the answers' token sequences part (multiple choice), what the contexts' sequences share at
+the end (schema), or what the continuation adds (language modelling). Each task's items are
+shuffled with random.Random(1337) before --limit takes the first N.
+
+Scoring is scoring.py's, shared with hellaswag.py: all options of an item in one packed row, many
+items per forward pass, items split over torchrun ranks and the counts summed.
+"""
+
+import csv
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as tdist
+
+import checkpoint
+import common
+import parallel
+import scoring
+from device import device_name, pick_dtype
+from tokenizer import EOT_TOKEN, get_tokenizer
+
+BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # ~162 MB, nanochat's
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+N_CORE_TASKS = 22
+# CORE of OpenAI's GPT-2, as nanochat measured it (dev/estimate_gpt3_core.ipynb; README: 1.5B 0.256525)
+GPT2_CORE = {"124M": 0.1139, "355M": 0.1849, "774M": 0.2146, "1.5B": 0.2565}
+SHUFFLE_SEED = 1337  # each task's items are shuffled with this before --limit (nanochat's base_eval)
+FEWSHOT_SEED = 1234  # item i's few-shot examples: random.Random(FEWSHOT_SEED + i)
+CONNECT_TIMEOUT = 5
+READ_TIMEOUT = 60
+
+# ----------------------------------------------------------------------------------------------
+# The bundle
+
+
+def default_cache_dir():
+    """Where the downloaded bundle is kept: $CORE_CACHE or ~/.cache/gpt2-core."""
+    return os.environ.get("CORE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gpt2-core")
+
+
+def is_bundle(path):
+    return os.path.isfile(os.path.join(path, "core.yaml"))
+
+
+def download(cache_dir=None, flag="--bundle-dir"):
+    """The cached bundle's directory, fetched and unpacked once (then no network is asked). The zip
+    is unpacked into a temporary directory and renamed into place, so a bundle is whole or absent."""
+    cache_dir = cache_dir or default_cache_dir()
+    bundle = os.path.join(cache_dir, "eval_bundle")
+    if is_bundle(bundle):
+        return bundle
+    hint = f"download {BUNDLE_URL} on a machine with network access, unzip it and pass {flag} path/to/eval_bundle"
+    problem = common.unreachable(BUNDLE_URL, CONNECT_TIMEOUT)
+    if problem:
+        raise common.UserError(f"the CORE bundle is not in the cache ({bundle}) and {problem}; {hint}")
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".eval_bundle.", dir=cache_dir)
+    try:
+        archive = os.path.join(tmp, "eval_bundle.zip")
+        with urllib.request.urlopen(BUNDLE_URL, timeout=READ_TIMEOUT) as response, open(archive, "wb") as f:
+            shutil.copyfileobj(response, f)
+        with zipfile.ZipFile(archive) as z:
+            z.extractall(tmp)
+        if not is_bundle(os.path.join(tmp, "eval_bundle")):
+            raise common.UserError(f"{BUNDLE_URL} holds no eval_bundle/core.yaml; {hint}")
+        if not is_bundle(bundle):  # another rank may have put it there meanwhile
+            os.replace(os.path.join(tmp, "eval_bundle"), bundle)
+    except (urllib.error.URLError, OSError, zipfile.BadZipFile) as e:
+        raise common.UserError(f"could not download the CORE bundle from {BUNDLE_URL} "
+                               f"({getattr(e, 'reason', None) or e}); {hint}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return bundle
+
+
+@dataclass
+class Task:
+    """One task of the bundle."""
+    label: str
+    kind: str            # one of TASK_TYPES
+    path: str            # its JSONL
+    shots: int           # few-shot examples before each item
+    delimiter: str       # between a question or context and its answer
+    baseline: float      # accuracy of random guessing, a fraction
+    items: list = field(default_factory=list)
+
+
+def read_tasks(bundle_dir, only=None):
+    """The bundle's tasks in core.yaml's order (only: a list of labels, in that order), baselines
+    from eval_meta_data.csv; one line naming the file for anything malformed."""
+    import yaml
+    if not os.path.isdir(bundle_dir):
+        raise common.UserError(f"--bundle-dir {bundle_dir} is not a directory: pass the unzipped eval_bundle")
+    spec_path = os.path.join(bundle_dir, "core.yaml")
+    meta_path = os.path.join(bundle_dir, "eval_meta_data.csv")
+    for path in (spec_path, meta_path):
+        if not os.path.isfile(path):
+            raise common.UserError(f"{bundle_dir} has no {os.path.basename(path)}: pass the unzipped eval_bundle "
+                                   f"(it holds core.yaml, eval_meta_data.csv and eval_data/)")
+    try:
+        with open(spec_path, encoding="utf-8") as f:
+            spec = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise common.UserError(f"{spec_path} is not valid YAML ({common.first_line(e)})")
+    entries = spec.get("icl_tasks") if isinstance(spec, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise common.UserError(f"{spec_path} has no icl_tasks list")
+    try:
+        with open(meta_path, encoding="utf-8", newline="") as f:
+            baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
+    except (KeyError, ValueError, TypeError) as e:
+        raise common.UserError(f"{meta_path} is not the bundle's table: it needs the columns 'Eval Task' and "
+                               f"'Random baseline' (a number) ({type(e).__name__}: {common.first_line(e)})")
+    tasks = []
+    for n, entry in enumerate(entries, 1):
+        try:
+            label, kind = entry["label"], entry["icl_task_type"]
+            shots = entry["num_fewshot"][0] if isinstance(entry["num_fewshot"], list) else entry["num_fewshot"]
+            uri = entry["dataset_uri"]
+        except (KeyError, TypeError, IndexError):
+            raise common.UserError(f"{spec_path}: task {n} needs label, dataset_uri, num_fewshot and icl_task_type")
+        if kind not in TASK_TYPES:
+            raise common.UserError(f"{spec_path}: task {label} has the unknown type {kind!r} "
+                                   f"(known: {', '.join(TASK_TYPES)})")
+        if label not in baselines:
+            raise common.UserError(f"{meta_path} has no random baseline for task {label} (its 'Eval Task' column)")
+        if not isinstance(shots, int) or shots < 0:
+            raise common.UserError(f"{spec_path}: task {label} has num_fewshot {shots!r}, not a whole number")
+        tasks.append(Task(label, kind, os.path.join(bundle_dir, "eval_data", uri), shots,
+                          entry.get("continuation_delimiter", " "), baselines[label] / 100))
+    if only:
+        known = {t.label: t for t in tasks}
+        unknown = [name for name in only if name not in known]
+        if unknown:
+            raise common.UserError(f"--tasks: no task {unknown[0]!r} in {spec_path}; the tasks: "
+                                   f"{', '.join(known)}")
+        tasks = [t for t in tasks if t.label in only]
+    return tasks
+
+
+FIELDS = {"multiple_choice": {"query": str, "choices": list, "gold": int},
+          "schema": {"context_options": list, "continuation": str, "gold": int},
+          "language_modeling": {"context": str, "continuation": str}}
+
+
+def parse_item(line, kind, where):
+    """One JSONL line of a task of this kind, checked; UserError naming the file and line."""
+    fix = "fields " + ", ".join(f"{k} ({t.__name__})" for k, t in FIELDS[kind].items())
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise common.UserError(f"{where}: not JSON ({e.msg}); a {kind} item is an object with {fix}")
+    if not isinstance(item, dict):
+        raise common.UserError(f"{where}: not a JSON object; a {kind} item has {fix}")
+    for key, kind_of in FIELDS[kind].items():
+        if not isinstance(item.get(key), kind_of) or isinstance(item.get(key), bool):
+            raise common.UserError(f"{where}: {key!r} is missing or not a {kind_of.__name__}; a {kind} item has {fix}")
+    options = item.get("choices", item.get("context_options"))
+    if options is not None and not (options and all(isinstance(o, str) for o in options)
+                                    and 0 <= item["gold"] < len(options)):
+        raise common.UserError(f"{where}: its options must be strings and gold an index into them")
+    return item
+
+
+def load_items(task, limit=None):
+    """A task's items, shuffled with SHUFFLE_SEED, the first `limit` of them (None: all)."""
+    if not os.path.isfile(task.path):
+        raise common.UserError(f"task {task.label}: its data {task.path} is missing from the bundle")
+    with open(task.path, encoding="utf-8") as f:
+        items = [parse_item(line, task.kind, f"{task.path} line {n}") for n, line in enumerate(f, 1) if line.strip()]
+    if not items:
+        raise common.UserError(f"task {task.label}: {task.path} holds no items")
+    random.Random(SHUFFLE_SEED).shuffle(items)
+    return items[:limit] if limit else items
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts
+
+
+def fewshot(items, index, shots):
+    """The examples shown before item `index`: drawn with its own seed, never the item itself."""
+    if shots == 0:
+        return []
+    others = [i for i in range(len(items)) if i != index]
+    return [items[i] for i in random.Random(FEWSHOT_SEED + index).sample(others, min(shots, len(others)))]
+
+
+def prompts(task, item, examples):
+    """The full prompt of each option, as text. Language modelling has one option and returns
+    (prompt without the continuation, prompt with it); the contexts are stripped there, and the
+    first of the two too (which drops the delimiter's trailing space: the continuation's first
+    token carries it)."""
+    d = task.delimiter
+    if task.kind == "multiple_choice":
+        shown = "".join(f"{ex['query']}{d}{ex['choices'][ex['gold']]}\n\n" for ex in examples)
+        return [f"{shown}{item['query']}{d}{choice}" for choice in item["choices"]]
+    if task.kind == "schema":
+        shown = "".join(f"{ex['context_options'][ex['gold']]}{d}{ex['continuation']}\n\n" for ex in examples)
+        return [f"{shown}{option}{d}{item['continuation']}" for option in item["context_options"]]
+    stem = "".join(f"{ex['context'].strip()}{d}{ex['continuation']}\n\n" for ex in examples)
+    stem += f"{item['context'].strip()}{d}"
+    return [stem.strip(), stem + item["continuation"]]
+
+
+def common_prefix(seqs):
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != seqs[0][i] for s in seqs):
+            return i
+    return n
+
+
+def spans(task, seqs):
+    """Token sequences (each starting with <|endoftext|>) -> [(sequence, start of the scored tokens)],
+    one per option: the scored tokens run from start to the sequence's end."""
+    if task.kind == "language_modeling":
+        without, with_ = seqs
+        start = common_prefix(seqs)  # len(without), unless the continuation re-merged its last tokens
+        return [(with_, start if start < len(with_) else len(with_) - 1)]
+    if task.kind == "multiple_choice":
+        # where they part; where one choice extends another, from the shorter one's last token on
+        start = min(common_prefix(seqs), min(len(s) for s in seqs) - 1)
+        return [(s, start) for s in seqs]
+    shared = common_prefix([s[::-1] for s in seqs])  # schema: the continuation, shared at the end
+    return [(s, max(1, len(s) - shared)) for s in seqs]
+
+
+def rows_of(task, item, examples, enc, block_size):
+    """The item as rows for scoring.scored_batches, its options in order: one row when the options
+    fit side by side in block_size tokens (what they share before their scored tokens computed
+    once), else one row per option. Each sequence keeps its last block_size tokens (so a prompt
+    longer than the model's context loses its earliest examples)."""
+    seqs = [[EOT_TOKEN] + enc.encode_ordinary(p) for p in prompts(task, item, examples)]
+    options = []
+    for seq, start in spans(task, seqs):
+        cut = max(0, len(seq) - block_size)
+        options.append((seq[cut:], max(1, start - cut)))
+    shared = min(common_prefix([s for s, _ in options]), min(start for _, start in options))
+    if shared + sum(len(s) - shared for s, _ in options) <= block_size:
+        return [(options[0][0][:shared], [(s[shared:start], s[start:]) for s, start in options])]
+    return [(s[:start], [([], s[start:])]) for s, start in options]
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring
+
+
+def judge(task, item, sums, counts, exact):
+    """Whether the model got the item right, from its options' scores (in order)."""
+    if task.kind == "language_modeling":
+        return bool(exact[0])
+    means = sums / counts
+    return int(torch.argmin(means)) == item["gold"]  # the first of equal means, as nanochat's list.index
+
+
+def centered(acc, baseline):
+    """Accuracy centred on random guessing: 0 at chance, 1 at perfect (negative below chance)."""
+    return (acc - baseline) / (1 - baseline)
+
+
+@dataclass
+class Share:
+    """What one rank scores: its items as (task index, item index), their rows for
+    scoring.scored_batches, and where each item's options start among the rows' options. The same
+    at every evaluation of a run: the trainer renders it once."""
+    items: list
+    rows: list
+    option_start: list
+
+
+def share_of(tasks, block_size, rank=0, world_size=1):
+    """This rank's Share of the tasks' items (items rank::world_size over all tasks)."""
+    enc = get_tokenizer()
+    everything = [(t, i) for t, task in enumerate(tasks) for i in range(len(task.items))]
+    mine = [everything[k] for k in scoring.shard(len(everything), rank, world_size)]
+    rows, option_start = [], [0]
+    for t, i in mine:
+        task = tasks[t]
+        item = task.items[i]
+        rows += rows_of(task, item, fewshot(task.items, i, task.shots), enc, block_size)
+        option_start.append(option_start[-1] + len(item.get("choices", item.get("context_options", [None]))))
+    return Share(mine, rows, option_start)
+
+
+def evaluate(model, tasks, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
+             should_stop=None, lockstep=False, share=None):
+    """{"core", "tasks": {label: {"acc", "centered", "n"}}} over tasks (Task, with their items);
+    None if should_stop said so. Every rank must call it (the counts are summed over ranks);
+    model, should_stop and lockstep as for hellaswag.evaluate; share: this rank's share_of() the
+    tasks, when it was rendered before."""
+    batch_size = batch_size or scoring.default_batch_size(device)
+    share = share or share_of(tasks, scoring.model_block_size(model), rank, world_size)
+    mine, rows, option_start = share.items, share.rows, share.option_start
+    batches = torch.tensor([scoring.n_batches(len(rows), batch_size)], device=device)
+    if world_size > 1 and tdist.is_available() and tdist.is_initialized():
+        tdist.all_reduce(batches, op=tdist.ReduceOp.MAX)  # the rows per item vary: ask the longest share
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    try:
+        scored = scoring.drain(model, scoring.scored_batches(model, rows, device, dtype, batch_size),
+                               int(batches.item()), device, dtype, should_stop, lockstep, "core" if progress else None)
+    finally:
+        if hasattr(model, "train"):
+            model.train(was_training)
+    if scored is scoring.STOPPED:
+        return None
+    tally = torch.zeros(len(tasks), 2, dtype=torch.long)  # right, scored
+    for k, (t, i) in enumerate(mine):
+        a, b = option_start[k], option_start[k + 1]
+        sums, counts, exact = scored
+        tally[t, 0] += judge(tasks[t], tasks[t].items[i], sums[a:b], counts[a:b], exact[a:b])
+        tally[t, 1] += 1
+    tally = tally.to(device)
+    if world_size > 1 and tdist.is_available() and tdist.is_initialized():
+        tdist.all_reduce(tally, op=tdist.ReduceOp.SUM)
+    results = {}
+    for task, (right, n) in zip(tasks, tally.tolist()):
+        acc = right / n if n else 0.0
+        results[task.label] = {"acc": acc, "centered": centered(acc, task.baseline), "n": n}
+    core = sum(r["centered"] for r in results.values()) / len(results)
+    return {"core": core, "tasks": results}
+
+
+def describe(result, n_tasks_all=N_CORE_TASKS):
+    """The result as lines: one per task, then CORE against GPT-2's."""
+    lines = [f"{'task':34s} {'acc':>7s} {'centred':>8s} {'items':>6s}"]
+    for label, r in result["tasks"].items():
+        lines.append(f"{label:34s} {r['acc']:7.4f} {r['centered']:8.4f} {r['n']:6d}")
+    n = len(result["tasks"])
+    of = "" if n == n_tasks_all else f" (over {n} of the {n_tasks_all} tasks: not comparable with the references)"
+    refs = ", ".join(f"{size} {v:.4f}" for size, v in GPT2_CORE.items())
+    lines.append(f"CORE {result['core']:.4f}{of}  (OpenAI GPT-2 as nanochat measures it: {refs})")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# During training
+
+
+class TrainingHook:
+    """CORE inside train_gpt2.py: scores the model when called. The bundle is read at the first
+    call (--core-bundle, else the cache, downloaded once); if it cannot be had on any rank, that is
+    said once in the run's log and CORE stays off for the rest of the run."""
+
+    def __init__(self, bundle_dir, limit, ranks, log, lockstep):
+        self.bundle_dir, self.limit, self.ranks, self.log, self.lockstep = bundle_dir, limit, ranks, log, lockstep
+        self.tasks, self.failed = None, False
+
+    def __call__(self, raw_model, dtype, should_stop):
+        if self.failed:
+            return None
+        if self.tasks is None:
+            error = None
+            try:
+                tasks = load_tasks(self.bundle_dir, None, self.limit, "--core-bundle")
+            except common.UserError as e:
+                tasks, error = None, str(e)
+            if not all(parallel.gather(tasks is not None, self.ranks)):  # the reductions need every rank
+                self.failed = True
+                self.log.line(f"core: skipped for this run ({error or 'the bundle is missing on another rank'})")
+                return None
+            self.tasks = tasks
+            self.share = share_of(tasks, scoring.model_block_size(raw_model), self.ranks.rank, self.ranks.world_size)
+        if self.ranks.is_master:
+            self.log.line(f"core: scoring {sum(len(t.items) for t in self.tasks):,} items of {len(self.tasks)} tasks "
+                          f"on {self.ranks.world_size} rank(s)...")
+        return evaluate(raw_model, self.tasks, self.ranks.device, dtype, rank=self.ranks.rank,
+                        world_size=self.ranks.world_size, should_stop=should_stop, lockstep=self.lockstep,
+                        share=self.share)
+
+
+def load_tasks(bundle_dir, only, limit, flag="--bundle-dir", cache_dir=None):
+    """The tasks with their items: from bundle_dir, else the cached (downloaded) bundle."""
+    tasks = read_tasks(bundle_dir if bundle_dir is not None else download(cache_dir, flag), only)
+    for task in tasks:
+        task.items = load_items(task, limit)
+    return tasks
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None):
+    """The command line, checked: one-line errors for bad values."""
+    p = common.ArgumentParser(description="CORE (22 in-context tasks, DCLM) of a GPT-2 model.")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face name or directory (gpt2, ...), a checkpoint written by train_gpt2.py, "
+                        "or a log directory (its latest checkpoint)")
+    p.add_argument("--bundle-dir", default=None,
+                   help="the unzipped DCLM eval_bundle (core.yaml, eval_meta_data.csv, eval_data/); "
+                        "default: download it once into the cache")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the download is kept (default $CORE_CACHE or ~/.cache/gpt2-core)")
+    p.add_argument("--tasks", default=None, help="comma-separated task labels to score (default: all 22)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="score N items per task, the first N after a fixed shuffle (default: all)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="items per forward pass (default: 16 on a GPU, 4 on CPU)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
+    p.add_argument("--dtype", default="auto",
+                   help="autocast dtype: auto, bfloat16, float16, float32 (default auto: bf16 on recent GPUs, "
+                        "fp32 on CPU); losses are computed in float32")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model first")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON line (core, and each task's acc, centred acc and items) on stdout; "
+                        "the table goes to stderr")
+    args = p.parse_args(argv)
+    for name in ("limit", "batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    return args
+
+
+def main(argv=None):
+    """python core.py (or under torchrun): score a model, print each task and CORE."""
+    args = parse_args(argv)
+    ranks = parallel.setup_distributed(args.device)
+    table = sys.stderr if args.json else sys.stdout  # stdout holds only the JSON line then
+    try:
+        dtype = pick_dtype(args.dtype, ranks.device)
+        tasks = load_tasks(args.bundle_dir, args.tasks, args.limit, cache_dir=args.cache_dir)
+        model, what = checkpoint.load_model(args.model, ranks.device)
+        if args.compile:
+            model = torch.compile(model)
+        n = sum(len(t.items) for t in tasks)
+        common.print0(f"core: {len(tasks)} tasks, {n:,} items, {what}, {ranks.world_size} process(es) on "
+                      f"{device_name(ranks.device)}, {dtype}", file=table)
+        t0 = time.time()
+        result = evaluate(model, tasks, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
+                          progress=ranks.is_master)
+        common.print0("\n".join(describe(result)), file=table)
+        common.print0(f"{n / (time.time() - t0):.1f} items/s", file=table)
+        if args.json:
+            common.print0(json.dumps({**result, "model": args.model}))
+    finally:
+        parallel.teardown_distributed()
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,254 @@
+"""core.py on a tiny random GPT and a small bundle in the DCLM format written here: each task type
+against a plain re-computation (one option at a time, no batching or packing), the centring
+arithmetic, few-shot sampling, truncation, the --model forms, and bad bundles."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import checkpoint
+import common
+import core
+import tokenizer
+from core_bundle import TASKS, task_items, write_bundle
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return write_bundle(tmp_path_factory.mktemp("bundle"))
+
+
+def reference_option_scores(model, task, item, examples):
+    """The definition, one option at a time: each whole prompt tokenised after <|endoftext|>, the
+    last block_size tokens kept, one forward pass each; the scored tokens found by comparing the
+    options' token sequences (where they part, what they share at the end, or what the
+    continuation adds). Returns [(summed loss, token count, all greedy)] per option."""
+    enc = tokenizer.get_tokenizer()
+    texts = core.prompts(task, item, examples)
+    seqs = [[tokenizer.EOT_TOKEN] + enc.encode(t) for t in texts]
+    if task.kind == "language_modeling":
+        without, full = seqs
+        assert full[:len(without)] == without and len(full) > len(without)
+        scored = [(full, len(without))]
+    elif task.kind == "multiple_choice":
+        start = 0
+        while all(len(s) > start + 1 for s in seqs) and len({s[start] for s in seqs}) == 1:
+            start += 1
+        scored = [(s, start) for s in seqs]
+    else:
+        shared = 0
+        while all(len(s) > shared + 1 for s in seqs) and len({s[-1 - shared] for s in seqs}) == 1:
+            shared += 1
+        scored = [(s, len(s) - shared) for s in seqs]
+    out = []
+    for seq, start in scored:
+        cut = max(0, len(seq) - model.config.block_size)
+        seq, start = seq[cut:], max(1, start - cut)
+        tokens = torch.tensor(seq)
+        logits, _ = model(tokens[None, :-1])
+        losses = F.cross_entropy(logits[0].float(), tokens[1:], reduction="none")[start - 1:]
+        greedy = (logits[0].argmax(-1) == tokens[1:])[start - 1:]
+        out.append((losses.sum().item(), len(losses), bool(greedy.all())))
+    return out
+
+
+@torch.no_grad()
+def test_every_task_type_matches_the_one_at_a_time_definition(model, bundle):
+    """Batched and packed scores equal the one-option-at-a-time definition for multiple choice,
+    schema and language modelling, with and without few-shot examples, and so do the accuracies."""
+    tasks = core.load_tasks(bundle, None, None)
+    assert [t.kind for t in tasks] == [t[1] for t in TASKS] and tasks[1].delimiter == "\nAnswer: "
+    enc = tokenizer.get_tokenizer()
+    for task in tasks:
+        rows, refs = [], []
+        for i, item in enumerate(task.items):
+            examples = core.fewshot(task.items, i, task.shots)
+            rows += core.rows_of(task, item, examples, enc, model.config.block_size)
+            refs += reference_option_scores(model, task, item, examples)
+        for batch_size in (1, 3, 64):
+            *_, (sums, counts, exact) = core.scoring.scored_batches(model, rows, "cpu", batch_size=batch_size)
+            assert counts.tolist() == [float(c) for _, c, _ in refs], task.label
+            torch.testing.assert_close(sums, torch.tensor([s for s, _, _ in refs], dtype=torch.float64),
+                                       rtol=1e-5, atol=1e-4, msg=task.label)
+            assert exact.tolist() == [g for _, _, g in refs], task.label
+    # the accuracies: each item judged from the reference's scores, where no two options are so
+    # close that float rounding could order them either way
+    result = core.evaluate(model, tasks, "cpu", batch_size=3)
+    for task in tasks:
+        right, close = 0, 0
+        for i, item in enumerate(task.items):
+            ref = reference_option_scores(model, task, item, core.fewshot(task.items, i, task.shots))
+            if task.kind == "language_modeling":
+                right += ref[0][2]
+                continue
+            means = [s / c for s, c, _ in ref]
+            ordered = sorted(means)
+            close += ordered[1] - ordered[0] < 1e-4
+            right += means.index(min(means)) == item["gold"]
+        got = result["tasks"][task.label]
+        assert got["n"] == len(task.items)
+        assert abs(got["acc"] * got["n"] - right) <= close, task.label
+        assert got["centered"] == pytest.approx(core.centered(got["acc"], task.baseline))
+    assert result["core"] == pytest.approx(sum(r["centered"] for r in result["tasks"].values()) / len(tasks))
+
+
+def test_centring_by_hand():
+    assert core.centered(0.25, 0.25) == 0.0 and core.centered(1.0, 0.25) == 1.0
+    assert core.centered(0.5, 0.25) == pytest.approx(1 / 3)
+    assert core.centered(0.5841, 0.62) == pytest.approx(-0.0945, abs=1e-4)  # below chance stays negative
+    assert core.centered(0.3, 0.0) == 0.3
+    tasks = core.read_tasks(write_bundle(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"b{os.getpid()}")))
+    assert [t.baseline for t in tasks] == [0.25, 0.20, 0.50, 0.0, 0.0]  # percent in the csv, fractions here
+
+
+def test_fewshot_draws_per_item_with_its_seed_and_never_the_item():
+    items = [{"context": str(i), "continuation": "x"} for i in range(12)]
+    for i in range(12):
+        shown = core.fewshot(items, i, 5)
+        assert len(shown) == 5 and items[i] not in shown and len({id(x) for x in shown}) == 5
+        assert shown == [items[k] for k in random.Random(1234 + i).sample([k for k in range(12) if k != i], 5)]
+        assert core.fewshot(items, i, 5) == shown  # the same every time
+    assert core.fewshot(items, 0, 0) == [] and len(core.fewshot(items[:3], 0, 10)) == 2  # as many as there are
+
+
+def test_prompts_are_rendered_as_the_bundle_defines_them():
+    mc = core.Task("t", "multiple_choice", "", 1, "\nAnswer: ", 0.25)
+    ex = {"query": "Q1", "choices": ["a", "b"], "gold": 1}
+    assert core.prompts(mc, {"query": "Q2", "choices": ["c", "d"], "gold": 0}, [ex]) == [
+        "Q1\nAnswer: b\n\nQ2\nAnswer: c", "Q1\nAnswer: b\n\nQ2\nAnswer: d"]
+    schema = core.Task("t", "schema", "", 1, " ", 0.5)
+    ex = {"context_options": ["A", "B"], "continuation": "c.", "gold": 0}
+    assert core.prompts(schema, {"context_options": ["X", "Y"], "continuation": "z.", "gold": 1}, [ex]) == [
+        "A c.\n\nX z.", "A c.\n\nY z."]
+    lm = core.Task("t", "language_modeling", "", 1, " ", 0.0)
+    ex = {"context": " one two ", "continuation": "three"}
+    assert core.prompts(lm, {"context": "four five\n", "continuation": "six"}, [ex]) == [
+        "one two three\n\nfour five", "one two three\n\nfour five six"]  # contexts stripped, and the first prompt
+
+
+@torch.no_grad()
+def test_a_prompt_longer_than_the_context_keeps_its_end(model):
+    """Many shots make prompts longer than the model's 64 tokens: each sequence keeps its last 64,
+    and is scored as the definition scores that cropped sequence."""
+    enc = tokenizer.get_tokenizer()
+    task = core.Task("long", "multiple_choice", "", 6, " ", 0.25, task_items("multiple_choice", 10, 3))
+    for i, item in enumerate(task.items):
+        examples = core.fewshot(task.items, i, task.shots)
+        rows = core.rows_of(task, item, examples, enc, model.config.block_size)
+        assert all(len(prefix) + sum(len(o) + len(c) for o, c in options) <= 64 for prefix, options in rows)
+        *_, (sums, counts, _) = core.scoring.scored_batches(model, rows, "cpu")
+        ref = reference_option_scores(model, task, item, examples)
+        torch.testing.assert_close(sums, torch.tensor([s for s, _, _ in ref], dtype=torch.float64), rtol=1e-5,
+                                   atol=1e-4)
+    assert len(enc.encode(core.prompts(task, task.items[0], core.fewshot(task.items, 0, 6))[0])) > 64
+
+
+def test_limit_takes_the_first_items_of_a_fixed_shuffle(bundle):
+    whole = core.load_tasks(bundle, ["mc_zero"], None)[0].items
+    some = core.load_tasks(bundle, ["mc_zero"], 4)[0].items
+    assert some == whole[:4]
+    with open(os.path.join(bundle, "eval_data", "synthetic", "mc_zero.jsonl")) as f:
+        in_file = [json.loads(line) for line in f]
+    random.Random(1337).shuffle(in_file)
+    assert whole == in_file
+
+
+def test_scores_a_checkpoint_a_log_directory_and_a_hugging_face_directory(model, bundle, tmp_path):
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    ckpt = str(log_dir / "ckpt_000005.pt")
+    checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
+    hf = model.export_hf(str(tmp_path / "hf"))
+    results = []
+    for spec in (ckpt, str(log_dir), hf):
+        p = subprocess.run([sys.executable, os.path.join(REPO, "core.py"), "--model", spec, "--bundle-dir", bundle,
+                            "--device", "cpu", "--json", "--tasks", "mc_few,lm_few,schema_zero", "--limit", "5"],
+                           capture_output=True, text=True, env=ENV, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        result = json.loads(p.stdout)
+        assert list(result["tasks"]) == ["mc_few", "schema_zero", "lm_few"]  # the bundle's order
+        assert all(r["n"] == 5 for r in result["tasks"].values())
+        assert "CORE" in p.stderr and "over 3 of the 22 tasks" in p.stderr
+        assert result.pop("model") == spec
+        results.append(result)
+    assert results[0] == results[1]  # the same weights
+    for a, b in zip(results[0]["tasks"].values(), results[2]["tasks"].values()):
+        assert a["n"] == b["n"]
+
+
+def test_two_ranks_score_as_one_process(model, bundle, tmp_path):
+    """torchrun core.py over 2 gloo ranks: each scores its share (rows of several sizes: the ranks
+    agree on the batch count), the counts summed, the same result as one process."""
+    ckpt = str(tmp_path / "ckpt_000001.pt")
+    checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
+    args = [os.path.join(REPO, "core.py"), "--model", ckpt, "--bundle-dir", bundle, "--device", "cpu", "--json",
+            "--batch-size", "2"]
+    one = subprocess.run([sys.executable] + args, capture_output=True, text=True, env=ENV, timeout=600)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] + args,
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-1500:] + two.stderr[-1500:]
+    assert "2 process(es)" in two.stderr
+    assert json.loads(two.stdout.strip().splitlines()[-1]) == json.loads(one.stdout)
+
+
+def run_main(capsys, argv):
+    """core.main as the script runs it: the exit status and the stderr lines."""
+    with pytest.raises(SystemExit) as e:
+        common.run_main(lambda: core.main(argv))
+    return e.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_bad_bundles_are_one_line_naming_the_file(capsys, tmp_path, model):
+    ckpt = str(tmp_path / "ckpt_000001.pt")
+    checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
+    base = ["--model", ckpt, "--device", "cpu"]
+    cases = {}
+    b = write_bundle(tmp_path / "malformed")
+    with open(os.path.join(b, "eval_data", "synthetic", "schema_zero.jsonl"), "a") as f:
+        f.write('{"context_options": ["a"], "continuation": 3}\n')
+    cases["malformed"] = (b, "schema_zero.jsonl line 8: 'continuation' is missing or not a str")
+    b = write_bundle(tmp_path / "nobaseline", csv_rows=[(t[0], t[4]) for t in TASKS if t[0] != "lm_few"])
+    cases["no baseline"] = (b, "eval_meta_data.csv has no random baseline for task lm_few")
+    b = write_bundle(tmp_path / "unknown", tasks=TASKS[:1] + [("odd", "generation", 0, " ", 0.0, 3)])
+    cases["unknown type"] = (b, "core.yaml: task odd has the unknown type 'generation'")
+    b = write_bundle(tmp_path / "notjson")
+    with open(os.path.join(b, "eval_data", "synthetic", "mc_zero.jsonl"), "a") as f:
+        f.write("{not json\n")
+    cases["not json"] = (b, "mc_zero.jsonl line 10: not JSON")
+    cases["no such task"] = (write_bundle(tmp_path / "fine"), "--tasks: no task 'nope'")
+    for name, (bundle_dir, expect) in cases.items():
+        extra = ["--tasks", "nope"] if name == "no such task" else []
+        code, lines = run_main(capsys, base + ["--bundle-dir", bundle_dir] + extra)
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], (name, lines)
+    code, lines = run_main(capsys, base + ["--bundle-dir", str(tmp_path / "missing")])
+    assert code == 2 and len(lines) == 1 and "is not a directory" in lines[0]
+
+
+def test_offline_without_a_bundle_is_one_line_naming_the_flag(capsys, tmp_path, monkeypatch, model):
+    monkeypatch.setenv("CORE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(common, "unreachable", lambda url, timeout=5.0: "the network is unreachable (test)")
+    code, lines = run_main(capsys, ["--model", "gpt2", "--device", "cpu"])
+    assert code == 2 and len(lines) == 1 and "--bundle-dir" in lines[0] and "not in the cache" in lines[0]
+    assert not os.path.exists(tmp_path / "cache" / "eval_bundle")
+
+
+def test_the_public_bundle_downloads_and_reads(tmp_path):
+    """The network path: the real bundle, once (skipped where its host cannot be reached)."""
+    problem = common.unreachable(core.BUNDLE_URL, 5.0)
+    if problem:
+        pytest.skip(f"the CORE bundle's host is not reachable from here: {problem}")
+    tasks = core.read_tasks(core.download(str(tmp_path)))
+    assert len(tasks) == core.N_CORE_TASKS and {t.kind for t in tasks} == set(core.TASK_TYPES)
+    for task in tasks:
+        assert core.load_items(task, 3)
