@@ -5,10 +5,10 @@ writes into its log directory (metrics.py: the format, and the reader used here)
     python plot.py log                                   # summary, and log/plot.png
     python plot.py log log_ablation --labels baseline ablation --out runs.png
 
-The PNG has four panels against tokens seen: train loss (faint: every step, solid: EMA) and
+The PNG has four or five panels against tokens seen: train loss (faint: every step, solid: EMA) and
 validation loss (dashed) with OpenAI GPT-2 124M's validation loss; HellaSwag acc_norm with
-GPT-2 124M and GPT-3 124M (and CORE, when the run scored it, on the right axis with GPT-2 124M's
-and 1.5B's); tokens/s; MFU. Several runs overlay, one colour each.
+GPT-2 124M and GPT-3 124M; tokens/s; MFU; and, when a run scored it, CORE with GPT-2 124M's and
+1.5B's. Several runs overlay, one colour each.
 matplotlib is optional: without it the summaries still print.
 
 How the numbers are defined (summarize() returns them, format_summary() prints them):
@@ -308,10 +308,14 @@ def build_figure(log_dirs, labels=None, smooth=None):
     span = smooth or auto_span(max(len(m["train"]) for m in runs))
     smoothing = f"EMA over {span} steps" if span > 1 else "per step"
     # wider than the panels need: each panel's legend sits to its right (see below)
-    fig = Figure(figsize=(17, 9), dpi=100, layout="constrained")
-    (ax_loss, ax_hs), (ax_tps, ax_mfu) = fig.subplots(2, 2)
+    scored_core = any(m["core"] for m in runs)  # a fifth panel, for CORE, when a run scored it
+    fig = Figure(figsize=(17, 13 if scored_core else 9), dpi=100, layout="constrained")
+    axes = fig.subplots(3 if scored_core else 2, 2)
+    (ax_loss, ax_hs), (ax_tps, ax_mfu) = axes[0], axes[1]
+    ax_core = axes[2][0] if scored_core else None
+    if scored_core:
+        fig.delaxes(axes[2][1])
     loss_late, loss_all = [GPT2_VAL_LOSS], [GPT2_VAL_LOSS]
-    ax_core = None  # CORE on the HellaSwag panel's right axis, when a run scored it
     for i, (m, label) in enumerate(zip(runs, labels)):
         color, train, val, hs = f"C{i}", m["train"], m["val"], m["hellaswag"]
         loss = [r["loss"] for r in train]
@@ -328,9 +332,8 @@ def build_figure(log_dirs, labels=None, smooth=None):
             ax_hs.plot([r["tokens"] for r in hs], [r["acc_norm"] for r in hs], "-o", color=color,
                        markersize=3, linewidth=1.2, label=label)
         if m["core"]:
-            ax_core = ax_core or ax_hs.twinx()
-            ax_core.plot([r["tokens"] for r in m["core"]], [r["core"] for r in m["core"]], "--s", color=color,
-                         markersize=3, linewidth=1.2, label=f"{label} CORE (right axis)")
+            ax_core.plot([r["tokens"] for r in m["core"]], [r["core"] for r in m["core"]], "-o", color=color,
+                         markersize=3, linewidth=1.2, label=label)
         steps = warmed_up(m)
         if steps:
             _curve(ax_tps, [r["tokens"] for r in steps], [r["tok_per_s"] for r in steps], color, label, span)
@@ -350,10 +353,11 @@ def build_figure(log_dirs, labels=None, smooth=None):
     ax_loss.set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
     if ax_core is not None:
         for (value, text), color in zip(CORE_REFERENCES, ("firebrick", "black")):
-            ax_core.axhline(value, color=color, linestyle=(0, (5, 5)), linewidth=1.0, label=text)
+            ax_core.axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
         cores = [r["core"] for m in runs for r in m["core"]]
         ax_core.set_ylim(min([0.0] + cores) - 0.01, max([GPT2_CORE_XL] + cores) + 0.02)
-        ax_core.set_ylabel("CORE (centred accuracy, mean of 22 tasks)")
+        ax_core.set_title("CORE (22 in-context tasks, centred accuracy: 0 = chance)")
+        ax_core.set_ylabel("CORE")
     scores = [r["acc_norm"] for m in runs for r in m["hellaswag"]]
     ax_hs.set_ylim(min([0.24] + scores) - 0.005, max([0.35] + scores) + 0.01)
     ax_tps.set_ylim(bottom=0)
@@ -362,14 +366,14 @@ def build_figure(log_dirs, labels=None, smooth=None):
     ax_loss.set_title(f"Loss (train: faint per step, solid {smoothing}; val: dashed)" if span > 1
                       else "Loss (train: per step; val: dashed)")
     ax_loss.set_ylabel("cross-entropy loss (nats/token)")
-    ax_hs.set_title("HellaSwag (acc_norm, 0-shot)" + ("; CORE dashed, right axis" if ax_core is not None else ""))
+    ax_hs.set_title("HellaSwag (acc_norm, 0-shot)")
     ax_hs.set_ylabel("accuracy")
     ax_tps.set_title(f"Throughput ({smoothing}; first step of each launch left out)")
     ax_tps.set_ylabel("tokens/s (all ranks)")
     ax_tps.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v)))
     ax_mfu.set_title(f"Model FLOPs utilisation ({smoothing})")
     ax_mfu.set_ylabel("MFU (% of the device's peak FLOPs)")
-    if not scores and ax_core is None:
+    if not scores:
         ax_hs.text(0.5, 0.6, "not evaluated", transform=ax_hs.transAxes, ha="center", color="gray")
     if not ax_mfu.lines:
         ax_mfu.text(0.5, 0.5, "MFU not measured (peak FLOPs of the device unknown, e.g. CPU)",
@@ -378,15 +382,12 @@ def build_figure(log_dirs, labels=None, smooth=None):
     max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m[k]])
     scale, unit = next((s, u) for s, u in ((1e9, "billions"), (1e6, "millions"), (1e3, "thousands"), (1, ""))
                        if max_tokens >= s)
-    for ax in (ax_loss, ax_hs, ax_tps, ax_mfu):
+    for ax in (ax_loss, ax_hs, ax_tps, ax_mfu) + ((ax_core,) if ax_core is not None else ()):
         ax.set_xlim(-0.02 * max_tokens, 1.02 * max_tokens)  # the same on every panel, empty ones too
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / scale:g}"))
         ax.set_xlabel(f"tokens seen ({unit})" if unit else "tokens seen")
         ax.grid(alpha=0.3)
         handles, texts = ax.get_legend_handles_labels()
-        if ax is ax_hs and ax_core is not None:  # one legend for both of the panel's axes
-            more = ax_core.get_legend_handles_labels()
-            handles, texts = handles + more[0], texts + more[1]
         if handles:
             # outside the panel, to its right: any corner inside covers some run's curves (a short
             # run's loss starts top left, a long one's ends bottom right), and loc="best" only

@@ -24,7 +24,7 @@ CUT_LINE = '{"kind": "train", "step": 40, "loss": 5.1'  # a write cut by a kill
 
 
 def launch(first, last, t0, seed, max_steps=50, val_every=10, hellaswag=True, mfu=True,
-           checkpoints=(), resumed_from=None, end=None):
+           checkpoints=(), resumed_from=None, end=None, core=False):
     """Records of one launch of the trainer running steps first..last (inclusive)."""
     rng = random.Random(seed)
     t = t0
@@ -39,6 +39,9 @@ def launch(first, last, t0, seed, max_steps=50, val_every=10, hellaswag=True, mf
             if hellaswag:
                 recs.append({"kind": "hellaswag", "step": step, "acc": 0.25 + step / 1000, "n": 10042,
                              "acc_norm": 0.25 + step / 800 + rng.random() / 100, "tokens": step * TPS, "time": t})
+            if core:
+                recs.append({"kind": "core", "step": step, "core": 0.02 + step / 400 + rng.random() / 100,
+                             "centered": {"arc_easy": 0.1, "piqa": 0.05}, "tokens": step * TPS, "time": t})
         if step in checkpoints:
             recs.append({"kind": "checkpoint", "step": step, "path": f"ckpt_{step:06d}.pt", "time": t})
         if step > last:
@@ -208,10 +211,11 @@ def test_legends_hide_nothing(logs, tmp_path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     dirs, _ = logs
     short = write_log(tmp_path / "short", launch(0, 9, 0.0, seed=9, max_steps=10, val_every=5, end="finished"))
-    for runs in ([short], [dirs["full"], dirs["resumed"], dirs["cpu"], short]):
+    scored = write_log(tmp_path / "core", launch(0, 49, 0.0, seed=5, core=True, end="finished"))
+    for runs in ([short], [dirs["full"], dirs["resumed"], dirs["cpu"], short], [scored, short]):
         fig = plot.build_figure(runs)
         FigureCanvasAgg(fig).draw()  # constrained layout places everything at draw time
-        assert sum(ax.get_legend() is not None for ax in fig.axes) == 4  # the check below has work to do
+        assert sum(ax.get_legend() is not None for ax in fig.axes) == 4 + (scored in runs)  # work for the check
         assert legend_problems(fig) == []
 
 
@@ -292,6 +296,24 @@ def test_out_that_cannot_be_written_is_one_line(logs, tmp_path, capsys, monkeypa
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1, err
         assert (f"cannot write {out}: it is a directory" if error is None else "(Read-only file system)") in err[0]
+
+
+def test_core_is_drawn_against_gpt2_and_summarised(tmp_path):
+    """A run that scored CORE: its best and final in the summary (and no CORE line for a run that
+    did not), its curve on a panel of its own with GPT-2 124M's and 1.5B's values."""
+    pytest.importorskip("matplotlib")
+    recs = launch(0, 49, 0.0, seed=5, core=True, end="finished")
+    cores = of(recs, "core")
+    s = plot.summarize(write_log(tmp_path / "core", recs))
+    best = max(cores, key=lambda r: r["core"])
+    assert (s["core_best"], s["core_best_step"], s["core_final"]) == (best["core"], best["step"], cores[-1]["core"])
+    assert f"  CORE        best {best['core']:.4f} at step {best['step']}" in plot.format_summary(s)
+    assert "CORE" not in plot.format_summary(plot.summarize(write_log(tmp_path / "none", launch(0, 9, 0.0, seed=1))))
+    fig = plot.build_figure([str(tmp_path / "core")])
+    right = [ax for ax in fig.axes if any("CORE" in line.get_label() for line in ax.lines)]
+    assert len(right) == 1
+    values = {round(line.get_ydata()[0], 4) for line in right[0].lines if "GPT-2" in line.get_label()}
+    assert values == {plot.GPT2_CORE_124M, plot.GPT2_CORE_XL} == {0.1139, 0.2565}
 
 
 def test_a_run_stopped_before_its_first_step(logs):
