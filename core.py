@@ -34,9 +34,7 @@ import json
 import os
 import random
 import shutil
-import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 import zipfile
@@ -45,11 +43,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as tdist
 
-import checkpoint
 import common
-import parallel
 import scoring
-from device import device_name, pick_dtype
 from tokenizer import EOT_TOKEN, get_tokenizer
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # ~162 MB, nanochat's
@@ -372,36 +367,24 @@ def describe(result, n_tasks_all=N_CORE_TASKS):
 # During training
 
 
-class TrainingHook:
-    """CORE inside train_gpt2.py: scores the model when called. The bundle is read at the first
-    call (--core-bundle, else the cache, downloaded once); if it cannot be had on any rank, that is
-    said once in the run's log and CORE stays off for the rest of the run."""
+def training_hook(bundle_dir, limit, ranks, log, lockstep):
+    """CORE inside train_gpt2.py (scoring.TrainingHook): the bundle (--core-bundle, else the cache,
+    downloaded once) read at the first call, limit items per task, this rank's prompts rendered then
+    and kept for the run's later evaluations."""
+    def load(raw_model):
+        tasks = load_tasks(bundle_dir, None, limit, "--core-bundle")
+        return tasks, share_of(tasks, scoring.model_block_size(raw_model), ranks.rank, ranks.world_size)
 
-    def __init__(self, bundle_dir, limit, ranks, log, lockstep):
-        self.bundle_dir, self.limit, self.ranks, self.log, self.lockstep = bundle_dir, limit, ranks, log, lockstep
-        self.tasks, self.failed = None, False
+    def score(raw_model, data, dtype, should_stop, progress):
+        tasks, share = data
+        return evaluate(raw_model, tasks, ranks.device, dtype, rank=ranks.rank, world_size=ranks.world_size,
+                        progress=progress, should_stop=should_stop, lockstep=lockstep, share=share)
 
-    def __call__(self, raw_model, dtype, should_stop):
-        if self.failed:
-            return None
-        if self.tasks is None:
-            error = None
-            try:
-                tasks = load_tasks(self.bundle_dir, None, self.limit, "--core-bundle")
-            except common.UserError as e:
-                tasks, error = None, str(e)
-            if not all(parallel.gather(tasks is not None, self.ranks)):  # the reductions need every rank
-                self.failed = True
-                self.log.line(f"core: skipped for this run ({error or 'the bundle is missing on another rank'})")
-                return None
-            self.tasks = tasks
-            self.share = share_of(tasks, scoring.model_block_size(raw_model), self.ranks.rank, self.ranks.world_size)
-        if self.ranks.is_master:
-            self.log.line(f"core: scoring {sum(len(t.items) for t in self.tasks):,} items of {len(self.tasks)} tasks "
-                          f"on {self.ranks.world_size} rank(s)...")
-        return evaluate(raw_model, self.tasks, self.ranks.device, dtype, rank=self.ranks.rank,
-                        world_size=self.ranks.world_size, should_stop=should_stop, lockstep=self.lockstep,
-                        share=self.share)
+    def report(result):
+        centred = {label: r["centered"] for label, r in result["tasks"].items()}
+        return f"{result['core']:.4f} over {len(centred)} tasks", dict(core=result["core"], centered=centred)
+    return scoring.TrainingHook("core", load, lambda data: sum(len(t.items) for t in data[0]), score, report,
+                                ranks, log)
 
 
 def load_tasks(bundle_dir, only, limit, flag="--bundle-dir", cache_dir=None):
@@ -419,9 +402,6 @@ def load_tasks(bundle_dir, only, limit, flag="--bundle-dir", cache_dir=None):
 def parse_args(argv=None):
     """The command line, checked: one-line errors for bad values."""
     p = common.ArgumentParser(description="CORE (22 in-context tasks, DCLM) of a GPT-2 model.")
-    p.add_argument("--model", required=True,
-                   help="Hugging Face name or directory (gpt2, ...), a checkpoint written by train_gpt2.py, "
-                        "or a log directory (its latest checkpoint)")
     p.add_argument("--bundle-dir", default=None,
                    help="the unzipped DCLM eval_bundle (core.yaml, eval_meta_data.csv, eval_data/); "
                         "default: download it once into the cache")
@@ -430,20 +410,9 @@ def parse_args(argv=None):
     p.add_argument("--tasks", default=None, help="comma-separated task labels to score (default: all 22)")
     p.add_argument("--limit", type=int, default=None,
                    help="score N items per task, the first N after a fixed shuffle (default: all)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="items per forward pass (default: 16 on a GPU, 4 on CPU)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
-    p.add_argument("--dtype", default="auto",
-                   help="autocast dtype: auto, bfloat16, float16, float32 (default auto: bf16 on recent GPUs, "
-                        "fp32 on CPU); losses are computed in float32")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model first")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON line (core, and each task's acc, centred acc and items) on stdout; "
-                        "the table goes to stderr")
+    scoring.add_arguments(p, "core, and each task's acc, centred acc and items")
     args = p.parse_args(argv)
-    for name in ("limit", "batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise common.UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    scoring.check_counts(args, ("limit", "batch_size"))
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     return args
 
@@ -451,26 +420,16 @@ def parse_args(argv=None):
 def main(argv=None):
     """python core.py (or under torchrun): score a model, print each task and CORE."""
     args = parse_args(argv)
-    ranks = parallel.setup_distributed(args.device)
-    table = sys.stderr if args.json else sys.stdout  # stdout holds only the JSON line then
-    try:
-        dtype = pick_dtype(args.dtype, ranks.device)
-        tasks = load_tasks(args.bundle_dir, args.tasks, args.limit, cache_dir=args.cache_dir)
-        model, what = checkpoint.load_model(args.model, ranks.device)
-        if args.compile:
-            model = torch.compile(model)
-        n = sum(len(t.items) for t in tasks)
-        common.print0(f"core: {len(tasks)} tasks, {n:,} items, {what}, {ranks.world_size} process(es) on "
-                      f"{device_name(ranks.device)}, {dtype}", file=table)
-        t0 = time.time()
-        result = evaluate(model, tasks, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
-                          progress=ranks.is_master)
-        common.print0("\n".join(describe(result)), file=table)
-        common.print0(f"{n / (time.time() - t0):.1f} items/s", file=table)
-        if args.json:
-            common.print0(json.dumps({**result, "model": args.model}))
-    finally:
-        parallel.teardown_distributed()
+
+    def score(model, tasks, ranks, dtype):
+        return evaluate(model, tasks, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
+                        progress=ranks.is_master)
+
+    def show(result, seconds):
+        n = sum(r["n"] for r in result["tasks"].values())
+        return "\n".join(describe(result) + [f"{n / seconds:.1f} items/s"])
+    scoring.run_script(args, "core", lambda: load_tasks(args.bundle_dir, args.tasks, args.limit, cache_dir=args.cache_dir),
+                       lambda tasks: f"{len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items", score, show)
 
 
 if __name__ == "__main__":

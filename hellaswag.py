@@ -20,19 +20,14 @@ import gzip
 import json
 import lzma
 import os
-import sys
-import time
 import urllib.error
 import urllib.request
 
 import torch
 import torch.distributed as tdist
 
-import checkpoint
 import common
-import parallel
 import scoring
-from device import device_name, pick_dtype
 from tokenizer import EOT_TOKEN, get_tokenizer
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -241,38 +236,18 @@ def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, wor
 # During training
 
 
-class TrainingHook:
-    """HellaSwag inside train_gpt2.py: scores the model when called; if the data cannot be had (on any
-    rank), says so once in the run's log and stays quiet for the rest of the run.
-    data_file, limit: the trainer's --hellaswag-file and --hellaswag-limit; ranks: its
-    parallel.Ranks; lockstep: every rank makes the same number of forward passes (FSDP)."""
+def training_hook(data_file, limit, ranks, log, lockstep):
+    """HellaSwag inside train_gpt2.py (scoring.TrainingHook): data_file, limit: the trainer's
+    --hellaswag-file and --hellaswag-limit; ranks: its parallel.Ranks; lockstep: every rank makes
+    the same number of forward passes (FSDP)."""
+    def score(raw_model, items, dtype, should_stop, progress):
+        return evaluate(raw_model, items, ranks.device, dtype, rank=ranks.rank, world_size=ranks.world_size,
+                        progress=progress, should_stop=should_stop, lockstep=lockstep)
 
-    def __init__(self, data_file, limit, ranks, log, lockstep):
-        self.data_file, self.limit, self.ranks, self.log, self.lockstep = data_file, limit, ranks, log, lockstep
-        self.items, self.failed = None, False
-
-    def __call__(self, raw_model, dtype, should_stop):
-        if self.failed:
-            return None
-        if self.items is None:
-            error = None
-            try:
-                items = load_items(self.data_file, limit=self.limit, flag="--hellaswag-file")
-            except common.UserError as e:
-                items, error = None, str(e)
-            # all ranks must agree, or the reductions inside evaluate() hang
-            if not all(parallel.gather(items is not None, self.ranks)):
-                self.failed = True
-                self.log.line(f"hellaswag: skipped for this run ({error or 'data missing on another rank'})")
-                return None
-            self.items = items
-        # a bar on a terminal, else one line: scoring 10,042 items takes minutes on a slow GPU
-        bar = self.ranks.is_master and sys.stdout.isatty()
-        if self.ranks.is_master and not bar:
-            self.log.line(f"hellaswag: scoring {len(self.items):,} items on {self.ranks.world_size} rank(s)...")
-        return evaluate(raw_model, self.items, self.ranks.device, dtype, rank=self.ranks.rank,
-                        world_size=self.ranks.world_size, progress=bar, should_stop=should_stop,
-                        lockstep=self.lockstep)
+    def report(result):
+        return f"acc_norm {result['acc_norm']:.4f} acc {result['acc']:.4f} n {result['n']}", result
+    return scoring.TrainingHook("hellaswag", lambda _: load_items(data_file, limit=limit, flag="--hellaswag-file"),
+                                len, score, report, ranks, log)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,58 +257,32 @@ class TrainingHook:
 def parse_args(argv=None):
     """The command line, checked: one-line errors for bad values."""
     p = common.ArgumentParser(description="HellaSwag accuracy of a GPT-2 model (completion style).")
-    p.add_argument("--model", required=True,
-                   help="Hugging Face name or directory (gpt2, gpt2-medium, ...), a checkpoint written "
-                        "by train_gpt2.py, or a log directory (its latest checkpoint)")
     p.add_argument("--data-file", default=None,
                    help=f"local copy of {HELLASWAG_FILE} (offline use); default: download it once")
     p.add_argument("--cache-dir", default=None,
                    help="where the download is kept (default $HELLASWAG_CACHE or ~/.cache/gpt2-hellaswag)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N items (default: all)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="items per forward pass (default: 16 on a GPU; 4 on CPU, where larger "
-                        "batches measured slower, see BENCHMARKS.md)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
-    p.add_argument("--dtype", default="auto",
-                   help="autocast dtype: auto, bfloat16, float16, float32 (default auto: bf16 on recent "
-                        "GPUs, fp32 on CPU); the loss itself is always computed in float32")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model first")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON line (acc, acc_norm, n) on stdout; the summary goes to stderr")
+    scoring.add_arguments(p, "acc, acc_norm, n")
     args = p.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        raise common.UserError(f"--limit must be at least 1, got {args.limit}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise common.UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    scoring.check_counts(args, ("limit", "batch_size"))
     return args
 
 
 def main(argv=None):
     """python hellaswag.py (or under torchrun): score a model, print acc and acc_norm."""
     args = parse_args(argv)
-    ranks = parallel.setup_distributed(args.device)
-    summary = sys.stderr if args.json else sys.stdout  # stdout holds only the JSON line then
-    try:
-        dtype = pick_dtype(args.dtype, ranks.device)
-        items = load_items(args.data_file, args.cache_dir, args.limit)
-        model, what = checkpoint.load_model(args.model, ranks.device)
-        if args.compile:
-            model = torch.compile(model)
-        common.print0(f"hellaswag: {len(items)} items, {what}, {ranks.world_size} process(es) on "
-                      f"{device_name(ranks.device)}, {dtype}", file=summary)
-        t0 = time.time()
-        result = evaluate(model, items, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
-                          progress=ranks.is_master)
-        dt = time.time() - t0
+
+    def score(model, items, ranks, dtype):
+        return evaluate(model, items, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
+                        progress=ranks.is_master)
+
+    def show(result, seconds):
         n = result["n"]
-        common.print0(f"acc {result['acc']:.4f} ({round(result['acc'] * n)}/{n})  "
-                      f"acc_norm {result['acc_norm']:.4f} ({round(result['acc_norm'] * n)}/{n})  "
-                      f"{n / dt:.1f} items/s  (OpenAI GPT-2 124M: acc 0.2859, acc_norm 0.2955)",
-                      file=summary)
-        if args.json:
-            common.print0(json.dumps({**result, "model": args.model}))
-    finally:
-        parallel.teardown_distributed()
+        return (f"acc {result['acc']:.4f} ({round(result['acc'] * n)}/{n})  "
+                f"acc_norm {result['acc_norm']:.4f} ({round(result['acc_norm'] * n)}/{n})  "
+                f"{n / seconds:.1f} items/s  (OpenAI GPT-2 124M: acc 0.2859, acc_norm 0.2955)")
+    scoring.run_script(args, "hellaswag", lambda: load_items(args.data_file, args.cache_dir, args.limit),
+                       lambda items: f"{len(items)} items", score, show)
 
 
 if __name__ == "__main__":

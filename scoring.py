@@ -17,9 +17,17 @@ Rank-aware: every rank scores its share of the rows (rows rank::world_size), and
 batches so that a stop request and FSDP's collective forwards keep all ranks in step.
 """
 
+import json
+import sys
+import time
+
 import torch
 
-from device import autocast
+import checkpoint
+import common
+import parallel
+from common import UserError
+from device import autocast, device_name, pick_dtype
 
 SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple of this: few shapes
 LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
@@ -172,3 +180,93 @@ def drain(model, scores, batches, device, dtype, should_stop=None, lockstep=Fals
             with torch.no_grad(), autocast(device, dtype):
                 model(torch.zeros((1, 1), dtype=torch.long, device=device))
     return last
+
+
+class TrainingHook:
+    """An evaluation inside train_gpt2.py (HellaSwag, CORE), called at the top of a step. Its data
+    is loaded at the first call; if it cannot be had on any rank, that is said once in the run's
+    log and the evaluation stays off for the rest of the run (the ranks agree first: the reductions
+    inside would hang otherwise). On a terminal rank 0 shows a bar, elsewhere one line: scoring
+    10,042 items takes minutes on a slow GPU.
+    name: the record kind and the log's word for it; load(raw_model) -> data (a UserError when it
+    cannot be had); count(data) -> items; score(raw_model, data, dtype, should_stop, progress) ->
+    the result, or None when should_stop said so; report(result) -> (the log line's text, the
+    record's fields)."""
+
+    def __init__(self, name, load, count, score, report, ranks, log):
+        self.name, self.load, self.count, self.score, self.report = name, load, count, score, report
+        self.ranks, self.log = ranks, log
+        self.data, self.failed = None, False
+
+    def __call__(self, raw_model, dtype, should_stop):
+        if self.failed:
+            return None
+        if self.data is None:
+            data, error = None, None
+            try:
+                data = self.load(raw_model)
+            except UserError as e:
+                error = str(e)
+            if not all(parallel.gather(data is not None, self.ranks)):
+                self.failed = True
+                self.log.line(f"{self.name}: skipped for this run ({error or 'data missing on another rank'})")
+                return None
+            self.data = data
+        bar = self.ranks.is_master and sys.stdout.isatty()
+        if self.ranks.is_master and not bar:
+            self.log.line(f"{self.name}: scoring {self.count(self.data):,} items on {self.ranks.world_size} rank(s)...")
+        return self.score(raw_model, self.data, dtype, should_stop, bar)
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line hellaswag.py and core.py share
+
+
+def add_arguments(p, json_holds):
+    """The flags of a scoring script besides its data: the model, batching, device, dtype, compile
+    and --json (json_holds: what its JSON line holds)."""
+    p.add_argument("--model", required=True,
+                   help="Hugging Face name or directory (gpt2, gpt2-medium, ...), a checkpoint written "
+                        "by train_gpt2.py, or a log directory (its latest checkpoint)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="items per forward pass (default: 16 on a GPU; 4 on CPU, where larger "
+                        "batches measured slower, see BENCHMARKS.md)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
+    p.add_argument("--dtype", default="auto",
+                   help="autocast dtype: auto, bfloat16, float16, float32 (default auto: bf16 on recent "
+                        "GPUs, fp32 on CPU); losses are always computed in float32")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model first")
+    p.add_argument("--json", action="store_true",
+                   help=f"print one JSON line ({json_holds}) on stdout; the summary goes to stderr")
+
+
+def check_counts(args, names):
+    """One line for a count flag below 1 (--limit, --batch-size)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def run_script(args, name, load, describe_data, score, show):
+    """A scoring script's main, under torchrun too: load() its data; the model from --model;
+    describe_data(data) -> what the first line says of it; score(model, data, ranks, dtype) -> the
+    result; show(result, seconds) -> the summary's text. The summary goes to stdout, or to stderr
+    with --json, where stdout holds only the JSON line."""
+    ranks = parallel.setup_distributed(args.device)
+    summary = sys.stderr if args.json else sys.stdout
+    try:
+        dtype = pick_dtype(args.dtype, ranks.device)
+        data = load()
+        model, what = checkpoint.load_model(args.model, ranks.device)
+        if args.compile:
+            model = torch.compile(model)
+        common.print0(f"{name}: {describe_data(data)}, {what}, {ranks.world_size} process(es) on "
+                      f"{device_name(ranks.device)}, {dtype}", file=summary)
+        t0 = time.time()
+        result = score(model, data, ranks, dtype)
+        common.print0(show(result, time.time() - t0), file=summary)
+        if args.json:
+            common.print0(json.dumps({**result, "model": args.model}))
+    finally:
+        parallel.teardown_distributed()

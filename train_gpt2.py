@@ -31,6 +31,7 @@ import metrics
 import parallel
 import plot
 import sample
+import scoring
 from common import UserError
 from metrics import RunLog
 from model import GPT, GPTConfig, PRESETS
@@ -163,8 +164,8 @@ class Run:
     checkpoints: checkpoint.Checkpointer
     start_step: int              # steps already done when this launch began
     peak_flops: Optional[float]  # the device's peak FLOP/s in dtype, for MFU (None: unknown)
-    hellaswag: hellaswag.TrainingHook
-    core: core.TrainingHook
+    hellaswag: scoring.TrainingHook
+    core: scoring.TrainingHook
     plotter: plot.PlotWriter
 
 
@@ -208,26 +209,18 @@ def evaluate(run, step, stop):
         evaluated = True
         log.line(f"step {step} | val_loss {val_loss:.4f}")
         log.record("val", step=step, val_loss=val_loss, tokens=step * cfg.total_batch_size)
-    if due(cfg.hellaswag_every):
+    for hook, every in ((run.hellaswag, cfg.hellaswag_every), (run.core, cfg.core_every)):
+        if not due(every):
+            continue
         with parallel.uncompiled(run.raw_model):
-            result = run.hellaswag(run.raw_model, run.dtype, should_stop)
+            result = hook(run.raw_model, run.dtype, should_stop)
         if result is None and should_stop():
             return False
         if result is not None:
             evaluated = True
-            log.line(f"step {step} | hellaswag acc_norm {result['acc_norm']:.4f} "
-                     f"acc {result['acc']:.4f} n {result['n']}")
-            log.record("hellaswag", step=step, tokens=step * cfg.total_batch_size, **result)
-    if due(cfg.core_every):
-        with parallel.uncompiled(run.raw_model):
-            result = run.core(run.raw_model, run.dtype, should_stop)
-        if result is None and should_stop():
-            return False
-        if result is not None:
-            evaluated = True
-            log.line(f"step {step} | core {result['core']:.4f} over {len(result['tasks'])} tasks")
-            log.record("core", step=step, tokens=step * cfg.total_batch_size, core=result["core"],
-                       centered={label: r["centered"] for label, r in result["tasks"].items()})
+            text, fields = hook.report(result)
+            log.line(f"step {step} | {hook.name} {text}")
+            log.record(hook.name, step=step, tokens=step * cfg.total_batch_size, **fields)
     if (ranks.is_master or run.fsdp) and step > 0 and due(cfg.sample_every):
         # under FSDP every forward is a collective: a stop request must not end one rank's loop early
         with parallel.uncompiled(run.raw_model):
@@ -446,8 +439,8 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
               schedule=schedule_of(cfg), grad_accum=grad_accum, train_loader=train_loader, val_loader=val_loader,
               val_steps=val_steps, checkpoints=checkpoints, start_step=start_step,
               peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
-              hellaswag=hellaswag.TrainingHook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
-              core=core.TrainingHook(cfg.core_bundle, cfg.core_limit, ranks, log, lockstep=fsdp),
+              hellaswag=hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
+              core=core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, lockstep=fsdp),
               plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master))
     write_header(run, origin, resume_path, fitted, changes)
     return run

@@ -14,7 +14,6 @@ import argparse
 import os
 import random
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,10 +22,9 @@ import torch.nn.functional as F  # noqa: E402
 
 import core  # noqa: E402
 import measure  # noqa: E402
-from bench_hellaswag import WORDS, timed  # noqa: E402
+from bench_hellaswag import WORDS, add_model_args, scored_model, timed  # noqa: E402
 from bench_sample import add_device_args, setup  # noqa: E402
 from device import autocast, device_name  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 from tokenizer import EOT_TOKEN, get_tokenizer  # noqa: E402
 
 
@@ -84,12 +82,10 @@ def main():
     p.add_argument("--batch-sizes", default="1,4,16", help="items per forward for evaluate (default 1,4,16)")
     p.add_argument("--rounds", type=int, default=2,
                    help="the methods take turns this many times, so a passing load hits all alike (default 2)")
-    p.add_argument("--n-layer", type=int, default=12, help="model shape (default: GPT-2 124M, 12/12/768)")
-    p.add_argument("--n-head", type=int, default=12)
-    p.add_argument("--n-embd", type=int, default=768)
+    add_model_args(p)
     args = p.parse_args()
     device, dtype = setup(args)
-    model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)).to(device).eval()
+    model = scored_model(args, device)
     tasks = synthetic_tasks(args.items)
     n = sum(len(t.items) for t in tasks)
     share = core.share_of(tasks, model.config.block_size)  # rendered once, as the trainer does

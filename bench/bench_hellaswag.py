@@ -66,6 +66,18 @@ def one_item_per_forward(model, items, device, dtype):
     return {"acc": correct / len(items), "acc_norm": correct_norm / len(items), "n": len(items)}
 
 
+def add_model_args(p):
+    """The model's shape (bench_core.py shares these)."""
+    p.add_argument("--n-layer", type=int, default=12, help="model shape (default: GPT-2 124M, 12/12/768)")
+    p.add_argument("--n-head", type=int, default=12)
+    p.add_argument("--n-embd", type=int, default=768)
+
+
+def scored_model(args, device):
+    """A GPT of the flags' shape, random weights (speed does not depend on them), in eval mode."""
+    return GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)).to(device).eval()
+
+
 def timed(fn, device):
     synchronize(device)
     t0 = time.perf_counter()
@@ -83,12 +95,10 @@ def main():
     p.add_argument("--rounds", type=int, default=4,
                    help="the items are split into this many parts and the methods take turns on each, so a "
                         "load that comes and goes on the machine hits all of them alike (default 4)")
-    p.add_argument("--n-layer", type=int, default=12, help="model shape (default: GPT-2 124M, 12/12/768)")
-    p.add_argument("--n-head", type=int, default=12)
-    p.add_argument("--n-embd", type=int, default=768)
+    add_model_args(p)
     args = p.parse_args()
     device, dtype = setup(args)
-    model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)).to(device).eval()
+    model = scored_model(args, device)
     items = synthetic_items(args.items)
     enc = get_tokenizer()
     rows = [len(enc.encode_ordinary(it["ctx"] + " " + e)) for it in items for e in it["endings"]]
