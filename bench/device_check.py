@@ -17,7 +17,7 @@ Steps, each a subprocess with its own time limit; a failure is reported and the 
   muon       a short run with --optimizer muon (compiled, Newton-Schulz on the GPU)
   hellaswag  hellaswag.py --compile on the run's checkpoint
   sample     sample.py on the run's checkpoint
-  bench_hellaswag, bench_sample   the benchmarks of BENCHMARKS.md on this device
+  bench_hellaswag, bench_sample, bench_core   the benchmarks of BENCHMARKS.md on this device
   compile_gate   whether torch.compile can run here (Triton needs compute capability 7.0+), and
                  what the trainer's header says about it
   probe      the micro-batch auto-fit with this process allowed 30% of the GPU's memory: sizes that
@@ -168,6 +168,9 @@ def main():
         "bench_hellaswag": ([PY, "bench/bench_hellaswag.py", "--device", args.device, "--batch-sizes", "1,16,64"]
                             + bench_dtype + bench_hs, None),
         "bench_sample": ([PY, "bench/bench_sample.py", "--device", args.device] + bench_dtype + bench_gen, None),
+        "bench_core": ([PY, "bench/bench_core.py", "--device", args.device, "--batch-sizes", "1,16,64"] + bench_dtype
+                       + (["--items", "4", "--n-layer", "2", "--n-head", "2", "--n-embd", "64"] if args.small
+                          else ["--items", "200"]), None),
     }
     # the GPU-readiness checks: compile gating, the probe under memory pressure, a resume with a
     # smaller micro-batch, FSDP in bf16
