@@ -91,8 +91,11 @@ def download(cache_dir=None, flag="--bundle-dir"):
             z.extractall(tmp)
         if not is_bundle(os.path.join(tmp, "eval_bundle")):
             raise common.UserError(f"{BUNDLE_URL} holds no eval_bundle/core.yaml; {hint}")
-        if not is_bundle(bundle):  # another rank may have put it there meanwhile
+        try:
             os.replace(os.path.join(tmp, "eval_bundle"), bundle)
+        except OSError:
+            if not is_bundle(bundle):  # else another rank (or process) put a whole one there first
+                raise
     except (urllib.error.URLError, OSError, zipfile.BadZipFile) as e:
         raise common.UserError(f"could not download the CORE bundle from {BUNDLE_URL} "
                                f"({getattr(e, 'reason', None) or e}); {hint}")

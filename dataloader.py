@@ -477,7 +477,8 @@ class TokenLoader:
                                 f"{mine[key]!r}): resume with the same settings and data as the saved run")
         if sd["format"] == "token-loader-v1":  # counted in batches of a fixed size, in epochs that
             position = sd["batches"] * sd["world_size"] * sd["batch_size"]  # dropped their last round
-            if sd["shuffle_seed"] is not None or position >= self.num_sequences:
+            first_epoch = (self.num_tokens - 1) // (sd["batch_size"] * self.T) // sd["world_size"]
+            if sd["shuffle_seed"] is not None or sd["batches"] >= first_epoch:
                 raise UserError("the loader state was saved by an older version of this loader, in an order it "
                                 "no longer makes (shuffled, or past the first epoch): start a new run")
         else:

@@ -471,11 +471,12 @@ def orthogonalize(g, coefficients, steps, eps, dtype):
     """The quintic Newton-Schulz iteration of Keller Jordan's Muon, as torch.optim.Muon runs it,
     in `dtype`: g (2-D) mapped to roughly U V^T of its SVD (singular values pushed into ~[0.5, 1.5])."""
     a, b, c = coefficients
-    x = g.to(dtype)
+    # normalised before the cast (spectral norm <= Frobenius norm <= 1): fp16's range ends at 6e-8,
+    # where small momentum entries would flush to zero; bf16 (torch's) has fp32's range either way
+    x = (g / g.norm().clamp(min=eps)).to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T  # iterate on the wide orientation: the Gram matrix is the smaller one
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)

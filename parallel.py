@@ -428,6 +428,10 @@ class CudaMemory:
         """Allocate nbytes and let them go: raises where they are not free."""
         torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)  # freed at once, kept in the cache
 
+    def rebase(self):
+        """Count the peak from what is allocated now (a reservation's block, freed, does not count)."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+
 
 def memory_probe(model, block_size, device, dtype, memory, agree, activation_bytes=None, margin=0.10):
     """fits(b): one forward+backward at micro-batch b stays under (1 - margin) of the device's memory,
@@ -460,9 +464,17 @@ def memory_probe(model, block_size, device, dtype, memory, agree, activation_byt
     def fits(b):
         memory.reset()
         try:
-            if sharded and not agree(*attempt(lambda: memory.reserve(activation_bytes(b)))):
-                return False
+            if sharded:
+                if not agree(*attempt(lambda: memory.reserve(activation_bytes(b)))):
+                    return False
+                memory.rebase()  # the peak is the step's, not the reservation's
             ok, error = attempt(lambda: forward_backward(b))
+            if sharded and not ok and error is None:
+                # out of memory inside a forward the other ranks are waiting in: their collectives
+                # no longer match this rank's, so no answer can be agreed on
+                raise UserError(f"the micro-batch auto-fit ran out of GPU memory at {b} x {block_size} tokens "
+                                "inside FSDP's forward, where the ranks cannot agree any more: pass "
+                                "--micro-batch-size N (half of this, say) instead of auto")
             ok = ok and memory.peak() + optimizer_bytes <= (1 - margin) * capacity
         finally:
             model.zero_grad(set_to_none=True)

@@ -182,6 +182,11 @@ def test_state_of_the_batch_counting_loader_continues_the_first_epoch(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(ld.next_batch(), want))
     with pytest.raises(UserError, match="older version"):
         TokenLoader(d, "train", 2, 3, world_size=2, shuffle_seed=1).load_state_dict(dict(old, shuffle_seed=1))
+    # 190 tokens: 63 sequences of 3, and the batch counter's first epoch was 15 batches of 2 x 2 (60):
+    # at batch 15 it had wrapped to sequence 0, where the sequence counter would read sequence 60
+    assert ld.num_sequences == 63
+    with pytest.raises(UserError, match="older version"):
+        TokenLoader(d, "train", 2, 3, world_size=2).load_state_dict(dict(old, batches=15))
 
 
 def test_reads_fineweb_output(tmp_path):

@@ -93,6 +93,9 @@ class FakeMemory:
         if self.fail_from is not None and nbytes >= self.fail_from:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
 
+    def rebase(self):
+        pass
+
 
 def failing_forward(raw, failure, idx, targets=None, **kw):
     """GPT.forward, except that a micro-batch of 4 or more raises `failure`."""
