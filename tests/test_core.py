@@ -164,7 +164,8 @@ def test_limit_takes_the_first_items_of_a_fixed_shuffle(bundle):
     assert whole == in_file
 
 
-def test_scores_a_checkpoint_a_log_directory_and_a_hugging_face_directory(model, bundle, tmp_path):
+def test_scores_a_checkpoint_a_log_directory_and_a_hugging_face_directory(model, bundle, tmp_path, capsys):
+    """python core.py --model in its three local forms (in this process, through the script's main)."""
     log_dir = tmp_path / "log"
     log_dir.mkdir()
     ckpt = str(log_dir / "ckpt_000005.pt")
@@ -172,14 +173,13 @@ def test_scores_a_checkpoint_a_log_directory_and_a_hugging_face_directory(model,
     hf = model.export_hf(str(tmp_path / "hf"))
     results = []
     for spec in (ckpt, str(log_dir), hf):
-        p = subprocess.run([sys.executable, os.path.join(REPO, "core.py"), "--model", spec, "--bundle-dir", bundle,
-                            "--device", "cpu", "--json", "--tasks", "mc_few,lm_few,schema_zero", "--limit", "5"],
-                           capture_output=True, text=True, env=ENV, timeout=600)
-        assert p.returncode == 0, p.stderr[-2000:]
-        result = json.loads(p.stdout)
+        core.main(["--model", spec, "--bundle-dir", bundle, "--device", "cpu", "--json", "--tasks",
+                   "mc_few,lm_few,schema_zero", "--limit", "5"])
+        out = capsys.readouterr()
+        result = json.loads(out.out)
         assert list(result["tasks"]) == ["mc_few", "schema_zero", "lm_few"]  # the bundle's order
         assert all(r["n"] == 5 for r in result["tasks"].values())
-        assert "CORE" in p.stderr and "over 3 of the 22 tasks" in p.stderr
+        assert "CORE" in out.err and "over 3 of the 22 tasks" in out.err
         assert result.pop("model") == spec
         results.append(result)
     assert results[0] == results[1]  # the same weights
