@@ -94,8 +94,9 @@ def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
 def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=None,
                timer=None):
     """One optimizer step: forward and backward over grad_accum micro-batches (DDP all-reduces the
-    gradients on the last one only, FSDP reduce-scatters each one: parallel.grad_sync), unscale, clip, and the update itself unless the loss or the
-    gradient norm is not finite (with fp16 the gradient scaler decides). The step's one host-device
+    gradients on the last one only, FSDP reduce-scatters each one: parallel.grad_sync), unscale,
+    clip, and the update itself unless the loss or the gradient norm is not finite (with fp16 the
+    gradient scaler decides). The step's one host-device
     sync also carries this rank's stop request (stop: a common.StopFlag, read there, after the
     backward passes) to the others, so a request that came during the step ends the run after it.
     Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
