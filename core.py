@@ -309,8 +309,9 @@ def share_of(tasks, block_size, rank=0, world_size=1):
     for t, i in mine:
         task = tasks[t]
         item = task.items[i]
-        rows += rows_of(task, item, fewshot(task.items, i, task.shots), enc, block_size)
-        option_start.append(option_start[-1] + len(item.get("choices", item.get("context_options", [None]))))
+        these = rows_of(task, item, fewshot(task.items, i, task.shots), enc, block_size)
+        rows += these
+        option_start.append(option_start[-1] + scoring.n_options(these))
     return Share(mine, rows, option_start)
 
 
@@ -338,9 +339,9 @@ def evaluate(model, tasks, device, dtype="float32", batch_size=None, rank=0, wor
     if scored is scoring.STOPPED:
         return None
     tally = torch.zeros(len(tasks), 2, dtype=torch.long)  # right, scored
+    sums, counts, exact = scored if mine else (None, None, None)
     for k, (t, i) in enumerate(mine):
         a, b = option_start[k], option_start[k + 1]
-        sums, counts, exact = scored
         tally[t, 0] += judge(tasks[t], tasks[t].items[i], sums[a:b], counts[a:b], exact[a:b])
         tally[t, 1] += 1
     tally = tally.to(device)
