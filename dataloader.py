@@ -301,8 +301,8 @@ class TokenLoader:
     epoch is all (num_tokens - 1) // T sequences, in order, or permuted with rng(seed, epoch) when
     shuffle_seed is set; after it the next epoch begins (wraps), also inside a batch.
     All ranks draw from one sequence counter: each next_batch() takes the next world_size * B
-    sequences, B consecutive ones for each rank, rank 0 first (in order, rank r's i-th batch is
-    the stream's window i*world_size + r of B*T+1 tokens).
+    sequences (world_size * size for a smaller batch), B consecutive ones for each rank, rank 0
+    first (in order, rank r's i-th batch is the stream's window i*world_size + r of B*T+1 tokens).
 
     The position is that counter, in sequences: state_dict() from any rank restores every rank,
     and the batch size may differ on resume (a run moved to a GPU with less memory takes a
@@ -381,17 +381,17 @@ class TokenLoader:
             filled += take
             k += 1
 
-    def _make(self, position):
-        """This rank's batch when `position` sequences have been handed out, as one CPU int64 tensor
-        of B rows of T+1 tokens (pinned for CUDA)."""
-        buf = torch.empty(self.B, self.T + 1, dtype=torch.int64, pin_memory=self._pin)
+    def _make(self, position, size):
+        """This rank's batch of `size` sequences when `position` sequences have been handed out, as
+        one CPU int64 tensor of `size` rows of T+1 tokens (pinned for CUDA)."""
+        buf = torch.empty(size, self.T + 1, dtype=torch.int64, pin_memory=self._pin)
         rows = buf.numpy()
-        first = position + self.rank * self.B
+        first = position + self.rank * size
         r = 0
-        while r < self.B:
+        while r < size:
             epoch, start = self.sequence_start(first + r)
             run = 1  # consecutive sequences of one epoch are one contiguous read
-            while (r + run < self.B and self.sequence_start(first + r + run) == (epoch, start + run * self.T)):
+            while (r + run < size and self.sequence_start(first + r + run) == (epoch, start + run * self.T)):
                 run += 1
             span = np.empty(run * self.T + 1, dtype=np.int64)
             self._read(epoch, start, span)
@@ -406,35 +406,30 @@ class TokenLoader:
 
     # -- batches --------------------------------------------------------------------------------
 
-    def next_batch(self):
-        x, y = self.to_device(self.next_host_batch())
-        self.prefetch_next()
-        return x, y
-
-    def next_host_batch(self):
-        """The next batch as B rows of T+1 tokens in host memory (pinned for CUDA). The trainer's
-        timing breakdown calls this, to_device() and prefetch_next() apart, to tell preparation from copy."""
+    def next_batch(self, size=None, timer=None):
+        """The next batch, (x, y) on the loader's device: `size` sequences on this rank (default B;
+        validation's last batch may hold fewer), x (size, T) and y the same tokens one further on.
+        Then the following batch of B is started in the background (with prefetch), so that it is
+        made while the caller computes. timer: a metrics.PhaseTimer, marked "data" once the batch is
+        in host memory and "copy" once it is on the device (--timing-breakdown)."""
+        size = size or self.B
         position = self.position
-        if self._ahead is not None and self._ahead[0] == position:
+        if self._ahead is not None and self._ahead[0] == (position, size):
             buf = self._ahead[1].result()
             self._ahead = None
         else:
             self._cancel_ahead()
-            buf = self._make(position)
-        self.position = position + self.world_size * self.B
-        return buf
-
-    def to_device(self, buf):
-        """(x, y) views on the loader's device of a next_host_batch() buffer (an async copy on CUDA)."""
+            buf = self._make(position, size)
+        self.position = position + self.world_size * size
+        if timer is not None:
+            timer.mark("data")
         if self.device.type != "cpu":
-            buf = buf.to(self.device, non_blocking=self._pin)
-        return buf[:, :-1], buf[:, 1:]
-
-    def prefetch_next(self):
-        """Start making the next batch in the background (if prefetching); call it after the copy,
-        so the thread works while the caller computes."""
+            buf = buf.to(self.device, non_blocking=self._pin)  # from pinned memory: an async copy
+        if timer is not None:
+            timer.mark("copy")
         if self._thread is not None and self._ahead is None:
-            self._ahead = (self.position, self._thread.submit(self._make, self.position))
+            self._ahead = ((self.position, self.B), self._thread.submit(self._make, self.position, self.B))
+        return buf[:, :-1], buf[:, 1:]
 
     def _cancel_ahead(self):
         if self._ahead is not None:

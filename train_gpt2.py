@@ -104,11 +104,7 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     model.train()
     loss_accum = torch.zeros((), device=ranks.device)
     for micro_step in range(grad_accum):
-        host = loader.next_host_batch()
-        timer.mark("data")
-        x, y = loader.to_device(host)
-        loader.prefetch_next()
-        timer.mark("copy")
+        x, y = loader.next_batch(timer=timer)  # marks the "data" and "copy" phases
         last = micro_step == grad_accum - 1
         with parallel.grad_sync(model, last):
             with device.autocast(ranks.device, dtype):
@@ -161,7 +157,7 @@ class Run:
     grad_accum: int
     train_loader: "dataloader.TokenLoader"  # noqa: F821 (imported in setup, so --help stays instant)
     val_loader: Optional["dataloader.TokenLoader"]  # noqa: F821
-    val_steps: int
+    val_sequences: int           # sequences each rank validates on (the same tokens whatever the micro-batch)
     checkpoints: checkpoint.Checkpointer
     start_step: int              # steps already done when this launch began
     peak_flops: Optional[float]  # the device's peak FLOP/s in dtype, for MFU (None: unknown)
@@ -175,24 +171,31 @@ class Run:
 
 
 @torch.no_grad()
-def validation_loss(model, loader, steps, ranks, dtype, should_stop):
-    """Mean loss over the first `steps` batches of the val split; None if a stop request came."""
+def validation_loss(model, loader, sequences, ranks, dtype, should_stop):
+    """Mean loss per token over the val split's first `sequences` sequences on each rank; None if
+    a stop request came. Batches of the micro-batch; the last one, when fewer sequences are left,
+    is filled up with rows whose targets are -1 (the loss ignores them), so every forward has the
+    same shape (a compiled model compiles no second graph for it)."""
     model.eval()
     loader.reset()
     total = torch.zeros((), device=ranks.device)
-    for _ in range(steps):
+    for done in range(0, sequences, loader.B):
         if should_stop():
             model.train()
             return None
-        x_val, y_val = loader.next_batch()
+        n = min(loader.B, sequences - done)
+        x_val, y_val = loader.next_batch(n)
+        if n < loader.B:
+            pad = loader.B - n
+            x_val = torch.cat([x_val, x_val.new_zeros(pad, x_val.size(1))])
+            y_val = torch.cat([y_val, y_val.new_full((pad, y_val.size(1)), -1)])
         with device.autocast(ranks.device, dtype):
             _, loss_val = model(x_val, y_val)
-        total += loss_val.float()
+        total += loss_val.float() * n  # the batch's mean, weighted by its real sequences
     if ranks.multi:
         torch.distributed.all_reduce(total)  # SUM: gloo has no AVG
-        total /= ranks.world_size
     model.train()
-    return total.item() / steps
+    return total.item() / (sequences * ranks.world_size)
 
 
 def evaluate(run, step, stop):
@@ -204,7 +207,8 @@ def evaluate(run, step, stop):
     should_stop = lambda: parallel.any_rank(stop.signal is not None, ranks)  # noqa: E731
     evaluated = False
     if run.val_loader is not None and due(cfg.eval_every):
-        val_loss = validation_loss(run.eval_model, run.val_loader, run.val_steps, ranks, run.dtype, should_stop)
+        val_loss = validation_loss(run.eval_model, run.val_loader, run.val_sequences, ranks, run.dtype,
+                                   should_stop)
         if val_loss is None:
             return False
         evaluated = True
@@ -304,7 +308,9 @@ def batch_geometry(cfg, ranks, model, dtype):
 
 
 def build_data(cfg, ranks, vocab_size):
-    """The train loader, the val loader (None without validation) and the val batches per validation."""
+    """The train loader, the val loader (None without validation) and the sequences each rank
+    validates on: --val-tokens counted in sequences, so that a resume with another micro-batch
+    validates the same tokens, and never more than the whole val split once."""
     import dataloader  # imported here so --help stays instant
     loader = functools.partial(dataloader.TokenLoader, cfg.data_dir, batch_size=cfg.micro_batch_size,
                                seq_len=cfg.block_size, rank=ranks.rank, world_size=ranks.world_size,
@@ -313,10 +319,8 @@ def build_data(cfg, ranks, vocab_size):
     if not cfg.eval_every:
         return train_loader, None, 0
     val_loader = loader("val")
-    tokens_per_micro = cfg.micro_batch_size * cfg.block_size * ranks.world_size
-    # never more than the whole split: repeating it measures nothing new
-    val_steps = min(max(1, cfg.val_tokens // tokens_per_micro), val_loader.batches_per_epoch)
-    return train_loader, val_loader, val_steps
+    sequences = min(cfg.val_tokens // cfg.block_size, val_loader.num_sequences) // ranks.world_size
+    return train_loader, val_loader, max(1, sequences)
 
 
 def build_optimizer(cfg, raw_model, ranks, dtype):
@@ -368,8 +372,8 @@ def write_header(run, origin, resume_path, fitted, changes):
              f"torch {torch.__version__}")
     val_note = ""
     if run.val_loader is not None:
-        whole = run.val_steps == run.val_loader.batches_per_epoch
-        tokens = run.val_steps * cfg.micro_batch_size * cfg.block_size * ranks.world_size
+        whole = run.val_sequences == run.val_loader.num_sequences // ranks.world_size
+        tokens = run.val_sequences * cfg.block_size * ranks.world_size
         val_note = f" | val: {tokens:,} tokens{' (the whole split)' if whole else ''}"
     log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {cfg.micro_batch_size} x {cfg.block_size} "
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
@@ -419,7 +423,7 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
                                 cfg.activation_checkpointing, compile_on)
     fitted = cfg.micro_batch_auto = cfg.micro_batch_size == "auto"  # stored: a resume fits it again
     cfg.micro_batch_size, grad_accum = batch_geometry(cfg, ranks, raw_model, dtype)
-    train_loader, val_loader, val_steps = build_data(cfg, ranks, raw_model.config.vocab_size)
+    train_loader, val_loader, val_sequences = build_data(cfg, ranks, raw_model.config.vocab_size)
     optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)
     log.hold()  # the lock first: a launch it refuses must not touch the directory
     if ckpt is not None and ranks.is_master:
@@ -438,7 +442,7 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
     run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, raw_model=raw_model,
               model=model, eval_model=getattr(model, "module", model), optimizer=optimizer, scaler=scaler,
               schedule=schedule_of(cfg), grad_accum=grad_accum, train_loader=train_loader, val_loader=val_loader,
-              val_steps=val_steps, checkpoints=checkpoints, start_step=start_step,
+              val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
               peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
               hellaswag=hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
               core=core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, lockstep=fsdp),

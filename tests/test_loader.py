@@ -168,6 +168,29 @@ def test_resume_with_another_batch_size_reads_the_same_sequences_in_order(tmp_pa
     assert got == want[:len(got)] and len(got) > len(want) - world * new_batch
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_smaller_batch_takes_the_next_sequences_on_every_rank(tmp_path, prefetch):
+    """Validation's last batch may hold fewer sequences than B: next_batch(size) hands every rank
+    the next `size` sequences, the ranks together the next world * size, so that 5 sequences on
+    each of 2 ranks are the same 10 whether taken as 2 + 2 + 1 or 5 x 1 (and a prefetched batch of
+    B at the same position is not mistaken for it)."""
+    d = make_shards(tmp_path)
+    world, T = 2, 3
+
+    def taken(sizes, B):
+        loaders = [TokenLoader(d, "train", B, T, r, world, prefetch=prefetch) for r in range(world)]
+        rows = set()
+        for size in sizes:
+            for ld in loaders:
+                x, y = ld.next_batch(size)
+                assert x.shape == y.shape == (size, T)
+                rows |= {tuple(r) for r in torch.cat([x, y[:, -1:]], dim=1).tolist()}
+        assert all(ld.position == world * sum(sizes) for ld in loaders)
+        return rows
+    first_ten = taken([5], 5)
+    assert taken([2, 2, 1], 2) == taken([1] * 5, 1) == first_ten and len(first_ten) == 10
+
+
 def test_state_of_the_batch_counting_loader_continues_the_first_epoch(tmp_path):
     """Checkpoints written before positions were counted in sequences: batches of the saved size."""
     d = make_shards(tmp_path)

@@ -96,15 +96,19 @@ def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, 
     assert [r["step"] for r in records(log_dir, "val")] == [0, 4, 8, 9, 10, 11]  # every step after the resume
 
 
-def test_resume_with_another_micro_batch_reads_the_same_data(data_dir, tmp_path):
+def test_resume_with_another_micro_batch_trains_and_validates_on_the_same_data(data_dir, tmp_path):
     """A run moved to a GPU with less (or more) memory: resumed with --micro-batch-size 1, or auto
     (4 on a CPU here), where it ran at 2, it reads the same sequences in the same order (the data
     position is counted in sequences), so its losses and weights match the run that never stopped
-    up to the summation order of the accumulation."""
-    base = TINY + ["--data-dir", data_dir, "--max-steps", "6", "--checkpoint-every", "3", "--eval-every", "0"]
+    up to the summation order of the accumulation; and it validates on the same 5 sequences
+    (--val-tokens 160: two batches and a half at micro-batch 2, five at 1, two at 4), so its
+    validation losses match too instead of jumping."""
+    base = TINY + ["--data-dir", data_dir, "--max-steps", "6", "--checkpoint-every", "3", "--eval-every", "3",
+                   "--val-tokens", "160"]
     whole = str(tmp_path / "whole")
-    run(base + ["--log-dir", whole])
-    ref = records(whole, "train")
+    p = run(base + ["--log-dir", whole])
+    assert "val: 160 tokens" in p.stdout
+    ref, ref_val = records(whole, "train"), records(whole, "val")
     _, want, _ = final_state(whole)
     for micro, accum in (("1", 4), ("auto", 1)):
         log_dir = str(tmp_path / micro)
@@ -112,11 +116,14 @@ def test_resume_with_another_micro_batch_reads_the_same_data(data_dir, tmp_path)
         shutil.copy(os.path.join(whole, "ckpt_000003.pt"), log_dir)
         p = run(["--log-dir", log_dir, "--resume", "--micro-batch-size", micro])
         assert f"resume: --micro-batch-size 2 -> {micro} (from the command line)" in p.stdout, p.stdout
-        assert f"x {accum} accumulation step(s)" in p.stdout
+        assert f"x {accum} accumulation step(s)" in p.stdout and "val: 160 tokens" in p.stdout
         got = records(log_dir, "train")
         assert [r["step"] for r in got] == [3, 4, 5]
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref[3:]], rel=1e-5)
         assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref[3:]], rel=1e-4)
+        val = records(log_dir, "val")
+        assert [r["step"] for r in val] == [3, 5]
+        assert [r["val_loss"] for r in val] == pytest.approx([r["val_loss"] for r in ref_val[1:]], rel=1e-5)
         _, model, _ = final_state(log_dir)
         for k in want:
             torch.testing.assert_close(model[k], want[k], rtol=1e-4, atol=1e-5, msg=k)

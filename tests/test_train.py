@@ -478,6 +478,6 @@ def test_validation_covers_the_val_split_at_most_once(data_dir, tmp_path):
     args[args.index("--total-batch-size") + 1] = "128"
     args[args.index("--warmup-steps") + 1] = "1"  # no longer than the one step
     p = run(args + ["--data-dir", data_dir, "--log-dir", str(tmp_path / "log"), "--max-steps", "1"])
-    whole = dataloader.TokenLoader(data_dir, "val", 2, 32).batches_per_epoch * 2 * 32
+    whole = dataloader.TokenLoader(data_dir, "val", 2, 32).num_sequences * 32  # every sequence of the split once
     assert f"val: {whole:,} tokens (the whole split)" in p.stdout
     assert len(records(str(tmp_path / "log"), "val")) == 1
