@@ -512,7 +512,10 @@ def loop(run):
         lr = set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, cfg.muon_lr)
         loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
                                                   run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
-        if not finite and run.dtype != "float16" and cfg.on_nonfinite == "stop":
+        # under fp16 the gradient scaler skips a step whose gradients overflowed and lowers its scale,
+        # which is normal; a loss that is not finite in the forward pass is divergence in any dtype
+        diverged = not math.isfinite(loss) or (not finite and run.dtype != "float16")
+        if diverged and cfg.on_nonfinite == "stop":
             rates = "--max-lr or --muon-lr" if muon_lr(cfg) else "--max-lr"  # under Muon, either may be the cause
             if run.checkpoints.last_path:
                 advice = (f"The last good checkpoint is {run.checkpoints.last_path}: resume from it with a lower "
@@ -530,7 +533,8 @@ def loop(run):
         mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
         log.line(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | grad_norm {norm:.4f} | "
                  f"dt_ms {1000 * dt:.1f} | tok_per_s {tok_per_s:.0f} | mfu {mfu_text}"
-                 + ("" if finite else " | skipped (non-finite)"))
+                 + ("" if finite else " | skipped (non-finite)" if diverged else
+                    " | skipped (float16 gradient overflow: the loss scale is lowered)"))
         log.record("train", step=step, loss=loss, lr=lr, grad_norm=norm, dt_ms=1000 * dt, tok_per_s=tok_per_s,
                    mfu=mfu, tokens=done * cfg.total_batch_size, skipped=not finite)
         timer.steps += 1

@@ -1,6 +1,7 @@
 """Fixtures shared by the test modules: network probes for the tests that need the internet,
 and the tiny random GPT that the HellaSwag and sampling tests score and sample from."""
 import os
+import signal
 import socket
 import sys
 
@@ -74,3 +75,15 @@ def reference_run(data_dir, tmp_path_factory):
     log_dir = str(tmp_path_factory.mktemp("ref"))
     run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "3"])
     return log_dir
+
+
+@pytest.fixture
+def train_in_process():
+    """train_gpt2.train(parse_args(argv)) in this process. The trainer installs its own signal
+    handlers: pytest's come back afterwards."""
+    import train_config
+    import train_gpt2
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield lambda argv: train_gpt2.train(train_config.parse_args(argv))
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)

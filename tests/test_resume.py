@@ -358,17 +358,6 @@ class DiskFull(io.RawIOBase):
         return self.f.write(b)
 
 
-@pytest.fixture
-def train_in_process():
-    """train_gpt2.train(parse_args(argv)) in this process. The trainer installs its own signal
-    handlers: pytest's come back afterwards."""
-    import train_gpt2
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield lambda argv: train_gpt2.train(train_config.parse_args(argv))
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
-
-
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch, train_in_process):
     """The disk fills while the step-6 checkpoint is written: torch's zip writer turns the OSError
     into its own RuntimeError ("unexpected pos"); the run still ends in one line, with the step-3

@@ -303,6 +303,29 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     assert "none" not in p.stdout.split("non-finite; stopping")[1] and checkpoint.list_checkpoints(log4) == []
 
 
+def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, capsys, train_in_process):
+    """A T4 has no bf16, so the run trains in fp16 with a gradient scaler, which skips the steps whose
+    gradients overflow: those are normal. A loss that is not finite is divergence, and the run stops
+    on it as a bf16 or fp32 run does (exit 3, its end record says why) instead of logging skipped
+    steps to the end and exporting the stuck weights. fp16 is faked on the CPU: autocast and
+    GradScaler both run there."""
+    import device
+    monkeypatch.setattr(device, "pick_dtype", lambda requested, dev: "float16")
+    log_dir = str(tmp_path / "log")
+    status = train_in_process(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "12",
+                                      "--warmup-steps", "0", "--max-lr", "1e30", "--eval-every", "0", "--export-hf"])
+    out = capsys.readouterr().out
+    assert "dtype float16" in out
+    stop = [line for line in out.splitlines() if "non-finite; stopping" in line]
+    assert status == 3 and len(stop) == 1, out[-2000:]
+    assert not math.isfinite(float(stop[0].split("| loss ")[1].split(" |")[0]))  # the forward loss itself
+    assert records(log_dir, "end")[-1]["reason"] == "nonfinite" and not os.path.exists(os.path.join(log_dir, "hf"))
+    # every step logged before the stop either trained or was an overflow the scaler skipped
+    for line in out.splitlines():
+        if line.startswith("step ") and "| loss " in line and "skipped" in line:
+            assert line.endswith("skipped (float16 gradient overflow: the loss scale is lowered)"), line
+
+
 @pytest.fixture(scope="module")
 def bad_input_setup(data_dir, tmp_path_factory, reference_run):
     base = tmp_path_factory.mktemp("bad")
