@@ -97,24 +97,28 @@ def stream_sample(model, tokens, printer, device, dtype="float32", max_new_token
     return new
 
 
-def training_samples(model, prompt, num_samples, max_new_tokens, seed, device, dtype="float32", stop=None):
-    """The trainer's samples: num_samples continuations of prompt (top-k 50, temperature 1), as
-    one-line strings, computed under the run's autocast dtype. stop: a common.StopFlag; a stop
-    request ends generation at the next token."""
+def training_samples(model, tokens, num_samples, max_new_tokens, seed, device, dtype="float32", stop=None):
+    """The trainer's samples: num_samples continuations of the prompt's token ids (encode_prompt's:
+    an empty prompt is <|endoftext|>, which is not shown), top-k 50 at temperature 1, as one-line
+    strings, computed under the run's autocast dtype. stop: a common.StopFlag; a stop request ends
+    generation at the next token."""
     enc = get_tokenizer()
-    idx = torch.tensor([enc.encode(prompt)] * num_samples, device=device)
+    idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
     new = []
-    with autocast(device, dtype):
-        for tokens in model.generate_stream(idx, max_new_tokens, temperature=1.0, top_k=50, generator=gen):
-            new.append(tokens)
-            if stop is not None and stop.signal is not None:
-                break
-    model.train(was_training)
+    try:
+        with autocast(device, dtype):
+            for next_tokens in model.generate_stream(idx, max_new_tokens, temperature=1.0, top_k=50, generator=gen):
+                new.append(next_tokens)
+                if stop is not None and stop.signal is not None:
+                    break
+    finally:
+        model.train(was_training)
     rows = torch.cat([idx] + [t[:, None] for t in new], dim=1).tolist()
-    return [enc.decode(row).replace("\n", " ") for row in rows]
+    shown = 1 if tokens == [EOT_TOKEN] else 0
+    return [enc.decode(row[shown:]).replace("\n", " ") for row in rows]
 
 
 # ----------------------------------------------------------------------------------------------

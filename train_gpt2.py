@@ -36,7 +36,7 @@ from common import UserError
 from metrics import RunLog
 from model import GPT, GPTConfig, PRESETS
 from train_config import DEFAULT_WARMUP, FIXED_ON_RESUME, LAUNCH_ONLY, check_relations, parse_args, settings
-from tokenizer import gpt2_bpe_files
+from tokenizer import get_tokenizer, gpt2_bpe_files
 
 # ----------------------------------------------------------------------------------------------
 # The learning-rate schedule
@@ -164,6 +164,7 @@ class Run:
     hellaswag: scoring.TrainingHook
     core: scoring.TrainingHook
     plotter: plot.PlotWriter
+    sample_prompt: list          # the token ids the samples continue (--sample-prompt, checked at start)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,9 +229,14 @@ def evaluate(run, step, stop):
             log.record(hook.name, step=step, tokens=step * cfg.total_batch_size, **fields)
     if (ranks.is_master or run.fsdp) and step > 0 and due(cfg.sample_every):
         # under FSDP every forward is a collective: a stop request must not end one rank's loop early
-        with parallel.uncompiled(run.raw_model):
-            texts = sample.training_samples(run.raw_model, cfg.sample_prompt, cfg.num_samples, cfg.sample_tokens,
-                                            cfg.seed + step, ranks.device, run.dtype, None if run.fsdp else stop)
+        try:
+            with parallel.uncompiled(run.raw_model):
+                texts = sample.training_samples(run.raw_model, run.sample_prompt, cfg.num_samples,
+                                                cfg.sample_tokens, cfg.seed + step, ranks.device, run.dtype,
+                                                None if run.fsdp else stop)
+        except Exception as e:  # noqa: BLE001 (samples are a glimpse of the model: never a reason to end the run)
+            log.line(f"step {step} | samples failed, training goes on ({type(e).__name__}: {common.first_line(e)})")
+            texts = []
         for i, text in enumerate(texts):
             log.line(f"sample {i} | {text}")
             log.record("sample", step=step, index=i, text=text)
@@ -285,6 +291,16 @@ def build_model(cfg, ckpt, ckpt_path):
     except ValueError as e:
         raise UserError(str(e))
     return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
+
+
+def sample_prompt_tokens(cfg, block_size):
+    """The token ids of --sample-prompt, checked now as sample.py checks its prompt (an empty one
+    is <|endoftext|>, which may also be written in it; it must fit the context), so that a prompt
+    that cannot be sampled from is refused at start, not found at the first samples."""
+    try:
+        return sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, block_size)
+    except UserError as e:
+        raise UserError(f"--sample-prompt: {e}")
 
 
 def batch_geometry(cfg, ranks, model, dtype):
@@ -416,6 +432,7 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     raw_model, origin = build_model(cfg, ckpt, resume_path)
+    prompt = sample_prompt_tokens(cfg, raw_model.config.block_size)
     raw_model.to(ranks.device)
     cfg.block_size = raw_model.config.block_size  # --init-from may have set it
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
@@ -446,7 +463,7 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
               peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
               hellaswag=hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
               core=core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, lockstep=fsdp),
-              plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master))
+              plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master), sample_prompt=prompt)
     write_header(run, origin, resume_path, fitted, changes)
     return run
 

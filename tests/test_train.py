@@ -326,6 +326,34 @@ def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, caps
             assert line.endswith("skipped (float16 gradient overflow: the loss scale is lowered)"), line
 
 
+def test_samples_from_an_empty_or_special_prompt_and_a_failure_that_does_not_end_the_run(
+        data_dir, tmp_path, monkeypatch, capsys, train_in_process):
+    """The trainer's samples start from the prompt as sample.py does: an empty one is <|endoftext|>
+    (not shown), which a prompt may also name. And whatever goes wrong while sampling is one line
+    in the log, never the end of the run (with the defaults, up to 250 steps since the last
+    checkpoint would be lost)."""
+    import model
+    base = TINY + ["--data-dir", data_dir, "--max-steps", "2", "--eval-every", "0", "--sample-every", "1",
+                   "--num-samples", "2", "--sample-tokens", "4"]
+    for i, prompt in enumerate(["", "<|endoftext|>Once upon a time"]):
+        assert train_in_process(base + ["--log-dir", str(tmp_path / f"log{i}"), "--sample-prompt", prompt]) == 0
+        with open(tmp_path / f"log{i}" / "metrics.jsonl") as f:
+            samples = [r for r in map(json.loads, f) if r["kind"] == "sample"]
+        assert [(r["step"], r["index"]) for r in samples] == [(1, 0), (1, 1)]
+        assert all(r["text"].startswith(prompt) and len(r["text"]) > len(prompt) for r in samples)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+        yield
+    monkeypatch.setattr(model.GPT, "generate_stream", broken)
+    capsys.readouterr()
+    assert train_in_process(base + ["--log-dir", str(tmp_path / "broken")]) == 0
+    out = capsys.readouterr().out
+    assert ("step 1 | samples failed, training goes on (RuntimeError: CUDA error: an illegal memory access was "
+            "encountered)") in out
+    assert records(str(tmp_path / "broken"), "end")[-1]["reason"] == "finished"
+
+
 @pytest.fixture(scope="module")
 def bad_input_setup(data_dir, tmp_path_factory, reference_run):
     base = tmp_path_factory.mktemp("bad")
@@ -408,6 +436,9 @@ BAD = {
     "not a number": (["--max-steps", "ten"], "error: argument --max-steps: invalid int value: 'ten' (see --help)"),
     "negative seed": (["--seed", "-1"], "--seed must be between 0 and 2**32-1"),
     "seed above 32 bits": (["--seed", str(2 ** 32)], "--seed must be between 0 and 2**32-1"),
+    "sample prompt longer than the context": (["--sample-prompt", "word " * 40],
+                                              "--sample-prompt: the prompt is 41 tokens, longer than the model's "
+                                              "context of 32: shorten it"),
 }
 
 
