@@ -253,9 +253,11 @@ def configure_backends(cfg, ranks):
     """The autocast dtype and whether to compile; TF32 and determinism switches."""
     dtype = device.pick_dtype(cfg.dtype, ranks.device)
     blocker = device.compile_blocker(ranks.device)
-    if cfg.compile and blocker:
+    if cfg.compile and blocker and "compile" in cfg.given:
         raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")
+    # a resumed run's stored --compile gives way on a device that cannot compile (the header says why)
     compile_on = ranks.device_type == "cuda" and blocker is None if cfg.compile is None else cfg.compile
+    compile_on = compile_on and blocker is None
     if ranks.device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True

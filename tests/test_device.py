@@ -85,13 +85,16 @@ def test_compile_by_default_only_where_triton_runs(monkeypatch, gpu, default, ex
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     ranks = parallel.Ranks(device="cuda")
     try:
-        cfg = argparse.Namespace(dtype="auto", compile=None, deterministic=False)
+        cfg = argparse.Namespace(dtype="auto", compile=None, deterministic=False, given=frozenset())
         assert train_gpt2.configure_backends(cfg, ranks)[1] is default
         if explicit:
             assert explicit in device.compile_blocker("cuda")
+            typed = argparse.Namespace(dtype="auto", compile=True, deterministic=False, given=frozenset({"compile"}))
             with pytest.raises(common.UserError, match=f"--compile: the {gpu[0]} has compute capability 6.0"):
-                train_gpt2.configure_backends(argparse.Namespace(dtype="auto", compile=True, deterministic=False),
-                                              ranks)
+                train_gpt2.configure_backends(typed, ranks)
+            # a run started with --compile on another GPU, resumed here without the flag: compile is off
+            stored = argparse.Namespace(dtype="auto", compile=True, deterministic=False, given=frozenset())
+            assert train_gpt2.configure_backends(stored, ranks)[1] is False
             # and no advice to turn on what cannot run
             assert not any("compile" in w for w in device.slow_settings("cuda", "float16", False, False, 2 ** 16))
         else:
