@@ -247,9 +247,19 @@ def set_aside_later(log_dir, path, step):
     return dest, [os.path.basename(p) for p in moved]
 
 
-def resume_command(log_dir):
-    """The command that continues the run in log_dir, quoted for the shell (a path with spaces)."""
-    return f"python train_gpt2.py --log-dir {shlex.quote(log_dir)} --resume"
+def resume_command(log_dir, world_size=1, per_node=None):
+    """The command that continues the run in log_dir, quoted for the shell (a path with spaces): a
+    resume needs the run's process count (check_world_size), so a run of world_size processes,
+    per_node on each node, gets the torchrun that starts as many, on every node where it spans
+    several (HOST:PORT, the first node's address, is the user's to fill in)."""
+    args = f"train_gpt2.py --log-dir {shlex.quote(log_dir)} --resume"
+    if world_size <= 1:
+        return f"python {args}"
+    per_node = per_node or world_size
+    if per_node >= world_size:
+        return f"torchrun --standalone --nproc_per_node={world_size} {args}"
+    return (f"torchrun --nnodes={world_size // per_node} --nproc_per_node={per_node} --rdzv-endpoint=HOST:PORT "
+            f"{args}")
 
 
 def restore_settings(cfg, ckpt, path, fixed, launch_only):

@@ -13,7 +13,7 @@ metrics.jsonl: one JSON object per line, appended, flushed after each record. Ev
               ({python, torch, ...}), git (commit, "-dirty" if changed, or null), config (every
               resolved setting, as checkpoints store it), changes (the settings a resume's command
               line changed, one line each), restart (how many times torchrun --max-restarts had
-              started the group again)
+              started the group again), per_node (processes per node: what a resume launches)
   memory      one per launch, after run: step, params, grads, optimizer, activations, total:
               the bytes each GPU (or process) is planned to hold (parallel.memory_plan)
   train       one per optimizer step: step, loss, lr, grad_norm, dt_ms, tok_per_s (all ranks),

@@ -87,7 +87,8 @@ def _checkpoint(log_dir, metrics):
 def summarize(log_dir):
     """The numbers of one run, as a dict (None where the log has nothing to say):
     log_dir, launches (how many times train_gpt2.py started), max_steps, tokens_per_step,
-    device_name, world_size, dtype (from the last run record);
+    device_name, world_size, per_node (processes per node; None in older logs), dtype (from the
+    last run record);
     steps (train steps done: last logged step + 1), tokens (tokens seen);
     wall_time_s; tok_per_s_mean, tok_per_s_steady, mfu (steady-state median, a fraction);
     val_loss_best, val_loss_best_step, val_loss_final, val_loss_final_step;
@@ -116,6 +117,7 @@ def summarize(log_dir):
         "tokens_per_step": run.get("tokens_per_step"),
         "device_name": run.get("device_name"),
         "world_size": run.get("world_size"),
+        "per_node": run.get("per_node"),
         "dtype": run.get("dtype"),
         "steps": train[-1]["step"] + 1 if train else 0,
         "tokens": train[-1]["tokens"] if train else 0,
@@ -203,7 +205,8 @@ def format_summary(s):
             words = words.replace("at step {}", "before its first step")
         lines.append(f"  status      {words.format(s['stop_step'])}")
         if s["checkpoint"]:
-            lines.append(f"  resume      {checkpoint.resume_command(s['log_dir'])} "
+            command = checkpoint.resume_command(s["log_dir"], s["world_size"] or 1, s["per_node"])
+            lines.append(f"  resume      {command} "
                          f"(continues at step {s['checkpoint_step']} from {s['checkpoint']})")
         else:
             lines.append("  resume      no checkpoint written: a new launch starts from step 0")

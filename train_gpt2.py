@@ -165,6 +165,11 @@ class Run:
     core: scoring.TrainingHook
     plotter: plot.PlotWriter
     sample_prompt: list          # the token ids the samples continue (--sample-prompt, checked at start)
+    per_node: int                # processes per node (torchrun's LOCAL_WORLD_SIZE): how to launch a resume
+
+    def resume_command(self):
+        """What continues this run: a resume needs as many processes as the run has."""
+        return checkpoint.resume_command(self.cfg.log_dir, self.ranks.world_size, self.per_node)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,7 +382,8 @@ def write_header(run, origin, resume_path, fitted, changes):
     log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
                compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum,
-               versions=metrics.versions(), git=commit, config=settings(cfg), changes=changes, restart=restart)
+               versions=metrics.versions(), git=commit, config=settings(cfg), changes=changes, restart=restart,
+               per_node=run.per_node)
     start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
     if restart:
         start += f" | torchrun restart {restart} (after a worker failed)"
@@ -465,7 +471,8 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
               peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
               hellaswag=hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
               core=core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, lockstep=fsdp),
-              plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master), sample_prompt=prompt)
+              plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master), sample_prompt=prompt,
+              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)))
     write_header(run, origin, resume_path, fitted, changes)
     return run
 
@@ -575,7 +582,7 @@ def loop(run):
         if run.checkpoints.last_step != done:
             run.checkpoints.save(done)
         log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
-                 f"continue with: {checkpoint.resume_command(cfg.log_dir)}")
+                 f"continue with: {run.resume_command()}")
     elif cfg.export_hf:
         export_hf(run)
     # the end record's step: max_steps when finished, else the last step that ran (-1: none)
@@ -611,7 +618,7 @@ def export_hf(run):
             why = "no space left on its disk" if common.out_of_space(e, run.cfg.log_dir) else common.first_line(e)
             raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
                             f"(the last: {run.checkpoints.last_path}): free space under --log-dir, then "
-                            f"{checkpoint.resume_command(run.cfg.log_dir)} exports it")
+                            f"{run.resume_command()} exports it")
         run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 
 

@@ -291,6 +291,13 @@ def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, t
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "stopped by a signal on another rank after 6 steps" in p.stdout
     assert final_state(log_dir)[0] == 6 and [r["step"] for r in records(log_dir, "train")] == list(range(6))
+    # what it says to continue with launches as many processes as a resume needs, and so does plot.py
+    command = f"torchrun --standalone --nproc_per_node=2 train_gpt2.py --log-dir {log_dir} --resume"
+    assert f"continue with: {command}" in p.stdout
+    import plot
+    assert f"  resume      {command} (continues at step 6" in plot.format_summary(plot.summarize(log_dir))
+    assert checkpoint.resume_command("my log", 16, 8) == ("torchrun --nnodes=2 --nproc_per_node=8 --rdzv-endpoint="
+                                                          "HOST:PORT train_gpt2.py --log-dir 'my log' --resume")
 
 
 def test_resume_skips_a_corrupt_newest_checkpoint(data_dir, reference_run, tmp_path):
