@@ -227,13 +227,19 @@ def find_resume(resume, log_dir):
     return path, ckpt, skipped  # (None, None, []) for --resume with nothing to continue yet: it is always safe
 
 
+def in_log_dir(path, log_dir):
+    """Whether the checkpoint file at path lies in log_dir itself (not another run's directory, nor a
+    folder inside log_dir such as superseded/)."""
+    return os.path.isdir(log_dir) and os.path.samefile(os.path.dirname(os.path.abspath(path)), log_dir)
+
+
 def set_aside_later(log_dir, path, step):
     """Resuming log_dir from its own checkpoint `path` of `step` while later checkpoints exist starts
     a new branch: the later ones (and the export of the old branch's end, LOG_DIR/hf) are moved to
     LOG_DIR/superseded/after_step_<step>_<time>/, so that every reader (--resume, sample.py,
     hellaswag.py, plot.py, the checkpoint rotation) sees the new branch only. Nothing is deleted.
     Returns (the folder, the names moved), or (None, []) where nothing was later."""
-    if not (os.path.isdir(log_dir) and os.path.samefile(os.path.dirname(os.path.abspath(path)), log_dir)):
+    if not in_log_dir(path, log_dir):
         return None, []
     later = [p for p in list_checkpoints(log_dir) if step_of(p) > step]
     if not later:

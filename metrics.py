@@ -111,11 +111,13 @@ class RunLog:
         self.text = self.metrics = self.lock = None  # opened at the first write: bad input leaves no trace
         self.trackers = None
         self.printing = True  # False once stdout is gone
+        self.made_dir = False  # hold() made the directory: a launch refused before writing removes it again
 
     def hold(self):
         """Take the log directory's lock now (rank 0), before anything of this launch touches the
         directory (trackers, checkpoints set aside): a launch refused by the lock leaves it as it was."""
         if self.active and self.lock is None:
+            self.made_dir = not os.path.isdir(self.log_dir)
             os.makedirs(self.log_dir, exist_ok=True)
             self.lock = take_lock(self.log_dir)
 
@@ -165,6 +167,12 @@ class RunLog:
         for f in (self.text, self.metrics, self.lock):
             if f is not None:
                 f.close()
+        if self.made_dir and self.text is None:  # refused before its first line: leave no directory behind
+            try:
+                os.remove(os.path.join(self.log_dir, LOCK_FILE))
+                os.rmdir(self.log_dir)  # only where nothing else was written into it
+            except OSError:
+                pass
 
 
 def _try_lock(f):
@@ -335,6 +343,13 @@ class Trackers:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def new_wandb_id():
+    """An id for a new W&B run: 8 lowercase letters and digits, as W&B makes its own."""
+    import secrets
+    import string
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
 def start_wandb(log_dir, project, name, run_id):

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import random
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -359,12 +360,12 @@ def build_optimizer(cfg, raw_model, ranks, dtype):
 
 
 def start_trackers(cfg, ranks, log, start_step):
-    """W&B and/or TensorBoard for this run (rank 0), fed by the log's records; the W&B run's id goes
-    into the settings, and so into the checkpoints, for a resume to continue that run."""
+    """W&B and/or TensorBoard for this run (rank 0), fed by the log's records, in the W&B run
+    --wandb-id names (chosen with the settings, and so stored in the checkpoints for a resume to
+    continue that run)."""
     if ranks.is_master and (cfg.wandb or cfg.tensorboard):
         name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
         log.trackers = metrics.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
-        cfg.wandb_id = log.trackers.wandb_id
 
 
 def muon_lr(cfg):
@@ -424,9 +425,10 @@ def write_header(run, origin, resume_path, fitted, changes):
         log.line(f"warning: {w}")
 
 
-def setup(cfg, ranks, log, resume_path, ckpt, changes):
+def setup(cfg, ranks, log, resume_path, ckpt, changes, skipped):
     """The Run of this launch, fresh, or resumed from ckpt (read from resume_path, whose settings
-    train() has put into cfg; changes: what the command line changed)."""
+    train() has put into cfg; changes: what the command line changed; skipped: why each newer
+    checkpoint was passed over)."""
     if ckpt is not None:
         checkpoint.check_world_size(ckpt, resume_path, ranks.world_size)
     checkpoint.agree_on_resume(ckpt, ranks)
@@ -451,18 +453,22 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes):
     train_loader, val_loader, val_sequences = build_data(cfg, ranks, raw_model.config.vocab_size)
     optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)
     log.hold()  # the lock first: a launch it refuses must not touch the directory
-    if ckpt is not None and ranks.is_master:
-        dest, moved = checkpoint.set_aside_later(cfg.log_dir, resume_path, ckpt["step"])
-        if moved:
-            log.line(f"resume: a new branch from step {ckpt['step']}: moved the old branch's later "
-                     f"{', '.join(moved)} to {dest}")
-    start_trackers(cfg, ranks, log, ckpt["step"] if ckpt is not None else 0)
+    # every check that can still refuse the launch (a loader state of other data, an unreachable W&B)
+    # comes before the first write into the directory and before the old branch is set aside
     checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
                                           optimizer=optimizer, scaler=scaler, train_loader=train_loader,
                                           config=settings(cfg), fsdp=fsdp)
     start_step = checkpoints.restore(ckpt, resume_path) if ckpt is not None else 0
     # the settings of this launch, over the param groups the checkpoint brought back
     GPT.set_optimizer_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
+    start_trackers(cfg, ranks, log, start_step)
+    for problem in skipped:
+        log.line(f"resume: skipped {problem}")
+    if ckpt is not None and ranks.is_master:
+        dest, moved = checkpoint.set_aside_later(cfg.log_dir, resume_path, ckpt["step"])
+        if moved:
+            log.line(f"resume: a new branch from step {ckpt['step']}: moved the old branch's later "
+                     f"{', '.join(moved)} to {dest}")
     del ckpt
     run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, raw_model=raw_model,
               model=model, eval_model=getattr(model, "module", model), optimizer=optimizer, scaler=scaler,
@@ -485,17 +491,25 @@ def train(cfg):
     """Train with the settings of parse_args(); returns the exit status (0, or 3: a non-finite loss).
     With --resume the run's own settings come first, from its checkpoint (see FIXED_ON_RESUME);
     they are read before the process group forms, since its device and timeout are among them."""
+    holds_run = checkpoint.list_checkpoints(cfg.log_dir) or metrics.steps_logged(cfg.log_dir)
     if cfg.resume is None:  # never silently write over an earlier run
         metrics.check_not_running(cfg.log_dir)
-        if checkpoint.list_checkpoints(cfg.log_dir) or metrics.steps_logged(cfg.log_dir):
+        if holds_run:
             raise UserError(f"{cfg.log_dir} already holds a run: pass --resume to continue it, "
                             "or a new --log-dir for a new run")
     resume_path, ckpt, skipped = checkpoint.find_resume(cfg.resume, cfg.log_dir)
+    if holds_run and resume_path is not None and not checkpoint.in_log_dir(resume_path, cfg.log_dir):
+        # its checkpoints would land among the other run's: the rotation, --resume and plot.py would mix them
+        raise UserError(f"--resume {cfg.resume}: {cfg.log_dir} holds another run; continue {resume_path} in a new "
+                        f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
+                        f"{shlex.quote(resume_path)}")
     changes = []
     if ckpt is not None:
         changes = checkpoint.restore_settings(cfg, ckpt, resume_path, FIXED_ON_RESUME, LAUNCH_ONLY)
     if cfg.resume is not None:
         check_relations(cfg)
+    if cfg.wandb and not cfg.wandb_id:  # a new W&B run: its id is chosen now, so every checkpoint holds it
+        cfg.wandb_id = metrics.new_wandb_id()
     if ckpt is not None:
         if cfg.max_steps < ckpt["step"]:
             raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {resume_path} has "
@@ -510,9 +524,7 @@ def train(cfg):
     ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
     log = RunLog(cfg.log_dir, ranks.is_master)
     try:
-        for problem in skipped:
-            log.line(f"resume: skipped {problem}")
-        return loop(setup(cfg, ranks, log, resume_path, ckpt, changes))
+        return loop(setup(cfg, ranks, log, resume_path, ckpt, changes, skipped))
     finally:
         log.close()
         parallel.teardown_distributed()

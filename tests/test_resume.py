@@ -263,6 +263,52 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     assert records(log_dir, "run")[-1]["config"]["max_lr"] == 1e-3 and os.path.isdir(os.path.join(log_dir, "hf"))
 
 
+def test_a_launch_that_fails_changes_nothing(data_dir, tmp_path, monkeypatch, train_in_process):
+    """A branch launch (--resume from an older checkpoint of the same directory) that is refused by a
+    check, here a loader state saved with other data or an unreachable W&B, leaves the directory
+    byte for byte as it was: the later checkpoints are not moved aside, so the next --resume does not
+    silently train again from the older step. A refused launch into a new directory leaves none."""
+    from runs import write_shards
+    log_dir = str(tmp_path / "log")
+    base = TINY + ["--data-dir", data_dir, "--eval-every", "0", "--checkpoint-every", "2"]
+    assert train_in_process(base + ["--log-dir", log_dir, "--max-steps", "6", "--keep-checkpoints", "3"]) == 0
+    before = snapshot(log_dir)
+    older = checkpoint.checkpoint_path(log_dir, 2)
+    other = write_shards(str(tmp_path / "other"), n_train_shards=1)
+    with pytest.raises(common.UserError, match="loader state was saved with another data"):
+        train_in_process(["--log-dir", log_dir, "--resume", older, "--data-dir", other])
+    assert snapshot(log_dir) == before
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there: refused at once
+    with pytest.raises(common.UserError, match="--wandb: 127.0.0.1 cannot be reached"):
+        train_in_process(["--log-dir", log_dir, "--resume", older, "--wandb", "gpt2-tests"])
+    assert snapshot(log_dir) == before
+    fresh = str(tmp_path / "fresh")
+    with pytest.raises(common.UserError, match="--wandb: 127.0.0.1 cannot be reached"):
+        train_in_process(base + ["--log-dir", fresh, "--max-steps", "2", "--wandb", "gpt2-tests"])
+    assert not os.path.exists(fresh)
+
+
+def test_another_runs_checkpoint_is_not_resumed_into_a_directory_holding_a_run(data_dir, reference_run, tmp_path,
+                                                                              train_in_process):
+    """--resume PATH with a checkpoint of another directory continues that run in --log-dir: where
+    --log-dir holds a run of its own, the two would mix (the rotation deleting one's checkpoints by
+    step number, hf/ overwritten, plot.py and a later --resume following either), so it is refused in
+    one line before anything is written; into an empty directory it continues the run."""
+    log_dir = str(tmp_path / "log")
+    base = TINY + ["--data-dir", data_dir, "--eval-every", "0"]
+    assert train_in_process(base + ["--log-dir", log_dir, "--max-steps", "2"]) == 0
+    before = snapshot(log_dir)
+    other = checkpoint.checkpoint_path(reference_run, 9)
+    with pytest.raises(common.UserError, match=f"--resume {other}: {log_dir} holds another run; continue {other} "
+                                               "in a new --log-dir"):
+        train_in_process(["--log-dir", log_dir, "--resume", other])
+    assert snapshot(log_dir) == before
+    moved = str(tmp_path / "moved")
+    assert train_in_process(["--log-dir", moved, "--resume", other]) == 0
+    assert [r["loss"] for r in records(moved, "train")] == [r["loss"] for r in records(reference_run, "train")[9:]]
+
+
 def test_a_run_that_failed_before_its_first_step_does_not_block_the_retry(data_dir, tmp_path):
     """Shards with a token id beyond the vocabulary fail at the first batch, after the run header
     was written: the retry with good data starts the run without --resume."""
