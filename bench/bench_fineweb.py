@@ -17,8 +17,8 @@ happens once per corpus; for FineWeb it comes with the download).
 
     python bench/bench_fineweb.py --startup 5 --input ../shared/data/tinyshakespeare.txt
 
-Start-up instead: `--startup` fresh `python` processes each run fineweb.main() on --input (any
---data-files kind; its Arrow cache built by a first, uncounted run) and stop when the first
+Start-up instead, with --startup N: N fresh `python` processes each run fineweb.main() on --input
+(any --data-files kind; its Arrow cache built by a first, uncounted run) and stop when the first
 document is about to be read. Each reports the wall time from just before the parent started it
 to the end of `import fineweb`, and to that first read, and whether torch was imported by then.
 """
