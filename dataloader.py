@@ -1,228 +1,33 @@
 """
-The token-shard directory: its format (names, manifest, checksums), the writer fineweb.py fills
-it with, and TokenLoader, which the trainer reads it with: (x, y) batches for every rank of a DDP
-run, resumable to the exact batch. Shards from build-nanogpt (no manifest) load too.
+TokenLoader, which the trainer reads a token-shard directory with: (x, y) batches for every rank
+of a DDP run, resumable to the exact batch. Shards from build-nanogpt (no manifest) load too.
 
     from dataloader import TokenLoader
     loader = TokenLoader("edu_fineweb10B", "train", batch_size=16, seq_len=1024, rank=0, world_size=1)
     x, y = loader.next_batch()
 
-Writing and reading live together so that they agree on the format. The trainer imports this
-file, so it needs only numpy and torch: no `datasets`, no tokenizer (those are fineweb.py's).
+The format is shard_format.py's, which the writer (shard_writer.py, for fineweb.py) shares. The
+trainer imports this file, so it needs only numpy and torch: no writer, no `datasets`, no tokenizer.
 """
 
 import bisect
 import hashlib
 import json
 import os
-import re
-import shlex
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from common import UserError, atomic_write, first_line, out_of_space
+from common import UserError, first_line
 from model import GPT2_VOCAB_SIZE
+from shard_format import SHARD_RE, TOKEN_DTYPE, read_manifest, remedy
 
-MANIFEST = "manifest.json"
-FORMAT = "gpt2-token-shards-v1"
-TOKEN_DTYPE = np.uint16
 NPY_MAGIC = b"\x93NUMPY"  # how every .npy file begins
-VAL_SHARE = 10  # a corpus under VAL_SHARE * val_tokens gives 1/VAL_SHARE of its tokens to validation
-SHARD_RE = re.compile(r"^(?P<prefix>.+)_(?P<split>val|train)_(?P<index>\d{6})\.npy$")
 
 
 # ----------------------------------------------------------------------------------------------
-# The format: names, manifest, checksums
-
-
-def read_manifest(out_dir):
-    """The manifest.json of a shard directory as a dict, or None where there is none."""
-    path = os.path.join(out_dir, MANIFEST)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            m = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is unreadable ({first_line(e)}): delete {out_dir} and prepare it again")
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise UserError(f"{path} was not written by fineweb.py: use another --out-dir or delete {out_dir}")
-    return m
-
-
-def shard_name(prefix, index):
-    """The file name of shard `index` (0 is the val split, the rest train)."""
-    return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
-
-
-def write_manifest(out_dir, manifest):
-    """Write manifest.json atomically."""
-    data = json.dumps(manifest, indent=1).encode()
-    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(data))
-
-
-def sha256_file(path):
-    """The sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def intact(out_dir, entry):
-    """Whether a listed shard's file is there with all its tokens (a cheap check, the header
-    only: --verify reads every byte)."""
-    try:
-        return len(np.load(os.path.join(out_dir, entry["name"]), mmap_mode="r")) == entry["tokens"]
-    except (OSError, ValueError, EOFError):
-        return False
-
-
-def verify(out_dir):
-    """Check every listed shard against its sha256 (reads every byte; intact() reads headers)."""
-    manifest = read_manifest(out_dir)
-    if manifest is None:
-        raise UserError(f"{out_dir} has no {MANIFEST}: nothing to verify (prepare it with python fineweb.py)")
-    for s in manifest["shards"]:
-        path = os.path.join(out_dir, s["name"])
-        if not os.path.isfile(path):
-            raise UserError(f"{path} is missing: {remedy(out_dir, manifest)}")
-        if sha256_file(path) != s["sha256"]:
-            raise UserError(f"{path} does not match its checksum: it changed after fineweb.py wrote it. Delete "
-                            f"it, then {remedy(out_dir, manifest)}")
-    state = "complete" if manifest.get("complete") else f"incomplete ({remedy(out_dir, manifest)})"
-    print(f"{out_dir}: {len(manifest['shards'])} shards match their checksums; {state}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Writing (for fineweb.py)
-
-
-def plan_resume(out_dir, manifest, max_tokens):
-    """Shards of an earlier run to keep: a val shard of --val-tokens, then the leading full train
-    shards. A smaller val shard was sized by where that run's stream ended and a partial last
-    shard ends there, so both are made again: going on later gives the same bytes."""
-    keep = []
-    for s in manifest["shards"]:
-        full = manifest["val_tokens"] if s["split"] == "val" else manifest["shard_size"]
-        if s["tokens"] != full or not intact(out_dir, s):
-            break
-        keep.append(s)
-    done = sum(s["tokens"] for s in keep)
-    if max_tokens is not None and done > max_tokens:
-        raise UserError(f"{out_dir} already holds {done:,} tokens, more than --max-tokens {max_tokens:,}: "
-                        "use another --out-dir")
-    return keep
-
-
-def val_size(total, val_tokens):
-    """Tokens of the validation split in a stream of `total`: val_tokens, or a tenth of a corpus
-    with fewer than VAL_SHARE * val_tokens, so a small corpus keeps most of its text for training."""
-    return min(val_tokens, max(1, total // VAL_SHARE))
-
-
-class ShardWriter:
-    """Cuts the token stream into the val shard, then train shards of shard_size; a background
-    thread writes each one (shard, then manifest, both atomically) while the caller goes on.
-
-    val_size() depends on the stream's length, so until it is known the stream is held in memory:
-    up to VAL_SHARE * val_tokens tokens (200 MB by default; any longer stream gives val_tokens),
-    or to the end of the stream."""
-
-    def __init__(self, out_dir, manifest, log):
-        self.out_dir, self.manifest, self.log = out_dir, manifest, log
-        self.size, self.val_tokens = manifest["shard_size"], manifest["val_tokens"]
-        self.index = len(manifest["shards"])
-        self.val = self.val_tokens if self.index else None  # a kept val shard has val_tokens (plan_resume)
-        self.held, self.held_tokens = [], 0  # (tokens, end_at) while self.val is None
-        self.buf, self.fill = None, 0
-        self.thread = ThreadPoolExecutor(1)
-        self.pending = None
-
-    def add(self, tokens, end_at):
-        """Append tokens; end_at(n) -> [document, offset] just after the first n of them."""
-        if self.val is None:
-            self.held.append((tokens, end_at))
-            self.held_tokens += len(tokens)
-            if self.held_tokens >= VAL_SHARE * self.val_tokens:
-                self.release(self.val_tokens)
-            return
-        pos = 0
-        while pos < len(tokens):
-            if self.buf is None:
-                self.buf = np.empty(self.val if self.index == 0 else self.size, dtype=TOKEN_DTYPE)
-            take = min(len(self.buf) - self.fill, len(tokens) - pos)
-            self.buf[self.fill:self.fill + take] = tokens[pos:pos + take]
-            self.fill += take
-            pos += take
-            if self.fill == len(self.buf):
-                self.flush(end_at(pos))
-
-    def release(self, val):
-        self.val = val
-        held, self.held = self.held, []
-        for tokens, end_at in held:
-            self.add(tokens, end_at)
-
-    def finish(self, end):
-        """The end of the stream: cut what is held, write the last, partial shard."""
-        if self.val is None:
-            self.release(val_size(self.held_tokens, self.val_tokens))
-        self.flush(end)
-
-    def flush(self, end):
-        if self.fill == 0:
-            return
-        self.wait()
-        buf, n, index = self.buf, self.fill, self.index
-        self.pending = self.thread.submit(self._write, buf, n, index, end)
-        self.buf, self.fill, self.index = None, 0, index + 1  # the thread owns the old buffer now
-
-    def _write(self, buf, n, index, end):
-        name = shard_name(self.manifest["prefix"], index)
-        path = os.path.join(self.out_dir, name)
-        try:
-            atomic_write(path, lambda f: np.save(f, buf[:n]))
-            entry = {"name": name, "split": "val" if index == 0 else "train", "tokens": int(n),
-                     "max_token": int(buf[:n].max()), "sha256": sha256_file(path), "end": [int(e) for e in end]}
-            self.manifest["shards"].append(entry)
-            write_manifest(self.out_dir, self.manifest)
-        except OSError as e:  # atomic_write has removed its partial file: the earlier shards stand
-            full = out_of_space(e, self.out_dir, buf[:n].nbytes)
-            what = (f"no space left on the disk holding {self.out_dir}" if full
-                    else f"cannot write {path} ({e.strerror or e})")
-            raise UserError(f"{what}, at {name}; the {index} shard(s) before it are intact: "
-                            f"{'free some space' if full else 'fix that'} and re-run {self.manifest['command']} "
-                            "to go on from there")
-        self.log(f"wrote {name} ({n:,} tokens)")
-
-    def wait(self):
-        if self.pending is not None:
-            self.pending.result()  # re-raises the writer's error here
-            self.pending = None
-
-    def close(self):
-        self.wait()
-        self.thread.shutdown()
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading
-
-
-def remedy(data_dir, manifest):
-    """What to do about a missing, damaged or unfinished shard directory. The directory may be a
-    copy of the one fineweb.py wrote: its manifest names the original, and the command that made it."""
-    if manifest is None or not manifest.get("command"):
-        return f"prepare it with: python fineweb.py --out-dir {shlex.quote(data_dir)}"
-    origin = manifest.get("out_dir")
-    if origin and not (os.path.isdir(origin) and os.path.samefile(origin, data_dir)):
-        return (f"copy the shards again from {origin} ({data_dir} is a copy of {origin}, made by: "
-                f"{manifest['command']}), or re-run that command with --out-dir {shlex.quote(data_dir)}")
-    return f"re-run the command that made it (it redoes only what is missing): {manifest['command']}"
+# Finding and opening a split's shards
 
 
 def unlisted_shards(data_dir, split, fix):

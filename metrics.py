@@ -46,7 +46,6 @@ import threading
 import time
 
 from common import UserError, first_line, to_devnull, unreachable
-from device import synchronize
 
 METRICS_FILE = "metrics.jsonl"
 TEXT_LOG_FILE = "log.txt"
@@ -71,14 +70,32 @@ def versions(*extra):
     what a run header or a data manifest records about the software that wrote it."""
     import importlib
 
-    import torch
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    torch_version, cuda = torch_versions()
+    out = {"python": platform.python_version(), "torch": torch_version, "cuda": cuda}
     for name in ("numpy", "tiktoken") + extra:
         try:
             out[name] = importlib.import_module(name).__version__
         except ImportError:
             pass
     return out
+
+
+def torch_versions():
+    """torch.__version__ and torch.version.cuda, without importing torch where it is not imported
+    yet: fineweb.py records them but runs no torch, whose import is a second of its start-up. Both
+    are plain assignments in torch/version.py, the file torch takes them from."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.__version__, torch.version.cuda
+    import importlib.util
+    spec = importlib.util.find_spec("torch")  # finds the package without running it
+    if spec is None:
+        return None, None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    file_spec = importlib.util.spec_from_file_location("torch_version_file", path)
+    version = importlib.util.module_from_spec(file_spec)
+    file_spec.loader.exec_module(version)
+    return version.__version__, version.cuda
 
 
 def git_commit():
@@ -379,6 +396,10 @@ class PhaseTimer:
     PHASES = ("data", "copy", "forward", "backward", "optimizer", "eval")  # copy: host to device
 
     def __init__(self, device_str, enabled):
+        # imported here, not at the top: device.py imports torch, which fineweb.py (importing this
+        # file for versions()) does not need
+        from device import synchronize
+        self.synchronize = synchronize
         self.enabled, self.device = enabled, device_str
         self.totals = dict.fromkeys(self.PHASES, 0.0)
         self.steps = 0
@@ -386,12 +407,12 @@ class PhaseTimer:
 
     def start(self):
         if self.enabled:
-            synchronize(self.device)
+            self.synchronize(self.device)
             self._t = time.perf_counter()
 
     def mark(self, phase):
         if self.enabled:
-            synchronize(self.device)
+            self.synchronize(self.device)
             now = time.perf_counter()
             self.totals[phase] += now - self._t
             self._t = now

@@ -13,6 +13,7 @@ from common import UserError
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 EOT_TOKEN = 50256  # <|endoftext|>: GPT-2's document separator
+VOCAB_SIZE = EOT_TOKEN + 1  # 50,257 ids, <|endoftext|> the last (model.py, which imports nothing, says it again)
 
 
 def gpt2_bpe_files():
@@ -46,4 +47,4 @@ def get_tokenizer():
                                             vocab_bpe_hash=VOCAB_BPE_SHA256,
                                             encoder_json_hash=ENCODER_JSON_SHA256)
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": EOT_TOKEN}, explicit_n_vocab=50257)
+                             special_tokens={"<|endoftext|>": EOT_TOKEN}, explicit_n_vocab=VOCAB_SIZE)

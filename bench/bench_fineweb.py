@@ -14,6 +14,13 @@ Then, alternating, `--repeat` times:
               tokenizing, writing shards (fsync, sha256) and the manifest.
 The one-off conversion of the parquet file into the `datasets` Arrow cache is timed apart (it
 happens once per corpus; for FineWeb it comes with the download).
+
+    python bench/bench_fineweb.py --startup 5 --input ../shared/data/tinyshakespeare.txt
+
+Start-up instead, with --startup N: N fresh `python` processes each run fineweb.main() on --input
+(any --data-files kind; its Arrow cache built by a first, uncounted run) and stop when the first
+document is about to be read. Each reports the wall time from just before the parent started it
+to the end of `import fineweb`, and to that first read, and whether torch was imported by then.
 """
 
 import argparse
@@ -91,6 +98,55 @@ def end_to_end(data, out_dir, cache_dir, workers, shard_size):
     return m["total_tokens"], time.perf_counter() - t0, cpu_seconds() - cpu0
 
 
+# A child process: fineweb.main() up to the first document read (read_tasks' first step), timed
+# from the parent's clock reading just before it started the process (argv[1]).
+STARTUP_CHILD = """
+import json, sys, time
+t0 = float(sys.argv[1])
+import fineweb
+imported = time.time() - t0
+class FirstRead(BaseException):
+    pass
+def first_read(*args, **kwargs):
+    print(json.dumps({"import": imported, "first_read": time.time() - t0, "torch": "torch" in sys.modules}))
+    raise FirstRead
+    yield
+fineweb.read_tasks = first_read
+try:
+    fineweb.main(sys.argv[2:])
+except FirstRead:
+    pass
+"""
+
+
+def startup(args):
+    """Seconds from process start to `import fineweb` done and to the first document read."""
+    import json
+    import statistics
+    tmp = args.tmp or tempfile.mkdtemp(prefix="bench_fineweb_startup_")
+    cache = os.path.join(tmp, "hf")
+    rows = []
+    for r in range(args.startup + 1):  # run 0 builds the Arrow cache: not counted
+        out = os.path.join(tmp, f"out{r}")
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-c", STARTUP_CHILD, repr(t0), "--data-files", args.input,
+                               "--out-dir", out, "--cache-dir", cache, "--workers", str(args.workers)],
+                              cwd=ROOT, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not lines:
+            sys.exit(f"run {r} failed:\n{proc.stdout}{proc.stderr}")
+        if r:
+            rows.append(json.loads(lines[-1]))
+            print(f"run {r}: import fineweb done at {rows[-1]['import']:.2f} s, first document read at "
+                  f"{rows[-1]['first_read']:.2f} s, torch imported: {rows[-1]['torch']}")
+    for key in ("import", "first_read"):
+        values = [row[key] for row in rows]
+        print(f"{key}: median {statistics.median(values):.2f} s, min {min(values):.2f} s, max {max(values):.2f} s "
+              f"over {len(values)} runs")
+    if args.tmp is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def cpu_seconds():
     """CPU time of this process and its finished children (the pool's workers, once joined)."""
     import resource
@@ -120,7 +176,12 @@ def main():
     p.add_argument("--workers", type=int, default=fineweb.cpu_count())
     p.add_argument("--repeat", type=int, default=2, help="ceiling / end-to-end pairs, alternated")
     p.add_argument("--tmp", default=None, help="scratch directory (default: a new temporary one)")
+    p.add_argument("--startup", type=int, default=None, metavar="N",
+                   help="measure start-up instead, over N runs, on --input as --data-files")
     args = p.parse_args()
+    if args.startup is not None:
+        print(machine())
+        return startup(args)
 
     import pyarrow as pa
     import pyarrow.parquet as pq

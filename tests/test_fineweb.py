@@ -21,6 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conftest.p
 import common  # noqa: E402
 import dataloader  # noqa: E402
 import fineweb  # noqa: E402
+import fineweb_source  # noqa: E402
+import shard_writer  # noqa: E402
 from common import UserError, run_main  # noqa: E402
 from tokenizer import EOT_TOKEN, get_tokenizer  # noqa: E402
 
@@ -137,7 +139,7 @@ def test_shards_and_manifest(tmp_path):
     for s in m["shards"]:
         arr = np.load(out / s["name"])
         assert arr.dtype == np.uint16 and len(arr) == s["tokens"] and arr.max() == s["max_token"]
-        assert dataloader.sha256_file(out / s["name"]) == s["sha256"]
+        assert shard_writer.sha256_file(out / s["name"]) == s["sha256"]
     assert np.load(out / names[0])[0] == EOT_TOKEN  # every document starts with <|endoftext|>
     np.testing.assert_array_equal(stream_of(out), want)
     fineweb.main(["--out-dir", str(out), "--verify"])
@@ -151,6 +153,23 @@ def test_shards_and_manifest(tmp_path):
     shutil.copytree(out, copy)  # a copy says where to copy it from again, as a sentence
     with pytest.raises(UserError, match=f"checksum: .* Delete it, then copy the shards again from {out} "):
         fineweb.main(["--out-dir", str(copy), "--verify"])
+
+
+def test_prepares_without_importing_torch(tmp_path):
+    """fineweb.py writes shards without importing torch (most of its start-up, and no part of
+    tokenizing), and its manifest still records torch's version and CUDA, as torch gives them."""
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    out = tmp_path / "out"
+    code = ("import sys, fineweb; fineweb.main(sys.argv[1:]); "
+            "print(sorted(m for m in ('torch', 'model', 'device', 'dataloader') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, "--data-files", data, "--out-dir", str(out),
+                        "--cache-dir", str(tmp_path / "hf"), "--workers", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "[]"
+    import torch
+    versions = json.load(open(out / "manifest.json"))["versions"]
+    assert (versions["torch"], versions["cuda"]) == (torch.__version__, torch.version.cuda)
 
 
 def test_max_tokens_then_continue_and_rerun(tmp_path, capsys):
@@ -258,8 +277,8 @@ def test_first_bad_utf8_across_chunk_ends(tmp_path):
     (tmp_path / "ok").write_bytes(text.encode())
     (tmp_path / "bad").write_bytes(text.encode() + b"\xe2\x82" + b"x")  # a 3-byte character cut short
     for chunk in range(1, 12):
-        assert fineweb.first_bad_utf8(str(tmp_path / "ok"), chunk) is None
-        assert fineweb.first_bad_utf8(str(tmp_path / "bad"), chunk) == len(text.encode())
+        assert fineweb_source.first_bad_utf8(str(tmp_path / "ok"), chunk) is None
+        assert fineweb_source.first_bad_utf8(str(tmp_path / "bad"), chunk) == len(text.encode())
 
 
 def test_command_line_errors_are_one_line(tmp_path, capsys):
@@ -307,7 +326,7 @@ def test_disk_full_keeps_earlier_shards(tmp_path, capsys, monkeypatch):
     free space is what tells; an ENOSPC says it by itself."""
     data = write_jsonl(tmp_path / "d.jsonl", big_docs(200, seed=5))
     args = ["--data-files", data, "--shard-size", "4000", "--val-tokens", "300"]
-    real = dataloader.atomic_write
+    real = shard_writer.atomic_write
     for error in (OSError("8000 requested and 2304 written"), OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))):
         def full_disk(path, write_fn):
             if not str(path).endswith("_000003.npy"):
@@ -317,7 +336,7 @@ def test_disk_full_keeps_earlier_shards(tmp_path, capsys, monkeypatch):
                 f.write(b"\x93NUMPY half a shard")
                 raise error
             real(path, half_then_full)
-        monkeypatch.setattr(dataloader, "atomic_write", full_disk)
+        monkeypatch.setattr(shard_writer, "atomic_write", full_disk)
         monkeypatch.setattr(common.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1000))
         out = tmp_path / f"out{error.errno}"
         err = fails(capsys, tmp_path, out, *args)
@@ -326,7 +345,7 @@ def test_disk_full_keeps_earlier_shards(tmp_path, capsys, monkeypatch):
         assert sorted(os.listdir(out)) == ["data_train_000001.npy", "data_train_000002.npy", "data_val_000000.npy",
                                            "manifest.json"]
     monkeypatch.undo()
-    monkeypatch.setattr(dataloader, "atomic_write", real)
+    monkeypatch.setattr(shard_writer, "atomic_write", real)
     prepare(tmp_path, tmp_path / "ref", *args)
     ref = shard_bytes(tmp_path / "ref")
     names = [s["name"] for s in json.load(open(tmp_path / "ref" / "manifest.json"))["shards"][:3]]

@@ -3,6 +3,8 @@ exact resume, shuffling, and one-line errors for bad input. Shards are tiny and 
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 import dataloader  # noqa: E402
 import fineweb  # noqa: E402
+import shard_format  # noqa: E402
 from common import UserError, run_main  # noqa: E402
 from dataloader import TokenLoader  # noqa: E402
 
@@ -36,9 +39,9 @@ def make_shards(d, train_sizes=TRAIN_SIZES, val_size=VAL_SIZE, prefix="edufinewe
 
 
 def write_manifest(d, entries, complete=True, dtype="uint16"):
-    m = {"format": dataloader.FORMAT, "dtype": dtype, "tokenizer": "gpt2", "complete": complete,
+    m = {"format": shard_format.FORMAT, "dtype": dtype, "tokenizer": "gpt2", "complete": complete,
          "command": "python fineweb.py --out-dir " + str(d), "out_dir": str(d), "shards": entries}
-    with open(os.path.join(d, dataloader.MANIFEST), "w") as f:
+    with open(os.path.join(d, shard_format.MANIFEST), "w") as f:
         json.dump(m, f)
 
 
@@ -230,6 +233,19 @@ def test_reads_fineweb_output(tmp_path):
         np.testing.assert_array_equal(y.numpy().ravel(), train[k * 64 + 1:(k + 1) * 64 + 1])
 
 
+def test_trainer_imports_no_writer():
+    """The trainer reads shards through dataloader.py, which holds no writing code: the writer
+    (shard_writer.py), fineweb.py's source and `datasets` stay out of the trainer's imports."""
+    assert [name for name in ("ShardWriter", "write_manifest", "plan_resume", "verify", "sha256_file", "intact",
+                              "val_size", "VAL_SHARE") if hasattr(dataloader, name)] == []
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys, train_gpt2, dataloader; "
+            "print(sorted(m for m in ('shard_writer', 'fineweb', 'fineweb_source', 'datasets') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "[]"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_prefetch_matches_cpu(tmp_path):
     d = make_shards(tmp_path)
@@ -379,7 +395,7 @@ def test_broken_shards_and_manifests(tmp_path):
     with pytest.raises(UserError, match="truncated"):
         TokenLoader(d, "train", 2, 3)
     d = make_shards(tmp_path / "inc", manifest=True)
-    m = json.load(open(os.path.join(d, dataloader.MANIFEST)))
+    m = json.load(open(os.path.join(d, shard_format.MANIFEST)))
     write_manifest(d, m["shards"], complete=False)
     with pytest.raises(UserError, match="not finished: re-run .*python fineweb.py"):
         TokenLoader(d, "train", 2, 3)

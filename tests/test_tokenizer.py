@@ -18,6 +18,8 @@ def test_known_ids():
     assert enc.encode("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
     assert enc.eot_token == 50256
     assert enc.n_vocab == 50257
+    from model import GPT2_VOCAB_SIZE  # model.py imports nothing from the project: it says the size again
+    assert tokenizer.VOCAB_SIZE == GPT2_VOCAB_SIZE == enc.n_vocab
     assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
 
 

@@ -1,0 +1,55 @@
+"""
+The token-shard directory's format, said once for both sides: shard_writer.py writes it (for
+fineweb.py), dataloader.py reads it (for the trainer). Names, the manifest, the token dtype, and
+what to do about a directory that is missing, damaged or unfinished.
+
+A directory holds <prefix>_val_000000.npy, then <prefix>_train_000001.npy, ... (plain uint16
+.npy files, as in build-nanogpt) and manifest.json, which lists each shard with its token count,
+largest token id, sha256 and where in the source it ends, and the command that made them.
+"""
+
+import json
+import os
+import re
+import shlex
+
+import numpy as np
+
+from common import UserError, first_line
+
+MANIFEST = "manifest.json"
+FORMAT = "gpt2-token-shards-v1"
+TOKEN_DTYPE = np.uint16
+SHARD_RE = re.compile(r"^(?P<prefix>.+)_(?P<split>val|train)_(?P<index>\d{6})\.npy$")
+
+
+def shard_name(prefix, index):
+    """The file name of shard `index` (0 is the val split, the rest train)."""
+    return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
+
+
+def read_manifest(out_dir):
+    """The manifest.json of a shard directory as a dict, or None where there is none."""
+    path = os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is unreadable ({first_line(e)}): delete {out_dir} and prepare it again")
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise UserError(f"{path} was not written by fineweb.py: use another --out-dir or delete {out_dir}")
+    return m
+
+
+def remedy(data_dir, manifest):
+    """What to do about a missing, damaged or unfinished shard directory. The directory may be a
+    copy of the one fineweb.py wrote: its manifest names the original, and the command that made it."""
+    if manifest is None or not manifest.get("command"):
+        return f"prepare it with: python fineweb.py --out-dir {shlex.quote(data_dir)}"
+    origin = manifest.get("out_dir")
+    if origin and not (os.path.isdir(origin) and os.path.samefile(origin, data_dir)):
+        return (f"copy the shards again from {origin} ({data_dir} is a copy of {origin}, made by: "
+                f"{manifest['command']}), or re-run that command with --out-dir {shlex.quote(data_dir)}")
+    return f"re-run the command that made it (it redoes only what is missing): {manifest['command']}"
