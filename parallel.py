@@ -14,7 +14,7 @@ holds parameters is built after it):
     raw_model.to(device)                       # load the checkpoint's model weights here (or later,
                                                #   with load_model_state)
     model = wrap_model(raw_model, ...)         # compiles, checkpoints and wraps/shards
-    optimizer = raw_model.configure_optimizers(...)   # after wrap_model: FSDP's sharded parameters
+    optimizer = optim.configure(raw_model, ...)       # after wrap_model: FSDP's sharded parameters
     load_optimizer_state(model, optimizer, ckpt["optimizer"])
     ... with grad_sync(model, last_micro_step): forward, backward
     norm = clip_grad_norm(model, max_norm)
@@ -32,7 +32,8 @@ from torch.utils.checkpoint import checkpoint
 import common
 from common import UserError
 from device import autocast, pick_device
-from model import PADDED_VOCAB_SIZE, Block, Optimizers
+from model import PADDED_VOCAB_SIZE, Block
+from optim import Optimizers
 
 SHARDINGS = ("none", "fsdp")
 
@@ -310,7 +311,7 @@ def optimizer_state(model, optimizer):
     """The optimizer's full state dict in the format optimizer.state_dict() has on the unsharded model
     (parameters numbered in param-group order), CPU tensors; so a DDP checkpoint resumes under FSDP and
     the other way round. Call on every rank under FSDP; rank 0 gets the whole dict, the others {}.
-    model.Optimizers (Muon and AdamW): {"optimizers": [each one's state dict, in order]}."""
+    optim.Optimizers (Muon and AdamW): {"optimizers": [each one's state dict, in order]}."""
     if isinstance(optimizer, Optimizers):
         return {"optimizers": [optimizer_state(model, opt) for opt in optimizer.optimizers]}
     raw = unwrap(model)

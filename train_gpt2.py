@@ -29,6 +29,7 @@ import core
 import device
 import hellaswag
 import metrics
+import optim
 import parallel
 import plot
 import sample
@@ -351,10 +352,9 @@ def build_optimizer(cfg, raw_model, ranks, dtype):
     """AdamW (fused on CUDA), or Muon and AdamW (--optimizer muon), and the gradient scaler: fp16
     needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not. The
     scaler unscales the gradients before either optimizer sees them."""
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
-                                               ranks.device_type, muon_lr=muon_lr(cfg),
-                                               muon_momentum=cfg.muon_momentum,
-                                               muon_dtype=device.muon_dtype(ranks.device))
+    optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
+                                ranks.device_type, muon_lr=muon_lr(cfg), muon_momentum=cfg.muon_momentum,
+                                muon_dtype=device.muon_dtype(ranks.device))
     scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
     return optimizer, scaler
 
@@ -460,7 +460,7 @@ def setup(cfg, ranks, log, resume_path, ckpt, changes, skipped):
                                           config=settings(cfg), fsdp=fsdp)
     start_step = checkpoints.restore(ckpt, resume_path) if ckpt is not None else 0
     # the settings of this launch, over the param groups the checkpoint brought back
-    GPT.set_optimizer_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
+    optim.apply_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
     start_trackers(cfg, ranks, log, start_step)
     for problem in skipped:
         log.line(f"resume: skipped {problem}")

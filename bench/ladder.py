@@ -55,6 +55,7 @@ import common  # noqa: E402
 from device import autocast, device_name, muon_dtype, peak_flops, pick_device, pick_dtype  # noqa: E402
 from metrics import git_commit, versions  # noqa: E402
 from parallel import Ranks  # noqa: E402
+import optim  # noqa: E402
 import parallel  # noqa: E402
 import train_config  # noqa: E402
 import train_gpt2  # noqa: E402
@@ -323,11 +324,10 @@ def run_rung(spec):
         model = parallel.wrap_model(raw_model, "none", kind, 0, dtype, compile=s["compile"] and default_mode)
         if s["compile"] and not default_mode:
             model = torch.compile(model, mode=s["compile_mode"])
-        optimizer = raw_model.configure_optimizers(TRAIN.weight_decay, TRAIN.max_lr, (TRAIN.beta1, TRAIN.beta2),
-                                                   TRAIN.eps, kind, fused=s["fused_adamw"],
-                                                   muon_lr=TRAIN.muon_lr if s["optimizer"] == "muon" else None,
-                                                   muon_momentum=TRAIN.muon_momentum,
-                                                   muon_dtype=muon_dtype(device))
+        optimizer = optim.configure(raw_model, TRAIN.weight_decay, TRAIN.max_lr, (TRAIN.beta1, TRAIN.beta2),
+                                    TRAIN.eps, kind, fused=s["fused_adamw"],
+                                    muon_lr=TRAIN.muon_lr if s["optimizer"] == "muon" else None,
+                                    muon_momentum=TRAIN.muon_momentum, muon_dtype=muon_dtype(device))
         scaler = torch.amp.GradScaler(kind, enabled=(dtype == "float16"))
         loader = TokenLoader(spec["data_dir"], "train", B, T, device=device, prefetch=s["prefetch"])
         result["build_s"] = time.perf_counter() - t0

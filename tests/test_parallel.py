@@ -12,6 +12,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 
 import checkpoint
+import optim
 import parallel
 import train_gpt2
 from dataloader import TokenLoader
@@ -68,7 +69,7 @@ def train(model, optimizer, data, steps, ranks):
 def run(raw, sharding, data_dir, ranks, steps=STEPS, checkpointing=False, compile=False, muon=False):
     model = parallel.wrap_model(raw, sharding, "cpu", ranks.rank, "float32", checkpointing, compile)
     assert parallel.is_fsdp(model) == (sharding == "fsdp")
-    optimizer = raw.configure_optimizers(0.1, 1e-3, device_type="cpu", muon_lr=0.02 if muon else None)
+    optimizer = optim.configure(raw, 0.1, 1e-3, device_type="cpu", muon_lr=0.02 if muon else None)
     data = loader(data_dir, ranks.rank, ranks.world_size)
     losses, norms = train(model, optimizer, data, steps, ranks)
     return model, optimizer, data, losses, norms
@@ -140,7 +141,7 @@ def worker(rank, world, tmp):
             saved = checkpoint.load_file(checkpoint.checkpoint_path(f"{tmp}/ckpt", RESUME_AT))
             raw = tiny_gpt(seed=1)
             model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
-            opt = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
+            opt = optim.configure(raw, 0.1, 1e-3, device_type="cpu")
             data = loader(data_dir, rank, world)
             if from_rank0:
                 parallel.load_model_state(model, saved["model"] if rank == 0 else {}, from_rank0=True)
@@ -168,7 +169,7 @@ def worker(rank, world, tmp):
         # fp16 loss scaling: an inf in one rank's shard of the gradients must skip the step on every rank
         raw = tiny_gpt()
         model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
-        opt = raw.configure_optimizers(0.1, 1e-3, device_type="cpu")
+        opt = optim.configure(raw, 0.1, 1e-3, device_type="cpu")
         scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
         x, _ = loader(data_dir, 0, 1).next_batch()
         scaler.scale(model(x, x)[1]).backward()

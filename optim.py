@@ -1,0 +1,137 @@
+"""
+The optimizers: AdamW for GPT-2's recipe, or Muon for the matrices inside the blocks beside AdamW
+for the rest (--optimizer muon), and the settings a resume may change in them.
+
+    optimizer = configure(raw_model, weight_decay, lr, betas, eps, device_type, muon_lr=...)
+    apply_settings(optimizer, weight_decay, betas, eps, muon_momentum)   # after a checkpoint's state
+
+Build them after the model is wrapped (parallel.wrap_model): FSDP replaces the parameters with shards.
+"""
+
+import torch
+
+
+def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, device_type="cpu", fused=None,
+              muon_lr=None, muon_momentum=0.95, muon_dtype=torch.bfloat16):
+    """The optimizer of a GPT: AdamW, with weight decay on 2-D weights (matmuls, embeddings) only,
+    not biases or norms; fused on CUDA. With muon_lr: the 2-D weights inside the blocks (attention
+    and MLP projections) are trained by Muon instead, at muon_lr with Nesterov momentum
+    muon_momentum and no weight decay (as Keller Jordan's Muon and the modded-nanogpt speedrun train
+    them), and AdamW keeps the embeddings (the tied head with them), the LayerNorm gains and every
+    bias: an Optimizers pair. muon_dtype: what Muon orthogonalises in (see Muon)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    matrices = []
+    if muon_lr is not None:
+        matrices = [p for block in model.transformer.h for p in block.parameters() if p.dim() == 2]
+    rest = [p for p in params if not any(p is m for m in matrices)]
+    groups = [
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if fused is None:
+        fused = device_type == "cuda"
+    adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
+    if not matrices:
+        return adamw
+    # the learning rate is scaled by sqrt(max(1, rows / columns)) per matrix (torch's "original",
+    # Keller Jordan's rule), so that wide and tall matrices take updates of the same RMS
+    muon = Muon(matrices, lr=muon_lr, momentum=muon_momentum, nesterov=True, weight_decay=0.0,
+                ortho_dtype=muon_dtype)
+    return Optimizers(muon, adamw)
+
+
+def apply_settings(optimizer, weight_decay, betas, eps, muon_momentum=None):
+    """Put these settings into an optimizer from configure(), over what a loaded state dict brought
+    back (load_state_dict restores each group's own values): a resume that changes them must train
+    with the new ones. AdamW's first group is the decayed one."""
+    for opt in getattr(optimizer, "optimizers", [optimizer]):
+        if isinstance(opt, torch.optim.AdamW):
+            for i, group in enumerate(opt.param_groups):
+                group.update(weight_decay=weight_decay if i == 0 else 0.0, betas=tuple(betas), eps=eps)
+        elif muon_momentum is not None:
+            for group in opt.param_groups:
+                group["momentum"] = muon_momentum
+
+
+# torch.optim.Muon came in PyTorch 2.9; on an older one this module still imports, and device.py
+# stops the scripts that train with one line
+class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
+    """torch.optim.Muon, whose Newton-Schulz iteration runs in bfloat16, with the choice of another
+    dtype for GPUs without bf16 (T4, V100, P100): ortho_dtype float16 (their tensor cores' type; the
+    iteration keeps every entry within [-1, 1], far inside fp16's range) or float32. In bfloat16 it
+    is torch's own step. The state and its checkpoints are the same either way."""
+
+    def __init__(self, params, ortho_dtype=torch.bfloat16, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ortho_dtype = ortho_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.ortho_dtype == torch.bfloat16:
+            return super().step(closure)
+        assert closure is None, "the trainer passes no closure"
+        for group in self.param_groups:
+            momentum, lr = group["momentum"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)  # as torch's: B = mu B + (1 - mu) g
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                       self.ortho_dtype)
+                rows, cols = p.shape[:2]
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # torch's "original" scaling
+        return None
+
+
+def orthogonalize(g, coefficients, steps, eps, dtype):
+    """The quintic Newton-Schulz iteration of Keller Jordan's Muon, as torch.optim.Muon runs it,
+    in `dtype`: g (2-D) mapped to roughly U V^T of its SVD (singular values pushed into ~[0.5, 1.5])."""
+    a, b, c = coefficients
+    # normalised before the cast (spectral norm <= Frobenius norm <= 1): fp16's range ends at 6e-8,
+    # where small momentum entries would flush to zero; bf16 (torch's) has fp32's range either way
+    x = (g / g.norm().clamp(min=eps)).to(dtype)
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T  # iterate on the wide orientation: the Gram matrix is the smaller one
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+class Optimizers:
+    """Several optimizers stepped as one, in order (Muon for the block matrices, then AdamW for the
+    rest): the part of torch.optim.Optimizer that the trainer, torch.amp.GradScaler and the
+    checkpoints use."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self):
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none=True):
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state):
+        if len(state.get("optimizers", ())) != len(self.optimizers):
+            raise ValueError(f"the state holds {len(state.get('optimizers', ()))} optimizer(s), "
+                             f"this has {len(self.optimizers)}")
+        for opt, s in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(s)

@@ -1,0 +1,107 @@
+"""The optimizers (optim.py) against torch's own: AdamW's parameter groups and step, Muon for the
+block matrices beside AdamW, and Muon's Newton-Schulz iteration in fp16/fp32 for GPUs without bf16."""
+import torch
+
+import optim
+from model import GPT, GPTConfig
+
+TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=32)
+
+
+def test_optimizer_groups_and_step_match_adamw():
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**TINY))
+    opt = optim.configure(m, weight_decay=0.1, learning_rate=1e-3, device_type="cpu")
+    decay, no_decay = opt.param_groups
+    assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+    # one step equals a hand-configured torch.optim.AdamW on a copy
+    import copy
+    m2 = copy.deepcopy(m)
+    ref = torch.optim.AdamW([
+        {"params": [p for p in m2.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in m2.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    idx = torch.randint(0, 50257, (2, 16))
+    for model, o in ((m, opt), (m2, ref)):
+        model(idx, idx)[1].backward()
+        o.step()
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_muon_for_the_block_matrices_adamw_for_the_rest():
+    """--optimizer muon: torch.optim.Muon takes exactly the attention and MLP matrices; AdamW the
+    embeddings (the tied head with them), the gains and the biases; one step of the pair equals the
+    two torch optimizers applied by hand; a GradScaler unscales the gradients before either sees them."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    opt = optim.configure(model, 0.1, 1e-3, muon_lr=0.02, muon_momentum=0.9)
+    muon, adamw = opt.optimizers
+    blocks = {id(p) for b in model.transformer.h for n, p in b.named_parameters() if n.endswith("weight") and p.dim() == 2}
+    assert {id(p) for g in muon.param_groups for p in g["params"]} == blocks
+    assert len(blocks) == 4 * TINY["n_layer"]
+    rest = [p for g in adamw.param_groups for p in g["params"]]
+    assert len(rest) + len(blocks) == len(list(model.parameters()))
+    assert any(p is model.transformer.wte.weight for p in rest) and adamw.param_groups[0]["weight_decay"] == 0.1
+    assert muon.param_groups[0]["momentum"] == 0.9 and muon.param_groups[0]["weight_decay"] == 0.0
+
+    ref = GPT(GPTConfig(**TINY))
+    ref.load_state_dict(model.state_dict())
+    by_name = dict(ref.named_parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_muon = torch.optim.Muon([by_name[names[id(p)]] for g in muon.param_groups for p in g["params"]], lr=0.02,
+                                momentum=0.9, nesterov=True, weight_decay=0.0)
+    ref_adamw = torch.optim.AdamW([{"params": [by_name[names[id(p)]] for p in g["params"]],
+                                    "weight_decay": g["weight_decay"]} for g in adamw.param_groups],
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    idx = torch.randint(0, 50257, (2, 16))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler.scale(model(idx, idx)[1]).backward()
+    scaler.step(opt)  # unscales first; scaled gradients would shift AdamW's update (its eps is not scaled)
+    ref(idx, idx)[1].backward()
+    ref_muon.step()
+    ref_adamw.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, by_name[n], rtol=1e-6, atol=1e-7, msg=n)
+    state = opt.state_dict()
+    assert len(state["optimizers"]) == 2 and "momentum_buffer" in state["optimizers"][0]["state"][0]
+
+
+def test_muon_without_bf16_orthogonalises_in_another_dtype_and_steps_as_torch_does(monkeypatch):
+    """GPUs without bf16 (T4, V100) run Muon's Newton-Schulz in fp16 (or fp32): the iteration is
+    torch's, and the step around it (momentum, Nesterov, the shape's LR scale, weight decay) is too."""
+    import torch.optim._muon as torch_muon
+    from optim import Muon, orthogonalize
+    torch.manual_seed(0)
+    coefficients, steps, eps = (3.4445, -4.775, 2.0315), 5, 1e-7
+    for shape in ((8, 24), (24, 8)):  # wide and tall
+        g = torch.randn(shape)
+        exact = orthogonalize(g.double(), coefficients, steps, eps, torch.float64)
+        theirs = torch_muon._zeropower_via_newtonschulz(g, coefficients, steps, eps).double()
+        bf16 = (theirs - exact).abs().max()  # torch's own iteration, in bf16
+        assert bf16 < 0.05 and (orthogonalize(g, coefficients, steps, eps, torch.bfloat16).double() - exact
+                                ).abs().max() <= 2 * bf16
+        for scale in (1.0, 1e-7):  # small gradients too: fp16 subnormals start at 6e-8
+            for dtype, tol in ((torch.float16, 5e-3), (torch.float32, 1e-5)):
+                got = orthogonalize(g * scale, coefficients, steps, eps, dtype).double()
+                assert (got - exact).abs().max() < tol, (dtype, scale)
+    # the step: ours in float32 against torch's with its iteration run in float32 as well
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz",
+                        lambda g, c, n, e: orthogonalize(g, c, n, e, torch.float32))
+    a, b = torch.nn.Parameter(torch.randn(24, 8)), torch.nn.Parameter(torch.randn(8, 24))
+    a2, b2 = (torch.nn.Parameter(t.detach().clone()) for t in (a, b))
+    kw = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.01)
+    ours, ref = Muon([a, b], ortho_dtype=torch.float32, **kw), torch.optim.Muon([a2, b2], **kw)
+    for _ in range(3):
+        for p, q in ((a, a2), (b, b2)):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+    for p, q in ((a, a2), (b, b2)):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert ours.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
+    torch.testing.assert_close(ours.state[a]["momentum_buffer"], ref.state[a2]["momentum_buffer"])
