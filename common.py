@@ -48,10 +48,16 @@ def mark_joined_process_group():
 
 
 def run_main(main):
-    """Call main(); turn a UserError into one line on stderr and exit status 2. A process that
-    joined a process group always ends through exit_process (see there)."""
+    """Call main(); turn a UserError into one line on stderr and exit status 2. A closed stdout
+    (python plot.py LOG | head) ends the script quietly with status 1, as Python's documentation
+    advises (its note on SIGPIPE). A process that joined a process group always ends through
+    exit_process (see there)."""
     try:
         result = main()
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at the interpreter's exit
+    except BrokenPipeError:
+        to_devnull(sys.stdout)  # the interpreter's own flush at exit would fail again
+        exit_process(1)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         exit_process(2)

@@ -202,6 +202,16 @@ def test_two_ranks_score_as_one_process(model, bundle, tmp_path):
     assert json.loads(two.stdout.strip().splitlines()[-1]) == json.loads(one.stdout)
 
 
+def test_a_closed_stdout_ends_it_quietly(model, bundle, tmp_path):
+    """python core.py ... | head, head gone: exit status 1, no traceback."""
+    from runs import stdout_closed
+    ckpt = str(tmp_path / "ckpt_000001.pt")
+    checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
+    code, err = stdout_closed(os.path.join(REPO, "core.py"), ["--model", ckpt, "--bundle-dir", bundle, "--device", "cpu",
+                                                              "--tasks", "mc_zero", "--limit", "2"])
+    assert code == 1 and "Traceback" not in err and "Error" not in err, err
+
+
 def run_main(capsys, argv):
     """core.main as the script runs it: the exit status and the stderr lines."""
     with pytest.raises(SystemExit) as e:

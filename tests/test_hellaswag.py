@@ -437,6 +437,14 @@ def test_cli_malformed_line_no_traceback(files, tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "line 2" in proc.stderr
 
 
+def test_cli_closed_stdout_ends_quietly(files):
+    """python hellaswag.py ... | head, head gone: exit status 1, no traceback."""
+    from runs import stdout_closed
+    code, err = stdout_closed(os.path.join(REPO, "hellaswag.py"), ["--model", files["ckpt"], "--data-file", files["data"],
+                                                                   "--device", "cpu", "--limit", "2"])
+    assert code == 1 and "Traceback" not in err and "Error" not in err, err
+
+
 def test_cli_bad_models(files, tmp_path, capsys):
     truncated = tmp_path / "ckpt_000002.pt"
     truncated.write_bytes(open(files["ckpt"], "rb").read()[:1000])

@@ -236,6 +236,14 @@ def test_missing_log_dir_is_one_line(missing_dir_cli):
     assert len(err.strip().splitlines()) == 1 and "no_such_dir is not a directory" in err
 
 
+def test_closed_stdout_ends_quietly(logs, tmp_path):
+    """python plot.py LOG | head, head gone: exit status 1, no traceback."""
+    from runs import stdout_closed
+    dirs, _ = logs
+    code, err = stdout_closed(os.path.join(ROOT, "plot.py"), [dirs["full"], "--out", str(tmp_path / "plot.png")])
+    assert code == 1 and "Traceback" not in err and "Error" not in err, err
+
+
 def test_without_matplotlib_the_summary_still_prints(logs, monkeypatch, capsys):
     dirs, _ = logs
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.ticker"):
