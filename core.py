@@ -180,7 +180,7 @@ def parse_item(line, kind, where):
     try:
         item = json.loads(line)
     except json.JSONDecodeError as e:
-        raise common.UserError(f"{where}: not JSON ({e.msg}); a {kind} item is an object with {fix}")
+        raise common.UserError(f"{where}: {common.json_line_problem(line, e)}; a {kind} item is an object with {fix}")
     if not isinstance(item, dict):
         raise common.UserError(f"{where}: not a JSON object; a {kind} item has {fix}")
     for key, kind_of in FIELDS[kind].items():

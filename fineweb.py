@@ -35,7 +35,8 @@ from collections import deque
 
 import numpy as np
 
-from common import ArgumentParser, UserError, check_output_dir, first_line, hub_unreachable, run_main
+from common import (ArgumentParser, UserError, check_output_dir, first_line, hub_unreachable, json_line_problem,
+                    run_main)
 from dataloader import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, VAL_SHARE, ShardWriter, intact,
                         plan_resume, read_manifest, verify, write_manifest)
 from metrics import versions
@@ -312,8 +313,8 @@ def json_problem(path):
     JSON value is JSON lines, checked line by line; any other is one JSON document."""
     import json
 
-    def bad(number, e):
-        return f"{path}, line {number}: not JSON ({e.msg}): fix that line, or leave the file out"
+    def bad(number, problem):
+        return f"{path}, line {number}: {problem}: fix that line, or leave the file out"
     with open(path, encoding="utf-8", errors="replace") as f:
         first = True
         for number, line in enumerate(f, 1):
@@ -323,7 +324,7 @@ def json_problem(path):
                 json.loads(line)
             except json.JSONDecodeError as e:
                 if not first:
-                    return bad(number, e)
+                    return bad(number, json_line_problem(line, e))
                 break  # the first line is not a whole value: the file is one JSON document
             first = False
         else:
@@ -332,7 +333,7 @@ def json_problem(path):
         try:
             json.load(f)
         except json.JSONDecodeError as e:
-            return bad(e.lineno, e)
+            return bad(e.lineno, f"not JSON ({e.msg})")
     return None
 
 

@@ -279,6 +279,8 @@ def test_load_items(files):
     ("{not json", "not JSON"),
     ("ctx,endings,label", "not JSON"),  # a CSV export
     ("[1, 2]", "not an object"),
+    (json.dumps(ITEMS[0])[:60], "not complete JSON: the line ends before its value does (cut short?)"),  # in a string
+    ('{"ctx": "a", "endings": ["w", "x"', "not complete JSON: the line ends before its value does"),
     (json.dumps({"endings": ["w", "x", "y", "z"], "label": 1}), "no 'ctx'"),
     (json.dumps({"ctx": 3, "endings": ["w", "x", "y", "z"], "label": 1}), "'ctx' is not a string"),
     (json.dumps({"ctx": "a", "label": 1}), "no 'endings'"),
