@@ -27,7 +27,7 @@ import checkpoint
 import common
 import parallel
 from common import UserError
-from device import autocast, device_name, pick_dtype
+from device import autocast, compile_blocker, device_name, pick_dtype
 
 SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple of this: few shapes
 LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
@@ -256,6 +256,9 @@ def run_script(args, name, load, describe_data, score, show):
     ranks = parallel.setup_distributed(args.device)
     summary = sys.stderr if args.json else sys.stdout
     try:
+        blocker = compile_blocker(ranks.device) if args.compile else None
+        if blocker:  # else inductor's traceback, at the first forward pass
+            raise UserError(f"--compile: {blocker}; leave it out")
         dtype = pick_dtype(args.dtype, ranks.device)
         data = load()
         model, what = checkpoint.load_model(args.model, ranks.device)

@@ -447,6 +447,23 @@ def test_cli_closed_stdout_ends_quietly(files):
     assert code == 1 and "Traceback" not in err and "Error" not in err, err
 
 
+@pytest.mark.parametrize("script", ["hellaswag", "core"])
+def test_cli_compile_on_a_gpu_without_triton_is_one_line(files, tmp_path, monkeypatch, capsys, script):
+    """--compile on a GPU below compute capability 7.0 (a P100): the trainer's one line, before the
+    data or the model is loaded, not inductor's traceback at the first forward pass."""
+    import core
+    from core_bundle import write_bundle
+    from test_device import fake_gpus
+    fake_gpus(monkeypatch, [("Tesla P100-PCIE-16GB", (6, 0))])
+    main, data = ((hellaswag.main, ["--data-file", files["data"]]) if script == "hellaswag"
+                  else (core.main, ["--bundle-dir", write_bundle(tmp_path / "bundle")]))
+    with pytest.raises(SystemExit) as e:
+        common.run_main(lambda: main(["--model", files["ckpt"], "--device", "cuda", "--compile"] + data))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: --compile: the Tesla P100-PCIE-16GB has compute capability 6.0") and "7.0" in err
+
+
 def test_cli_bad_models(files, tmp_path, capsys):
     truncated = tmp_path / "ckpt_000002.pt"
     truncated.write_bytes(open(files["ckpt"], "rb").read()[:1000])
