@@ -24,6 +24,11 @@ sequence starts with <|endoftext|> and keeps its last block_size tokens; the sco
 where the answers' token sequences part (multiple choice), what the contexts' sequences share at
 the end (schema), or what the continuation adds (language modelling). Each task's items are
 shuffled with random.Random(1337) before --limit takes the first N.
+Degenerate items are judged as nanochat judges them too. Where a multiple-choice answer's tokens
+begin every other answer's, its scored span is empty and its mean loss NaN; nanochat picks with
+min() and list.index, which takes such an answer when it comes first and never otherwise. Schema
+options with identical contexts are all empty, so the first is picked. Identical options get
+identical scores, and the first of equal means is picked.
 
 Scoring is scoring.py's, shared with hellaswag.py: all options of an item in one packed row, many
 items per forward pass, items split over torchrun ranks and the counts summed.
@@ -31,6 +36,7 @@ items per forward pass, items split over torchrun ranks and the counts summed.
 
 import csv
 import json
+import math
 import os
 import random
 import shutil
@@ -244,17 +250,17 @@ def common_prefix(seqs):
 
 def spans(task, seqs):
     """Token sequences (each starting with <|endoftext|>) -> [(sequence, start of the scored tokens)],
-    one per option: the scored tokens run from start to the sequence's end."""
+    one per option: the scored tokens run from start to the sequence's end, as nanochat finds them.
+    They are none (start = the sequence's length) where nanochat's are: for a multiple-choice answer
+    whose tokens begin every other answer's, and for schema options whose contexts are the same."""
     if task.kind == "language_modeling":
-        without, with_ = seqs
-        start = common_prefix(seqs)  # len(without), unless the continuation re-merged its last tokens
-        return [(with_, start if start < len(with_) else len(with_) - 1)]
+        return [(seqs[1], common_prefix(seqs))]  # len(without), unless the continuation re-merged its last tokens
     if task.kind == "multiple_choice":
-        # where they part; where one choice extends another, from the shorter one's last token on
-        start = min(common_prefix(seqs), min(len(s) for s in seqs) - 1)
+        start = common_prefix(seqs)  # where the answers part
         return [(s, start) for s in seqs]
     shared = common_prefix([s[::-1] for s in seqs])  # schema: the continuation, shared at the end
-    return [(s, max(1, len(s) - shared)) for s in seqs]
+    # a sequence that is all shared: nanochat's span starts before its first token, which leaves it empty
+    return [(s, len(s) if shared == len(s) else len(s) - shared) for s in seqs]
 
 
 def rows_of(task, item, examples, enc, block_size):
@@ -278,11 +284,18 @@ def rows_of(task, item, examples, enc, block_size):
 
 
 def judge(task, item, sums, counts, exact):
-    """Whether the model got the item right, from its options' scores (in order)."""
+    """Whether the model got the item right, from its options' scores (in order). Multiple choice
+    and schema pick as nanochat does, min() then list.index over the mean losses, where an option
+    with nothing scored has the mean NaN (a mean over no tokens): min() keeps a NaN that comes
+    first, and nothing is below it, so it is picked; a NaN later is never below anything, so never
+    picked. Of equal means, the first."""
     if task.kind == "language_modeling":
         return bool(exact[0])
-    means = sums / counts
-    return int(torch.argmin(means)) == item["gold"]  # the first of equal means, as nanochat's list.index
+    means = (sums / counts).tolist()
+    if math.isnan(means[0]):
+        return item["gold"] == 0
+    pick = min(range(len(means)), key=lambda j: math.inf if math.isnan(means[j]) else means[j])
+    return pick == item["gold"]
 
 
 def centered(acc, baseline):

@@ -3,6 +3,7 @@ against a plain re-computation (one option at a time, no batching or packing), t
 arithmetic, few-shot sampling, truncation, the --model forms, and bad bundles."""
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -30,10 +31,12 @@ def bundle(tmp_path_factory):
 
 
 def reference_option_scores(model, task, item, examples):
-    """The definition, one option at a time: each whole prompt tokenised after <|endoftext|>, the
-    last block_size tokens kept, one forward pass each; the scored tokens found by comparing the
-    options' token sequences (where they part, what they share at the end, or what the
-    continuation adds). Returns [(summed loss, token count, all greedy)] per option."""
+    """nanochat's definition, one option at a time: each whole prompt tokenised after <|endoftext|>,
+    the last block_size tokens kept, one forward pass each; the scored tokens found by comparing
+    the options' token sequences: from where they part to the end (multiple choice), the end they
+    share (schema), or what the continuation adds. A sequence that is all shared has none scored
+    (nanochat's slice of its losses, from one before the start to one before the end, is empty).
+    Returns [(summed loss, token count, all greedy)] per option."""
     enc = tokenizer.get_tokenizer()
     texts = core.prompts(task, item, examples)
     seqs = [[tokenizer.EOT_TOKEN] + enc.encode(t) for t in texts]
@@ -43,16 +46,19 @@ def reference_option_scores(model, task, item, examples):
         scored = [(full, len(without))]
     elif task.kind == "multiple_choice":
         start = 0
-        while all(len(s) > start + 1 for s in seqs) and len({s[start] for s in seqs}) == 1:
+        while all(len(s) > start for s in seqs) and len({s[start] for s in seqs}) == 1:
             start += 1
         scored = [(s, start) for s in seqs]
     else:
         shared = 0
-        while all(len(s) > shared + 1 for s in seqs) and len({s[-1 - shared] for s in seqs}) == 1:
+        while all(len(s) > shared for s in seqs) and len({s[-1 - shared] for s in seqs}) == 1:
             shared += 1
         scored = [(s, len(s) - shared) for s in seqs]
     out = []
     for seq, start in scored:
+        if start in (0, len(seq)):
+            out.append((0.0, 0, True))
+            continue
         cut = max(0, len(seq) - model.config.block_size)
         seq, start = seq[cut:], max(1, start - cut)
         tokens = torch.tensor(seq)
@@ -61,6 +67,13 @@ def reference_option_scores(model, task, item, examples):
         greedy = (logits[0].argmax(-1) == tokens[1:])[start - 1:]
         out.append((losses.sum().item(), len(losses), bool(greedy.all())))
     return out
+
+
+def nanochat_pick(ref):
+    """The option nanochat picks from reference_option_scores: min() over the mean losses (NaN for
+    an option with nothing scored), then list.index."""
+    means = [s / c if c else math.nan for s, c, _ in ref]
+    return means.index(min(means))
 
 
 @torch.no_grad()
@@ -92,15 +105,78 @@ def test_every_task_type_matches_the_one_at_a_time_definition(model, bundle):
             if task.kind == "language_modeling":
                 right += ref[0][2]
                 continue
-            means = [s / c for s, c, _ in ref]
-            ordered = sorted(means)
-            close += ordered[1] - ordered[0] < 1e-4
-            right += means.index(min(means)) == item["gold"]
+            means = [s / c if c else math.nan for s, c, _ in ref]
+            finite = sorted(m for m in means if not math.isnan(m))
+            close += not math.isnan(means[0]) and len(finite) > 1 and 0 < finite[1] - finite[0] < 1e-4
+            right += nanochat_pick(ref) == item["gold"]
         got = result["tasks"][task.label]
         assert got["n"] == len(task.items)
         assert abs(got["acc"] * got["n"] - right) <= close, task.label
         assert got["centered"] == pytest.approx(core.centered(got["acc"], task.baseline))
     assert result["core"] == pytest.approx(sum(r["centered"] for r in result["tasks"].values()) / len(tasks))
+
+
+# Items where nanochat's rule, not the model, decides: (type, item, right?). A multiple-choice answer
+# whose tokens begin every other answer's has nothing scored and a NaN mean, which nanochat's min()
+# and list.index pick when it comes first and never elsewhere; schema options with identical
+# contexts all have nothing scored; of identical options the first is picked.
+DEGENERATE = [
+    ("multiple_choice", {"query": "Which one?", "choices": ["the cat", "the cat sees", "the cat runs far"], "gold": 0},
+     True),
+    ("multiple_choice", {"query": "Which one?", "choices": ["the cat sees", "the cat", "the cat runs far"], "gold": 1},
+     False),
+    ("multiple_choice", {"query": "Which one?", "choices": ["a red ball", "a red ball"], "gold": 0}, True),
+    ("multiple_choice", {"query": "Which one?", "choices": ["a red ball", "a red ball"], "gold": 1}, False),
+    ("multiple_choice", {"query": "Which?", "choices": ["the blue sky", "a red ball", "a red ball"], "gold": 2}, False),
+    ("schema", {"context_options": ["the dog sees", "the dog sees"], "continuation": "a small boat", "gold": 0}, True),
+    ("schema", {"context_options": ["the dog sees", "the dog sees"], "continuation": "a small boat", "gold": 1}, False),
+]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("batch_size", [1, 3, 4])
+def test_degenerate_items_are_judged_as_nanochat_judges_them(model, batch_size):
+    """Each item a task of its own, so that its accuracy is its verdict, among ordinary items that
+    change how the rows are batched; the same verdicts at every batch size."""
+    tasks = [core.Task(f"degenerate{i}", kind, "", 0, " ", 0.0, [item]) for i, (kind, item, _) in enumerate(DEGENERATE)]
+    tasks.append(core.Task("ordinary", "multiple_choice", "", 2, " ", 0.25, task_items("multiple_choice", 9, 5)))
+    result = core.evaluate(model, tasks, "cpu", batch_size=batch_size)
+    for task, (_, item, right) in zip(tasks, DEGENERATE):
+        assert result["tasks"][task.label]["acc"] == float(right), (task.label, item)
+        assert (nanochat_pick(reference_option_scores(model, task, item, [])) == item["gold"]) == right
+
+
+@torch.no_grad()
+def test_identical_options_get_identical_scores(model):
+    """Identical options are scored once and share the result, whether they share a row or, too
+    long for one, each has its own; at any batch size. Options with nothing scored count 0 tokens
+    and are exact, as an all() over nothing is."""
+    enc = tokenizer.get_tokenizer()
+    long_answer = " ".join(["the old house by the river"] * 4)
+    items = [(core.Task("mc", "multiple_choice", "", 0, " ", 0.25), item) for kind, item, _ in DEGENERATE[:5]]
+    items += [(core.Task("schema", "schema", "", 0, " ", 0.5), DEGENERATE[5][1])]
+    # another answer between the two: packed side by side, each on its own, these differed in the
+    # last bit on some CPUs
+    items += [(core.Task("mc", "multiple_choice", "", 0, " ", 0.25), {"query": q, "choices": [a, b, a, c], "gold": 0})
+              for q, a, b, c in [("Q over", "likes old blue sky", "a the boat", "dog house"),
+                                 ("Q runs friend runs", "sees a", "ball boat dog small", "sky cat"),
+                                 ("Q runs blue friend old red a", "over sees blue runs", "runs runs dog", "likes old")]]
+    items += [(core.Task("long", "multiple_choice", "", 0, " ", 0.25),  # a row per option: 3 x 25 tokens > 64
+               {"query": "Where?", "choices": [long_answer, "a small boat " * 6, long_answer], "gold": 0})]
+    rows, first = [], [0]
+    for task, item in items:
+        these = core.rows_of(task, item, [], enc, model.config.block_size)
+        rows += these
+        first.append(first[-1] + core.scoring.n_options(these))
+    assert len(core.rows_of(*items[-1], [], enc, 64)) == 3
+    for batch_size in (1, 3, 4):
+        *_, (sums, counts, exact) = core.scoring.scored_batches(model, rows, "cpu", batch_size=batch_size)
+        for (task, item), a in zip(items, first):
+            options = item.get("choices", item.get("context_options"))
+            for j, k in [(j, k) for j in range(len(options)) for k in range(j) if options[j] == options[k]]:
+                assert (sums[a + j], counts[a + j], exact[a + j]) == (sums[a + k], counts[a + k], exact[a + k])
+        assert counts[first[2]:first[3]].tolist() == [0, 0] and exact[first[2]:first[3]].all()
+        assert counts[first[0]] == 0 and counts[first[0] + 1] > 0  # "the cat" begins the other answers
 
 
 def test_centring_by_hand():
