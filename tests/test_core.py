@@ -18,7 +18,7 @@ import checkpoint
 import common
 import core
 import tokenizer
-from core_bundle import TASKS, task_items, write_bundle
+from core_bundle import TASKS, task_items, write_bundle, write_items
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -295,6 +295,36 @@ def run_main(capsys, argv):
     return e.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
+def bad_bundle_cases(tmp_path):
+    """Bundles that once read wrongly or failed later: {case: (bundle, what its one line says)}."""
+    cases = {}
+    b = write_bundle(tmp_path / "twice", tasks=TASKS + [TASKS[0]])
+    cases["one label twice"] = (b, "core.yaml: tasks 1 and 6 are both labelled mc_zero: give each task its own label")
+    b = write_bundle(tmp_path / "null", tasks=TASKS[:1] + [("no_delimiter", "schema", 0, None, 50.0, 3)])
+    cases["null delimiter"] = (b, "core.yaml: task no_delimiter has the continuation_delimiter null: give a string")
+    for text in ("nan", "-5", "100", ""):
+        b = write_bundle(tmp_path / f"baseline{text}", csv_rows=[(t[0], text if t[0] == "lm_few" else t[4]) for t in TASKS])
+        cases[f"baseline {text!r}"] = (b, f"eval_meta_data.csv line 5: task lm_few has the random baseline {text!r}")
+    b = write_bundle(tmp_path / "latin1")
+    with open(os.path.join(b, "eval_data", "synthetic", "mc_few.jsonl"), "ab") as f:
+        f.write('{"query": "Caf\u00e9?", "choices": ["a", "b"], "gold": 0}\n'.encode("latin-1"))
+    cases["not UTF-8"] = (b, "task mc_few: " + os.path.join(b, "eval_data", "synthetic", "mc_few.jsonl")
+                          + " line 9: not UTF-8 text")
+    b = write_bundle(tmp_path / "cut")
+    with open(os.path.join(b, "eval_data", "synthetic", "mc_zero.jsonl"), "a") as f:
+        f.write('{"query": "Question 9: the cat\n')
+    cases["cut short"] = (b, "mc_zero.jsonl line 10: not complete JSON: the line ends before its value does")
+    # nothing to score: a continuation that merges into the contexts, one that adds no tokens
+    b = write_bundle(tmp_path / "glued", tasks=TASKS[:1] + [("glued", "schema", 0, "", 50.0, 2)])
+    write_items(b, "glued", [{"context_options": ["the cat", "the dog"], "continuation": " runs", "gold": 0},
+                             {"context_options": ["the cat", "the dog"], "continuation": "s", "gold": 1}])
+    cases["schema: nothing to score"] = (b, "glued.jsonl line 2: its prompts share no tokens at their end")
+    b = write_bundle(tmp_path / "empty", tasks=TASKS[:1] + [("lm_empty", "language_modeling", 0, "", 0.0, 2)])
+    write_items(b, "lm_empty", [{"context": "the cat", "continuation": ""}, {"context": "a", "continuation": " b"}])
+    cases["language modelling: nothing to score"] = (b, "lm_empty.jsonl line 1: its continuation adds no tokens")
+    return cases
+
+
 def test_bad_bundles_are_one_line_naming_the_file(capsys, tmp_path, model):
     ckpt = str(tmp_path / "ckpt_000001.pt")
     checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
@@ -313,12 +343,65 @@ def test_bad_bundles_are_one_line_naming_the_file(capsys, tmp_path, model):
         f.write("{not json\n")
     cases["not json"] = (b, "mc_zero.jsonl line 10: not JSON")
     cases["no such task"] = (write_bundle(tmp_path / "fine"), "--tasks: no task 'nope'")
+    cases.update(bad_bundle_cases(tmp_path))
     for name, (bundle_dir, expect) in cases.items():
         extra = ["--tasks", "nope"] if name == "no such task" else []
         code, lines = run_main(capsys, base + ["--bundle-dir", bundle_dir] + extra)
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], (name, lines)
     code, lines = run_main(capsys, base + ["--bundle-dir", str(tmp_path / "missing")])
     assert code == 2 and len(lines) == 1 and "is not a directory" in lines[0]
+
+
+def test_the_trainer_reads_and_checks_the_bundle_before_it_starts(tmp_path):
+    """--core-bundle is read as the run will read it, items up to --core-limit among them: a bad
+    bundle is one line naming the trainer's flag at launch, never a CORE skipped, or a crash, at
+    the first evaluation."""
+    import train_config
+    argv = ["--log-dir", str(tmp_path / "log"), "--core-every", "100"]
+    for name, (bundle, expect) in bad_bundle_cases(tmp_path).items():
+        with pytest.raises(common.UserError) as e:
+            train_config.parse_args(argv + ["--core-bundle", bundle])
+        assert str(e.value).startswith("--core-bundle: ") and expect in str(e.value), name
+    with pytest.raises(common.UserError) as e:
+        train_config.parse_args(argv + ["--core-bundle", str(tmp_path / "missing")])
+    assert "is not a directory" in str(e.value) and "--bundle-dir" not in str(e.value)
+    assert not os.path.exists(tmp_path / "log")
+    # the items past --core-limit are not the run's: a bad one there is left alone
+    order = list(range(3))
+    random.Random(core.SHUFFLE_SEED).shuffle(order)
+    continuations = [" runs", " sees", " likes"]
+    continuations[order[2]] = "s"  # the item the shuffle puts last
+    b = write_bundle(tmp_path / "limited", tasks=TASKS[:1] + [("glued", "schema", 0, "", 50.0, 3)])
+    write_items(b, "glued", [{"context_options": ["the cat", "the dog"], "continuation": c, "gold": 0}
+                             for c in continuations])
+    assert train_config.parse_args(argv + ["--core-bundle", b, "--core-limit", "2"]).core_bundle == b
+    with pytest.raises(common.UserError, match=f"glued.jsonl line {order[2] + 1}: its prompts share no tokens"):
+        train_config.parse_args(argv + ["--core-bundle", b, "--core-limit", "3"])
+
+
+def test_a_bom_and_a_numeric_label_are_read(tmp_path):
+    """Excel's "CSV UTF-8" starts the table with a byte-order mark; YAML reads `label: 2020` as a
+    number, which the table names by its text."""
+    b = write_bundle(tmp_path / "b", tasks=[("2020", "multiple_choice", 0, " ", 25.0, 4)] + TASKS[1:2])
+    path = os.path.join(b, "eval_meta_data.csv")
+    with open(path, "rb") as f:
+        table = f.read()
+    with open(path, "wb") as f:
+        f.write(b"\xef\xbb\xbf" + table)
+    assert [(t.label, t.baseline) for t in core.read_tasks(b)] == [("2020", 0.25), ("mc_few", 0.20)]
+    assert len(core.load_tasks(b, ["2020"], None)[0].items) == 4
+
+
+def test_a_limit_at_or_below_the_shot_count_says_it_shows_fewer(bundle, capsys, model, tmp_path):
+    """nanochat's sampling fails there; here each item shows the others, and a note says so."""
+    assert core.fewer_shots(core.load_tasks(bundle, None, 4)) == []  # mc_few 3-shot, lm_few 2-shot
+    notes = core.fewer_shots(core.load_tasks(bundle, None, 3))
+    assert notes == ["note: task mc_few is 3-shot, but with 3 items each shows only the 2 others: fewer shots "
+                     "than the benchmark's (a --limit above 3 gives them all)"]
+    ckpt = str(tmp_path / "ckpt_000001.pt")
+    checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
+    core.main(["--model", ckpt, "--bundle-dir", bundle, "--device", "cpu", "--tasks", "mc_few", "--limit", "3"])
+    assert notes[0] in capsys.readouterr().err
 
 
 def test_offline_without_a_bundle_is_one_line_naming_the_flag(capsys, tmp_path, monkeypatch, model):
