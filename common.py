@@ -1,7 +1,8 @@
 """
 What every script shares, and nothing else: one-line user errors and the exit path (the command
-line's among them), stop requests, rank-0 printing, file-system helpers (output-directory checks,
-atomic writes) and the connection probe asked before a download. Imports nothing from the project.
+line's among them, and a closed stdout), stop requests, rank-0 printing, file-system helpers
+(output-directory checks, atomic writes, the words for a JSON line that will not parse) and the
+connection probe asked before a download. Imports nothing from the project.
 """
 
 import argparse
@@ -48,10 +49,16 @@ def mark_joined_process_group():
 
 
 def run_main(main):
-    """Call main(); turn a UserError into one line on stderr and exit status 2. A process that
-    joined a process group always ends through exit_process (see there)."""
+    """Call main(); turn a UserError into one line on stderr and exit status 2. A closed stdout
+    (python plot.py LOG | head) ends the script quietly with status 1, as Python's documentation
+    advises (its note on SIGPIPE). A process that joined a process group always ends through
+    exit_process (see there)."""
     try:
         result = main()
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at the interpreter's exit
+    except BrokenPipeError:
+        to_devnull(sys.stdout)  # the interpreter's own flush at exit would fail again
+        exit_process(1)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         exit_process(2)
@@ -221,6 +228,15 @@ def out_of_space(e, directory, needed=0):
         return shutil.disk_usage(directory).free <= needed
     except OSError:
         return False
+
+
+def json_line_problem(line, error):
+    """What is wrong with one line of a JSON-lines file that json.loads refused with `error`, in
+    words. A line that ends inside its value (a file cut short, an interrupted write) says so,
+    where json's own message names what it met there ("Invalid control character" for the newline)."""
+    if error.pos >= len(line.rstrip()) or error.msg.startswith("Unterminated string"):
+        return "not complete JSON: the line ends before its value does (cut short?)"
+    return f"not JSON ({error.msg})"
 
 
 # ----------------------------------------------------------------------------------------------

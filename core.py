@@ -23,17 +23,26 @@ item with random.Random(1234 + index), never the item itself, each followed by a
 sequence starts with <|endoftext|> and keeps its last block_size tokens; the scored tokens are
 where the answers' token sequences part (multiple choice), what the contexts' sequences share at
 the end (schema), or what the continuation adds (language modelling). Each task's items are
-shuffled with random.Random(1337) before --limit takes the first N.
+shuffled with random.Random(1337) before --limit takes the first N (a --limit at or below a
+task's few-shot count leaves it fewer examples to show: a note says so).
+Degenerate items are judged as nanochat judges them too. Where a multiple-choice answer's tokens
+begin every other answer's, its scored span is empty and its mean loss NaN; nanochat picks with
+min() and list.index, which takes such an answer when it comes first and never otherwise. Schema
+options with identical contexts are all empty, so the first is picked. Identical options get
+identical scores, and the first of equal means is picked.
 
 Scoring is scoring.py's, shared with hellaswag.py: all options of an item in one packed row, many
 items per forward pass, items split over torchrun ranks and the counts summed.
 """
 
 import csv
+import io
 import json
+import math
 import os
 import random
 import shutil
+import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -116,12 +125,13 @@ class Task:
     items: list = field(default_factory=list)
 
 
-def read_tasks(bundle_dir, only=None):
+def read_tasks(bundle_dir, only=None, flag="--bundle-dir"):
     """The bundle's tasks in core.yaml's order (only: a list of labels, in that order), baselines
-    from eval_meta_data.csv; one line naming the file for anything malformed."""
+    from eval_meta_data.csv; one line naming the file (its line, the task) for anything malformed.
+    flag: the option that named bundle_dir (the trainer's is --core-bundle)."""
     import yaml
     if not os.path.isdir(bundle_dir):
-        raise common.UserError(f"--bundle-dir {bundle_dir} is not a directory: pass the unzipped eval_bundle")
+        raise common.UserError(f"{bundle_dir} is not a directory: pass the unzipped eval_bundle to {flag}")
     spec_path = os.path.join(bundle_dir, "core.yaml")
     meta_path = os.path.join(bundle_dir, "eval_meta_data.csv")
     for path in (spec_path, meta_path):
@@ -129,20 +139,14 @@ def read_tasks(bundle_dir, only=None):
             raise common.UserError(f"{bundle_dir} has no {os.path.basename(path)}: pass the unzipped eval_bundle "
                                    f"(it holds core.yaml, eval_meta_data.csv and eval_data/)")
     try:
-        with open(spec_path, encoding="utf-8") as f:
-            spec = yaml.safe_load(f)
+        spec = yaml.safe_load(read_text(spec_path))
     except yaml.YAMLError as e:
         raise common.UserError(f"{spec_path} is not valid YAML ({common.first_line(e)})")
     entries = spec.get("icl_tasks") if isinstance(spec, dict) else None
     if not isinstance(entries, list) or not entries:
         raise common.UserError(f"{spec_path} has no icl_tasks list")
-    try:
-        with open(meta_path, encoding="utf-8", newline="") as f:
-            baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in csv.DictReader(f)}
-    except (KeyError, ValueError, TypeError) as e:
-        raise common.UserError(f"{meta_path} is not the bundle's table: it needs the columns 'Eval Task' and "
-                               f"'Random baseline' (a number) ({type(e).__name__}: {common.first_line(e)})")
-    tasks = []
+    baselines = read_baselines(meta_path)
+    tasks, numbers = [], {}
     for n, entry in enumerate(entries, 1):
         try:
             label, kind = entry["label"], entry["icl_task_type"]
@@ -150,15 +154,35 @@ def read_tasks(bundle_dir, only=None):
             uri = entry["dataset_uri"]
         except (KeyError, TypeError, IndexError):
             raise common.UserError(f"{spec_path}: task {n} needs label, dataset_uri, num_fewshot and icl_task_type")
+        if isinstance(label, (int, float)) and not isinstance(label, bool):
+            label = str(label)  # YAML reads `label: 2020` as a number; the csv names the task by its text
+        if not isinstance(label, str) or not isinstance(uri, str):
+            raise common.UserError(f"{spec_path}: task {n}'s label and dataset_uri must be text")
+        if label in numbers:  # else one would hide the other in the report, and CORE count it twice
+            raise common.UserError(f"{spec_path}: tasks {numbers[label]} and {n} are both labelled {label}: "
+                                   f"give each task its own label")
+        numbers[label] = n
         if kind not in TASK_TYPES:
             raise common.UserError(f"{spec_path}: task {label} has the unknown type {kind!r} "
                                    f"(known: {', '.join(TASK_TYPES)})")
-        if label not in baselines:
-            raise common.UserError(f"{meta_path} has no random baseline for task {label} (its 'Eval Task' column)")
         if not isinstance(shots, int) or shots < 0:
             raise common.UserError(f"{spec_path}: task {label} has num_fewshot {shots!r}, not a whole number")
-        tasks.append(Task(label, kind, os.path.join(bundle_dir, "eval_data", uri), shots,
-                          entry.get("continuation_delimiter", " "), baselines[label] / 100))
+        delimiter = entry.get("continuation_delimiter", " ")
+        if not isinstance(delimiter, str):  # a bare `null` would be rendered as "None"
+            shown = "null" if delimiter is None else repr(delimiter)
+            raise common.UserError(f"{spec_path}: task {label} has the continuation_delimiter {shown}: give a "
+                                   f"string in quotes, or leave it out for a space")
+        if label not in baselines:
+            raise common.UserError(f"{meta_path} has no random baseline for task {label} (its 'Eval Task' column)")
+        text, line = baselines[label]
+        try:
+            baseline = float(text)
+        except (TypeError, ValueError):
+            baseline = math.nan
+        if not 0 <= baseline < 100:  # NaN too; 100 would centre by dividing by zero
+            raise common.UserError(f"{meta_path} line {line}: task {label} has the random baseline {text!r}: give "
+                                   f"the accuracy of chance in percent, at least 0 and below 100")
+        tasks.append(Task(label, kind, os.path.join(bundle_dir, "eval_data", uri), shots, delimiter, baseline / 100))
     if only:
         known = {t.label: t for t in tasks}
         unknown = [name for name in only if name not in known]
@@ -167,6 +191,30 @@ def read_tasks(bundle_dir, only=None):
                                    f"{', '.join(known)}")
         tasks = [t for t in tasks if t.label in only]
     return tasks
+
+
+def read_baselines(meta_path):
+    """eval_meta_data.csv's random baselines: {task: (its 'Random baseline' text, its line)}."""
+    reader = csv.DictReader(io.StringIO(read_text(meta_path), newline=""))
+    try:
+        return {row["Eval Task"]: (row["Random baseline"], reader.line_num) for row in reader}
+    except KeyError as e:
+        raise common.UserError(f"{meta_path} is not the bundle's table: it has no column {e} (it needs "
+                               f"'Eval Task' and 'Random baseline')")
+    except csv.Error as e:
+        raise common.UserError(f"{meta_path} line {reader.line_num} is not CSV ({common.first_line(e)})")
+
+
+def read_text(path, where=""):
+    """A bundle file's text, without the byte-order mark that Excel's "CSV UTF-8" and some editors
+    put first; one line naming the line that is not UTF-8 (where: what to say first)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise common.UserError(f"{where}{path} line {line}: not UTF-8 text ({e.reason}): save the file as UTF-8")
 
 
 FIELDS = {"multiple_choice": {"query": str, "choices": list, "gold": int},
@@ -180,7 +228,7 @@ def parse_item(line, kind, where):
     try:
         item = json.loads(line)
     except json.JSONDecodeError as e:
-        raise common.UserError(f"{where}: not JSON ({e.msg}); a {kind} item is an object with {fix}")
+        raise common.UserError(f"{where}: {common.json_line_problem(line, e)}; a {kind} item is an object with {fix}")
     if not isinstance(item, dict):
         raise common.UserError(f"{where}: not a JSON object; a {kind} item has {fix}")
     for key, kind_of in FIELDS[kind].items():
@@ -194,15 +242,31 @@ def parse_item(line, kind, where):
 
 
 def load_items(task, limit=None):
-    """A task's items, shuffled with SHUFFLE_SEED, the first `limit` of them (None: all)."""
+    """A task's items, shuffled with SHUFFLE_SEED, the first `limit` of them (None: all), each
+    checked: its fields, and that its prompts leave something to score."""
     if not os.path.isfile(task.path):
         raise common.UserError(f"task {task.label}: its data {task.path} is missing from the bundle")
-    with open(task.path, encoding="utf-8") as f:
-        items = [parse_item(line, task.kind, f"{task.path} line {n}") for n, line in enumerate(f, 1) if line.strip()]
-    if not items:
+    where = f"task {task.label}: "
+    lines = enumerate(io.StringIO(read_text(task.path, where), newline=None), 1)
+    numbered = [(n, parse_item(line, task.kind, f"{where}{task.path} line {n}")) for n, line in lines if line.strip()]
+    if not numbered:
         raise common.UserError(f"task {task.label}: {task.path} holds no items")
-    random.Random(SHUFFLE_SEED).shuffle(items)
-    return items[:limit] if limit else items
+    random.Random(SHUFFLE_SEED).shuffle(numbered)  # the items' order alone would be the same: it depends on the count
+    numbered = numbered[:limit] if limit else numbered
+    enc = get_tokenizer()
+    for n, item in numbered:
+        problem = nothing_to_score(task, item, enc)
+        if problem:
+            raise common.UserError(f"{where}{task.path} line {n}: {problem}: fix the item or remove it")
+    return [item for _, item in numbered]
+
+
+def fewer_shots(tasks, flag="--limit"):
+    """A note for each task that scores no more items than its few-shot count: each item can then
+    show only the others as examples (nanochat's sampling would stop there with an error)."""
+    return [f"note: task {t.label} is {t.shots}-shot, but with {len(t.items)} items each shows only the "
+            f"{len(t.items) - 1} others: fewer shots than the benchmark's (a {flag} above {t.shots} gives them all)"
+            for t in tasks if t.shots and t.shots >= len(t.items)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,17 +308,29 @@ def common_prefix(seqs):
 
 def spans(task, seqs):
     """Token sequences (each starting with <|endoftext|>) -> [(sequence, start of the scored tokens)],
-    one per option: the scored tokens run from start to the sequence's end."""
+    one per option: the scored tokens run from start to the sequence's end, as nanochat finds them.
+    They are none (start = the sequence's length) where nanochat's are: for a multiple-choice answer
+    whose tokens begin every other answer's, and for schema options whose contexts are the same."""
     if task.kind == "language_modeling":
-        without, with_ = seqs
-        start = common_prefix(seqs)  # len(without), unless the continuation re-merged its last tokens
-        return [(with_, start if start < len(with_) else len(with_) - 1)]
+        return [(seqs[1], common_prefix(seqs))]  # len(without), unless the continuation re-merged its last tokens
     if task.kind == "multiple_choice":
-        # where they part; where one choice extends another, from the shorter one's last token on
-        start = min(common_prefix(seqs), min(len(s) for s in seqs) - 1)
+        start = common_prefix(seqs)  # where the answers part
         return [(s, start) for s in seqs]
     shared = common_prefix([s[::-1] for s in seqs])  # schema: the continuation, shared at the end
-    return [(s, max(1, len(s) - shared)) for s in seqs]
+    # a sequence that is all shared: nanochat's span starts before its first token, which leaves it empty
+    return [(s, len(s) if shared == len(s) else len(s) - shared) for s in seqs]
+
+
+def nothing_to_score(task, item, enc):
+    """Why an item's prompts leave nothing to score, or None. The item is rendered without few-shot
+    examples: they end in a blank line, after which the tokenizer starts afresh, so the end of the
+    prompts, where the scored tokens lie, is the same with them."""
+    seqs = [[EOT_TOKEN] + enc.encode_ordinary(p) for p in prompts(task, item, [])]
+    if task.kind == "language_modeling" and common_prefix(seqs) >= len(seqs[1]):
+        return "its continuation adds no tokens to its context"
+    if task.kind == "schema" and common_prefix([s[::-1] for s in seqs]) == 0:
+        return "its prompts share no tokens at their end: the continuation is empty, or merges into the contexts"
+    return None
 
 
 def rows_of(task, item, examples, enc, block_size):
@@ -278,11 +354,18 @@ def rows_of(task, item, examples, enc, block_size):
 
 
 def judge(task, item, sums, counts, exact):
-    """Whether the model got the item right, from its options' scores (in order)."""
+    """Whether the model got the item right, from its options' scores (in order). Multiple choice
+    and schema pick as nanochat does, min() then list.index over the mean losses, where an option
+    with nothing scored has the mean NaN (a mean over no tokens): min() keeps a NaN that comes
+    first, and nothing is below it, so it is picked; a NaN later is never below anything, so never
+    picked. Of equal means, the first."""
     if task.kind == "language_modeling":
         return bool(exact[0])
-    means = sums / counts
-    return int(torch.argmin(means)) == item["gold"]  # the first of equal means, as nanochat's list.index
+    means = (sums / counts).tolist()
+    if math.isnan(means[0]):
+        return item["gold"] == 0
+    pick = min(range(len(means)), key=lambda j: math.inf if math.isnan(means[j]) else means[j])
+    return pick == item["gold"]
 
 
 def centered(acc, baseline):
@@ -377,6 +460,8 @@ def training_hook(bundle_dir, limit, ranks, log, lockstep):
     and kept for the run's later evaluations."""
     def load(raw_model):
         tasks = load_tasks(bundle_dir, None, limit, "--core-bundle")
+        for note in fewer_shots(tasks, "--core-limit"):
+            log.line(note)
         return tasks, share_of(tasks, scoring.model_block_size(raw_model), ranks.rank, ranks.world_size)
 
     def score(raw_model, data, dtype, should_stop, progress):
@@ -393,7 +478,7 @@ def training_hook(bundle_dir, limit, ranks, log, lockstep):
 
 def load_tasks(bundle_dir, only, limit, flag="--bundle-dir", cache_dir=None):
     """The tasks with their items: from bundle_dir, else the cached (downloaded) bundle."""
-    tasks = read_tasks(bundle_dir if bundle_dir is not None else download(cache_dir, flag), only)
+    tasks = read_tasks(bundle_dir if bundle_dir is not None else download(cache_dir, flag), only, flag)
     for task in tasks:
         task.items = load_items(task, limit)
     return tasks
@@ -432,8 +517,14 @@ def main(argv=None):
     def show(result, seconds):
         n = sum(r["n"] for r in result["tasks"].values())
         return "\n".join(describe(result) + [f"{n / seconds:.1f} items/s"])
-    scoring.run_script(args, "core", lambda: load_tasks(args.bundle_dir, args.tasks, args.limit, cache_dir=args.cache_dir),
-                       lambda tasks: f"{len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items", score, show)
+
+    def load():
+        tasks = load_tasks(args.bundle_dir, args.tasks, args.limit, cache_dir=args.cache_dir)
+        for note in fewer_shots(tasks):
+            common.print0(note, file=sys.stderr)
+        return tasks
+    scoring.run_script(args, "core", load, lambda tasks: f"{len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items",
+                       score, show)
 
 
 if __name__ == "__main__":

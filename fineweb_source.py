@@ -17,7 +17,7 @@ import re
 
 import numpy as np
 
-from common import UserError, first_line, hub_unreachable
+from common import UserError, first_line, hub_unreachable, json_line_problem
 
 FILE_KINDS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}
 FILE_TYPES = ", ".join(list(FILE_KINDS)[:-1]) + " or " + list(FILE_KINDS)[-1]  # for messages
@@ -183,8 +183,8 @@ def json_problem(path):
     JSON value is JSON lines, checked line by line; any other is one JSON document."""
     import json
 
-    def bad(number, e):
-        return f"{path}, line {number}: not JSON ({e.msg}): fix that line, or leave the file out"
+    def bad(number, problem):
+        return f"{path}, line {number}: {problem}: fix that line, or leave the file out"
     with open(path, encoding="utf-8", errors="replace") as f:
         first = True
         for number, line in enumerate(f, 1):
@@ -194,7 +194,7 @@ def json_problem(path):
                 json.loads(line)
             except json.JSONDecodeError as e:
                 if not first:
-                    return bad(number, e)
+                    return bad(number, json_line_problem(line, e))
                 break  # the first line is not a whole value: the file is one JSON document
             first = False
         else:
@@ -203,7 +203,7 @@ def json_problem(path):
         try:
             json.load(f)
         except json.JSONDecodeError as e:
-            return bad(e.lineno, e)
+            return bad(e.lineno, f"not JSON ({e.msg})")
     return None
 
 

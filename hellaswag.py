@@ -81,7 +81,7 @@ def parse_item(line, where):
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:
-        raise common.UserError(f"{where}: malformed HellaSwag line, not JSON ({e.msg}); {fix}")
+        raise common.UserError(f"{where}: malformed HellaSwag line, {common.json_line_problem(line, e)}; {fix}")
     if not isinstance(d, dict):
         raise common.UserError(f"{where}: malformed HellaSwag line (not an object); {fix}")
     ctx, endings, label = d.get("ctx"), d.get("endings"), d.get("label")

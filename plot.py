@@ -8,7 +8,8 @@ writes into its log directory (metrics.py: the format, and the reader used here)
 The PNG has four or five panels against tokens seen: train loss (faint: every step, solid: EMA) and
 validation loss (dashed) with OpenAI GPT-2 124M's validation loss; HellaSwag acc_norm with
 GPT-2 124M and GPT-3 124M; tokens/s; MFU; and, when a run scored it, CORE with GPT-2 124M's and
-1.5B's. Several runs overlay, one colour each.
+1.5B's (a CORE over other than the 22 tasks, from a custom bundle, is labelled with its task count
+and not set against them). Several runs overlay, one colour each.
 matplotlib is optional: without it the summaries still print.
 
 How the numbers are defined (summarize() returns them, format_summary() prints them):
@@ -34,7 +35,7 @@ import threading
 import checkpoint
 import common
 from common import UserError
-from core import GPT2_CORE
+from core import GPT2_CORE, N_CORE_TASKS
 from metrics import read_metrics
 
 # Reference lines, each with where its number comes from.
@@ -67,6 +68,18 @@ def steady_records(metrics):
     return [r for r in warmed_up(metrics) if r["step"] >= cut]
 
 
+def core_tasks(records):
+    """How many tasks a run's CORE averages (its last record's), or None where the records do not
+    say: the trainer writes each task's centred accuracy into `centered`."""
+    centered = records[-1].get("centered") if records else None
+    return len(centered) if isinstance(centered, dict) else None
+
+
+def comparable_core(n_tasks):
+    """Whether a CORE over n_tasks tasks can stand beside GPT-2's, measured over all 22."""
+    return n_tasks in (None, N_CORE_TASKS)
+
+
 def _median(values):
     values = [v for v in values if v is not None and math.isfinite(v)]
     return statistics.median(values) if values else None
@@ -93,7 +106,8 @@ def summarize(log_dir):
     wall_time_s; tok_per_s_mean, tok_per_s_steady, mfu (steady-state median, a fraction);
     val_loss_best, val_loss_best_step, val_loss_final, val_loss_final_step;
     hellaswag_best, hellaswag_best_step, hellaswag_final, hellaswag_final_step (acc_norm);
-    core_best, core_best_step, core_final, core_final_step (CORE, when the run scored it);
+    core_best, core_best_step, core_final, core_final_step (CORE, when the run scored it),
+    core_tasks (how many tasks its CORE averages, None where the records do not say);
     status ("finished", "signal", "nonfinite", "error" from the last launch's end record, or
     "stopped" when it has none: killed, or still running); stop_step (the end record's step, or
     the last logged train step); checkpoint, checkpoint_step (what --resume continues from; the
@@ -139,6 +153,7 @@ def summarize(log_dir):
         "core_best_step": best_core["step"] if best_core else None,
         "core_final": cores[-1]["core"] if cores else None,
         "core_final_step": cores[-1]["step"] if cores else None,
+        "core_tasks": core_tasks(cores),
         "status": end["reason"] if end else "stopped",
         "stop_step": end["step"] if end else (train[-1]["step"] if train else None),
         "checkpoint": checkpoint,
@@ -185,10 +200,12 @@ def format_summary(s):
                  f"steady {na(s['tok_per_s_steady'], '{:,.0f}')} (median past warm-up)")
     lines.append("  MFU         " + (f"{s['mfu']:.1%} (steady median)" if s["mfu"] is not None
                                       else "n/a (peak FLOPs of this device unknown)"))
+    core_references = (f"GPT-2 124M: {GPT2_CORE_124M}, 1.5B: {GPT2_CORE_XL}" if comparable_core(s["core_tasks"])
+                       else f"over {s['core_tasks']} tasks: not comparable with GPT-2's, over {N_CORE_TASKS}")
     for name, key, references, missing in (
             ("val loss", "val_loss", f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}", "no evaluation logged"),
             ("HellaSwag", "hellaswag", f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}", "not evaluated"),
-            ("CORE", "core", f"GPT-2 124M: {GPT2_CORE_124M}, 1.5B: {GPT2_CORE_XL}", None)):
+            ("CORE", "core", core_references, None)):
         if missing is None and s[f"{key}_best"] is None:
             continue  # CORE is off by default: no line for it then
         if s[f"{key}_best"] is None:
@@ -201,7 +218,7 @@ def format_summary(s):
         lines.append(f"  status      finished at step {s['stop_step']}{final}")
     else:
         words = STATUS_WORDS.get(s["status"], f"ended ({s['status']}) at step {{}}")
-        if s["stop_step"] is not None and s["stop_step"] < 0:  # stopped before its first step finished
+        if s["stop_step"] is None or s["stop_step"] < 0:  # stopped before its first step finished
             words = words.replace("at step {}", "before its first step")
         lines.append(f"  status      {words.format(s['stop_step'])}")
         if s["checkpoint"]:
@@ -326,17 +343,23 @@ def build_figure(log_dirs, labels=None, smooth=None):
         if val:
             ax_loss.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "--o", color=color,
                          markersize=3, linewidth=1.2, label=f"{label} val")
-        resumes = [launch["run"] for launch in m["launches"][1:] if launch["run"] and launch["run"].get("tokens_per_step")]
-        for j, run in enumerate(resumes):
-            at = ", ".join(str(r["step"]) for r in resumes)
-            ax_loss.axvline(run["step"] * run["tokens_per_step"], color=color, linestyle=(0, (1, 3)),
-                            label=None if j else f"{label}: resumed at step {at}")
+        resumes = {}  # step -> tokens seen there, each step once; a launch that trained no step (one that
+        # only exported, say) resumed nothing
+        for launch in m["launches"][1:]:
+            run = launch["run"]
+            if run and run.get("tokens_per_step") and launch["first_train_step"] is not None:
+                resumes.setdefault(run["step"], run["step"] * run["tokens_per_step"])
+        for j, tokens in enumerate(resumes.values()):
+            ax_loss.axvline(tokens, color=color, linestyle=(0, (1, 3)),
+                            label=None if j else f"{label}: resumed at step {', '.join(map(str, resumes))}")
         if hs:
             ax_hs.plot([r["tokens"] for r in hs], [r["acc_norm"] for r in hs], "-o", color=color,
                        markersize=3, linewidth=1.2, label=label)
         if m["core"]:
+            n_tasks = core_tasks(m["core"])
             ax_core.plot([r["tokens"] for r in m["core"]], [r["core"] for r in m["core"]], "-o", color=color,
-                         markersize=3, linewidth=1.2, label=label)
+                         markersize=3, linewidth=1.2, label=label if comparable_core(n_tasks) else
+                         f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)")
         steps = warmed_up(m)
         if steps:
             _curve(ax_tps, [r["tokens"] for r in steps], [r["tok_per_s"] for r in steps], color, label, span)
@@ -355,11 +378,14 @@ def build_figure(log_dirs, labels=None, smooth=None):
     low, high = min(loss_all), max(loss_late)
     ax_loss.set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
     if ax_core is not None:
-        for (value, text), color in zip(CORE_REFERENCES, ("firebrick", "black")):
+        comparable = [comparable_core(core_tasks(m["core"])) for m in runs if m["core"]]
+        references = CORE_REFERENCES if any(comparable) else []  # GPT-2's, over all 22 tasks
+        for (value, text), color in zip(references, ("firebrick", "black")):
             ax_core.axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
         cores = [r["core"] for m in runs for r in m["core"]]
-        ax_core.set_ylim(min([0.0] + cores) - 0.01, max([GPT2_CORE_XL] + cores) + 0.02)
-        ax_core.set_title("CORE (22 in-context tasks, centred accuracy: 0 = chance)")
+        ax_core.set_ylim(min([0.0] + cores) - 0.01, max([v for v, _ in references] + cores) + 0.02)
+        ax_core.set_title(f"CORE ({N_CORE_TASKS} in-context tasks, centred accuracy: 0 = chance)" if all(comparable)
+                          else "CORE (centred accuracy: 0 = chance)")
         ax_core.set_ylabel("CORE")
     scores = [r["acc_norm"] for m in runs for r in m["hellaswag"]]
     ax_hs.set_ylim(min([0.24] + scores) - 0.005, max([0.35] + scores) + 0.01)

@@ -197,8 +197,4 @@ def main(argv=None, stdin=None, stdout=None):
 if __name__ == "__main__":
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a console that can't show a character gets '?'
-    try:
-        common.run_main(main)
-    except BrokenPipeError:  # the reader went away (python sample.py | head): stop without a traceback
-        common.to_devnull(sys.stdout)
-        sys.exit(1)
+    common.run_main(main)

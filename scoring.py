@@ -27,7 +27,7 @@ import checkpoint
 import common
 import parallel
 from common import UserError
-from device import autocast, device_name, pick_dtype
+from device import autocast, compile_blocker, device_name, pick_dtype
 
 SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple of this: few shapes
 LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
@@ -93,22 +93,43 @@ def n_options(rows):
 def scored_batches(model, rows, device, dtype="float32", batch_size=4):
     """Scores rows batch by batch: yields (sums, counts, exact) after each forward pass, the same
     three tensors each time (float64, float64, bool; one entry per option, the rows' options in
-    order) with the rows scored so far filled in. rows: [(prefix, [(own context, continuation)])],
-    each at most the model's block_size long once packed."""
-    packed = [pack(prefix, options) for prefix, options in rows]
-    first = [0]  # the index of each row's first option
-    for _, options in rows:
-        first.append(first[-1] + len(options))
+    order) with the rows scored so far filled in; once, with no forward pass, when there is nothing
+    to score. rows: [(prefix, [(own context, continuation)])], each at most the model's block_size
+    long once packed.
+    An option with an empty continuation is not scored: sum 0 and count 0 (so its mean is NaN) and
+    exact True, what a mean and an all() over no tokens give. An option the same as one before it
+    (the same prefix, context and continuation: in its row, or a row of its own) is scored once and
+    shares that one's scores: the same tokens elsewhere in a row, or in another batch, can round
+    differently in the last bits, and a pick between equal options must not follow the batching."""
+    total = n_options(rows)
+    stand_in = list(range(total))  # each option's scores come from this one: itself, or the first one like it
+    todo, first_of = [], {}  # todo: the rows to pack, [(prefix, [(option index, own, continuation)])]
+    k = 0
+    for prefix, options in rows:
+        kept, key_prefix = [], tuple(prefix)
+        for own, continuation in options:
+            key = (key_prefix, tuple(own), tuple(continuation))
+            if key in first_of:
+                stand_in[k] = first_of[key]
+            elif continuation:
+                first_of[key] = k
+                kept.append((k, own, continuation))
+            k += 1
+        if kept:
+            todo.append((prefix, kept))
+    packed = [pack(prefix, [(own, c) for _, own, c in kept]) for prefix, kept in todo]
     compiled = hasattr(model, "_orig_mod")  # torch.compile'd: recompiles for every new shape
     bucket = SEQ_BUCKET if compiled else 8  # eager: just enough rounding for tensor-core shapes
-    order = sorted(range(len(rows)), key=lambda i: -len(packed[i][0]))  # longest first: an OOM shows at once
-    sums = torch.zeros(first[-1], dtype=torch.float64)
+    order = sorted(range(len(todo)), key=lambda i: -len(packed[i][0]))  # longest first: an OOM shows at once
     counts = torch.tensor([len(c) for _, options in rows for _, c in options], dtype=torch.float64)
-    exact = torch.zeros(first[-1], dtype=torch.bool)
+    sums = torch.zeros(total, dtype=torch.float64)
+    exact = counts == 0
+    stand_in = torch.tensor(stand_in, dtype=torch.long)
+    copies = torch.nonzero(stand_in != torch.arange(total)).flatten()
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
         T = -(-max(len(packed[i][0]) for i in batch) // bucket) * bucket
-        B = min(batch_size, len(rows)) if compiled else len(batch)  # compiled: the last batch too
+        B = min(batch_size, len(todo)) if compiled else len(batch)  # compiled: the last batch too
         idx = torch.zeros(B, T, dtype=torch.long)
         pos = torch.zeros(B, T, dtype=torch.long)
         seg = torch.full((B, T), -1, dtype=torch.long)
@@ -117,10 +138,10 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
             tokens, p, s, w = packed[i]
             n = len(tokens)
             idx[b, :n], pos[b, :n], seg[b, :n] = torch.tensor(tokens), torch.tensor(p), torch.tensor(s)
-            where += [b * T + k for k in w]
-            for j, (_, continuation) in enumerate(rows[i][1]):
+            where += [b * T + j for j in w]
+            for k, _, continuation in todo[i][1]:
                 targets += continuation
-                option_of += [first[i] + j] * len(continuation)
+                option_of += [k] * len(continuation)
         idx, pos, seg = idx.to(device), pos.to(device), seg.to(device)
         with autocast(device, dtype):
             logits, _ = model(idx, pos=pos, mask=attention_mask(seg))
@@ -128,10 +149,13 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
                                        torch.tensor(targets, device=device))
         option_of = torch.tensor(option_of)
         sums.index_add_(0, option_of, losses.double().cpu())
-        missed = torch.zeros(first[-1], dtype=torch.long).index_add_(0, option_of, (~greedy).long().cpu())
-        touched = torch.zeros(first[-1], dtype=torch.bool)
+        missed = torch.zeros(total, dtype=torch.long).index_add_(0, option_of, (~greedy).long().cpu())
+        touched = torch.zeros(total, dtype=torch.bool)
         touched[option_of] = True
         exact |= touched & (missed == 0)
+        sums[copies], exact[copies] = sums[stand_in[copies]], exact[stand_in[copies]]
+        yield sums, counts, exact
+    if rows and not todo:
         yield sums, counts, exact
 
 
@@ -256,6 +280,9 @@ def run_script(args, name, load, describe_data, score, show):
     ranks = parallel.setup_distributed(args.device)
     summary = sys.stderr if args.json else sys.stdout
     try:
+        blocker = compile_blocker(ranks.device) if args.compile else None
+        if blocker:  # else inductor's traceback, at the first forward pass
+            raise UserError(f"--compile: {blocker}; leave it out")
         dtype = pick_dtype(args.dtype, ranks.device)
         data = load()
         model, what = checkpoint.load_model(args.model, ranks.device)

@@ -182,10 +182,10 @@ def parse_args(argv=None, description=None):
             hellaswag.load_items(args.hellaswag_file, limit=args.hellaswag_limit, flag="--hellaswag-file")
         except UserError as e:
             raise UserError(f"--hellaswag-file: {e}")
-    if args.core_bundle is not None:  # the same for a bundle: its task list and baselines, read now
+    if args.core_bundle is not None:  # the same for a bundle: its tasks and the items the run will score
         import core
         try:
-            core.read_tasks(args.core_bundle)
+            core.load_tasks(args.core_bundle, None, args.core_limit, "--core-bundle")
         except UserError as e:
             raise UserError(f"--core-bundle: {e}")
     # defaults that scale with the run, resolved here so that the rest reads one value

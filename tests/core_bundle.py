@@ -57,3 +57,9 @@ def write_bundle(root, tasks=TASKS, yaml_extra="", csv_rows=None):
         for row in csv_rows if csv_rows is not None else [(t[0], t[4]) for t in tasks]:
             w.writerow([row[0], "test", "test", 0, 0, row[1], "Yes", "synthetic"])
     return str(root)
+
+
+def write_items(root, label, items):
+    """Replace the items of task `label` in the bundle at root with these (dicts, or lines as text)."""
+    with open(os.path.join(root, "eval_data", "synthetic", f"{label}.jsonl"), "w") as f:
+        f.writelines((item if isinstance(item, str) else json.dumps(item)) + "\n" for item in items)

@@ -1,5 +1,6 @@
 """Running train_gpt2.py in the tests: a tiny configuration, shards of learnable text for it, and
-reading back what a run wrote (its metrics and its last checkpoint)."""
+reading back what a run wrote (its metrics and its last checkpoint); and any script with its
+stdout closed."""
 import json
 import os
 import random
@@ -75,3 +76,13 @@ def final_state(log_dir):
 def torchrun(extra, args, **kw):
     cmd = [sys.executable, "-m", "torch.distributed.run"] + extra + [TRAIN] + args
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, **kw)
+
+
+def stdout_closed(script, args):
+    """Run script (a path) as `python script args | head` runs once head has exited: its stdout a
+    pipe whose reader is gone. Returns its exit status and stderr."""
+    proc = subprocess.Popen([sys.executable, script] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=ENV)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(timeout=600), err

@@ -3,6 +3,7 @@ against a plain re-computation (one option at a time, no batching or packing), t
 arithmetic, few-shot sampling, truncation, the --model forms, and bad bundles."""
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -17,7 +18,7 @@ import checkpoint
 import common
 import core
 import tokenizer
-from core_bundle import TASKS, task_items, write_bundle
+from core_bundle import TASKS, task_items, write_bundle, write_items
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -30,10 +31,12 @@ def bundle(tmp_path_factory):
 
 
 def reference_option_scores(model, task, item, examples):
-    """The definition, one option at a time: each whole prompt tokenised after <|endoftext|>, the
-    last block_size tokens kept, one forward pass each; the scored tokens found by comparing the
-    options' token sequences (where they part, what they share at the end, or what the
-    continuation adds). Returns [(summed loss, token count, all greedy)] per option."""
+    """nanochat's definition, one option at a time: each whole prompt tokenised after <|endoftext|>,
+    the last block_size tokens kept, one forward pass each; the scored tokens found by comparing
+    the options' token sequences: from where they part to the end (multiple choice), the end they
+    share (schema), or what the continuation adds. A sequence that is all shared has none scored
+    (nanochat's slice of its losses, from one before the start to one before the end, is empty).
+    Returns [(summed loss, token count, all greedy)] per option."""
     enc = tokenizer.get_tokenizer()
     texts = core.prompts(task, item, examples)
     seqs = [[tokenizer.EOT_TOKEN] + enc.encode(t) for t in texts]
@@ -43,16 +46,19 @@ def reference_option_scores(model, task, item, examples):
         scored = [(full, len(without))]
     elif task.kind == "multiple_choice":
         start = 0
-        while all(len(s) > start + 1 for s in seqs) and len({s[start] for s in seqs}) == 1:
+        while all(len(s) > start for s in seqs) and len({s[start] for s in seqs}) == 1:
             start += 1
         scored = [(s, start) for s in seqs]
     else:
         shared = 0
-        while all(len(s) > shared + 1 for s in seqs) and len({s[-1 - shared] for s in seqs}) == 1:
+        while all(len(s) > shared for s in seqs) and len({s[-1 - shared] for s in seqs}) == 1:
             shared += 1
         scored = [(s, len(s) - shared) for s in seqs]
     out = []
     for seq, start in scored:
+        if start in (0, len(seq)):
+            out.append((0.0, 0, True))
+            continue
         cut = max(0, len(seq) - model.config.block_size)
         seq, start = seq[cut:], max(1, start - cut)
         tokens = torch.tensor(seq)
@@ -61,6 +67,13 @@ def reference_option_scores(model, task, item, examples):
         greedy = (logits[0].argmax(-1) == tokens[1:])[start - 1:]
         out.append((losses.sum().item(), len(losses), bool(greedy.all())))
     return out
+
+
+def nanochat_pick(ref):
+    """The option nanochat picks from reference_option_scores: min() over the mean losses (NaN for
+    an option with nothing scored), then list.index."""
+    means = [s / c if c else math.nan for s, c, _ in ref]
+    return means.index(min(means))
 
 
 @torch.no_grad()
@@ -92,15 +105,78 @@ def test_every_task_type_matches_the_one_at_a_time_definition(model, bundle):
             if task.kind == "language_modeling":
                 right += ref[0][2]
                 continue
-            means = [s / c for s, c, _ in ref]
-            ordered = sorted(means)
-            close += ordered[1] - ordered[0] < 1e-4
-            right += means.index(min(means)) == item["gold"]
+            means = [s / c if c else math.nan for s, c, _ in ref]
+            finite = sorted(m for m in means if not math.isnan(m))
+            close += not math.isnan(means[0]) and len(finite) > 1 and 0 < finite[1] - finite[0] < 1e-4
+            right += nanochat_pick(ref) == item["gold"]
         got = result["tasks"][task.label]
         assert got["n"] == len(task.items)
         assert abs(got["acc"] * got["n"] - right) <= close, task.label
         assert got["centered"] == pytest.approx(core.centered(got["acc"], task.baseline))
     assert result["core"] == pytest.approx(sum(r["centered"] for r in result["tasks"].values()) / len(tasks))
+
+
+# Items where nanochat's rule, not the model, decides: (type, item, right?). A multiple-choice answer
+# whose tokens begin every other answer's has nothing scored and a NaN mean, which nanochat's min()
+# and list.index pick when it comes first and never elsewhere; schema options with identical
+# contexts all have nothing scored; of identical options the first is picked.
+DEGENERATE = [
+    ("multiple_choice", {"query": "Which one?", "choices": ["the cat", "the cat sees", "the cat runs far"], "gold": 0},
+     True),
+    ("multiple_choice", {"query": "Which one?", "choices": ["the cat sees", "the cat", "the cat runs far"], "gold": 1},
+     False),
+    ("multiple_choice", {"query": "Which one?", "choices": ["a red ball", "a red ball"], "gold": 0}, True),
+    ("multiple_choice", {"query": "Which one?", "choices": ["a red ball", "a red ball"], "gold": 1}, False),
+    ("multiple_choice", {"query": "Which?", "choices": ["the blue sky", "a red ball", "a red ball"], "gold": 2}, False),
+    ("schema", {"context_options": ["the dog sees", "the dog sees"], "continuation": "a small boat", "gold": 0}, True),
+    ("schema", {"context_options": ["the dog sees", "the dog sees"], "continuation": "a small boat", "gold": 1}, False),
+]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("batch_size", [1, 3, 4])
+def test_degenerate_items_are_judged_as_nanochat_judges_them(model, batch_size):
+    """Each item a task of its own, so that its accuracy is its verdict, among ordinary items that
+    change how the rows are batched; the same verdicts at every batch size."""
+    tasks = [core.Task(f"degenerate{i}", kind, "", 0, " ", 0.0, [item]) for i, (kind, item, _) in enumerate(DEGENERATE)]
+    tasks.append(core.Task("ordinary", "multiple_choice", "", 2, " ", 0.25, task_items("multiple_choice", 9, 5)))
+    result = core.evaluate(model, tasks, "cpu", batch_size=batch_size)
+    for task, (_, item, right) in zip(tasks, DEGENERATE):
+        assert result["tasks"][task.label]["acc"] == float(right), (task.label, item)
+        assert (nanochat_pick(reference_option_scores(model, task, item, [])) == item["gold"]) == right
+
+
+@torch.no_grad()
+def test_identical_options_get_identical_scores(model):
+    """Identical options are scored once and share the result, whether they share a row or, too
+    long for one, each has its own; at any batch size. Options with nothing scored count 0 tokens
+    and are exact, as an all() over nothing is."""
+    enc = tokenizer.get_tokenizer()
+    long_answer = " ".join(["the old house by the river"] * 4)
+    items = [(core.Task("mc", "multiple_choice", "", 0, " ", 0.25), item) for kind, item, _ in DEGENERATE[:5]]
+    items += [(core.Task("schema", "schema", "", 0, " ", 0.5), DEGENERATE[5][1])]
+    # another answer between the two: packed side by side, each on its own, these differed in the
+    # last bit on some CPUs
+    items += [(core.Task("mc", "multiple_choice", "", 0, " ", 0.25), {"query": q, "choices": [a, b, a, c], "gold": 0})
+              for q, a, b, c in [("Q over", "likes old blue sky", "a the boat", "dog house"),
+                                 ("Q runs friend runs", "sees a", "ball boat dog small", "sky cat"),
+                                 ("Q runs blue friend old red a", "over sees blue runs", "runs runs dog", "likes old")]]
+    items += [(core.Task("long", "multiple_choice", "", 0, " ", 0.25),  # a row per option: 3 x 25 tokens > 64
+               {"query": "Where?", "choices": [long_answer, "a small boat " * 6, long_answer], "gold": 0})]
+    rows, first = [], [0]
+    for task, item in items:
+        these = core.rows_of(task, item, [], enc, model.config.block_size)
+        rows += these
+        first.append(first[-1] + core.scoring.n_options(these))
+    assert len(core.rows_of(*items[-1], [], enc, 64)) == 3
+    for batch_size in (1, 3, 4):
+        *_, (sums, counts, exact) = core.scoring.scored_batches(model, rows, "cpu", batch_size=batch_size)
+        for (task, item), a in zip(items, first):
+            options = item.get("choices", item.get("context_options"))
+            for j, k in [(j, k) for j in range(len(options)) for k in range(j) if options[j] == options[k]]:
+                assert (sums[a + j], counts[a + j], exact[a + j]) == (sums[a + k], counts[a + k], exact[a + k])
+        assert counts[first[2]:first[3]].tolist() == [0, 0] and exact[first[2]:first[3]].all()
+        assert counts[first[0]] == 0 and counts[first[0] + 1] > 0  # "the cat" begins the other answers
 
 
 def test_centring_by_hand():
@@ -202,11 +278,51 @@ def test_two_ranks_score_as_one_process(model, bundle, tmp_path):
     assert json.loads(two.stdout.strip().splitlines()[-1]) == json.loads(one.stdout)
 
 
+def test_a_closed_stdout_ends_it_quietly(model, bundle, tmp_path):
+    """python core.py ... | head, head gone: exit status 1, no traceback."""
+    from runs import stdout_closed
+    ckpt = str(tmp_path / "ckpt_000001.pt")
+    checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
+    code, err = stdout_closed(os.path.join(REPO, "core.py"), ["--model", ckpt, "--bundle-dir", bundle, "--device", "cpu",
+                                                              "--tasks", "mc_zero", "--limit", "2"])
+    assert code == 1 and "Traceback" not in err and "Error" not in err, err
+
+
 def run_main(capsys, argv):
     """core.main as the script runs it: the exit status and the stderr lines."""
     with pytest.raises(SystemExit) as e:
         common.run_main(lambda: core.main(argv))
     return e.value.code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def bad_bundle_cases(tmp_path):
+    """Bundles that once read wrongly or failed later: {case: (bundle, what its one line says)}."""
+    cases = {}
+    b = write_bundle(tmp_path / "twice", tasks=TASKS + [TASKS[0]])
+    cases["one label twice"] = (b, "core.yaml: tasks 1 and 6 are both labelled mc_zero: give each task its own label")
+    b = write_bundle(tmp_path / "null", tasks=TASKS[:1] + [("no_delimiter", "schema", 0, None, 50.0, 3)])
+    cases["null delimiter"] = (b, "core.yaml: task no_delimiter has the continuation_delimiter null: give a string")
+    for text in ("nan", "-5", "100", ""):
+        b = write_bundle(tmp_path / f"baseline{text}", csv_rows=[(t[0], text if t[0] == "lm_few" else t[4]) for t in TASKS])
+        cases[f"baseline {text!r}"] = (b, f"eval_meta_data.csv line 5: task lm_few has the random baseline {text!r}")
+    b = write_bundle(tmp_path / "latin1")
+    with open(os.path.join(b, "eval_data", "synthetic", "mc_few.jsonl"), "ab") as f:
+        f.write('{"query": "Caf\u00e9?", "choices": ["a", "b"], "gold": 0}\n'.encode("latin-1"))
+    cases["not UTF-8"] = (b, "task mc_few: " + os.path.join(b, "eval_data", "synthetic", "mc_few.jsonl")
+                          + " line 9: not UTF-8 text")
+    b = write_bundle(tmp_path / "cut")
+    with open(os.path.join(b, "eval_data", "synthetic", "mc_zero.jsonl"), "a") as f:
+        f.write('{"query": "Question 9: the cat\n')
+    cases["cut short"] = (b, "mc_zero.jsonl line 10: not complete JSON: the line ends before its value does")
+    # nothing to score: a continuation that merges into the contexts, one that adds no tokens
+    b = write_bundle(tmp_path / "glued", tasks=TASKS[:1] + [("glued", "schema", 0, "", 50.0, 2)])
+    write_items(b, "glued", [{"context_options": ["the cat", "the dog"], "continuation": " runs", "gold": 0},
+                             {"context_options": ["the cat", "the dog"], "continuation": "s", "gold": 1}])
+    cases["schema: nothing to score"] = (b, "glued.jsonl line 2: its prompts share no tokens at their end")
+    b = write_bundle(tmp_path / "empty", tasks=TASKS[:1] + [("lm_empty", "language_modeling", 0, "", 0.0, 2)])
+    write_items(b, "lm_empty", [{"context": "the cat", "continuation": ""}, {"context": "a", "continuation": " b"}])
+    cases["language modelling: nothing to score"] = (b, "lm_empty.jsonl line 1: its continuation adds no tokens")
+    return cases
 
 
 def test_bad_bundles_are_one_line_naming_the_file(capsys, tmp_path, model):
@@ -227,12 +343,65 @@ def test_bad_bundles_are_one_line_naming_the_file(capsys, tmp_path, model):
         f.write("{not json\n")
     cases["not json"] = (b, "mc_zero.jsonl line 10: not JSON")
     cases["no such task"] = (write_bundle(tmp_path / "fine"), "--tasks: no task 'nope'")
+    cases.update(bad_bundle_cases(tmp_path))
     for name, (bundle_dir, expect) in cases.items():
         extra = ["--tasks", "nope"] if name == "no such task" else []
         code, lines = run_main(capsys, base + ["--bundle-dir", bundle_dir] + extra)
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], (name, lines)
     code, lines = run_main(capsys, base + ["--bundle-dir", str(tmp_path / "missing")])
     assert code == 2 and len(lines) == 1 and "is not a directory" in lines[0]
+
+
+def test_the_trainer_reads_and_checks_the_bundle_before_it_starts(tmp_path):
+    """--core-bundle is read as the run will read it, items up to --core-limit among them: a bad
+    bundle is one line naming the trainer's flag at launch, never a CORE skipped, or a crash, at
+    the first evaluation."""
+    import train_config
+    argv = ["--log-dir", str(tmp_path / "log"), "--core-every", "100"]
+    for name, (bundle, expect) in bad_bundle_cases(tmp_path).items():
+        with pytest.raises(common.UserError) as e:
+            train_config.parse_args(argv + ["--core-bundle", bundle])
+        assert str(e.value).startswith("--core-bundle: ") and expect in str(e.value), name
+    with pytest.raises(common.UserError) as e:
+        train_config.parse_args(argv + ["--core-bundle", str(tmp_path / "missing")])
+    assert "is not a directory" in str(e.value) and "--bundle-dir" not in str(e.value)
+    assert not os.path.exists(tmp_path / "log")
+    # the items past --core-limit are not the run's: a bad one there is left alone
+    order = list(range(3))
+    random.Random(core.SHUFFLE_SEED).shuffle(order)
+    continuations = [" runs", " sees", " likes"]
+    continuations[order[2]] = "s"  # the item the shuffle puts last
+    b = write_bundle(tmp_path / "limited", tasks=TASKS[:1] + [("glued", "schema", 0, "", 50.0, 3)])
+    write_items(b, "glued", [{"context_options": ["the cat", "the dog"], "continuation": c, "gold": 0}
+                             for c in continuations])
+    assert train_config.parse_args(argv + ["--core-bundle", b, "--core-limit", "2"]).core_bundle == b
+    with pytest.raises(common.UserError, match=f"glued.jsonl line {order[2] + 1}: its prompts share no tokens"):
+        train_config.parse_args(argv + ["--core-bundle", b, "--core-limit", "3"])
+
+
+def test_a_bom_and_a_numeric_label_are_read(tmp_path):
+    """Excel's "CSV UTF-8" starts the table with a byte-order mark; YAML reads `label: 2020` as a
+    number, which the table names by its text."""
+    b = write_bundle(tmp_path / "b", tasks=[("2020", "multiple_choice", 0, " ", 25.0, 4)] + TASKS[1:2])
+    path = os.path.join(b, "eval_meta_data.csv")
+    with open(path, "rb") as f:
+        table = f.read()
+    with open(path, "wb") as f:
+        f.write(b"\xef\xbb\xbf" + table)
+    assert [(t.label, t.baseline) for t in core.read_tasks(b)] == [("2020", 0.25), ("mc_few", 0.20)]
+    assert len(core.load_tasks(b, ["2020"], None)[0].items) == 4
+
+
+def test_a_limit_at_or_below_the_shot_count_says_it_shows_fewer(bundle, capsys, model, tmp_path):
+    """nanochat's sampling fails there; here each item shows the others, and a note says so."""
+    assert core.fewer_shots(core.load_tasks(bundle, None, 4)) == []  # mc_few 3-shot, lm_few 2-shot
+    notes = core.fewer_shots(core.load_tasks(bundle, None, 3))
+    assert notes == ["note: task mc_few is 3-shot, but with 3 items each shows only the 2 others: fewer shots "
+                     "than the benchmark's (a --limit above 3 gives them all)"]
+    ckpt = str(tmp_path / "ckpt_000001.pt")
+    checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
+    core.main(["--model", ckpt, "--bundle-dir", bundle, "--device", "cpu", "--tasks", "mc_few", "--limit", "3"])
+    assert notes[0] in capsys.readouterr().err
 
 
 def test_offline_without_a_bundle_is_one_line_naming_the_flag(capsys, tmp_path, monkeypatch, model):

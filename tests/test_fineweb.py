@@ -569,6 +569,10 @@ def test_unreadable_file_named_in_one_line(tmp_path, capfd, how):
     lines.write_text('{"text": "one"}\n{"text": "two"}\n\n{"text": three}\n{"text": "four"}\n')
     line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", str(lines))
     assert line == f"error: {lines}, line 4: not JSON (Expecting value): fix that line, or leave the file out"
+    lines.write_text('{"text": "one"}\n{"text": "two"}\n{"text": "thr\n')  # a copy cut short
+    line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", str(lines))
+    assert line == (f"error: {lines}, line 3: not complete JSON: the line ends before its value does (cut short?): "
+                    "fix that line, or leave the file out")
     document = tmp_path / "e.json"
     document.write_text('[\n  {"text": "one"},\n  {"text": "two"}\n  {"text": "three"}\n]\n')
     line = fails(capfd, tmp_path, tmp_path / "out", *how, "--data-files", str(document))

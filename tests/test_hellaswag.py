@@ -279,6 +279,8 @@ def test_load_items(files):
     ("{not json", "not JSON"),
     ("ctx,endings,label", "not JSON"),  # a CSV export
     ("[1, 2]", "not an object"),
+    (json.dumps(ITEMS[0])[:60], "not complete JSON: the line ends before its value does (cut short?)"),  # in a string
+    ('{"ctx": "a", "endings": ["w", "x"', "not complete JSON: the line ends before its value does"),
     (json.dumps({"endings": ["w", "x", "y", "z"], "label": 1}), "no 'ctx'"),
     (json.dumps({"ctx": 3, "endings": ["w", "x", "y", "z"], "label": 1}), "'ctx' is not a string"),
     (json.dumps({"ctx": "a", "label": 1}), "no 'endings'"),
@@ -435,6 +437,31 @@ def test_cli_malformed_line_no_traceback(files, tmp_path):
                            "--data-file", str(bad)], env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "line 2" in proc.stderr
+
+
+def test_cli_closed_stdout_ends_quietly(files):
+    """python hellaswag.py ... | head, head gone: exit status 1, no traceback."""
+    from runs import stdout_closed
+    code, err = stdout_closed(os.path.join(REPO, "hellaswag.py"), ["--model", files["ckpt"], "--data-file", files["data"],
+                                                                   "--device", "cpu", "--limit", "2"])
+    assert code == 1 and "Traceback" not in err and "Error" not in err, err
+
+
+@pytest.mark.parametrize("script", ["hellaswag", "core"])
+def test_cli_compile_on_a_gpu_without_triton_is_one_line(files, tmp_path, monkeypatch, capsys, script):
+    """--compile on a GPU below compute capability 7.0 (a P100): the trainer's one line, before the
+    data or the model is loaded, not inductor's traceback at the first forward pass."""
+    import core
+    from core_bundle import write_bundle
+    from test_device import fake_gpus
+    fake_gpus(monkeypatch, [("Tesla P100-PCIE-16GB", (6, 0))])
+    main, data = ((hellaswag.main, ["--data-file", files["data"]]) if script == "hellaswag"
+                  else (core.main, ["--bundle-dir", write_bundle(tmp_path / "bundle")]))
+    with pytest.raises(SystemExit) as e:
+        common.run_main(lambda: main(["--model", files["ckpt"], "--device", "cuda", "--compile"] + data))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: --compile: the Tesla P100-PCIE-16GB has compute capability 6.0") and "7.0" in err
 
 
 def test_cli_bad_models(files, tmp_path, capsys):

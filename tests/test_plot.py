@@ -24,8 +24,9 @@ CUT_LINE = '{"kind": "train", "step": 40, "loss": 5.1'  # a write cut by a kill
 
 
 def launch(first, last, t0, seed, max_steps=50, val_every=10, hellaswag=True, mfu=True,
-           checkpoints=(), resumed_from=None, end=None, core=False):
-    """Records of one launch of the trainer running steps first..last (inclusive)."""
+           checkpoints=(), resumed_from=None, end=None, core=0):
+    """Records of one launch of the trainer running steps first..last (inclusive); core: how many
+    tasks its CORE records average (0: no CORE)."""
     rng = random.Random(seed)
     t = t0
     recs = [{"kind": "run", "step": first, "time": t, "max_steps": max_steps, "tokens_per_step": TPS,
@@ -41,7 +42,8 @@ def launch(first, last, t0, seed, max_steps=50, val_every=10, hellaswag=True, mf
                              "acc_norm": 0.25 + step / 800 + rng.random() / 100, "tokens": step * TPS, "time": t})
             if core:
                 recs.append({"kind": "core", "step": step, "core": 0.02 + step / 400 + rng.random() / 100,
-                             "centered": {"arc_easy": 0.1, "piqa": 0.05}, "tokens": step * TPS, "time": t})
+                             "centered": {f"task{k}": 0.1 - k / 400 for k in range(core)}, "tokens": step * TPS,
+                             "time": t})
         if step in checkpoints:
             recs.append({"kind": "checkpoint", "step": step, "path": f"ckpt_{step:06d}.pt", "time": t})
         if step > last:
@@ -211,7 +213,7 @@ def test_legends_hide_nothing(logs, tmp_path):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     dirs, _ = logs
     short = write_log(tmp_path / "short", launch(0, 9, 0.0, seed=9, max_steps=10, val_every=5, end="finished"))
-    scored = write_log(tmp_path / "core", launch(0, 49, 0.0, seed=5, core=True, end="finished"))
+    scored = write_log(tmp_path / "core", launch(0, 49, 0.0, seed=5, core=22, end="finished"))
     for runs in ([short], [dirs["full"], dirs["resumed"], dirs["cpu"], short], [scored, short]):
         fig = plot.build_figure(runs)
         FigureCanvasAgg(fig).draw()  # constrained layout places everything at draw time
@@ -234,6 +236,14 @@ def test_missing_log_dir_is_one_line(missing_dir_cli):
     out, err = missing_dir_cli.communicate(timeout=600)
     assert missing_dir_cli.returncode == 2 and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and "no_such_dir is not a directory" in err
+
+
+def test_closed_stdout_ends_quietly(logs, tmp_path):
+    """python plot.py LOG | head, head gone: exit status 1, no traceback."""
+    from runs import stdout_closed
+    dirs, _ = logs
+    code, err = stdout_closed(os.path.join(ROOT, "plot.py"), [dirs["full"], "--out", str(tmp_path / "plot.png")])
+    assert code == 1 and "Traceback" not in err and "Error" not in err, err
 
 
 def test_without_matplotlib_the_summary_still_prints(logs, monkeypatch, capsys):
@@ -302,7 +312,7 @@ def test_core_is_drawn_against_gpt2_and_summarised(tmp_path):
     """A run that scored CORE: its best and final in the summary (and no CORE line for a run that
     did not), its curve on a panel of its own with GPT-2 124M's and 1.5B's values."""
     pytest.importorskip("matplotlib")
-    recs = launch(0, 49, 0.0, seed=5, core=True, end="finished")
+    recs = launch(0, 49, 0.0, seed=5, core=22, end="finished")
     cores = of(recs, "core")
     s = plot.summarize(write_log(tmp_path / "core", recs))
     best = max(cores, key=lambda r: r["core"])
@@ -321,3 +331,36 @@ def test_a_run_stopped_before_its_first_step(logs):
     s = dict(plot.summarize(dirs["full"]), status="signal", stop_step=-1)  # the trainer's end record: step -1
     text = plot.format_summary(s)
     assert "stopped by a signal before its first step" in text and "step -1" not in text
+
+
+def test_a_core_over_other_tasks_is_not_set_against_gpt2(tmp_path):
+    """A custom bundle's 5 tasks: the summary and the panel say so, and draw no GPT-2 reference;
+    beside a run over the 22, the references are there for that one."""
+    pytest.importorskip("matplotlib")
+    five = write_log(tmp_path / "five", launch(0, 19, 0.0, seed=5, core=5, end="finished"))
+    text = plot.format_summary(plot.summarize(five))
+    assert "over 5 tasks: not comparable with GPT-2's, over 22" in text and "GPT-2 124M: 0.1139" not in text
+    ax = next(ax for ax in plot.build_figure([five]).axes if ax.get_title().startswith("CORE"))
+    assert ax.get_title() == "CORE (centred accuracy: 0 = chance)" and "22" not in ax.get_title()
+    assert [line.get_label() for line in ax.lines] == ["five (over 5 tasks: not comparable with GPT-2's)"]
+    full = write_log(tmp_path / "full", launch(0, 19, 0.0, seed=6, core=22, end="finished"))
+    ax = next(ax for ax in plot.build_figure([five, full]).axes if ax.get_title().startswith("CORE"))
+    assert sum("GPT-2" in line.get_label() and "1.5B" in line.get_label() for line in ax.lines) == 1
+
+
+def test_launches_that_trained_nothing_are_no_resumes(tmp_path):
+    """The legend lists each step a launch resumed from and trained on, once: two launches that
+    resumed from step 12 are one entry, and a launch that only exported (after the run finished)
+    is none. A run killed before its first step says so, not "step None"."""
+    pytest.importorskip("matplotlib")
+    first = launch(0, 13, 0.0, seed=1, checkpoints=(12,))
+    again = launch(12, 14, 100.0, seed=2, resumed_from="ckpt_000012.pt")
+    last = launch(12, 19, 200.0, seed=3, max_steps=20, resumed_from="ckpt_000012.pt", end="finished")
+    export = [{"kind": "run", "step": 20, "time": 300.0 + k, "max_steps": 20, "tokens_per_step": TPS,
+               "resumed_from": "ckpt_000020.pt"} for k in range(2)]
+    log = write_log(tmp_path / "log", first + again + last + export)
+    ax = next(ax for ax in plot.build_figure([log]).axes if ax.get_title().startswith("Loss"))
+    assert [t for t in ax.get_legend_handles_labels()[1] if "resumed" in t] == ["log: resumed at step 12"]
+    killed = write_log(tmp_path / "killed", launch(0, -1, 0.0, seed=4))
+    text = plot.format_summary(plot.summarize(killed))
+    assert "status      stopped before its first step (no end record" in text and "None" not in text

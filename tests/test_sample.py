@@ -49,6 +49,14 @@ def test_end_to_end_from_log_dir(log_dir):
     assert "ckpt_000005.pt" in proc.stderr  # where the model came from goes to stderr, not into the text
 
 
+def test_closed_stdout_ends_quietly(log_dir):
+    """python sample.py ... | head, head gone: exit status 1, no traceback (common.run_main's way)."""
+    from runs import stdout_closed
+    code, err = stdout_closed(os.path.join(REPO, "sample.py"), ["--model", str(log_dir), "--device", "cpu", "--prompt",
+                                                                "Hello", "--max-new-tokens", "4"])
+    assert code == 1 and "Traceback" not in err and "Error" not in err, err
+
+
 def test_checkpoint_and_hf_dir_agree(model, log_dir, tmp_path):
     hf_dir = model.export_hf(str(tmp_path / "hf"), tokenizer_files=tokenizer.gpt2_bpe_files())
     args = ["--prompt", "The meaning of life is", "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu"]
