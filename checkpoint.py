@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 import parallel
-from common import UserError, atomic_write, first_line, hub_unreachable, out_of_space
+from common import UserError, atomic_directory, atomic_write, first_line, hub_unreachable, out_of_space
 from model import GPT, GPTConfig
+from tokenizer import gpt2_bpe_files
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
 # how a torch.save file begins: a zip archive (torch >= 1.6), or a pickle of protocol 2 or later (older)
@@ -268,33 +269,6 @@ def resume_command(log_dir, world_size=1, per_node=None):
             f"{args}")
 
 
-def restore_settings(cfg, ckpt, path, fixed, launch_only):
-    """--resume: the run's settings, from its checkpoint into cfg (the trainer's parsed flags;
-    cfg.given: the flags the command line named). A named flag whose value differs from the run's
-    is refused when it is one of `fixed` (it would change the math in the middle of the run) and
-    applied otherwise; returns the applied changes, one line each. `launch_only` flags stay as
-    given. Settings a checkpoint does not hold (from an older trainer) keep their defaults."""
-    stored, changes = ckpt["config"], []
-    for key, now in sorted(vars(cfg).items()):
-        if key in launch_only or key not in stored:
-            continue
-        was = stored[key]
-        if key in ("n_layer", "n_head", "n_embd"):  # None in a preset's run: its shape says the value
-            was = ckpt["model_config"][key]
-        if key == "micro_batch_size" and key not in cfg.given and stored.get("micro_batch_auto"):
-            continue  # fitted: fit again, on the device this launch has ("auto", as parsed)
-        if key not in cfg.given or now == was:
-            setattr(cfg, key, stored[key])
-            continue
-        flag = "--" + key.replace("_", "-")
-        if key in fixed:
-            raise UserError(f"cannot resume {path}: the run was trained with {flag} {was} and this command asks "
-                            f"for {now}; drop {flag} to continue the run as it was, or use a new --log-dir for a "
-                            "new run")
-        changes.append(f"{flag} {was} -> {now} (from the command line)")
-    return changes
-
-
 def check_world_size(ckpt, path, world_size):
     """The data position is counted in the run's world size: it must not change."""
     saved = ckpt.get("world_size", ckpt["config"].get("world_size"))  # older checkpoints: in the config
@@ -309,6 +283,35 @@ def agree_on_resume(ckpt, ranks):
     if len(set(steps)) > 1:
         raise UserError(f"the ranks found different checkpoints to resume from (steps {steps}): every node "
                         "must see the same --log-dir (a shared file system)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The final model, exported for other tools: LOG_DIR/hf
+
+
+def export_pending(cfg, final_checkpoint):
+    """Whether a run at its last step still owes its Hugging Face export (one cut short by a full
+    disk, say): on, and LOG_DIR/hf has no weights written after the final checkpoint."""
+    weights = os.path.join(cfg.log_dir, "hf", "model.safetensors")
+    return cfg.export_hf and not (os.path.isfile(weights) and
+                                  os.path.getmtime(weights) >= os.path.getmtime(final_checkpoint))
+
+
+def export_final(model, log_dir, last_checkpoint, resume_command):
+    """Write the GPT `model` (plain, on one process) to LOG_DIR/hf in Hugging Face's format, with the
+    GPT-2 tokenizer, and return the directory. It is written beside hf/ and replaces it once whole,
+    so a full disk leaves the earlier export, not half of one: then one line that says so and how to
+    export again (resume_command, once there is space)."""
+    from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
+    out = os.path.join(log_dir, "hf")
+    try:
+        atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
+    except (OSError, SafetensorError) as e:
+        why = "no space left on its disk" if out_of_space(e, log_dir) else first_line(e)
+        raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
+                        f"(the last: {last_checkpoint}): free space under --log-dir, then {resume_command} "
+                        "exports it")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

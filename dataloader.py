@@ -215,7 +215,7 @@ class TokenLoader:
         """The next batch, (x, y) on the loader's device: `size` sequences on this rank (default B;
         validation's last batch may hold fewer), x (size, T) and y the same tokens one further on.
         Then the following batch of B is started in the background (with prefetch), so that it is
-        made while the caller computes. timer: a metrics.PhaseTimer, marked "data" once the batch is
+        made while the caller computes. timer: a train_gpt2.PhaseTimer, marked "data" once the batch is
         in host memory and "copy" once it is on the device (--timing-breakdown)."""
         size = size or self.B
         position = self.position

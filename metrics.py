@@ -387,46 +387,6 @@ def start_wandb(log_dir, project, name, run_id):
 
 
 # ----------------------------------------------------------------------------------------------
-# Where a step's time goes (--timing-breakdown): the "timing" records
-
-
-class PhaseTimer:
-    """--timing-breakdown: wall time per phase, synchronising the GPU at each boundary."""
-
-    PHASES = ("data", "copy", "forward", "backward", "optimizer", "eval")  # copy: host to device
-
-    def __init__(self, device_str, enabled):
-        # imported here, not at the top: device.py imports torch, which fineweb.py (importing this
-        # file for versions()) does not need
-        from device import synchronize
-        self.synchronize = synchronize
-        self.enabled, self.device = enabled, device_str
-        self.totals = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
-        self._t = None
-
-    def start(self):
-        if self.enabled:
-            self.synchronize(self.device)
-            self._t = time.perf_counter()
-
-    def mark(self, phase):
-        if self.enabled:
-            self.synchronize(self.device)
-            now = time.perf_counter()
-            self.totals[phase] += now - self._t
-            self._t = now
-
-    def report(self):
-        """Mean ms per step for each phase since the last report, then reset."""
-        n = max(1, self.steps)
-        out = {k: 1000 * v / n for k, v in self.totals.items()}
-        self.totals = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
-        return out
-
-
-# ----------------------------------------------------------------------------------------------
 # Reading
 
 _warned = set()  # metrics files already warned about: once per file per process

@@ -1,16 +1,26 @@
 """
 The trainer's settings: every flag of train_gpt2.py with its unit and default, the range each
 numeric flag must lie in, the checks between flags, and which settings a resumed run may change.
-parse_args() returns them resolved (the defaults that scale with the run filled in), as the
-namespace the trainer reads and every checkpoint stores (settings()).
+They are resolved once, here, in this order, and then only read:
+
+    args = parse_args(argv)         # the flags, checked, with the defaults that scale with the run
+    cfg, resume = resolve(args)     # with --resume, the run's own settings from its checkpoint, the
+                                    # flags the command line names over them; read-only Settings
+
+What set-up then decides from them on the device (the fitted micro-batch, the dtype, ...) lives on
+train_gpt2.Run; stored() is what checkpoints and the run header keep of both.
 """
 
 import argparse
 import math
 import os
+import shlex
+from dataclasses import dataclass
 
+import checkpoint
 import common
 import hellaswag
+import metrics
 from common import UserError
 from model import PRESETS
 
@@ -172,22 +182,6 @@ def parse_args(argv=None, description=None):
             if value is not None and not (math.isfinite(value) and test(value)):
                 raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
     common.check_output_dir(args.log_dir, "--log-dir")
-    if args.hellaswag_file is not None:
-        if not os.path.isfile(args.hellaswag_file):
-            raise UserError(f"--hellaswag-file {args.hellaswag_file} does not exist; give the path of a "
-                            f"hellaswag_val.jsonl, or leave it out to download the file once")
-        # read now, as far as the run will read it: a file named on the command line that cannot be
-        # scored is bad input, not a HellaSwag "skipped" found at the end of the run
-        try:
-            hellaswag.load_items(args.hellaswag_file, limit=args.hellaswag_limit, flag="--hellaswag-file")
-        except UserError as e:
-            raise UserError(f"--hellaswag-file: {e}")
-    if args.core_bundle is not None:  # the same for a bundle: its tasks and the items the run will score
-        import core
-        try:
-            core.load_tasks(args.core_bundle, None, args.core_limit, "--core-bundle")
-        except UserError as e:
-            raise UserError(f"--core-bundle: {e}")
     # defaults that scale with the run, resolved here so that the rest reads one value
     if args.warmup_steps is None:
         args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)
@@ -219,6 +213,122 @@ def check_relations(cfg, parsing=False):
                         "would end before the learning rate reaches its peak; lower it, or raise --max-steps")
 
 
-def settings(cfg):
-    """The run's settings as stored in checkpoints and the run header: every flag, resolved."""
-    return {k: v for k, v in vars(cfg).items() if k != "given"}
+# ----------------------------------------------------------------------------------------------
+# Resolving: the flags, then the stored run
+
+
+class Settings(argparse.Namespace):
+    """A launch's settings, resolved (resolve()) and read-only from then on: every flag by its
+    name (cfg.max_lr), and .given, the flags the command line named."""
+
+    def __init__(self, values):
+        self.__dict__.update(values)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"the settings are read-only once resolved: {name} is set where they are resolved")
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The run a launch continues: the checkpoint (path, and its contents, loaded), why each newer
+    checkpoint was passed over, and the settings the command line changed (one line each)."""
+    path: str
+    checkpoint: dict
+    skipped: list
+    changes: list
+
+    @property
+    def step(self):
+        """Steps the run had done: the launch starts at this step."""
+        return self.checkpoint["step"]
+
+
+def resolve(args):
+    """The launch's Settings and the run it continues (a Resume; None for a new run). args: the
+    flags of parse_args(). With --resume the run's own settings come first, from its checkpoint,
+    and each flag the command line names goes over them or is refused (stored_run); then the checks
+    between them, the trackers' packages, the evaluation files read as far as the run will read
+    them, and a new W&B run's id. Nothing is written: a launch refused here changes nothing."""
+    log_dir = args.log_dir
+    holds_run = bool(checkpoint.list_checkpoints(log_dir)) or metrics.steps_logged(log_dir)
+    if args.resume is None:  # never silently write over an earlier run
+        metrics.check_not_running(log_dir)
+        if holds_run:
+            raise UserError(f"{log_dir} already holds a run: pass --resume to continue it, "
+                            "or a new --log-dir for a new run")
+    path, ckpt, skipped = checkpoint.find_resume(args.resume, log_dir)
+    if holds_run and path is not None and not checkpoint.in_log_dir(path, log_dir):
+        # its checkpoints would land among the other run's: the rotation, --resume and plot.py would mix them
+        raise UserError(f"--resume {args.resume}: {log_dir} holds another run; continue {path} in a new "
+                        f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
+                        f"{shlex.quote(path)}")
+    values = dict(vars(args))
+    changes = stored_run(values, args.given, ckpt, path) if ckpt is not None else []
+    if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
+        values["wandb_id"] = metrics.new_wandb_id()
+    cfg = Settings(values)
+    if args.resume is not None:
+        check_relations(cfg)
+    if ckpt is not None and cfg.max_steps < ckpt["step"]:
+        raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {path} has "
+                        "done: give more, or leave it out to keep the run's")
+    for flag in ("wandb", "tensorboard"):
+        if getattr(cfg, flag):
+            metrics.check_tracker_installed(flag)
+    check_evaluation_files(cfg)
+    return cfg, Resume(path, ckpt, skipped, changes) if ckpt is not None else None
+
+
+def stored_run(values, given, ckpt, path):
+    """--resume: the run's settings, from its checkpoint into values (the parsed flags, by name;
+    given: the flags the command line named). A named flag whose value differs from the run's is
+    refused when it is one of FIXED_ON_RESUME (it would change the math in the middle of the run)
+    and applied otherwise; returns the applied changes, one line each. LAUNCH_ONLY flags stay as
+    given. Settings a checkpoint does not hold (from an older trainer) keep their defaults."""
+    stored, changes = ckpt["config"], []
+    for key, now in sorted(values.items()):
+        if key in LAUNCH_ONLY or key not in stored:
+            continue
+        was = stored[key]
+        if key in ("n_layer", "n_head", "n_embd"):  # None in a preset's run: its shape says the value
+            was = ckpt["model_config"][key]
+        if key == "micro_batch_size" and key not in given and stored.get("micro_batch_auto"):
+            continue  # fitted: fit again, on the device this launch has ("auto", as parsed)
+        if key not in given or now == was:
+            values[key] = stored[key]
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key in FIXED_ON_RESUME:
+            raise UserError(f"cannot resume {path}: the run was trained with {flag} {was} and this command asks "
+                            f"for {now}; drop {flag} to continue the run as it was, or use a new --log-dir for a "
+                            "new run")
+        changes.append(f"{flag} {was} -> {now} (from the command line)")
+    return changes
+
+
+def check_evaluation_files(cfg):
+    """--hellaswag-file and --core-bundle, read now as far as the run will read them (its limits): a
+    file that cannot be scored is bad input, not a HellaSwag or CORE "skipped" found hours into the
+    run, or a run ended by it."""
+    if cfg.hellaswag_file is not None:
+        if not os.path.isfile(cfg.hellaswag_file):
+            raise UserError(f"--hellaswag-file {cfg.hellaswag_file} does not exist; give the path of a "
+                            f"hellaswag_val.jsonl, or leave it out to download the file once")
+        try:
+            hellaswag.load_items(cfg.hellaswag_file, limit=cfg.hellaswag_limit, flag="--hellaswag-file")
+        except UserError as e:
+            raise UserError(f"--hellaswag-file: {e}")
+    if cfg.core_bundle is not None:  # the same for a bundle: its tasks and the items the run will score
+        import core
+        try:
+            core.load_tasks(cfg.core_bundle, None, cfg.core_limit, "--core-bundle")
+        except UserError as e:
+            raise UserError(f"--core-bundle: {e}")
+
+
+def stored(cfg, micro_batch):
+    """The settings as checkpoints and the run header keep them: every flag, resolved, with the
+    micro-batch the run trains with and whether it was fitted (then a resume fits it again)."""
+    out = {k: v for k, v in vars(cfg).items() if k != "given"}
+    out.update(micro_batch_size=micro_batch, micro_batch_auto=cfg.micro_batch_size == "auto")
+    return out

@@ -7,14 +7,16 @@ Train GPT-2 from scratch (or fine-tune it) on pre-tokenized shards written by fi
 
 The defaults reproduce GPT-2 124M on FineWeb-Edu 10B: 524,288 tokens per step, 19,073 steps.
 Pass --resume always: it continues the run in --log-dir if there is one, else starts it.
+
+This file reads top to bottom as a run goes: main and train (the settings, resolved once by
+train_config.py), setup (everything the loop needs, on a Run), the loop, one optimizer step
+(train_step), and the evaluation at the top of a step.
 """
 
-import argparse
 import functools
 import math
 import os
 import random
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ import torch
 import checkpoint
 import common
 import core
+import dataloader
 import device
 import hellaswag
 import metrics
@@ -34,14 +37,485 @@ import parallel
 import plot
 import sample
 import scoring
+import train_config
 from common import UserError
 from metrics import RunLog
 from model import GPT, GPTConfig, PRESETS
-from train_config import DEFAULT_WARMUP, FIXED_ON_RESUME, LAUNCH_ONLY, check_relations, parse_args, settings
-from tokenizer import get_tokenizer, gpt2_bpe_files
+from tokenizer import get_tokenizer
+
+
+def main(argv=None):
+    """python train_gpt2.py (or under torchrun)."""
+    sys.exit(train(train_config.parse_args(argv, description=__doc__)))
+
+
+def train(args):
+    """Train with the flags of train_config.parse_args(); returns the exit status (0, or 3: a
+    non-finite loss). The settings are resolved first, a resumed run's own from its checkpoint (see
+    train_config.FIXED_ON_RESUME): before the process group forms, since its device and timeout are
+    among them."""
+    cfg, resume = train_config.resolve(args)
+    if resume is not None and resume.step == cfg.max_steps and not checkpoint.export_pending(cfg, resume.path):
+        common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "
+                      "pass a larger --max-steps to train on")
+        return 0  # nothing to do, and nothing written
+    ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
+    log = RunLog(cfg.log_dir, ranks.is_master)
+    try:
+        return loop(setup(cfg, ranks, log, resume))
+    finally:
+        log.close()
+        parallel.teardown_distributed()
+
 
 # ----------------------------------------------------------------------------------------------
-# The learning-rate schedule
+# The run: everything the loop needs, built once by setup()
+
+
+@dataclass
+class Run:
+    """One launch of the trainer, as setup() built it: the settings, what set-up decided from them
+    on this device, the model and its optimizer, the data, the checkpoints and the evaluations."""
+    cfg: train_config.Settings   # every setting, resolved once and read-only
+    ranks: parallel.Ranks
+    log: RunLog
+    dtype: str                   # autocast dtype: float32, bfloat16 or float16
+    compile: bool
+    fsdp: bool
+    micro_batch: int             # sequences per forward pass per rank (--micro-batch-size, or fitted)
+    grad_accum: int              # micro-batches per optimizer step
+    raw_model: GPT               # the GPT itself: checkpoints, samples, HellaSwag (sharded in place under FSDP)
+    model: torch.nn.Module       # what trains: compiled, DDP-wrapped or FSDP-sharded
+    eval_model: torch.nn.Module  # validation: compiled, without DDP's gradient hooks
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    schedule: "Schedule"
+    train_loader: dataloader.TokenLoader
+    val_loader: Optional[dataloader.TokenLoader]
+    val_sequences: int           # sequences each rank validates on (the same tokens whatever the micro-batch)
+    checkpoints: checkpoint.Checkpointer
+    start_step: int              # steps already done when this launch began
+    peak_flops: Optional[float]  # the device's peak FLOP/s in dtype, for MFU (None: unknown)
+    hellaswag: scoring.TrainingHook
+    core: scoring.TrainingHook
+    plotter: plot.PlotWriter
+    sample_prompt: list          # the token ids the samples continue (--sample-prompt, checked at start)
+    per_node: int                # processes per node (torchrun's LOCAL_WORLD_SIZE): how to launch a resume
+
+    def resume_command(self):
+        """What continues this run: a resume needs as many processes as the run has."""
+        return checkpoint.resume_command(self.cfg.log_dir, self.ranks.world_size, self.per_node)
+
+
+# ----------------------------------------------------------------------------------------------
+# Set-up, one job at a time: device, model, batch, data, optimizer, restore, trackers, header
+
+
+def setup(cfg, ranks, log, resume):
+    """The Run of this launch, new or continuing `resume` (a train_config.Resume). Every check that
+    can refuse the launch (a loader state of other data, an unreachable W&B, ...) comes before its
+    first write into the log directory, and before an old branch's later checkpoints are set aside."""
+    ckpt = resume.checkpoint if resume is not None else None
+    if resume is not None:
+        checkpoint.check_world_size(ckpt, resume.path, ranks.world_size)
+    checkpoint.agree_on_resume(ckpt, ranks)
+    dtype, compile_on = configure_backends(cfg, ranks)
+    fsdp = cfg.sharding == "fsdp"
+    if fsdp and not ranks.multi:
+        raise UserError("--sharding fsdp shards the model over several processes: launch it with "
+                        "torchrun --nproc_per_node=N (N >= 2), or drop it on one GPU")
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    raw_model, origin = build_model(cfg, resume)
+    prompt = sample_prompt_tokens(cfg, raw_model.config.block_size)
+    raw_model.to(ranks.device)
+    # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
+    model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
+                                cfg.activation_checkpointing, compile_on)
+    micro_batch, grad_accum = batch_geometry(cfg, ranks, raw_model, dtype)
+    train_loader, val_loader, val_sequences = build_data(cfg, ranks, micro_batch, raw_model.config.vocab_size)
+    optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)
+    log.hold()  # the lock first: a launch it refuses must not touch the directory
+    checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
+                                          optimizer=optimizer, scaler=scaler, train_loader=train_loader,
+                                          config=train_config.stored(cfg, micro_batch), fsdp=fsdp)
+    start_step = checkpoints.restore(ckpt, resume.path) if resume is not None else 0
+    # the settings of this launch, over the param groups the checkpoint brought back
+    optim.apply_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
+    start_trackers(cfg, ranks, log, start_step)
+    if resume is not None:
+        note_resume(cfg, ranks, log, resume)
+    run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, micro_batch=micro_batch,
+              grad_accum=grad_accum, raw_model=raw_model, model=model, eval_model=getattr(model, "module", model),
+              optimizer=optimizer, scaler=scaler, schedule=schedule_of(cfg), train_loader=train_loader,
+              val_loader=val_loader, val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
+              peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
+              hellaswag=hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
+              core=core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, lockstep=fsdp),
+              plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master), sample_prompt=prompt,
+              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)))
+    write_header(run, origin, resume)
+    return run
+
+
+def configure_backends(cfg, ranks):
+    """The autocast dtype and whether to compile; TF32 and determinism switches."""
+    dtype = device.pick_dtype(cfg.dtype, ranks.device)
+    blocker = device.compile_blocker(ranks.device)
+    if cfg.compile and blocker and "compile" in cfg.given:
+        raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")
+    # a resumed run's stored --compile gives way on a device that cannot compile (the header says why)
+    compile_on = ranks.device_type == "cuda" and blocker is None if cfg.compile is None else cfg.compile
+    compile_on = compile_on and blocker is None
+    if ranks.device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
+        torch.backends.cudnn.allow_tf32 = True
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    return dtype, compile_on
+
+
+def build_model(cfg, resume):
+    """The GPT on the CPU and where it came from: the shape of the checkpoint it resumes (whose
+    weights Checkpointer.restore puts back), pretrained weights (--init-from, cut to --block-size)
+    or a preset. Its context is cfg.block_size in every case."""
+    if resume is not None:
+        model = GPT(GPTConfig(**resume.checkpoint["model_config"]))
+        checkpoint.check_weights_fit(model, resume.checkpoint["model"], resume.path)
+        return model, "resumed"
+    if cfg.init_from:
+        model, what = checkpoint.load_model(cfg.init_from)
+        if cfg.block_size > model.config.block_size:
+            raise UserError(f"--block-size {cfg.block_size} is larger than the {model.config.block_size} "
+                            f"positions {cfg.init_from} was trained with; use --block-size "
+                            f"{model.config.block_size} or less")
+        if cfg.block_size < model.config.block_size:
+            model.crop_block_size(cfg.block_size)
+        return model.train(), what
+    shape = dict(PRESETS[cfg.model])
+    for k in ("n_layer", "n_head", "n_embd"):
+        if getattr(cfg, k) is not None:
+            shape[k] = getattr(cfg, k)
+    try:
+        config = GPTConfig(block_size=cfg.block_size, **shape)
+    except ValueError as e:
+        raise UserError(str(e))
+    return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
+
+
+def sample_prompt_tokens(cfg, block_size):
+    """The token ids of --sample-prompt, checked now as sample.py checks its prompt (an empty one
+    is <|endoftext|>, which may also be written in it; it must fit the context), so that a prompt
+    that cannot be sampled from is refused at start, not found at the first samples."""
+    try:
+        return sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, block_size)
+    except UserError as e:
+        raise UserError(f"--sample-prompt: {e}")
+
+
+def batch_geometry(cfg, ranks, model, dtype):
+    """(micro-batch, accumulation steps): say each number once, derive the rest and assert it. The
+    micro-batch is --micro-batch-size, or with auto the largest that fits (parallel.choose_micro_batch)."""
+    if cfg.micro_batch_size == "auto":
+        c = model.config
+        activations = lambda b: parallel.memory_plan(  # noqa: E731
+            model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, dtype, b, c.block_size, c.n_layer,
+            c.n_embd, cfg.activation_checkpointing)["activations"]
+        micro_batch = parallel.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size,
+                                                  activations)
+    else:
+        micro_batch = cfg.micro_batch_size
+    tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
+    if cfg.total_batch_size % tokens_per_micro:
+        raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
+                        f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
+    grad_accum = cfg.total_batch_size // tokens_per_micro
+    assert grad_accum * tokens_per_micro == cfg.total_batch_size
+    return micro_batch, grad_accum
+
+
+def build_data(cfg, ranks, micro_batch, vocab_size):
+    """The train loader, the val loader (None without validation) and the sequences each rank
+    validates on: --val-tokens counted in sequences, so that a resume with another micro-batch
+    validates the same tokens, and never more than the whole val split once."""
+    loader = functools.partial(dataloader.TokenLoader, cfg.data_dir, batch_size=micro_batch,
+                               seq_len=cfg.block_size, rank=ranks.rank, world_size=ranks.world_size,
+                               vocab_size=vocab_size, device=ranks.device)
+    train_loader = loader("train", shuffle_seed=cfg.shuffle_seed)
+    if not cfg.eval_every:
+        return train_loader, None, 0
+    val_loader = loader("val")
+    sequences = min(cfg.val_tokens // cfg.block_size, val_loader.num_sequences) // ranks.world_size
+    return train_loader, val_loader, max(1, sequences)
+
+
+def build_optimizer(cfg, raw_model, ranks, dtype):
+    """AdamW (fused on CUDA), or Muon and AdamW (--optimizer muon), and the gradient scaler: fp16
+    needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not. The
+    scaler unscales the gradients before either optimizer sees them."""
+    optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
+                                ranks.device_type, muon_lr=muon_lr(cfg), muon_momentum=cfg.muon_momentum,
+                                muon_dtype=device.muon_dtype(ranks.device))
+    scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
+    return optimizer, scaler
+
+
+def muon_lr(cfg):
+    """Muon's peak learning rate, or None when the run does not use Muon."""
+    return cfg.muon_lr if cfg.optimizer == "muon" else None
+
+
+def start_trackers(cfg, ranks, log, start_step):
+    """W&B and/or TensorBoard for this run (rank 0), fed by the log's records, in the W&B run
+    --wandb-id names (chosen with the settings, and so stored in the checkpoints for a resume to
+    continue that run)."""
+    if ranks.is_master and (cfg.wandb or cfg.tensorboard):
+        name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
+        log.trackers = metrics.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
+
+
+def note_resume(cfg, ranks, log, resume):
+    """The resume's first lines: the newer checkpoints passed over, and, for a resume from an older
+    checkpoint of this directory, the old branch's later checkpoints set aside (rank 0)."""
+    for problem in resume.skipped:
+        log.line(f"resume: skipped {problem}")
+    if ranks.is_master:
+        dest, moved = checkpoint.set_aside_later(cfg.log_dir, resume.path, resume.step)
+        if moved:
+            log.line(f"resume: a new branch from step {resume.step}: moved the old branch's later "
+                     f"{', '.join(moved)} to {dest}")
+
+
+def write_header(run, origin, resume):
+    """The run record and the lines that say what produced this run and how it is laid out."""
+    cfg, ranks, log, model = run.cfg, run.ranks, run.log, run.raw_model
+    name = device.device_name(ranks.device)
+    commit = metrics.git_commit()
+    restart = parallel.torchrun_restart()
+    resume_path, changes = (resume.path, resume.changes) if resume is not None else (None, [])
+    log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
+               resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
+               compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum,
+               versions=metrics.versions(), git=commit, config=train_config.stored(cfg, run.micro_batch),
+               changes=changes, restart=restart, per_node=run.per_node)
+    start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
+    if restart:
+        start += f" | torchrun restart {restart} (after a worker failed)"
+    log.line(f"run: {start} | model {origin}, {model.num_params() / 1e6:.1f}M parameters")
+    for change in changes:
+        log.line(f"resume: {change}")
+    blocker = None if run.compile else device.compile_blocker(ranks.device)
+    log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | world size {ranks.world_size} | "
+             f"compile {'on' if run.compile else 'off'}{f' ({blocker})' if blocker else ''} | git {commit} | "
+             f"torch {torch.__version__}")
+    val_note = ""
+    if run.val_loader is not None:
+        whole = run.val_sequences == run.val_loader.num_sequences // ranks.world_size
+        tokens = run.val_sequences * cfg.block_size * ranks.world_size
+        val_note = f" | val: {tokens:,} tokens{' (the whole split)' if whole else ''}"
+    fitted = cfg.micro_batch_size == "auto"
+    log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {run.micro_batch} x {cfg.block_size} "
+             f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
+             f"{' (auto-fit)' if fitted else ''}{val_note}")
+    auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < train_config.DEFAULT_WARMUP
+    muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if muon_lr(cfg) else ""
+    if muon and device.muon_dtype(ranks.device) != torch.bfloat16:
+        muon += " (Newton-Schulz in float16: no bfloat16 on this GPU)"
+    log.line(f"lr {cfg.max_lr:g}{muon}: {cfg.warmup_steps} warm-up steps"
+             f"{' (10% of --max-steps; --warmup-steps sets it)' if auto_warmup else ''}"
+             f", {'cosine' if cfg.lr_schedule == 'cosine' else 'stable, then linear'} to "
+             f"{cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
+    capacity = torch.cuda.get_device_properties(ranks.device).total_memory if ranks.device_type == "cuda" else None
+    muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if muon_lr(cfg) else 0  # the block matrices
+    plan = parallel.memory_plan(model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, run.dtype,
+                                run.micro_batch, cfg.block_size, model.config.n_layer, model.config.n_embd,
+                                cfg.activation_checkpointing, muon_params=muon_params)
+    log.line(f"memory ({cfg.sharding if run.fsdp else 'DDP' if ranks.multi else 'one process'}"
+             f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): "
+             + parallel.format_memory_plan(plan, capacity, "GPU" if ranks.device_type == "cuda" else "process"))
+    log.record("memory", step=run.start_step, **plan)
+    for w in device.slow_settings(ranks.device, run.dtype, run.compile, cfg.deterministic,
+                                  run.micro_batch * cfg.block_size):
+        log.line(f"warning: {w}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The training loop
+
+
+def loop(run):
+    """The training loop: evaluation at the top of each step (so step 0 shows the untrained model),
+    one optimizer step, its log line, checkpoints; then the final checkpoint and the export. Returns
+    the exit status."""
+    cfg = run.cfg
+    stop = common.StopFlag()
+    timer = PhaseTimer(run.ranks.device, cfg.timing_breakdown > 0)
+    done = run.start_step  # optimizer steps completed
+    for step in range(run.start_step, cfg.max_steps):
+        # ---- evaluation: validation loss, HellaSwag, CORE and samples, when due
+        timer.start()
+        if not evaluate(run, step, stop):
+            return stopped(run, done, stop)
+        timer.mark("eval")
+
+        # ---- one optimizer step over grad_accum micro-batches
+        t0 = time.perf_counter()
+        lr = set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, muon_lr(cfg))
+        loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
+                                                  run.grad_accum, run.ranks, run.dtype, cfg.grad_clip, stop, timer)
+        if diverged(run, loss, finite) and cfg.on_nonfinite == "stop":
+            return stop_on_nonfinite(run, step, loss, norm)
+        done = step + 1
+        log_step(run, step, loss, lr, norm, time.perf_counter() - t0, finite)
+        report_timing(run, timer, step)
+
+        # ---- checkpoint: on schedule, at the end, and when a stop was asked for
+        if stopping:
+            return stopped(run, done, stop)
+        if done == cfg.max_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+            run.checkpoints.save(done)
+    if cfg.export_hf:
+        export_hf(run)
+    return end(run, "finished", cfg.max_steps)
+
+
+def diverged(run, loss, finite):
+    """Whether the step diverged. Under fp16 the gradient scaler skips a step whose gradients
+    overflowed and lowers its scale, which is normal; a loss that is not finite in the forward pass
+    is divergence in any dtype."""
+    return not math.isfinite(loss) or (not finite and run.dtype != "float16")
+
+
+def stop_on_nonfinite(run, step, loss, norm):
+    """--on-nonfinite stop: say where to go back to, and end with exit status 3."""
+    rates = "--max-lr or --muon-lr" if muon_lr(run.cfg) else "--max-lr"  # under Muon, either may be the cause
+    if run.checkpoints.last_path:
+        advice = f"The last good checkpoint is {run.checkpoints.last_path}: resume from it with a lower {rates}"
+    else:  # --resume with no checkpoint starts the run afresh
+        advice = f"No checkpoint was written yet: start the run again (--resume) with a lower {rates}"
+    run.log.line(f"step {step} | loss {loss} | grad_norm {norm}: non-finite; stopping. {advice}, "
+                 "or pass --on-nonfinite skip")
+    run.log.record("end", step=step, reason="nonfinite")
+    return 3
+
+
+def log_step(run, step, loss, lr, norm, dt, finite):
+    """The step's line in the log and its train record: loss, learning rate, gradient norm, time,
+    tokens/s over all ranks and MFU."""
+    tok_per_s = run.cfg.total_batch_size / dt
+    mfu = run.raw_model.estimate_mfu(tok_per_s / run.ranks.world_size, run.peak_flops)
+    mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+    skipped = ("" if finite else " | skipped (non-finite)" if diverged(run, loss, finite) else
+               " | skipped (float16 gradient overflow: the loss scale is lowered)")
+    run.log.line(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | grad_norm {norm:.4f} | "
+                 f"dt_ms {1000 * dt:.1f} | tok_per_s {tok_per_s:.0f} | mfu {mfu_text}{skipped}")
+    run.log.record("train", step=step, loss=loss, lr=lr, grad_norm=norm, dt_ms=1000 * dt, tok_per_s=tok_per_s,
+                   mfu=mfu, tokens=(step + 1) * run.cfg.total_batch_size, skipped=not finite)
+
+
+def report_timing(run, timer, step):
+    """--timing-breakdown N: every N steps, the mean time per step of each phase."""
+    timer.steps += 1
+    if run.cfg.timing_breakdown and timer.steps >= run.cfg.timing_breakdown:
+        ms = timer.report()
+        total = sum(ms.values())
+        run.log.line("timing | " + " | ".join(f"{k}_ms {v:.1f} ({100 * v / max(total, 1e-9):.0f}%)"
+                                              for k, v in ms.items()))
+        run.log.record("timing", step=step, **{f"{k}_ms": v for k, v in ms.items()})
+
+
+def stopped(run, done, stop):
+    """A stop request (SIGTERM, Ctrl-C) ended the run after `done` steps: keep them in a checkpoint,
+    unless the last one has them already, and say how to continue."""
+    if run.checkpoints.last_step != done:
+        run.checkpoints.save(done)
+    run.log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
+                 f"continue with: {run.resume_command()}")
+    return end(run, "signal", done - 1)
+
+
+def end(run, reason, step):
+    """The end record (step: max_steps when finished, else the last step that ran, -1 for none) and
+    the last plot. Returns the exit status, 0."""
+    run.log.record("end", step=step, reason=reason)
+    if run.ranks.is_master:
+        run.plotter.kick()
+        run.plotter.join()
+    return 0
+
+
+def export_hf(run):
+    """LOG_DIR/hf: the final model in Hugging Face's format, written by rank 0."""
+    model = run.raw_model
+    if run.fsdp:  # every rank helps gather the shards; rank 0 exports a plain copy
+        state = parallel.model_state(run.model)
+        model = GPT(run.raw_model.config) if run.ranks.is_master else None
+        if model is not None:
+            model.load_state_dict(state)
+    if run.ranks.is_master:
+        out = checkpoint.export_final(model, run.cfg.log_dir, run.checkpoints.last_path, run.resume_command())
+        run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
+
+
+# ----------------------------------------------------------------------------------------------
+# One optimizer step, and the learning rate it runs at. train_step is called by the loop and by
+# bench/ladder.py, so that a speed-up the ladder measures is a speed-up of training.
+
+
+def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=None,
+               timer=None):
+    """One optimizer step: forward and backward over grad_accum micro-batches (DDP all-reduces the
+    gradients on the last one only, FSDP reduce-scatters each one: parallel.grad_sync), unscale,
+    clip, and the update itself unless the loss or the gradient norm is not finite (with fp16 the
+    gradient scaler decides). The step's one host-device sync also carries this rank's stop request
+    (stop: a common.StopFlag, read there, after the backward passes) to the others, so a request
+    that came during the step ends the run after it. timer: a PhaseTimer, or None.
+    Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
+    timer = timer or PhaseTimer(ranks.device, False)
+    model.train()
+    loss_accum = torch.zeros((), device=ranks.device)
+    for micro_step in range(grad_accum):
+        x, y = loader.next_batch(timer=timer)  # marks the "data" and "copy" phases
+        last = micro_step == grad_accum - 1
+        with parallel.grad_sync(model, last):
+            with device.autocast(ranks.device, dtype):
+                _, loss = model(x, y)
+            loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
+            loss_accum += loss.detach()
+            timer.mark("forward")
+            scaler.scale(loss).backward()
+            timer.mark("backward")
+    scaler.unscale_(optimizer)
+    # the gradients are already all-reduced, so every rank computes the same global norm
+    norm = parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
+    asked = stop is not None and stop.signal is not None
+    stats = torch.stack([loss_accum, norm.float(), torch.tensor(float(asked), device=ranks.device)])
+    if ranks.multi:
+        stats /= ranks.world_size
+        torch.distributed.all_reduce(stats)  # mean loss, the same norm, and > 0 if any rank was signalled
+    loss_val, norm_val, stop_any = stats.tolist()
+    finite = math.isfinite(loss_val) and math.isfinite(norm_val)
+    if finite or dtype == "float16":
+        scaler.step(optimizer)  # with fp16 it skips the update by itself when gradients overflowed
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    timer.mark("optimizer")
+    # one process needs no agreement: a request that came during the update counts for this step too
+    stopping = stop_any > 0 or (not ranks.multi and stop is not None and stop.signal is not None)
+    return loss_val, norm_val, stopping, finite
+
+
+def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
+    """Every parameter group's learning rate at step: the schedule of its optimizer's peak (muon_lr
+    for Muon's matrices, max_lr for AdamW's groups). Returns AdamW's, the rate the log shows."""
+    for opt in getattr(optimizer, "optimizers", [optimizer]):
+        peak = muon_lr if isinstance(opt, torch.optim.Muon) else max_lr
+        for group in opt.param_groups:
+            group["lr"] = schedule.lr(step, peak)
+    return schedule.lr(step, max_lr)
 
 
 @dataclass(frozen=True)
@@ -78,104 +552,44 @@ def schedule_of(cfg):
     return Schedule(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.lr_schedule)
 
 
-def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
-    """Every parameter group's learning rate at step: the schedule of its optimizer's peak (muon_lr
-    for Muon's matrices, max_lr for AdamW's groups). Returns AdamW's, the rate the log shows."""
-    for opt in getattr(optimizer, "optimizers", [optimizer]):
-        peak = muon_lr if isinstance(opt, torch.optim.Muon) else max_lr
-        for group in opt.param_groups:
-            group["lr"] = schedule.lr(step, peak)
-    return schedule.lr(step, max_lr)
-
-
 # ----------------------------------------------------------------------------------------------
-# The optimizer step: one function, called by the training loop and by bench/ladder.py, so that a
-# speed-up the ladder measures is a speed-up of training.
+# Evaluation at the top of a step: validation loss, HellaSwag, CORE and samples, each stoppable
+# between batches
 
 
-def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=None,
-               timer=None):
-    """One optimizer step: forward and backward over grad_accum micro-batches (DDP all-reduces the
-    gradients on the last one only, FSDP reduce-scatters each one: parallel.grad_sync), unscale,
-    clip, and the update itself unless the loss or the gradient norm is not finite (with fp16 the
-    gradient scaler decides). The step's one host-device
-    sync also carries this rank's stop request (stop: a common.StopFlag, read there, after the
-    backward passes) to the others, so a request that came during the step ends the run after it.
-    Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
-    timer = timer or metrics.PhaseTimer(ranks.device, False)
-    model.train()
-    loss_accum = torch.zeros((), device=ranks.device)
-    for micro_step in range(grad_accum):
-        x, y = loader.next_batch(timer=timer)  # marks the "data" and "copy" phases
-        last = micro_step == grad_accum - 1
-        with parallel.grad_sync(model, last):
-            with device.autocast(ranks.device, dtype):
-                _, loss = model(x, y)
-            loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
-            loss_accum += loss.detach()
-            timer.mark("forward")
-            scaler.scale(loss).backward()
-            timer.mark("backward")
-    scaler.unscale_(optimizer)
-    # the gradients are already all-reduced, so every rank computes the same global norm
-    norm = parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
-    asked = stop is not None and stop.signal is not None
-    stats = torch.stack([loss_accum, norm.float(), torch.tensor(float(asked), device=ranks.device)])
-    if ranks.multi:
-        stats /= ranks.world_size
-        torch.distributed.all_reduce(stats)  # mean loss, the same norm, and > 0 if any rank was signalled
-    loss_val, norm_val, stop_any = stats.tolist()
-    finite = math.isfinite(loss_val) and math.isfinite(norm_val)
-    if finite or dtype == "float16":
-        scaler.step(optimizer)  # with fp16 it skips the update by itself when gradients overflowed
-        scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    timer.mark("optimizer")
-    # one process needs no agreement: a request that came during the update counts for this step too
-    stopping = stop_any > 0 or (not ranks.multi and stop is not None and stop.signal is not None)
-    return loss_val, norm_val, stopping, finite
-
-
-# ----------------------------------------------------------------------------------------------
-# The run: everything the loop needs, built once by setup()
-
-
-@dataclass
-class Run:
-    """One launch of the trainer, as setup() built it: the settings, the model and its optimizer, the
-    data, the checkpoints, and the evaluation hooks."""
-    cfg: argparse.Namespace      # every setting, resolved once: stored in checkpoints and the run header
-    ranks: parallel.Ranks
-    log: RunLog
-    dtype: str                   # autocast dtype: float32, bfloat16 or float16
-    compile: bool
-    fsdp: bool
-    raw_model: GPT               # the GPT itself: checkpoints, samples, HellaSwag (sharded in place under FSDP)
-    model: torch.nn.Module       # what trains: compiled, DDP-wrapped or FSDP-sharded
-    eval_model: torch.nn.Module  # validation: compiled, without DDP's gradient hooks
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    schedule: Schedule
-    grad_accum: int
-    train_loader: "dataloader.TokenLoader"  # noqa: F821 (imported in setup, so --help stays instant)
-    val_loader: Optional["dataloader.TokenLoader"]  # noqa: F821
-    val_sequences: int           # sequences each rank validates on (the same tokens whatever the micro-batch)
-    checkpoints: checkpoint.Checkpointer
-    start_step: int              # steps already done when this launch began
-    peak_flops: Optional[float]  # the device's peak FLOP/s in dtype, for MFU (None: unknown)
-    hellaswag: scoring.TrainingHook
-    core: scoring.TrainingHook
-    plotter: plot.PlotWriter
-    sample_prompt: list          # the token ids the samples continue (--sample-prompt, checked at start)
-    per_node: int                # processes per node (torchrun's LOCAL_WORLD_SIZE): how to launch a resume
-
-    def resume_command(self):
-        """What continues this run: a resume needs as many processes as the run has."""
-        return checkpoint.resume_command(self.cfg.log_dir, self.ranks.world_size, self.per_node)
-
-
-# ----------------------------------------------------------------------------------------------
-# Evaluation: validation loss, HellaSwag and samples, each stoppable between batches
+def evaluate(run, step, stop):
+    """Validation, HellaSwag, CORE and samples due at the top of this step. False if a stop request
+    cut it short (then nothing of it is logged)."""
+    cfg, ranks, log = run.cfg, run.ranks, run.log
+    last_step = step == cfg.max_steps - 1
+    due = lambda every: every and (step % every == 0 or last_step)  # noqa: E731
+    should_stop = lambda: parallel.any_rank(stop.signal is not None, ranks)  # noqa: E731
+    evaluated = False
+    if run.val_loader is not None and due(cfg.eval_every):
+        val_loss = validation_loss(run.eval_model, run.val_loader, run.val_sequences, ranks, run.dtype,
+                                   should_stop)
+        if val_loss is None:
+            return False
+        evaluated = True
+        log.line(f"step {step} | val_loss {val_loss:.4f}")
+        log.record("val", step=step, val_loss=val_loss, tokens=step * cfg.total_batch_size)
+    for hook, every in ((run.hellaswag, cfg.hellaswag_every), (run.core, cfg.core_every)):
+        if not due(every):
+            continue
+        with parallel.uncompiled(run.raw_model):
+            result = hook(run.raw_model, run.dtype, should_stop)
+        if result is None and should_stop():
+            return False
+        if result is not None:
+            evaluated = True
+            text, fields = hook.report(result)
+            log.line(f"step {step} | {hook.name} {text}")
+            log.record(hook.name, step=step, tokens=step * cfg.total_batch_size, **fields)
+    if (ranks.is_master or run.fsdp) and step > 0 and due(cfg.sample_every):
+        log_samples(run, step, stop)
+    if evaluated and ranks.is_master:
+        run.plotter.kick()
+    return True
 
 
 @torch.no_grad()
@@ -206,437 +620,59 @@ def validation_loss(model, loader, sequences, ranks, dtype, should_stop):
     return total.item() / (sequences * ranks.world_size)
 
 
-def evaluate(run, step, stop):
-    """Validation, HellaSwag and samples due at the top of this step. False if a stop request cut
-    it short (then nothing of it is logged)."""
-    cfg, ranks, log = run.cfg, run.ranks, run.log
-    last_step = step == cfg.max_steps - 1
-    due = lambda every: every and (step % every == 0 or last_step)  # noqa: E731
-    should_stop = lambda: parallel.any_rank(stop.signal is not None, ranks)  # noqa: E731
-    evaluated = False
-    if run.val_loader is not None and due(cfg.eval_every):
-        val_loss = validation_loss(run.eval_model, run.val_loader, run.val_sequences, ranks, run.dtype,
-                                   should_stop)
-        if val_loss is None:
-            return False
-        evaluated = True
-        log.line(f"step {step} | val_loss {val_loss:.4f}")
-        log.record("val", step=step, val_loss=val_loss, tokens=step * cfg.total_batch_size)
-    for hook, every in ((run.hellaswag, cfg.hellaswag_every), (run.core, cfg.core_every)):
-        if not due(every):
-            continue
+def log_samples(run, step, stop):
+    """The samples of this step, each a log line and a record. Under FSDP every forward is a
+    collective, so every rank samples and a stop request must not end one rank's loop early. A
+    failure is one line: samples are a glimpse of the model, never a reason to end the run."""
+    cfg = run.cfg
+    try:
         with parallel.uncompiled(run.raw_model):
-            result = hook(run.raw_model, run.dtype, should_stop)
-        if result is None and should_stop():
-            return False
-        if result is not None:
-            evaluated = True
-            text, fields = hook.report(result)
-            log.line(f"step {step} | {hook.name} {text}")
-            log.record(hook.name, step=step, tokens=step * cfg.total_batch_size, **fields)
-    if (ranks.is_master or run.fsdp) and step > 0 and due(cfg.sample_every):
-        # under FSDP every forward is a collective: a stop request must not end one rank's loop early
-        try:
-            with parallel.uncompiled(run.raw_model):
-                texts = sample.training_samples(run.raw_model, run.sample_prompt, cfg.num_samples,
-                                                cfg.sample_tokens, cfg.seed + step, ranks.device, run.dtype,
-                                                None if run.fsdp else stop)
-        except Exception as e:  # noqa: BLE001 (samples are a glimpse of the model: never a reason to end the run)
-            log.line(f"step {step} | samples failed, training goes on ({type(e).__name__}: {common.first_line(e)})")
-            texts = []
-        for i, text in enumerate(texts):
-            log.line(f"sample {i} | {text}")
-            log.record("sample", step=step, index=i, text=text)
-    if evaluated and ranks.is_master:
-        run.plotter.kick()
-    return True
+            texts = sample.training_samples(run.raw_model, run.sample_prompt, cfg.num_samples, cfg.sample_tokens,
+                                            cfg.seed + step, run.ranks.device, run.dtype,
+                                            None if run.fsdp else stop)
+    except Exception as e:  # noqa: BLE001
+        run.log.line(f"step {step} | samples failed, training goes on ({type(e).__name__}: {common.first_line(e)})")
+        return
+    for i, text in enumerate(texts):
+        run.log.line(f"sample {i} | {text}")
+        run.log.record("sample", step=step, index=i, text=text)
 
 
 # ----------------------------------------------------------------------------------------------
-# Set-up, one job at a time: resume, device, model, batch, data, optimizer, restore, header
+# Where a step's time goes (--timing-breakdown)
 
 
-def configure_backends(cfg, ranks):
-    """The autocast dtype and whether to compile; TF32 and determinism switches."""
-    dtype = device.pick_dtype(cfg.dtype, ranks.device)
-    blocker = device.compile_blocker(ranks.device)
-    if cfg.compile and blocker and "compile" in cfg.given:
-        raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")
-    # a resumed run's stored --compile gives way on a device that cannot compile (the header says why)
-    compile_on = ranks.device_type == "cuda" and blocker is None if cfg.compile is None else cfg.compile
-    compile_on = compile_on and blocker is None
-    if ranks.device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
-        torch.backends.cudnn.allow_tf32 = True
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-    return dtype, compile_on
+class PhaseTimer:
+    """Wall time per phase of a step, synchronising the GPU at each boundary (so only when asked
+    for: it costs the overlap of host and device)."""
 
+    PHASES = ("data", "copy", "forward", "backward", "optimizer", "eval")  # copy: host to device
 
-def build_model(cfg, ckpt, ckpt_path):
-    """The GPT on the CPU and where it came from: the shape of checkpoint ckpt (read from ckpt_path;
-    its weights are put back by Checkpointer.restore), pretrained weights (--init-from) or a preset."""
-    if ckpt is not None:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        checkpoint.check_weights_fit(model, ckpt["model"], ckpt_path)
-        return model, "resumed"
-    if cfg.init_from:
-        model, what = checkpoint.load_model(cfg.init_from)
-        if cfg.block_size > model.config.block_size:
-            raise UserError(f"--block-size {cfg.block_size} is larger than the {model.config.block_size} "
-                            f"positions {cfg.init_from} was trained with; use --block-size "
-                            f"{model.config.block_size} or less")
-        if cfg.block_size < model.config.block_size:
-            model.crop_block_size(cfg.block_size)
-        return model.train(), what
-    shape = dict(PRESETS[cfg.model])
-    for k in ("n_layer", "n_head", "n_embd"):
-        if getattr(cfg, k) is not None:
-            shape[k] = getattr(cfg, k)
-    try:
-        config = GPTConfig(block_size=cfg.block_size, **shape)
-    except ValueError as e:
-        raise UserError(str(e))
-    return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
+    def __init__(self, device_str, enabled):
+        self.enabled, self.device = enabled, device_str
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        self._t = None
 
+    def start(self):
+        if self.enabled:
+            device.synchronize(self.device)
+            self._t = time.perf_counter()
 
-def sample_prompt_tokens(cfg, block_size):
-    """The token ids of --sample-prompt, checked now as sample.py checks its prompt (an empty one
-    is <|endoftext|>, which may also be written in it; it must fit the context), so that a prompt
-    that cannot be sampled from is refused at start, not found at the first samples."""
-    try:
-        return sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, block_size)
-    except UserError as e:
-        raise UserError(f"--sample-prompt: {e}")
+    def mark(self, phase):
+        if self.enabled:
+            device.synchronize(self.device)
+            now = time.perf_counter()
+            self.totals[phase] += now - self._t
+            self._t = now
 
-
-def batch_geometry(cfg, ranks, model, dtype):
-    """(micro-batch, accumulation steps): say each number once, derive the rest and assert it."""
-    if cfg.micro_batch_size == "auto":
-        c = model.config
-        activations = lambda b: parallel.memory_plan(  # noqa: E731
-            model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, dtype, b, c.block_size, c.n_layer,
-            c.n_embd, cfg.activation_checkpointing)["activations"]
-        micro_batch = parallel.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size,
-                                                  activations)
-    else:
-        micro_batch = cfg.micro_batch_size
-    tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
-    if cfg.total_batch_size % tokens_per_micro:
-        raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
-                        f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
-    grad_accum = cfg.total_batch_size // tokens_per_micro
-    assert grad_accum * tokens_per_micro == cfg.total_batch_size
-    return micro_batch, grad_accum
-
-
-def build_data(cfg, ranks, vocab_size):
-    """The train loader, the val loader (None without validation) and the sequences each rank
-    validates on: --val-tokens counted in sequences, so that a resume with another micro-batch
-    validates the same tokens, and never more than the whole val split once."""
-    import dataloader  # imported here so --help stays instant
-    loader = functools.partial(dataloader.TokenLoader, cfg.data_dir, batch_size=cfg.micro_batch_size,
-                               seq_len=cfg.block_size, rank=ranks.rank, world_size=ranks.world_size,
-                               vocab_size=vocab_size, device=ranks.device)
-    train_loader = loader("train", shuffle_seed=cfg.shuffle_seed)
-    if not cfg.eval_every:
-        return train_loader, None, 0
-    val_loader = loader("val")
-    sequences = min(cfg.val_tokens // cfg.block_size, val_loader.num_sequences) // ranks.world_size
-    return train_loader, val_loader, max(1, sequences)
-
-
-def build_optimizer(cfg, raw_model, ranks, dtype):
-    """AdamW (fused on CUDA), or Muon and AdamW (--optimizer muon), and the gradient scaler: fp16
-    needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not. The
-    scaler unscales the gradients before either optimizer sees them."""
-    optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
-                                ranks.device_type, muon_lr=muon_lr(cfg), muon_momentum=cfg.muon_momentum,
-                                muon_dtype=device.muon_dtype(ranks.device))
-    scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
-    return optimizer, scaler
-
-
-def start_trackers(cfg, ranks, log, start_step):
-    """W&B and/or TensorBoard for this run (rank 0), fed by the log's records, in the W&B run
-    --wandb-id names (chosen with the settings, and so stored in the checkpoints for a resume to
-    continue that run)."""
-    if ranks.is_master and (cfg.wandb or cfg.tensorboard):
-        name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
-        log.trackers = metrics.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
-
-
-def muon_lr(cfg):
-    """Muon's peak learning rate, or None when the run does not use Muon."""
-    return cfg.muon_lr if cfg.optimizer == "muon" else None
-
-
-def write_header(run, origin, resume_path, fitted, changes):
-    """The run record and the lines that say what produced this run and how it is laid out;
-    changes: the settings the command line changed in a resumed run."""
-    cfg, ranks, log, model = run.cfg, run.ranks, run.log, run.raw_model
-    name = device.device_name(ranks.device)
-    commit = metrics.git_commit()
-    restart = parallel.torchrun_restart()
-    log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
-               resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
-               compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum,
-               versions=metrics.versions(), git=commit, config=settings(cfg), changes=changes, restart=restart,
-               per_node=run.per_node)
-    start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
-    if restart:
-        start += f" | torchrun restart {restart} (after a worker failed)"
-    log.line(f"run: {start} | model {origin}, {model.num_params() / 1e6:.1f}M parameters")
-    for change in changes:
-        log.line(f"resume: {change}")
-    blocker = None if run.compile else device.compile_blocker(ranks.device)
-    log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | world size {ranks.world_size} | "
-             f"compile {'on' if run.compile else 'off'}{f' ({blocker})' if blocker else ''} | git {commit} | "
-             f"torch {torch.__version__}")
-    val_note = ""
-    if run.val_loader is not None:
-        whole = run.val_sequences == run.val_loader.num_sequences // ranks.world_size
-        tokens = run.val_sequences * cfg.block_size * ranks.world_size
-        val_note = f" | val: {tokens:,} tokens{' (the whole split)' if whole else ''}"
-    log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {cfg.micro_batch_size} x {cfg.block_size} "
-             f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
-             f"{' (auto-fit)' if fitted else ''}{val_note}")
-    auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < DEFAULT_WARMUP
-    muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if muon_lr(cfg) else ""
-    if muon and device.muon_dtype(ranks.device) != torch.bfloat16:
-        muon += " (Newton-Schulz in float16: no bfloat16 on this GPU)"
-    log.line(f"lr {cfg.max_lr:g}{muon}: {cfg.warmup_steps} warm-up steps"
-             f"{' (10% of --max-steps; --warmup-steps sets it)' if auto_warmup else ''}"
-             f", {'cosine' if cfg.lr_schedule == 'cosine' else 'stable, then linear'} to "
-             f"{cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
-    capacity = torch.cuda.get_device_properties(ranks.device).total_memory if ranks.device_type == "cuda" else None
-    muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if muon_lr(cfg) else 0  # the block matrices
-    plan = parallel.memory_plan(model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, run.dtype,
-                                cfg.micro_batch_size, cfg.block_size, model.config.n_layer, model.config.n_embd,
-                                cfg.activation_checkpointing, muon_params=muon_params)
-    log.line(f"memory ({cfg.sharding if run.fsdp else 'DDP' if ranks.multi else 'one process'}"
-             f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): "
-             + parallel.format_memory_plan(plan, capacity, "GPU" if ranks.device_type == "cuda" else "process"))
-    log.record("memory", step=run.start_step, **plan)
-    for w in device.slow_settings(ranks.device, run.dtype, run.compile, cfg.deterministic,
-                                  cfg.micro_batch_size * cfg.block_size):
-        log.line(f"warning: {w}")
-
-
-def setup(cfg, ranks, log, resume_path, ckpt, changes, skipped):
-    """The Run of this launch, fresh, or resumed from ckpt (read from resume_path, whose settings
-    train() has put into cfg; changes: what the command line changed; skipped: why each newer
-    checkpoint was passed over)."""
-    if ckpt is not None:
-        checkpoint.check_world_size(ckpt, resume_path, ranks.world_size)
-    checkpoint.agree_on_resume(ckpt, ranks)
-    dtype, compile_on = configure_backends(cfg, ranks)
-    fsdp = cfg.sharding == "fsdp"
-    if fsdp and not ranks.multi:
-        raise UserError("--sharding fsdp shards the model over several processes: launch it with "
-                        "torchrun --nproc_per_node=N (N >= 2), or drop it on one GPU")
-
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    raw_model, origin = build_model(cfg, ckpt, resume_path)
-    prompt = sample_prompt_tokens(cfg, raw_model.config.block_size)
-    raw_model.to(ranks.device)
-    cfg.block_size = raw_model.config.block_size  # --init-from may have set it
-    # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
-    model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
-                                cfg.activation_checkpointing, compile_on)
-    fitted = cfg.micro_batch_auto = cfg.micro_batch_size == "auto"  # stored: a resume fits it again
-    cfg.micro_batch_size, grad_accum = batch_geometry(cfg, ranks, raw_model, dtype)
-    train_loader, val_loader, val_sequences = build_data(cfg, ranks, raw_model.config.vocab_size)
-    optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)
-    log.hold()  # the lock first: a launch it refuses must not touch the directory
-    # every check that can still refuse the launch (a loader state of other data, an unreachable W&B)
-    # comes before the first write into the directory and before the old branch is set aside
-    checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
-                                          optimizer=optimizer, scaler=scaler, train_loader=train_loader,
-                                          config=settings(cfg), fsdp=fsdp)
-    start_step = checkpoints.restore(ckpt, resume_path) if ckpt is not None else 0
-    # the settings of this launch, over the param groups the checkpoint brought back
-    optim.apply_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
-    start_trackers(cfg, ranks, log, start_step)
-    for problem in skipped:
-        log.line(f"resume: skipped {problem}")
-    if ckpt is not None and ranks.is_master:
-        dest, moved = checkpoint.set_aside_later(cfg.log_dir, resume_path, ckpt["step"])
-        if moved:
-            log.line(f"resume: a new branch from step {ckpt['step']}: moved the old branch's later "
-                     f"{', '.join(moved)} to {dest}")
-    del ckpt
-    run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, raw_model=raw_model,
-              model=model, eval_model=getattr(model, "module", model), optimizer=optimizer, scaler=scaler,
-              schedule=schedule_of(cfg), grad_accum=grad_accum, train_loader=train_loader, val_loader=val_loader,
-              val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
-              peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
-              hellaswag=hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
-              core=core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, lockstep=fsdp),
-              plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master), sample_prompt=prompt,
-              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)))
-    write_header(run, origin, resume_path, fitted, changes)
-    return run
-
-
-# ----------------------------------------------------------------------------------------------
-# The training run
-
-
-def train(cfg):
-    """Train with the settings of parse_args(); returns the exit status (0, or 3: a non-finite loss).
-    With --resume the run's own settings come first, from its checkpoint (see FIXED_ON_RESUME);
-    they are read before the process group forms, since its device and timeout are among them."""
-    holds_run = checkpoint.list_checkpoints(cfg.log_dir) or metrics.steps_logged(cfg.log_dir)
-    if cfg.resume is None:  # never silently write over an earlier run
-        metrics.check_not_running(cfg.log_dir)
-        if holds_run:
-            raise UserError(f"{cfg.log_dir} already holds a run: pass --resume to continue it, "
-                            "or a new --log-dir for a new run")
-    resume_path, ckpt, skipped = checkpoint.find_resume(cfg.resume, cfg.log_dir)
-    if holds_run and resume_path is not None and not checkpoint.in_log_dir(resume_path, cfg.log_dir):
-        # its checkpoints would land among the other run's: the rotation, --resume and plot.py would mix them
-        raise UserError(f"--resume {cfg.resume}: {cfg.log_dir} holds another run; continue {resume_path} in a new "
-                        f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
-                        f"{shlex.quote(resume_path)}")
-    changes = []
-    if ckpt is not None:
-        changes = checkpoint.restore_settings(cfg, ckpt, resume_path, FIXED_ON_RESUME, LAUNCH_ONLY)
-    if cfg.resume is not None:
-        check_relations(cfg)
-    if cfg.wandb and not cfg.wandb_id:  # a new W&B run: its id is chosen now, so every checkpoint holds it
-        cfg.wandb_id = metrics.new_wandb_id()
-    if ckpt is not None:
-        if cfg.max_steps < ckpt["step"]:
-            raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {resume_path} has "
-                            "done: give more, or leave it out to keep the run's")
-        if cfg.max_steps == ckpt["step"] and not export_pending(cfg, resume_path):  # nothing to do or log
-            common.print0(f"{cfg.log_dir}: the run already finished its {ckpt['step']} steps ({resume_path}); "
-                          "pass a larger --max-steps to train on")
-            return 0
-    for flag in ("wandb", "tensorboard"):
-        if getattr(cfg, flag):
-            metrics.check_tracker_installed(flag)
-    ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
-    log = RunLog(cfg.log_dir, ranks.is_master)
-    try:
-        return loop(setup(cfg, ranks, log, resume_path, ckpt, changes, skipped))
-    finally:
-        log.close()
-        parallel.teardown_distributed()
-
-
-def loop(run):
-    """The training loop: evaluation at the top of each step, the step, its log line, checkpoints;
-    then the final checkpoint or export. Returns the exit status."""
-    cfg, ranks, log = run.cfg, run.ranks, run.log
-    stop = common.StopFlag()
-    timer = metrics.PhaseTimer(ranks.device, cfg.timing_breakdown > 0)
-    reason, done = "finished", run.start_step  # done: optimizer steps completed
-    for step in range(run.start_step, cfg.max_steps):
-        # ---- evaluation, at the top of the step (so step 0 shows the untrained model)
-        timer.start()
-        if not evaluate(run, step, stop):
-            reason = "signal"
-            break
-        timer.mark("eval")
-
-        # ---- one optimizer step over grad_accum micro-batches
-        t0 = time.perf_counter()
-        lr = set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, cfg.muon_lr)
-        loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
-                                                  run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
-        # under fp16 the gradient scaler skips a step whose gradients overflowed and lowers its scale,
-        # which is normal; a loss that is not finite in the forward pass is divergence in any dtype
-        diverged = not math.isfinite(loss) or (not finite and run.dtype != "float16")
-        if diverged and cfg.on_nonfinite == "stop":
-            rates = "--max-lr or --muon-lr" if muon_lr(cfg) else "--max-lr"  # under Muon, either may be the cause
-            if run.checkpoints.last_path:
-                advice = (f"The last good checkpoint is {run.checkpoints.last_path}: resume from it with a lower "
-                          f"{rates}")
-            else:  # --resume with no checkpoint starts the run afresh
-                advice = f"No checkpoint was written yet: start the run again (--resume) with a lower {rates}"
-            log.line(f"step {step} | loss {loss} | grad_norm {norm}: non-finite; stopping. {advice}, "
-                     "or pass --on-nonfinite skip")
-            log.record("end", step=step, reason="nonfinite")
-            return 3
-        done = step + 1
-        dt = time.perf_counter() - t0
-        tok_per_s = cfg.total_batch_size / dt
-        mfu = run.raw_model.estimate_mfu(tok_per_s / ranks.world_size, run.peak_flops)
-        mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
-        log.line(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | grad_norm {norm:.4f} | "
-                 f"dt_ms {1000 * dt:.1f} | tok_per_s {tok_per_s:.0f} | mfu {mfu_text}"
-                 + ("" if finite else " | skipped (non-finite)" if diverged else
-                    " | skipped (float16 gradient overflow: the loss scale is lowered)"))
-        log.record("train", step=step, loss=loss, lr=lr, grad_norm=norm, dt_ms=1000 * dt, tok_per_s=tok_per_s,
-                   mfu=mfu, tokens=done * cfg.total_batch_size, skipped=not finite)
-        timer.steps += 1
-        if cfg.timing_breakdown and timer.steps >= cfg.timing_breakdown:
-            ms = timer.report()
-            total = sum(ms.values())
-            log.line("timing | " + " | ".join(f"{k}_ms {v:.1f} ({100 * v / max(total, 1e-9):.0f}%)"
-                                              for k, v in ms.items()))
-            log.record("timing", step=step, **{f"{k}_ms": v for k, v in ms.items()})
-
-        # ---- checkpoint: on schedule and at the end
-        if stopping:
-            reason = "signal"
-            break
-        if done == cfg.max_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-            run.checkpoints.save(done)
-
-    if reason == "signal":  # keep the steps done, unless the last checkpoint has them already
-        if run.checkpoints.last_step != done:
-            run.checkpoints.save(done)
-        log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
-                 f"continue with: {run.resume_command()}")
-    elif cfg.export_hf:
-        export_hf(run)
-    # the end record's step: max_steps when finished, else the last step that ran (-1: none)
-    log.record("end", step=cfg.max_steps if reason == "finished" else done - 1, reason=reason)
-    if ranks.is_master:
-        run.plotter.kick()
-        run.plotter.join()
-    return 0
-
-
-def export_pending(cfg, final_checkpoint):
-    """Whether a run at its last step still owes its Hugging Face export (one cut short by a full
-    disk, say): on, and LOG_DIR/hf has no weights written after the final checkpoint."""
-    weights = os.path.join(cfg.log_dir, "hf", "model.safetensors")
-    return cfg.export_hf and not (os.path.isfile(weights) and
-                                  os.path.getmtime(weights) >= os.path.getmtime(final_checkpoint))
-
-
-def export_hf(run):
-    """LOG_DIR/hf: the final model in Hugging Face's format, written by rank 0."""
-    model = run.raw_model
-    if run.fsdp:  # every rank helps gather the shards; rank 0 exports a plain copy
-        state = parallel.model_state(run.model)
-        model = GPT(run.raw_model.config) if run.ranks.is_master else None
-        if model is not None:
-            model.load_state_dict(state)
-    if run.ranks.is_master:
-        from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
-        out = os.path.join(run.cfg.log_dir, "hf")
-        try:  # into a directory beside hf/ that replaces it once whole: a full disk leaves no half export
-            common.atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
-        except (OSError, SafetensorError) as e:
-            why = "no space left on its disk" if common.out_of_space(e, run.cfg.log_dir) else common.first_line(e)
-            raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
-                            f"(the last: {run.checkpoints.last_path}): free space under --log-dir, then "
-                            f"{run.resume_command()} exports it")
-        run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
-
-
-def main(argv=None):
-    """python train_gpt2.py (or under torchrun)."""
-    sys.exit(train(parse_args(argv, description=__doc__)))
+    def report(self):
+        """Mean ms per step for each phase since the last report, then reset."""
+        n = max(1, self.steps)
+        out = {k: 1000 * v / n for k, v in self.totals.items()}
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        return out
 
 
 if __name__ == "__main__":

@@ -358,12 +358,13 @@ def test_the_trainer_reads_and_checks_the_bundle_before_it_starts(tmp_path):
     the first evaluation."""
     import train_config
     argv = ["--log-dir", str(tmp_path / "log"), "--core-every", "100"]
+    resolve = lambda argv: train_config.resolve(train_config.parse_args(argv))[0]  # noqa: E731
     for name, (bundle, expect) in bad_bundle_cases(tmp_path).items():
         with pytest.raises(common.UserError) as e:
-            train_config.parse_args(argv + ["--core-bundle", bundle])
+            resolve(argv + ["--core-bundle", bundle])
         assert str(e.value).startswith("--core-bundle: ") and expect in str(e.value), name
     with pytest.raises(common.UserError) as e:
-        train_config.parse_args(argv + ["--core-bundle", str(tmp_path / "missing")])
+        resolve(argv + ["--core-bundle", str(tmp_path / "missing")])
     assert "is not a directory" in str(e.value) and "--bundle-dir" not in str(e.value)
     assert not os.path.exists(tmp_path / "log")
     # the items past --core-limit are not the run's: a bad one there is left alone
@@ -374,9 +375,9 @@ def test_the_trainer_reads_and_checks_the_bundle_before_it_starts(tmp_path):
     b = write_bundle(tmp_path / "limited", tasks=TASKS[:1] + [("glued", "schema", 0, "", 50.0, 3)])
     write_items(b, "glued", [{"context_options": ["the cat", "the dog"], "continuation": c, "gold": 0}
                              for c in continuations])
-    assert train_config.parse_args(argv + ["--core-bundle", b, "--core-limit", "2"]).core_bundle == b
+    assert resolve(argv + ["--core-bundle", b, "--core-limit", "2"]).core_bundle == b
     with pytest.raises(common.UserError, match=f"glued.jsonl line {order[2] + 1}: its prompts share no tokens"):
-        train_config.parse_args(argv + ["--core-bundle", b, "--core-limit", "3"])
+        resolve(argv + ["--core-bundle", b, "--core-limit", "3"])
 
 
 def test_a_bom_and_a_numeric_label_are_read(tmp_path):

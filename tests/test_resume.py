@@ -136,9 +136,9 @@ def test_a_fitted_micro_batch_is_fitted_again_on_resume():
             "config": vars(train_config.parse_args([]))}
     for fitted, expected in ((True, "auto"), (False, 16)):
         ckpt["config"].update(micro_batch_size=16, micro_batch_auto=fitted)
-        cfg = train_config.parse_args(["--resume"])
-        checkpoint.restore_settings(cfg, ckpt, "ckpt", train_config.FIXED_ON_RESUME, train_config.LAUNCH_ONLY)
-        assert cfg.micro_batch_size == expected
+        values = dict(vars(train_config.parse_args(["--resume"])))
+        train_config.stored_run(values, frozenset({"resume"}), ckpt, "ckpt")
+        assert values["micro_batch_size"] == expected
 
 
 def test_resume_turns_the_trackers_off(reference_run, tmp_path):
