@@ -82,6 +82,13 @@ def setup_distributed(requested_device="auto", timeout_s=None):
     world_size = int(os.environ["WORLD_SIZE"])
     device = pick_device(requested_device)
     if device.startswith("cuda"):
+        # before the rendezvous, so that every rank stops at once instead of waiting for the ones
+        # that cannot start ("invalid device ordinal")
+        gpus = torch.cuda.device_count()
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))  # torchrun's --nproc_per_node
+        if max(per_node, local_rank + 1) > gpus:
+            raise UserError(f"torchrun starts {max(per_node, local_rank + 1)} processes on this machine, one per GPU, "
+                            f"but it has {gpus} GPU(s) visible: use --nproc_per_node={gpus}")
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
         backend = "nccl"

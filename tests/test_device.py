@@ -50,7 +50,12 @@ def fake_gpus(monkeypatch, gpus):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: gpus[index(d)][1])
     monkeypatch.setattr(torch.version, "hip", None)
     current = []
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+
+    def set_device(d):
+        if index(d) >= len(gpus):
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        current.append(d)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
     # what asks the current device instead of the given one would answer for cuda:0
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: gpus[0][1] >= (8, 0))
     return current
@@ -115,6 +120,21 @@ def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
     ranks = parallel.setup_distributed("auto")
     assert ranks.device == "cuda:1" and calls[0]["backend"] == "nccl"
     assert calls[0]["device_id"] == torch.device("cuda:1")
+
+
+def test_more_processes_than_gpus_is_one_line_before_the_rendezvous(monkeypatch):
+    import parallel
+    fake_gpus(monkeypatch, [("Tesla T4", (7, 5))])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(common, "_joined_process_group", False)
+    monkeypatch.setattr(torch.distributed, "rendezvous", lambda *a, **k: pytest.fail("rendezvous reached"))
+    for rank in (0, 1):  # every rank stops, not only the one without a GPU
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        with pytest.raises(common.UserError, match=r"^torchrun starts 2 processes on this machine, one per GPU, but "
+                                                   r"it has 1 GPU\(s\) visible: use --nproc_per_node=1$"):
+            parallel.setup_distributed("auto")
 
 
 def test_synchronize_waits_on_the_device_it_is_given(monkeypatch):
