@@ -75,13 +75,20 @@ TRITON_MIN_CAPABILITY = (7, 0)  # Triton, which torch.compile's inductor writes 
 
 def compile_blocker(device):
     """Why torch.compile cannot run on this device, as a phrase, or None where it can."""
-    if device.split(":")[0] != "cuda" or torch.version.hip:
+    if device.split(":")[0] != "cuda":
         return None
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < TRITON_MIN_CAPABILITY:
-        need = ".".join(map(str, TRITON_MIN_CAPABILITY))
-        return (f"the {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}, and Triton, "
-                f"which torch.compile generates GPU code with, needs {need} or newer")
+    if not torch.version.hip:
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < TRITON_MIN_CAPABILITY:
+            need = ".".join(map(str, TRITON_MIN_CAPABILITY))
+            return (f"the {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}, and Triton, "
+                    f"which torch.compile generates GPU code with, needs {need} or newer")
+    # the question inductor itself asks before it writes GPU code (raising TritonMissing at the first
+    # step where the answer is no): Windows wheels, and Linux installs without the triton package
+    from torch.utils import _triton
+    if not _triton.has_triton():
+        return ("Triton, which torch.compile generates GPU code with, is not installed with this PyTorch "
+                "(pip install triton on Linux; Windows wheels come without it)")
     return None
 
 
