@@ -5,7 +5,10 @@ and its peak FLOP/s (what MFU divides by).
 
 import contextlib
 import re
+import shutil
+import subprocess
 import sys
+import warnings
 
 import torch
 
@@ -14,29 +17,112 @@ from common import UserError
 # The oldest PyTorch this project runs on, and what it needs from it: torch.optim.Muon (2.9), built on
 # every optimizer step. The test suite passes on 2.9.1 (README).
 MIN_TORCH = (2, 9)
+TORCH_FLOOR = ".".join(map(str, MIN_TORCH))
 
 
-def torch_too_old(version):
-    """The one line to stop on when PyTorch `version` is older than MIN_TORCH, else None."""
+# Which PyTorch builds have kernels for which GPUs (PyTorch's RELEASE.md, "PyTorch CUDA Support
+# Matrix", and pytorch/pytorch#157517, #172352): its CUDA 12.8 builds dropped Maxwell and Pascal
+# (sm_50, sm_60: the P100) in 2.8 and Volta (sm_70: the V100) in 2.11, and CUDA 13 builds start at
+# Turing (sm_75), so pip's default torch has no kernels for them; the CUDA 12.6 builds still carry
+# sm_50 to sm_90 (2.9 to 2.14; pytorch/pytorch#190385 proposes to end them in 2.15) and ask the least
+# of the driver. Blackwell (sm_100, sm_120) needs CUDA 12.8 or newer.
+LEGACY_WHEELS = "https://download.pytorch.org/whl/cu126"
+BLACKWELL_WHEELS = "https://download.pytorch.org/whl/cu130"
+
+
+def wheel_index(capability):
+    """The PyTorch wheel index whose builds run on a GPU of this compute capability (major, minor),
+    or None where no build of a PyTorch this project runs on does."""
+    if capability < (5, 0):
+        return None
+    return LEGACY_WHEELS if capability < (10, 0) else BLACKWELL_WHEELS
+
+
+def listed_gpu():
+    """(name, compute capability) of the first GPU nvidia-smi lists, or None (no nvidia-smi, no GPU,
+    or a driver too old to say)."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [line.rsplit(",", 1) for line in out.stdout.splitlines()]
+    if out.returncode or not rows or len(rows[0]) != 2 or not re.fullmatch(r"\s*\d+\.\d+\s*", rows[0][1]):
+        return None
+    name, capability = rows[0]
+    return name.strip(), tuple(int(n) for n in capability.split("."))
+
+
+def torch_too_old(version, gpu=None):
+    """The one line to stop on when PyTorch `version` is older than MIN_TORCH, else None. gpu:
+    listed_gpu()'s answer, whose wheels the upgrade comes from."""
     found = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", str(version)).groups())
     if found >= MIN_TORCH:
         return None
-    need = ".".join(map(str, MIN_TORCH))
-    return (f"error: PyTorch {version} is older than {need}, the oldest these scripts run on (they use "
-            f"torch.optim.Muon); upgrade it: pip install -U 'torch>={need}'")
+    index = wheel_index(gpu[1]) if gpu else None
+    return (f"error: PyTorch {version} is older than {TORCH_FLOOR}, the oldest these scripts run on (they use "
+            f"torch.optim.Muon); upgrade it: pip install -U 'torch>={TORCH_FLOOR}'"
+            + (f" --index-url {index}" if index else ""))
 
 
 # checked when the scripts import this module, before model.py (which subclasses torch.optim.Muon)
 # fails with an AttributeError
 if torch_too_old(torch.__version__):
-    print(torch_too_old(torch.__version__), file=sys.stderr)
+    print(torch_too_old(torch.__version__, listed_gpu()), file=sys.stderr)
     raise SystemExit(2)
 
 
+def has_kernels(capability, arch_list):
+    """Whether a build for arch_list (torch.cuda.get_arch_list(): 'sm_75', 'compute_120', ...) runs
+    on a GPU of this capability. Machine code for sm_XY runs on X.Y and the later GPUs of the same
+    major version; PTX (compute_XY) is compiled by the driver for X.Y and every later GPU (NVIDIA's
+    compatibility rules, which torch.cuda's own start-up check follows for machine code)."""
+    for arch in arch_list:
+        kind, _, number = arch.partition("_")
+        number = number.rstrip("af")  # sm_90a, sm_100f: the same machine code, narrower or wider
+        if not number.isdigit():
+            continue
+        code = divmod(int(number), 10)
+        if code <= capability and (kind == "compute" or (kind == "sm" and code[0] == capability[0])):
+            return True
+    return False
+
+
+def reinstall(capability):
+    """The commands that put a PyTorch with kernels for a GPU of this capability in place of this one."""
+    return f"pip uninstall -y torch && pip install 'torch>={TORCH_FLOOR}' --index-url {wheel_index(capability)}"
+
+
+def check_kernels(device):
+    """Stop with one line where this PyTorch has no kernels for the GPU(s) device names ('cuda': all
+    that are visible): its first CUDA operation would fail with "no kernel image is available"."""
+    arch_list = torch.cuda.get_arch_list()
+    if torch.version.cuda is None or not arch_list:  # ROCm, or a build that does not say
+        return
+    indices = [int(device.split(":")[1])] if ":" in device else range(torch.cuda.device_count())
+    for i in indices:
+        with warnings.catch_warnings():  # PyTorch's own, several lines, as CUDA starts: ours is one
+            warnings.simplefilter("ignore")
+            capability = tuple(torch.cuda.get_device_capability(i))
+        if has_kernels(capability, arch_list):
+            continue
+        gpu = f"the {torch.cuda.get_device_name(i)} (compute capability {capability[0]}.{capability[1]})"
+        if wheel_index(capability) is None:
+            raise UserError(f"no PyTorch {TORCH_FLOOR} or newer has kernels for {gpu}: use another GPU or "
+                            "--device cpu")
+        raise UserError(f"PyTorch {torch.__version__} has no kernels for {gpu}: it was built for "
+                        f"{' '.join(arch_list)}. Install a build that has: {reinstall(capability)}")
+
+
 def pick_device(requested="auto"):
-    """'auto' prefers CUDA, then Apple MPS, then CPU. Anything else is checked and returned."""
+    """'auto' prefers CUDA, then Apple MPS, then CPU. Anything else is checked and returned. A
+    CUDA device is checked against the kernels this PyTorch was built with (check_kernels)."""
     if requested in (None, "auto"):
         if torch.cuda.is_available():
+            check_kernels("cuda")
             return "cuda"
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return "mps"
@@ -54,6 +140,8 @@ def pick_device(requested="auto"):
         # made current: what asks "the current device" (cuBLAS handles, CUDA events, kernels launched
         # without a device) must ask this one, not cuda:0
         torch.cuda.set_device(requested)
+    if kind == "cuda":
+        check_kernels(requested)
     if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise UserError("--device mps but Apple MPS is not available here; use --device cpu")
     return requested
@@ -75,13 +163,20 @@ TRITON_MIN_CAPABILITY = (7, 0)  # Triton, which torch.compile's inductor writes 
 
 def compile_blocker(device):
     """Why torch.compile cannot run on this device, as a phrase, or None where it can."""
-    if device.split(":")[0] != "cuda" or torch.version.hip:
+    if device.split(":")[0] != "cuda":
         return None
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < TRITON_MIN_CAPABILITY:
-        need = ".".join(map(str, TRITON_MIN_CAPABILITY))
-        return (f"the {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}, and Triton, "
-                f"which torch.compile generates GPU code with, needs {need} or newer")
+    if not torch.version.hip:
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < TRITON_MIN_CAPABILITY:
+            need = ".".join(map(str, TRITON_MIN_CAPABILITY))
+            return (f"the {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}, and Triton, "
+                    f"which torch.compile generates GPU code with, needs {need} or newer")
+    # the question inductor itself asks before it writes GPU code (raising TritonMissing at the first
+    # step where the answer is no): Windows wheels, and Linux installs without the triton package
+    from torch.utils import _triton
+    if not _triton.has_triton():
+        return ("Triton, which torch.compile generates GPU code with, is not installed with this PyTorch "
+                "(pip install triton on Linux; Windows wheels come without it)")
     return None
 
 
@@ -187,6 +282,13 @@ def slow_settings(device, dtype, compile_on, deterministic, micro_batch_tokens):
     warn = []
     if kind == "cpu" and torch.cuda.is_available():
         warn.append("training on the CPU although a CUDA GPU is present: drop --device cpu")
+    elif kind == "cpu" and (gpu := listed_gpu()):
+        name, capability = gpu
+        why = ("a CPU-only build" if torch.version.cuda is None else
+               f"its CUDA {torch.version.cuda} needs a newer driver, or CUDA_VISIBLE_DEVICES hides the GPU")
+        todo = f": {reinstall(capability)}" if wheel_index(capability) else ""
+        warn.append(f"training on the CPU although nvidia-smi lists a GPU, the {name}: this PyTorch "
+                    f"{torch.__version__} cannot use it ({why}){todo}")
     if deterministic:
         warn.append("--deterministic is on: slower kernels; use it for reproducibility studies only")
     if kind == "cuda":

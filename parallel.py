@@ -14,6 +14,8 @@ holds parameters is built after it):
     raw_model.to(device)                       # load the checkpoint's model weights here (or later,
                                                #   with load_model_state)
     model = wrap_model(raw_model, ...)         # compiles, checkpoints and wraps/shards
+    micro_batch = choose_micro_batch(..., model, ...)  # --micro-batch-size auto: tries the model as it
+                                               #   trains, before the optimizer state (it counts that itself)
     optimizer = optim.configure(raw_model, ...)       # after wrap_model: FSDP's sharded parameters
     load_optimizer_state(model, optimizer, ckpt["optimizer"])
     ... with grad_sync(model, last_micro_step): forward, backward
@@ -22,6 +24,8 @@ holds parameters is built after it):
 """
 
 import datetime
+import itertools
+import json
 import os
 from contextlib import contextmanager
 
@@ -79,6 +83,13 @@ def setup_distributed(requested_device="auto", timeout_s=None):
     world_size = int(os.environ["WORLD_SIZE"])
     device = pick_device(requested_device)
     if device.startswith("cuda"):
+        # before the rendezvous, so that every rank stops at once instead of waiting for the ones
+        # that cannot start ("invalid device ordinal")
+        gpus = torch.cuda.device_count()
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))  # torchrun's --nproc_per_node
+        if max(per_node, local_rank + 1) > gpus:
+            raise UserError(f"torchrun starts {max(per_node, local_rank + 1)} processes on this machine, one per GPU, "
+                            f"but it has {gpus} GPU(s) visible: use --nproc_per_node={gpus}")
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -168,6 +179,7 @@ def _set_block_forwards(raw_model, activation_checkpointing, compile_blocks):
             forward = torch.compile(forward)  # compile sees the checkpoint (as torchtitan orders them)
         block.forward = forward
         block._compiled = compile_blocks
+        block._checkpointed = activation_checkpointing  # what the micro-batch auto-fit's memory plan assumes
 
 
 def mixed_precision_policy(dtype):
@@ -373,7 +385,7 @@ def _to_cpu(obj):
 
 # ----------------------------------------------------------------------------------------------
 # Micro-batch auto-fit: the largest micro-batch that fits, found by trying, on the model as it
-# trains (sharded, activation-checkpointed)
+# trains (DDP-wrapped or sharded, activation-checkpointed), with the step's own micro-steps
 
 
 def largest_fitting(candidates, fits):
@@ -410,7 +422,7 @@ def is_allocation_failure(e):
 
 
 class CudaMemory:
-    """The GPU memory counters the micro-batch probe reads (tests give it a fake one)."""
+    """The GPU memory counters the micro-batch auto-fit reads (tests count tensors on the CPU instead)."""
 
     def __init__(self, device):
         self.device = device
@@ -418,92 +430,194 @@ class CudaMemory:
     def capacity(self):
         return torch.cuda.get_device_properties(self.device).total_memory
 
-    def reset(self):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak(self):
-        return torch.cuda.max_memory_allocated(self.device)
+    def allocated(self):
+        return torch.cuda.memory_allocated(self.device)
 
     def reserve(self, nbytes):
-        """Allocate nbytes and let them go: raises where they are not free."""
-        torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)  # freed at once, kept in the cache
+        """Raise where nbytes more are not free now. They are allocated and handed back to the
+        device at once: kept in PyTorch's cache they would serve this stream's allocations only,
+        and FSDP allocates its collectives' buffers (the gradient shards among them) on streams of
+        its own, which would then find the memory taken."""
+        torch.cuda.empty_cache()
+        block = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+        del block
+        torch.cuda.empty_cache()
 
-    def rebase(self):
-        """Count the peak from what is allocated now (a reservation's block, freed, does not count)."""
+    def peak_of(self, run):
+        """run(); the most memory allocated while it ran, what was allocated before included."""
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        run()
+        return torch.cuda.max_memory_allocated(self.device)
 
 
-def memory_probe(model, block_size, device, dtype, memory, agree, activation_bytes=None, margin=0.10):
-    """fits(b): one forward+backward at micro-batch b stays under (1 - margin) of the device's memory,
+def fsdp_buffer_bytes(raw_model, dtype):
+    """What FSDP's collectives hold per GPU beyond the memory plan's figures, at most: for the two
+    largest units (wrap_model's: the root with the embeddings, then a block), the all-gather's
+    flat output in the 16-bit (or fp32) parameter dtype, which the next unit's all-gather finds
+    still held, and in backward the unit's unsharded gradients in that dtype plus their fp32 copy,
+    the reduce-scatter's input, which stays until the next unit's reduce-scatter is under way
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, _fsdp_param_group.py)."""
+    blocks = [sum(p.numel() for p in block.parameters()) for block in raw_model.transformer.h]
+    root = sum(p.numel() for p in raw_model.parameters()) - sum(blocks)
+    largest = sorted(blocks + [root], reverse=True)[:2]
+    return (_dtype_bytes(dtype) + 4) * sum(largest)
+
+
+def step_footprint(model, world_size, dtype, block_size, micro_batch):
+    """Bytes one GPU holds at the peak of a training step at this micro-batch: the memory plan's
+    total (weights, gradients, optimizer state, activations) and, under FSDP, its collectives'
+    buffers. model: the model as it trains (wrap_model's)."""
+    raw = unwrap(model)
+    c = raw.config
+    sharding = "fsdp" if is_fsdp(raw) else "none"
+    checkpointing = any(getattr(block, "_checkpointed", False) for block in raw.transformer.h)
+    plan = memory_plan(raw.num_params(non_embedding=False), world_size, sharding, dtype, micro_batch, block_size,
+                       c.n_layer, c.n_embd, checkpointing, c.padded_vocab_size)
+    return plan["total"] + (fsdp_buffer_bytes(raw, dtype) if sharding == "fsdp" else 0)
+
+
+def trial_micro_steps(model, micro_batch, block_size, device, dtype, accumulation, phase):
+    """Forward and backward at this micro-batch as the training step runs them (train_gpt2.train_step),
+    as far as its memory peak: with accumulation the second micro-step holds the gradients of the
+    first and the activations of its own. DDP's micro-steps run without sync there (no_sync), and
+    the last one, which all-reduces, holds no more: it copies each gradient into DDP's bucket as it
+    is ready and lets it go. So only a step of one micro-step all-reduces here, as it does in
+    training, where the gradients are never held beside the buckets. phase[0]: 'forward' or
+    'backward', for the message when one fails."""
+    raw = unwrap(model)
+    syncs = [True] if accumulation == 1 else [False, False]
+    for sync in syncs:
+        x = torch.randint(0, raw.config.vocab_size, (micro_batch, block_size), device=device)
+        with grad_sync(model, sync):
+            phase[0] = "forward"
+            with autocast(device, dtype):
+                _, loss = model(x, x)
+            phase[0] = "backward"
+            loss.backward()
+
+
+def _has_collectives(model, accumulation):
+    """Whether a trial at this accumulation talks to the other ranks: FSDP's forward and backward
+    always do, DDP's backward when it all-reduces."""
+    from torch.nn.parallel import DistributedDataParallel
+    return is_fsdp(model) or (isinstance(model, DistributedDataParallel) and accumulation == 1)
+
+
+_auto_fits = itertools.count()  # each auto-fit's votes go under keys of their own
+
+
+def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10):
+    """fits(b): the training step at micro-batch b stays under (1 - margin) of the device's memory,
     counting the AdamW state (two fp32 moments per parameter it holds) that the real step adds.
-    `model` is the model as it will train (sharded, activation-checkpointed); memory: a CudaMemory.
-    agree(ok, error) -> ok: the same answer on every rank (an error on any rank raises on all).
+    model: the model as it trains (wrap_model's: DDP-wrapped, sharded, activation-checkpointed);
+    per_rank: sequences per rank in an optimizer step (the accumulation at b is per_rank / b);
+    memory: a CudaMemory. Every rank answers the same, or all stop.
 
-    Any allocation failure means "does not fit", on every rank. Under FSDP a forward is a sequence of
-    collectives, and a rank that failed in the middle of one would leave the others waiting for it:
-    there each rank first tries to allocate the activations the plan expects (activation_bytes(b),
-    generous already), the ranks agree on that, and only a size that all could allocate is run."""
+    An allocation that fails means "does not fit" where the ranks are not talking to each other
+    then. Inside FSDP's forward or backward, or DDP's all-reducing backward, it is different: the
+    ranks match their collectives by order, and one that stopped half-way leaves the others'
+    collectives waiting for it (queued on their GPUs, or, with gloo, blocking), so the group
+    cannot be used again. There each rank first makes sure the memory the whole step holds is
+    free (step_footprint: the plan's activations, gradient shards, optimizer state and FSDP's
+    buffers), and the ranks agree on that before any trial; where a trial still runs out of
+    memory, every rank learns it through the process group's store, which no pending collective
+    holds up, and stops with the same line (the rank that failed at once, without waiting for
+    ranks that may be stuck in a collective; torchrun then ends any that are)."""
+    raw = unwrap(model)
     local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731  (an FSDP shard)
-    optimizer_bytes = 2 * 4 * sum(local(p).numel() for p in model.parameters())
+    optimizer_bytes = 2 * 4 * sum(local(p).numel() for p in raw.parameters())
     capacity = memory.capacity()
-    sharded = is_fsdp(model)
+    fit_id, rounds = next(_auto_fits), itertools.count()
 
-    def attempt(step):
-        try:
-            step()
-            return True, None
-        except Exception as e:  # noqa: BLE001 (every rank must reach agree(), whatever happened)
-            return False, None if is_allocation_failure(e) else f"{type(e).__name__}: {common.first_line(e)}"
-
-    def forward_backward(b):
-        x = torch.randint(0, model.config.vocab_size, (b, block_size), device=device)
-        with autocast(device, dtype):
-            _, loss = model(x, x)
-        loss.backward()
+    def agree(outcome, b):
+        """outcome: this rank's {"fits", "oom" (the phase), "error", "stranded"}; the answer of all."""
+        outcomes = _exchange(outcome, f"microbatch_fit/{fit_id}/{next(rounds)}", ranks, wait=not outcome["stranded"])
+        # a failure half-way through the collectives decides; an allocation failure before the errors
+        # it caused on other ranks (with gloo, a peer that left breaks the collective under way)
+        stranded = sorted((o["oom"] is None, rank) for rank, o in enumerate(outcomes) if o and o["stranded"])
+        if stranded:
+            rank = stranded[0][1]
+            raise _fit_failure(rank, outcomes[rank], b, block_size, per_rank)
+        for rank, o in enumerate(outcomes):
+            if o["error"]:
+                raise RuntimeError(f"the micro-batch probe failed on rank {rank}: {o['error']}")
+        return all(o["fits"] for o in outcomes)
 
     def fits(b):
-        memory.reset()
+        accumulation = per_rank // b
+        collectives = ranks.multi and _has_collectives(model, accumulation)
+        phase = ["reserve"]
         try:
-            if sharded:
-                if not agree(*attempt(lambda: memory.reserve(activation_bytes(b)))):
+            if collectives:
+                need = step_footprint(model, ranks.world_size, dtype, block_size, b) - memory.allocated()
+                try:
+                    memory.reserve(max(need, 0))
+                    outcome = dict(fits=True, oom=None, error=None, stranded=False)
+                except Exception as e:  # noqa: BLE001 (every rank must vote, whatever happened)
+                    outcome = _failure(e, phase[0], stranded=False)
+                if not agree(outcome, b):
                     return False
-                memory.rebase()  # the peak is the step's, not the reservation's
-            ok, error = attempt(lambda: forward_backward(b))
-            if sharded and not ok and error is None:
-                # out of memory inside a forward the other ranks are waiting in: their collectives
-                # no longer match this rank's, so no answer can be agreed on
-                raise UserError(f"the micro-batch auto-fit ran out of GPU memory at {b} x {block_size} tokens "
-                                "inside FSDP's forward, where the ranks cannot agree any more: pass "
-                                "--micro-batch-size N (half of this, say) instead of auto")
-            ok = ok and memory.peak() + optimizer_bytes <= (1 - margin) * capacity
+            try:
+                with torch.compiler.set_stance("force_eager"):
+                    peak = memory.peak_of(lambda: trial_micro_steps(model, b, block_size, ranks.device, dtype,
+                                                                    accumulation, phase))
+                outcome = dict(fits=peak + optimizer_bytes <= (1 - margin) * capacity, oom=None, error=None,
+                               stranded=False)
+            except Exception as e:  # noqa: BLE001
+                outcome = _failure(e, phase[0], stranded=collectives)
+            return agree(outcome, b)
         finally:
             model.zero_grad(set_to_none=True)
-            if sharded:  # a forward that stopped half-way may leave blocks gathered
-                for m in model.modules():
+            if is_fsdp(raw):  # a forward that stopped half-way may leave blocks gathered
+                for m in raw.modules():
                     if hasattr(m, "reshard"):
                         m.reshard()
-            memory.reset()
-        return agree(ok, error)
     return fits
 
 
-def agree_across(ranks):
-    """agree(ok, error) for memory_probe: True only where every rank's ok is; a rank's unexpected
-    error is raised on every rank (as a RuntimeError naming the rank), so none waits for it."""
-    def agree(ok, error=None):
-        answers = gather((ok, error), ranks)
-        for rank, (_, problem) in enumerate(answers):
-            if problem:
-                raise RuntimeError(f"the micro-batch probe failed on rank {rank}: {problem}")
-        return all(fit for fit, _ in answers)
-    return agree
+def _failure(e, phase, stranded):
+    """A trial's outcome when it raised e: an allocation failure (in which phase), or another error."""
+    oom = is_allocation_failure(e)
+    return dict(fits=False, oom=phase if oom else None, error=None if oom else f"{type(e).__name__}: "
+                f"{common.first_line(e)}", stranded=stranded)
 
 
-def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, activation_bytes=None, memory=None):
-    """The micro-batch for --micro-batch-size auto; ranks: the run's Ranks. activation_bytes(b): the
-    memory plan's activations at micro-batch b (what FSDP's ranks reserve first); memory: the
-    device's counters (CudaMemory on CUDA; elsewhere none, and the answer is 8 or fewer)."""
+def _fit_failure(rank, outcome, b, block_size, per_rank):
+    """The exception every rank stops with after a trial failed half-way through its collectives."""
+    if not outcome["oom"]:
+        return RuntimeError(f"the micro-batch probe failed on rank {rank}: {outcome['error']}")
+    smaller = [d for d in range(1, b) if per_rank % d == 0]
+    todo = (f"pass --micro-batch-size {smaller[-1]} (or smaller) instead of auto" if smaller else
+            "use more GPUs, --activation-checkpointing or a smaller --model")
+    return UserError(f"the micro-batch auto-fit ran out of GPU memory on rank {rank} in the {outcome['oom']} "
+                     f"pass at {b} x {block_size} tokens, although the memory the step needs was free "
+                     f"before it; the ranks' collectives are out of step after that, so the fit cannot go on: "
+                     f"{todo}")
+
+
+def _exchange(outcome, key, ranks, wait=True):
+    """Every rank's outcome (a dict of plain values) through the process group's store, which
+    answers while collectives are pending. wait=False: what has been posted so far, None for the
+    ranks that have not posted yet."""
+    if not ranks.multi:
+        return [outcome]
+    store = tdist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{ranks.rank}", json.dumps(outcome))
+    keys = [f"{key}/{rank}" for rank in range(ranks.world_size)]
+    if wait:
+        store.wait(keys)
+    return [json.loads(store.get(k)) if wait or store.check([k]) else None for k in keys]
+
+
+def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, *, memory=None):
+    """The micro-batch for --micro-batch-size auto; ranks: the run's Ranks; model: the model as it
+    trains (what wrap_model returned: DDP's wrapper, the FSDP-sharded GPT, or the plain or
+    compiled GPT in a world of one); memory: the device's counters (CudaMemory on CUDA; elsewhere
+    none, and the answer is 8 or fewer)."""
+    from torch.nn.parallel import DistributedDataParallel
+    if ranks.multi and not (is_fsdp(model) or isinstance(model, DistributedDataParallel)):
+        raise ValueError("choose_micro_batch takes the model as it trains (wrap_model's), not the bare GPT")
     cands = micro_batch_candidates(total_batch_size, block_size, ranks.world_size)
     if not cands:
         raise UserError(f"--total-batch-size {total_batch_size} is not divisible by block size x GPUs "
@@ -512,7 +626,8 @@ def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, activa
         memory = CudaMemory(ranks.device)
     if memory is None:
         return max(b for b in cands if b <= 8)  # the same on every rank
-    fits = memory_probe(model, block_size, ranks.device, dtype, memory, agree_across(ranks), activation_bytes)
+    per_rank = total_batch_size // (block_size * ranks.world_size)
+    fits = memory_probe(model, block_size, ranks, dtype, memory, per_rank)
     best = largest_fitting(cands, fits)
     if best is None:
         raise UserError(f"even a micro-batch of 1 x {block_size} tokens does not fit in GPU memory: use "

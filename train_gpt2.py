@@ -133,7 +133,7 @@ def setup(cfg, ranks, log, resume):
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
                                 cfg.activation_checkpointing, compile_on)
-    micro_batch, grad_accum = batch_geometry(cfg, ranks, raw_model, dtype)
+    micro_batch, grad_accum = batch_geometry(cfg, ranks, model, dtype)
     train_loader, val_loader, val_sequences = build_data(cfg, ranks, micro_batch, raw_model.config.vocab_size)
     optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)
     log.hold()  # the lock first: a launch it refuses must not touch the directory
@@ -218,14 +218,10 @@ def sample_prompt_tokens(cfg, block_size):
 
 def batch_geometry(cfg, ranks, model, dtype):
     """(micro-batch, accumulation steps): say each number once, derive the rest and assert it. The
-    micro-batch is --micro-batch-size, or with auto the largest that fits (parallel.choose_micro_batch)."""
+    micro-batch is --micro-batch-size, or with auto the largest that fits, tried on the model as it
+    trains (model: wrap_model's; parallel.choose_micro_batch)."""
     if cfg.micro_batch_size == "auto":
-        c = model.config
-        activations = lambda b: parallel.memory_plan(  # noqa: E731
-            model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, dtype, b, c.block_size, c.n_layer,
-            c.n_embd, cfg.activation_checkpointing)["activations"]
-        micro_batch = parallel.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size,
-                                                  activations)
+        micro_batch = parallel.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size)
     else:
         micro_batch = cfg.micro_batch_size
     tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size

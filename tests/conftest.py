@@ -1,5 +1,6 @@
 """Fixtures shared by the test modules: network probes for the tests that need the internet,
-and the tiny random GPT that the HellaSwag and sampling tests score and sample from."""
+the tiny random GPT that the HellaSwag and sampling tests score and sample from, and an
+nvidia-smi that lists GPUs this machine does not have."""
 import os
 import signal
 import socket
@@ -41,6 +42,28 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path, monkeypatch):
+    """lists(gpus): an nvidia-smi first on PATH that answers for these GPUs, [(name, "6.0"), ...], as the
+    real one does to `-L` and to `--query-gpu=name,compute_cap --format=csv,noheader` (or to a query
+    of compute_cap alone)."""
+    def lists(gpus):
+        if os.name == "nt":
+            pytest.skip("a shell script stands in for nvidia-smi")
+        bindir = tmp_path / "fake-bin"
+        bindir.mkdir(exist_ok=True)
+        listing = "".join(f"echo 'GPU {i}: {name} (UUID: GPU-{i})'\n" for i, (name, _) in enumerate(gpus))
+        query = "".join(f"echo '{name}, {cap}'\n" for name, cap in gpus)
+        caps = "".join(f"echo '{cap}'\n" for _, cap in gpus)
+        (bindir / "nvidia-smi").write_text(
+            "#!/bin/sh\n"
+            f'case "$*" in\n  -L) {listing};;\n  *name,compute_cap*) {query};;\n  *compute_cap*) {caps};;\n'
+            "  *) exit 6;;\nesac\n")
+        (bindir / "nvidia-smi").chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return lists
 
 
 @pytest.fixture(scope="module")

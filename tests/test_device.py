@@ -50,7 +50,12 @@ def fake_gpus(monkeypatch, gpus):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: gpus[index(d)][1])
     monkeypatch.setattr(torch.version, "hip", None)
     current = []
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+
+    def set_device(d):
+        if index(d) >= len(gpus):
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        current.append(d)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
     # what asks the current device instead of the given one would answer for cuda:0
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: gpus[0][1] >= (8, 0))
     return current
@@ -72,25 +77,29 @@ def test_dtype_and_device_choice(monkeypatch):
         device.pick_device("cuda:2")
 
 
-@pytest.mark.parametrize("gpu,default,explicit", [
-    (("Tesla P100-PCIE-16GB", (6, 0)), False, "needs 7.0 or newer"),  # Kaggle's P100: no Triton
-    (("Tesla T4", (7, 5)), True, None),
-    (("NVIDIA H100 80GB HBM3", (9, 0)), True, None),
+@pytest.mark.parametrize("gpu,triton,default,explicit", [
+    (("Tesla P100-PCIE-16GB", (6, 0)), True, False, "--compile: the Tesla P100-PCIE-16GB has compute capability 6.0"),
+    (("Tesla T4", (7, 5)), True, True, None),
+    (("NVIDIA H100 80GB HBM3", (9, 0)), True, True, None),
+    # Windows wheels, or Linux without the triton package: inductor would raise TritonMissing
+    (("Tesla T4", (7, 5)), False, False, "--compile: Triton, which torch.compile generates GPU code with, is not "
+                                         "installed"),
 ])
-def test_compile_by_default_only_where_triton_runs(monkeypatch, gpu, default, explicit):
+def test_compile_by_default_only_where_triton_runs(monkeypatch, gpu, triton, default, explicit):
     import argparse
     import parallel
     import train_gpt2
+    from torch.utils import _triton
     fake_gpus(monkeypatch, [gpu])
+    monkeypatch.setattr(_triton, "has_triton", lambda: triton)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     ranks = parallel.Ranks(device="cuda")
     try:
         cfg = argparse.Namespace(dtype="auto", compile=None, deterministic=False, given=frozenset())
         assert train_gpt2.configure_backends(cfg, ranks)[1] is default
         if explicit:
-            assert explicit in device.compile_blocker("cuda")
             typed = argparse.Namespace(dtype="auto", compile=True, deterministic=False, given=frozenset({"compile"}))
-            with pytest.raises(common.UserError, match=f"--compile: the {gpu[0]} has compute capability 6.0"):
+            with pytest.raises(common.UserError, match=explicit):
                 train_gpt2.configure_backends(typed, ranks)
             # a run started with --compile on another GPU, resumed here without the flag: compile is off
             stored = argparse.Namespace(dtype="auto", compile=True, deterministic=False, given=frozenset())
@@ -101,6 +110,57 @@ def test_compile_by_default_only_where_triton_runs(monkeypatch, gpu, default, ex
             assert device.compile_blocker("cuda") is None
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+# torch.cuda.get_arch_list() of PyTorch's builds (PyTorch's RELEASE.md support matrix)
+CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+CU128_2_8 = ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
+
+
+@pytest.mark.parametrize("gpu,build,stops", [
+    (("Tesla P100-PCIE-16GB", (6, 0)), CU128_2_8, True),   # Kaggle's P100 after pip's default torch
+    (("Tesla P100-PCIE-16GB", (6, 0)), CU126, False),
+    (("Tesla V100-SXM2-16GB", (7, 0)), CU130, True),
+    (("Tesla V100-SXM2-16GB", (7, 0)), CU128_2_8, False),
+    (("Tesla T4", (7, 5)), CU130, False),
+    (("NVIDIA L4", (8, 9)), CU126, False),                  # sm_86's machine code runs on 8.9
+    (("NVIDIA GeForce RTX 5090", (12, 0)), CU126, True),    # Blackwell needs CUDA 12.8 or newer
+    (("NVIDIA RTX PRO 6000 Blackwell", (12, 1)), CU130, False),  # sm_120's code, and its PTX
+    (("Tesla K80", (3, 7)), CU126, True),                   # no wheels at all
+])
+def test_a_gpu_without_kernels_in_this_pytorch_stops_with_the_wheels_to_install(monkeypatch, gpu, build, stops):
+    fake_gpus(monkeypatch, [gpu])
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: build)
+    if not stops:
+        assert device.pick_device("auto") == "cuda" and device.pick_device("cuda:0") == "cuda:0"
+        return
+    index = "cu126" if gpu[1] < (10, 0) else "cu130"
+    what = f"the {gpu[0]} (compute capability {gpu[1][0]}.{gpu[1][1]})"
+    for requested in ("auto", "cuda", "cuda:0"):
+        with pytest.raises(common.UserError) as e:
+            device.pick_device(requested)
+        if gpu[1] < (5, 0):
+            assert str(e.value) == f"no PyTorch 2.9 or newer has kernels for {what}: use another GPU or --device cpu"
+            continue
+        assert str(e.value) == (f"PyTorch {torch.__version__} has no kernels for {what}: it was built for "
+                                f"{' '.join(build)}. Install a build that has: pip uninstall -y torch && pip install "
+                                f"'torch>=2.9' --index-url https://download.pytorch.org/whl/{index}")
+
+
+def test_a_gpu_pytorch_cannot_use_is_a_warning(monkeypatch, fake_nvidia_smi):
+    """nvidia-smi lists a GPU, CUDA is unavailable (a CPU build here; elsewhere a driver older than
+    the build's CUDA): training on the CPU says so, with the wheels that fit the GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not any("nvidia-smi" in w for w in device.slow_settings("cpu", "float32", False, False, 2 ** 16))
+    fake_nvidia_smi([("Tesla P100-PCIE-16GB", "6.0"), ("Tesla P100-PCIE-16GB", "6.0")])
+    assert device.listed_gpu() == ("Tesla P100-PCIE-16GB", (6, 0))
+    monkeypatch.setattr(torch.version, "cuda", None)
+    warned = [w for w in device.slow_settings("cpu", "float32", False, False, 2 ** 16) if "nvidia-smi" in w]
+    assert warned == [f"training on the CPU although nvidia-smi lists a GPU, the Tesla P100-PCIE-16GB: this PyTorch "
+                      f"{torch.__version__} cannot use it (a CPU-only build): pip uninstall -y torch && pip install "
+                      f"'torch>=2.9' --index-url https://download.pytorch.org/whl/cu126"]
 
 
 def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
@@ -120,6 +180,21 @@ def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
     assert calls[0]["device_id"] == torch.device("cuda:1")
 
 
+def test_more_processes_than_gpus_is_one_line_before_the_rendezvous(monkeypatch):
+    import parallel
+    fake_gpus(monkeypatch, [("Tesla T4", (7, 5))])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(common, "_joined_process_group", False)
+    monkeypatch.setattr(torch.distributed, "rendezvous", lambda *a, **k: pytest.fail("rendezvous reached"))
+    for rank in (0, 1):  # every rank stops, not only the one without a GPU
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        with pytest.raises(common.UserError, match=r"^torchrun starts 2 processes on this machine, one per GPU, but "
+                                                   r"it has 1 GPU\(s\) visible: use --nproc_per_node=1$"):
+            parallel.setup_distributed("auto")
+
+
 def test_synchronize_waits_on_the_device_it_is_given(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))
@@ -131,7 +206,7 @@ def test_synchronize_waits_on_the_device_it_is_given(monkeypatch):
     assert calls == [("cuda", "cuda:1"), ("mps", None)]
 
 
-def test_too_old_pytorch_is_one_line_naming_the_upgrade():
+def test_too_old_pytorch_is_one_line_naming_the_upgrade(fake_nvidia_smi):
     import subprocess
     import sys
     assert device.torch_too_old("2.9.1+cu128") is None and device.torch_too_old("2.13.0") is None
@@ -142,3 +217,10 @@ def test_too_old_pytorch_is_one_line_naming_the_upgrade():
         assert p.returncode == 2 and p.stderr.strip().splitlines() == [
             "error: PyTorch 2.8.0 is older than 2.9, the oldest these scripts run on (they use torch.optim.Muon); "
             "upgrade it: pip install -U 'torch>=2.9'"], p.stderr
+    # with a GPU that pip's default builds have no kernels for, from the wheels that have them
+    fake_nvidia_smi([("Tesla P100-PCIE-16GB", "6.0")])
+    p = subprocess.run([sys.executable, "-c", "import torch; torch.__version__ = '2.6.0+cu124'; import train_gpt2"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: PyTorch 2.6.0+cu124 is older than 2.9, the oldest these scripts run on (they use torch.optim.Muon); "
+        "upgrade it: pip install -U 'torch>=2.9' --index-url https://download.pytorch.org/whl/cu126"], p.stderr

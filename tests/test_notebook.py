@@ -47,7 +47,8 @@ def test_notebook_prepares_trains_plots_and_samples(tmp_path, monkeypatch):
 
     gpu = printed("gpu")
     assert gpu.count("\n") == 1 and gpu.startswith(("GPU: ", "no GPU (", "nvidia-smi lists ")), gpu
-    assert printed("install") == "install skipped (GPT2_NB_SKIP_INSTALL=1)\n"
+    assert printed("install") == (f"$ pip install -q -r {os.path.join(ROOT, 'requirements.txt')}\n"
+                                  "install skipped (GPT2_NB_SKIP_INSTALL=1)\n")
     assert printed("logdir") == f"log directory: {tmp_path / 'log'}\n"
     train = printed("train")
     step_line = re.compile(r"^step +(\d+) \| loss \d", re.M)
@@ -58,3 +59,26 @@ def test_notebook_prepares_trains_plots_and_samples(tmp_path, monkeypatch):
     assert any("image/png" in o.get("data", {}) for o in cells["plot"].outputs)
     sample = re.search(rf"^{re.escape(PROMPT)}(.+)", printed("sample"), re.M | re.S)
     assert sample and sample.group(1).strip(), printed("sample")
+
+
+@pytest.mark.parametrize("gpu,legacy", [(("Tesla P100-PCIE-16GB", "6.0"), True), (("Tesla T4", "7.5"), False)])
+def test_install_takes_torch_from_wheels_with_kernels_for_the_gpu(tmp_path, monkeypatch, fake_nvidia_smi, gpu, legacy):
+    """Kaggle's P100: pip's default torch has no kernels for it, so the install cell, finding no torch
+    here that trains on it (this one is a CPU build), takes one from PyTorch's CUDA 12.6 builds
+    (device.LEGACY_WHEELS, which the cell names too) before the requirements. A T4 keeps pip's choice."""
+    import device
+    fake_nvidia_smi([gpu])
+    for name, value in dict(REPO=ROOT, SKIP_INSTALL="1").items():
+        monkeypatch.setenv("GPT2_NB_" + name, value)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb.cells = [c for c in nb.cells if c.cell_type == "code" and c.metadata["tags"][0] in ("parameters", "code", "gpu",
+                                                                                          "install")]
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
+    steps = [f"$ pip install -q -r {os.path.join(ROOT, 'requirements.txt')}",
+             "install skipped (GPT2_NB_SKIP_INSTALL=1)"]
+    if legacy:
+        steps[:0] = ["$ pip uninstall -y -q torch", f"$ pip install -q 'torch>=2.9' --index-url {device.LEGACY_WHEELS}"]
+    assert printed.splitlines() == steps
+    assert f'LEGACY_WHEELS = "{device.LEGACY_WHEELS}"' in "".join(nb.cells[-1].source)

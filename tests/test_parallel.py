@@ -4,12 +4,15 @@ Every scenario trains with the trainer's own step (train_gpt2.train_step) on its
 import datetime
 import functools
 import os
+import weakref
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 import checkpoint
 import optim
@@ -76,7 +79,7 @@ def run(raw, sharding, data_dir, ranks, steps=STEPS, checkpointing=False, compil
 
 
 class FakeMemory:
-    """A device with room for everything, whose allocations of fail_from bytes or more fail."""
+    """A device with room for everything, whose reservations of fail_from bytes or more fail."""
 
     def __init__(self, fail_from=None):
         self.fail_from = fail_from
@@ -84,18 +87,86 @@ class FakeMemory:
     def capacity(self):
         return 2 ** 40
 
-    def reset(self):
-        pass
-
-    def peak(self):
+    def allocated(self):
         return 0
 
     def reserve(self, nbytes):
         if self.fail_from is not None and nbytes >= self.fail_from:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
 
-    def rebase(self):
-        pass
+    def peak_of(self, run):
+        run()
+        return 0
+
+
+def _plain(t):
+    """The plain tensors under t (a DTensor: its local shard)."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [p for n in names if isinstance(getattr(t, n), torch.Tensor) for p in _plain(getattr(t, n))]
+    return [t]
+
+
+def _storages(tree):
+    """{data pointer: storage} of the tensors in a pytree."""
+    found = {}
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            for t in _plain(leaf):
+                storage = t.untyped_storage()
+                if storage.data_ptr():
+                    found[storage.data_ptr()] = storage
+    return found
+
+
+class CountedMemory(TorchDispatchMode):
+    """The auto-fit's memory counters (parallel.CudaMemory) on the CPU, counted as CUDA's allocator
+    counts them: every storage an operation allocates while counting, until it is freed; what
+    existed before (the model's weights) as allocated already. An allocation past `capacity`
+    raises torch.OutOfMemoryError, as on a GPU, and so does a reservation unless `lenient`. The
+    peaks and reservations it saw are kept for the tests to read."""
+
+    def __init__(self, model, capacity=2 ** 40, lenient=False):
+        super().__init__()
+        self.base = sum(s.nbytes() for s in _storages(list(parallel.unwrap(model).parameters())).values())
+        self.limit, self.lenient = capacity, lenient
+        self.live, self.current, self.high = {}, 0, 0
+        self.peaks, self.reserved, self.before = [], [], []
+
+    def capacity(self):
+        return self.limit
+
+    def allocated(self):
+        return self.base + self.current
+
+    def reserve(self, nbytes):
+        self.reserved.append(nbytes)
+        if not self.lenient and self.allocated() + nbytes > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes")
+
+    def peak_of(self, run):
+        self.before.append(self.allocated())
+        self.high = self.current
+        with self:
+            run()
+        self.peaks.append(self.base + self.high)
+        return self.peaks[-1]
+
+    def _free(self, key):
+        self.current -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = _storages((args, kwargs))  # views and in-place results allocate nothing
+        for key, storage in _storages(out).items():
+            if key not in inputs and key not in self.live:
+                self.live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                weakref.finalize(storage, self._free, key)
+        self.high = max(self.high, self.current)
+        if self.allocated() > self.limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory in {func}")
+        return out
 
 
 def failing_forward(raw, failure, idx, targets=None, **kw):
@@ -103,6 +174,66 @@ def failing_forward(raw, failure, idx, targets=None, **kw):
     if idx.size(0) >= 4:
         raise failure
     return GPT.forward(raw, idx, targets, **kw)
+
+
+def out_of_memory_in_backward(raw, idx, targets=None, **kw):
+    """GPT.forward, whose backward runs out of memory from a micro-batch of 4 on."""
+    logits, loss = GPT.forward(raw, idx, targets, **kw)
+    if idx.size(0) >= 4:
+        def fail(grad):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        loss.register_hook(fail)
+    return logits, loss
+
+
+def outcome(scenario, *args, **kwargs):
+    """scenario(*args, **kwargs), or the exception it raised, as 'Type: message'."""
+    try:
+        return scenario(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (the test reads it; the other scenarios go on)
+        return f"{type(e).__name__}: {e}"
+
+
+def ddp_probe_against_the_step(ranks, data_dir):
+    """The peaks of the real training step (train_gpt2.train_step, through DDP) and of the auto-fit's
+    trials at micro-batches 1, 2 and 4 of 4 sequences per rank (accumulation 4, 2, 1); and the
+    micro-batch it chooses where the step's own peaks say 1 fits and 2 does not. The step's
+    optimizer keeps no state, so its peak is the micro-steps' (the probe adds AdamW's moments)."""
+    T, per_rank = CONFIG["block_size"], 4
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(**CONFIG))  # fp32, the bytes the probe's arithmetic assumes
+    model = parallel.wrap_model(raw, "none", "cpu", ranks.rank, "float32")
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    step = {}
+    for b in (1, 2, 4):
+        data = TokenLoader(data_dir, "train", b, T, ranks.rank, ranks.world_size, vocab_size=CONFIG["vocab_size"])
+        one_step = functools.partial(train_gpt2.train_step, model, optimizer, scaler, data, per_rank // b, ranks,
+                                     "float32")
+        for _ in range(2):  # DDP rebuilds its buckets after its first step
+            one_step()
+        step[b] = CountedMemory(model).peak_of(one_step)
+    counter = CountedMemory(model)
+    fits = parallel.memory_probe(model, T, ranks, "float32", counter, per_rank)
+    for b in (1, 2, 4):
+        fits(b)
+    moments = 8 * sum(p.numel() for p in raw.parameters())
+    room = (step[1] + step[2]) / 2 + moments  # room for the step at 1, not at 2
+    chosen = parallel.choose_micro_batch(per_rank * T * ranks.world_size, ranks, model, "float32", T,
+                                         memory=CountedMemory(model, capacity=room / 0.9))
+    return dict(step=[step[b] for b in (1, 2, 4)], probe=counter.peaks, chosen=chosen)
+
+
+def fsdp_reservations(ranks, checkpointing):
+    """What the FSDP auto-fit reserved before each trial, and what the trial then allocated."""
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(**CONFIG))
+    model = parallel.wrap_model(raw, "fsdp", "cpu", ranks.rank, "float32", activation_checkpointing=checkpointing)
+    counter = CountedMemory(model)
+    fits = parallel.memory_probe(model, CONFIG["block_size"], ranks, "float32", counter, per_rank=4)
+    for b in (1, 2, 4):
+        fits(b)
+    return dict(reserved=counter.reserved, allocated=[p - a for p, a in zip(counter.peaks, counter.before)])
 
 
 def worker(rank, world, tmp):
@@ -188,20 +319,33 @@ def worker(rank, world, tmp):
                                        p.grad.to_local().numel()) for p in raw.parameters()]
 
         # the micro-batch probe with allocation failures on rank 1 only, from micro-batch 4 up
+        T = CONFIG["block_size"]
         out["probe"] = {}
         for name in ("ddp", "fsdp", "error"):
             raw = tiny_gpt()
             model = parallel.wrap_model(raw, "fsdp" if name == "fsdp" else "none", "cpu", rank, "float32")
-            if rank == 1 and name != "fsdp":  # DDP probes the GPT itself: a forward without collectives
+            fail_from = None
+            if rank == 1 and name == "fsdp":  # where the ranks talk in every trial, each reserves first
+                fail_from = parallel.step_footprint(model, world, "float32", T, 4)
+            elif rank == 1:  # DDP's micro-steps before the last run without collectives
                 failure = (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
                            if name == "ddp" else ValueError("something else went wrong"))
                 raw.forward = functools.partial(failing_forward, raw, failure)
             try:
-                out["probe"][name] = parallel.choose_micro_batch(
-                    16 * CONFIG["block_size"] * world, ranks, raw, "float32", CONFIG["block_size"],
-                    activation_bytes=lambda b: b, memory=FakeMemory(fail_from=4 if rank == 1 else None))
+                out["probe"][name] = parallel.choose_micro_batch(16 * T * world, ranks, model, "float32", T,
+                                                                 memory=FakeMemory(fail_from))
             except RuntimeError as e:
                 out["probe"][name] = str(e)
+
+        out["ddp_probe"] = outcome(ddp_probe_against_the_step, ranks, data_dir)
+        out["fsdp_reservations"] = {ac: outcome(fsdp_reservations, ranks, ac) for ac in (False, True)}
+        # last: it leaves the group unusable. Rank 1 runs out of memory in FSDP's backward at 4
+        raw = tiny_gpt()
+        model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
+        if rank == 1:
+            raw.forward = functools.partial(out_of_memory_in_backward, raw)
+        out["stranded"] = outcome(parallel.choose_micro_batch, 4 * T * world, ranks, model, "float32", T,
+                                  memory=FakeMemory())
     finally:
         tdist.destroy_process_group()
     torch.save(out, f"{tmp}/out{rank}.pt")
@@ -310,6 +454,42 @@ def test_micro_batch_probe_agrees_when_one_rank_runs_out_of_memory(two_ranks):
     assert r0["probe"]["fsdp"] == r1["probe"]["fsdp"] == 2
     assert r0["probe"]["error"] == r1["probe"]["error"]
     assert "the micro-batch probe failed on rank 1: ValueError: something else went wrong" == r0["probe"]["error"]
+
+
+def test_ddp_auto_fit_measures_the_step_as_it_trains(two_ranks):
+    """Through DDP's wrapper, with the step's micro-steps: the trials' peaks are the real step's (to
+    the bytes of its target tensor); the bare GPT's single forward and backward missed the
+    gradients that accumulation holds between micro-steps, and counted a copy of them where DDP's
+    buckets take them at once. So where the step's own peaks leave room for 1 and not 2, 1 it is."""
+    for r in two_ranks[0]:
+        got = r["ddp_probe"]
+        assert isinstance(got, dict), got
+        for probe, step in zip(got["probe"], got["step"]):
+            assert abs(probe - step) <= 0.001 * step, (got["probe"], got["step"])
+        assert got["chosen"] == 1
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fsdp_auto_fit_reserves_what_the_trial_allocates(two_ranks, checkpointing):
+    """Before each FSDP trial a rank makes sure of the memory the step holds: at least what the
+    trial then allocates on top of the weights (activations, gradient shards, the collectives'
+    buffers), so a trial that was let run finds its memory."""
+    for r in two_ranks[0]:
+        got = r["fsdp_reservations"][checkpointing]
+        assert isinstance(got, dict), got
+        assert len(got["reserved"]) == len(got["allocated"]) == 3
+        assert all(reserved >= allocated for reserved, allocated in zip(got["reserved"], got["allocated"])), got
+
+
+def test_out_of_memory_in_fsdp_backward_stops_every_rank_with_one_line(two_ranks):
+    """Rank 1 runs out of memory in the backward pass of the trial at 4, after its reservation fit:
+    its collectives and rank 0's no longer match, so the fit cannot go on. Both ranks stop with the
+    same line, naming the rank, the pass and a size to pass instead, and neither waits for the other."""
+    (r0, r1), _ = two_ranks
+    want = ("UserError: the micro-batch auto-fit ran out of GPU memory on rank 1 in the backward pass at 4 x 32 "
+            "tokens, although the memory the step needs was free before it; the ranks' collectives are out of "
+            "step after that, so the fit cannot go on: pass --micro-batch-size 2 (or smaller) instead of auto")
+    assert r0["stranded"] == r1["stranded"] == want
 
 
 def test_fsdp_checkpoint_is_a_plain_gpt_state_dict(two_ranks):
