@@ -36,7 +36,7 @@ import numpy as np
 
 from common import ArgumentParser, UserError, check_output_dir, run_main
 from fineweb_source import check_utf8, describe, describe_source, hub_problem, load_source, read_tasks, text_bytes
-from metrics import versions
+from provenance import versions
 from shard_format import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, read_manifest
 from shard_writer import VAL_SHARE, ShardWriter, intact, plan_resume, verify, write_manifest
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, get_tokenizer

@@ -21,6 +21,7 @@ import checkpoint
 import common
 import hellaswag
 import metrics
+import trackers
 from common import UserError
 from model import PRESETS
 
@@ -265,7 +266,7 @@ def resolve(args):
     values = dict(vars(args))
     changes = stored_run(values, args.given, ckpt, path) if ckpt is not None else []
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
-        values["wandb_id"] = metrics.new_wandb_id()
+        values["wandb_id"] = trackers.new_wandb_id()
     cfg = Settings(values)
     if args.resume is not None:
         check_relations(cfg)
@@ -274,7 +275,7 @@ def resolve(args):
                         "done: give more, or leave it out to keep the run's")
     for flag in ("wandb", "tensorboard"):
         if getattr(cfg, flag):
-            metrics.check_tracker_installed(flag)
+            trackers.check_tracker_installed(flag)
     check_evaluation_files(cfg)
     return cfg, Resume(path, ckpt, skipped, changes) if ckpt is not None else None
 

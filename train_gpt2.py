@@ -31,12 +31,14 @@ import core
 import dataloader
 import device
 import hellaswag
-import metrics
+import memory
 import optim
 import parallel
 import plot
+import provenance
 import sample
 import scoring
+import trackers
 import train_config
 from common import UserError
 from metrics import RunLog
@@ -219,9 +221,9 @@ def sample_prompt_tokens(cfg, block_size):
 def batch_geometry(cfg, ranks, model, dtype):
     """(micro-batch, accumulation steps): say each number once, derive the rest and assert it. The
     micro-batch is --micro-batch-size, or with auto the largest that fits, tried on the model as it
-    trains (model: wrap_model's; parallel.choose_micro_batch)."""
+    trains (model: wrap_model's; memory.choose_micro_batch)."""
     if cfg.micro_batch_size == "auto":
-        micro_batch = parallel.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size)
+        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size)
     else:
         micro_batch = cfg.micro_batch_size
     tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
@@ -270,7 +272,7 @@ def start_trackers(cfg, ranks, log, start_step):
     continue that run)."""
     if ranks.is_master and (cfg.wandb or cfg.tensorboard):
         name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
-        log.trackers = metrics.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
+        log.trackers = trackers.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
 
 
 def note_resume(cfg, ranks, log, resume):
@@ -289,13 +291,13 @@ def write_header(run, origin, resume):
     """The run record and the lines that say what produced this run and how it is laid out."""
     cfg, ranks, log, model = run.cfg, run.ranks, run.log, run.raw_model
     name = device.device_name(ranks.device)
-    commit = metrics.git_commit()
+    commit = provenance.git_commit()
     restart = parallel.torchrun_restart()
     resume_path, changes = (resume.path, resume.changes) if resume is not None else (None, [])
     log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
                compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum,
-               versions=metrics.versions(), git=commit, config=train_config.stored(cfg, run.micro_batch),
+               versions=provenance.versions(), git=commit, config=train_config.stored(cfg, run.micro_batch),
                changes=changes, restart=restart, per_node=run.per_node)
     start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
     if restart:
@@ -326,12 +328,12 @@ def write_header(run, origin, resume):
              f"{cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
     capacity = torch.cuda.get_device_properties(ranks.device).total_memory if ranks.device_type == "cuda" else None
     muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if muon_lr(cfg) else 0  # the block matrices
-    plan = parallel.memory_plan(model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, run.dtype,
+    plan = memory.memory_plan(model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, run.dtype,
                                 run.micro_batch, cfg.block_size, model.config.n_layer, model.config.n_embd,
                                 cfg.activation_checkpointing, muon_params=muon_params)
     log.line(f"memory ({cfg.sharding if run.fsdp else 'DDP' if ranks.multi else 'one process'}"
              f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): "
-             + parallel.format_memory_plan(plan, capacity, "GPU" if ranks.device_type == "cuda" else "process"))
+             + memory.format_memory_plan(plan, capacity, "GPU" if ranks.device_type == "cuda" else "process"))
     log.record("memory", step=run.start_step, **plan)
     for w in device.slow_settings(ranks.device, run.dtype, run.compile, cfg.deterministic,
                                   run.micro_batch * cfg.block_size):

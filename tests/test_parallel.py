@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 import checkpoint
+import memory
 import optim
 import parallel
 import train_gpt2
@@ -120,7 +121,7 @@ def _storages(tree):
 
 
 class CountedMemory(TorchDispatchMode):
-    """The auto-fit's memory counters (parallel.CudaMemory) on the CPU, counted as CUDA's allocator
+    """The auto-fit's memory counters (memory.CudaMemory) on the CPU, counted as CUDA's allocator
     counts them: every storage an operation allocates while counting, until it is freed; what
     existed before (the model's weights) as allocated already. An allocation past `capacity`
     raises torch.OutOfMemoryError, as on a GPU, and so does a reservation unless `lenient`. The
@@ -214,12 +215,12 @@ def ddp_probe_against_the_step(ranks, data_dir):
             one_step()
         step[b] = CountedMemory(model).peak_of(one_step)
     counter = CountedMemory(model)
-    fits = parallel.memory_probe(model, T, ranks, "float32", counter, per_rank)
+    fits = memory.memory_probe(model, T, ranks, "float32", counter, per_rank)
     for b in (1, 2, 4):
         fits(b)
     moments = 8 * sum(p.numel() for p in raw.parameters())
     room = (step[1] + step[2]) / 2 + moments  # room for the step at 1, not at 2
-    chosen = parallel.choose_micro_batch(per_rank * T * ranks.world_size, ranks, model, "float32", T,
+    chosen = memory.choose_micro_batch(per_rank * T * ranks.world_size, ranks, model, "float32", T,
                                          memory=CountedMemory(model, capacity=room / 0.9))
     return dict(step=[step[b] for b in (1, 2, 4)], probe=counter.peaks, chosen=chosen)
 
@@ -230,7 +231,7 @@ def fsdp_reservations(ranks, checkpointing):
     raw = GPT(GPTConfig(**CONFIG))
     model = parallel.wrap_model(raw, "fsdp", "cpu", ranks.rank, "float32", activation_checkpointing=checkpointing)
     counter = CountedMemory(model)
-    fits = parallel.memory_probe(model, CONFIG["block_size"], ranks, "float32", counter, per_rank=4)
+    fits = memory.memory_probe(model, CONFIG["block_size"], ranks, "float32", counter, per_rank=4)
     for b in (1, 2, 4):
         fits(b)
     return dict(reserved=counter.reserved, allocated=[p - a for p, a in zip(counter.peaks, counter.before)])
@@ -326,13 +327,13 @@ def worker(rank, world, tmp):
             model = parallel.wrap_model(raw, "fsdp" if name == "fsdp" else "none", "cpu", rank, "float32")
             fail_from = None
             if rank == 1 and name == "fsdp":  # where the ranks talk in every trial, each reserves first
-                fail_from = parallel.step_footprint(model, world, "float32", T, 4)
+                fail_from = memory.step_footprint(model, world, "float32", T, 4)
             elif rank == 1:  # DDP's micro-steps before the last run without collectives
                 failure = (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
                            if name == "ddp" else ValueError("something else went wrong"))
                 raw.forward = functools.partial(failing_forward, raw, failure)
             try:
-                out["probe"][name] = parallel.choose_micro_batch(16 * T * world, ranks, model, "float32", T,
+                out["probe"][name] = memory.choose_micro_batch(16 * T * world, ranks, model, "float32", T,
                                                                  memory=FakeMemory(fail_from))
             except RuntimeError as e:
                 out["probe"][name] = str(e)
@@ -344,7 +345,7 @@ def worker(rank, world, tmp):
         model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
         if rank == 1:
             raw.forward = functools.partial(out_of_memory_in_backward, raw)
-        out["stranded"] = outcome(parallel.choose_micro_batch, 4 * T * world, ranks, model, "float32", T,
+        out["stranded"] = outcome(memory.choose_micro_batch, 4 * T * world, ranks, model, "float32", T,
                                   memory=FakeMemory())
     finally:
         tdist.destroy_process_group()
@@ -587,12 +588,12 @@ def test_gpt2_xl_parameter_count():
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=48, n_head=25, n_embd=1600))
     assert sum(p.numel() for p in model.parameters()) == n
-    assert parallel.block_params(1600) * 48 == 48 * (12 * 1600 ** 2 + 13 * 1600)
+    assert memory.block_params(1600) * 48 == 48 * (12 * 1600 ** 2 + 13 * 1600)
 
 
 def test_memory_plan_ddp_gpt2_xl_fp32_does_not_shard():
     n = 1_557_686_400
-    plan = parallel.memory_plan(n, 8, "none", "float32", micro_batch=1, block_size=1024, n_layer=48,
+    plan = memory.memory_plan(n, 8, "none", "float32", micro_batch=1, block_size=1024, n_layer=48,
                                 n_embd=1600)
     assert plan["params"] == 4 * n and plan["grads"] == 4 * n and plan["optimizer"] == 8 * n
     sbh = 1024 * 1600
@@ -603,7 +604,7 @@ def test_memory_plan_ddp_gpt2_xl_fp32_does_not_shard():
 
 def test_memory_plan_fsdp_gpt2_xl_bf16_with_checkpointing():
     n, world, b, s, h, L = 1_557_686_400, 8, 8, 1024, 1600, 48
-    plan = parallel.memory_plan(n, world, "fsdp", "bfloat16", micro_batch=b, block_size=s, n_layer=L,
+    plan = memory.memory_plan(n, world, "fsdp", "bfloat16", micro_batch=b, block_size=s, n_layer=L,
                                 n_embd=h, activation_checkpointing=True)
     block = 12 * h * h + 13 * h
     root = n - L * block  # wte, wpe, ln_f: 82,127,600
@@ -618,18 +619,18 @@ def test_memory_plan_fsdp_gpt2_xl_bf16_with_checkpointing():
     assert plan["params"] / GIB == pytest.approx(0.9928, abs=1e-4)
     assert plan["activations"] / GIB == pytest.approx(6.5967, abs=1e-4)
     assert plan["total"] / GIB == pytest.approx(9.7656, abs=1e-4)
-    line = parallel.format_memory_plan(plan, capacity=24 * GIB)
+    line = memory.format_memory_plan(plan, capacity=24 * GIB)
     assert line == ("per GPU: params 1.0 GiB + grads 0.7 GiB + AdamW 1.5 GiB + activations ~6.6 GiB "
                     "= 9.8 GiB of 24.0 GiB")
 
 
 def test_memory_plan_activations_without_checkpointing_and_ddp_autocast_copy():
-    plan = parallel.memory_plan(1000, 2, "none", "bfloat16", micro_batch=2, block_size=8, n_layer=3,
+    plan = memory.memory_plan(1000, 2, "none", "bfloat16", micro_batch=2, block_size=8, n_layer=3,
                                 n_embd=4, vocab_size=16)
     assert plan["params"] == 4 * 1000 + 2 * 1000  # fp32 weights + autocast's bf16 copies
     assert plan["activations"] == 3 * 34 * (8 * 2 * 4) + 8 * 2 * 16 * 10
     with pytest.raises(ValueError):
-        parallel.memory_plan(1000, 2, "zero", "bfloat16", 2, 8, 3, 4)
+        memory.memory_plan(1000, 2, "zero", "bfloat16", 2, 8, 3, 4)
 
 
 def test_whole_model_compile_with_checkpointing_matches_eager(monkeypatch):
@@ -680,16 +681,16 @@ def test_compiled_training_with_muon_matches_eager(tmp_path, monkeypatch):
 def test_micro_batch_autofit_with_fake_memory():
     # a 16 GB card where each sequence of 1024 tokens costs 0.9 GB and the model 3 GB
     fits = lambda b: 3.0 + 0.9 * b <= 0.9 * 16
-    cands = parallel.micro_batch_candidates(524288, 1024, 1)
+    cands = memory.micro_batch_candidates(524288, 1024, 1)
     assert cands == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert parallel.largest_fitting(cands, fits) == 8
+    assert memory.largest_fitting(cands, fits) == 8
     # 40 GB: 32; 80 GB: 64; the batch must divide: 3 GPUs x 1024 x b never divides 2**19
-    assert parallel.largest_fitting(cands, lambda b: 3.0 + 0.9 * b <= 0.9 * 40) == 32
-    assert parallel.largest_fitting(cands, lambda b: 3.0 + 0.9 * b <= 0.9 * 80) == 64
-    assert parallel.micro_batch_candidates(524288, 1024, 3) == []
-    assert parallel.largest_fitting(cands, lambda b: False) is None
+    assert memory.largest_fitting(cands, lambda b: 3.0 + 0.9 * b <= 0.9 * 40) == 32
+    assert memory.largest_fitting(cands, lambda b: 3.0 + 0.9 * b <= 0.9 * 80) == 64
+    assert memory.micro_batch_candidates(524288, 1024, 3) == []
+    assert memory.largest_fitting(cands, lambda b: False) is None
     tried = []
-    parallel.largest_fitting(cands, lambda b: tried.append(b) or b <= 8)
+    memory.largest_fitting(cands, lambda b: tried.append(b) or b <= 8)
     assert len(tried) <= 4  # binary search, not a scan
 
 

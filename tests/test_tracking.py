@@ -11,6 +11,7 @@ import pytest
 
 import checkpoint
 import metrics
+import trackers
 from runs import ENV, FAULT_TRAINER, TINY, TRAIN, records, write_shards
 
 pytest.importorskip("wandb", reason="pip install wandb (README's test command installs it)")
@@ -127,12 +128,12 @@ class FakeWandbRun:
 def test_a_step_the_wandb_run_holds_already_is_not_sent_again(tmp_path):
     """Online, W&B continues a run at the server's last step: the replayed steps before it are not
     sent (W&B would refuse them with a warning each); from it on, every record is."""
-    trackers = metrics.Trackers(str(tmp_path))
-    fake = trackers.wandb = FakeWandbRun(step=7)
+    sender = trackers.Trackers(str(tmp_path))
+    fake = sender.wandb = FakeWandbRun(step=7)
     for step in range(5, 10):  # in the trainer's order: evaluation at the top of a step, then the step
-        trackers.send("val", {"step": step, "val_loss": 2.0})
-        trackers.send("train", {"step": step, "loss": 1.0 / step})
-    trackers.close()
+        sender.send("val", {"step": step, "val_loss": 2.0})
+        sender.send("train", {"step": step, "loss": 1.0 / step})
+    sender.close()
     assert fake.logged == [(s, [f"{k}/{f}"]) for s in (7, 8, 9) for k, f in (("val", "val_loss"), ("train", "loss"))]
     assert fake.finished
 
@@ -147,11 +148,11 @@ def test_a_resumed_launch_replays_what_the_wandb_run_never_received(tmp_path):
             log.record("val", step=step, val_loss=3.0, tokens=step * 64)
         log.record("train", step=step, loss=1.0 / (step + 1), tokens=(step + 1) * 64, tok_per_s=1e3, dt_ms=64.0)
     log.close()
-    trackers = metrics.Trackers(str(tmp_path))
-    fake = trackers.wandb = FakeWandbRun(step=2)
-    trackers.replay(str(tmp_path), start_step=4)
-    trackers.send("train", {"step": 4, "loss": 0.1})
-    trackers.close()
+    sender = trackers.Trackers(str(tmp_path))
+    fake = sender.wandb = FakeWandbRun(step=2)
+    sender.replay(str(tmp_path), start_step=4)
+    sender.send("train", {"step": 4, "loss": 0.1})
+    sender.close()
     train_fields = ["train/dt_ms", "train/loss", "train/tok_per_s", "train/tokens"]
     assert fake.logged == [(2, ["val/tokens", "val/val_loss"]), (2, train_fields), (3, train_fields),
                            (4, ["train/loss"])]
@@ -161,7 +162,7 @@ def test_a_missing_package_is_one_line(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(metrics.UserError, match=r"^--wandb needs the wandb package, which is not installed: "
+    with pytest.raises(trackers.UserError, match=r"^--wandb needs the wandb package, which is not installed: "
                                                 r"pip install wandb$"):
-        metrics.check_tracker_installed("wandb")
-    metrics.check_tracker_installed("tensorboard")
+        trackers.check_tracker_installed("wandb")
+    trackers.check_tracker_installed("tensorboard")
