@@ -4,6 +4,7 @@ and its peak FLOP/s (what MFU divides by).
 """
 
 import contextlib
+import os
 import re
 import shutil
 import subprocess
@@ -203,6 +204,27 @@ def pick_dtype(requested, device):
     if dtype == "float16" and kind == "cpu":
         raise UserError("float16 autocast is not supported on CPU: use --dtype bfloat16 or float32")
     return dtype
+
+
+def configure_backends(device, dtype, compile, compile_typed, deterministic):
+    """(the autocast dtype, whether to torch.compile) for the trainer on device, from its --dtype,
+    --compile (None: the default) and --deterministic; sets TF32 and the determinism switches.
+    compile_typed: --compile was on the command line, not a resumed run's stored setting, which
+    gives way where the device cannot compile (the run header says why)."""
+    dtype = pick_dtype(dtype, device)
+    kind = device.split(":")[0]
+    blocker = compile_blocker(device)
+    if compile and blocker and compile_typed:
+        raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")
+    compile_on = (kind == "cuda" if compile is None else compile) and blocker is None
+    if kind == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
+        torch.backends.cudnn.allow_tf32 = True
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    return dtype, compile_on
 
 
 def autocast(device, dtype):

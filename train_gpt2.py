@@ -121,7 +121,8 @@ def setup(cfg, ranks, log, resume):
     if resume is not None:
         checkpoint.check_world_size(ckpt, resume.path, ranks.world_size)
     checkpoint.agree_on_resume(ckpt, ranks)
-    dtype, compile_on = configure_backends(cfg, ranks)
+    dtype, compile_on = device.configure_backends(ranks.device, cfg.dtype, cfg.compile, "compile" in cfg.given,
+                                                   cfg.deterministic)
     fsdp = cfg.sharding == "fsdp"
     if fsdp and not ranks.multi:
         raise UserError("--sharding fsdp shards the model over several processes: launch it with "
@@ -159,25 +160,6 @@ def setup(cfg, ranks, log, resume):
               per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)))
     write_header(run, origin, resume)
     return run
-
-
-def configure_backends(cfg, ranks):
-    """The autocast dtype and whether to compile; TF32 and determinism switches."""
-    dtype = device.pick_dtype(cfg.dtype, ranks.device)
-    blocker = device.compile_blocker(ranks.device)
-    if cfg.compile and blocker and "compile" in cfg.given:
-        raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")
-    # a resumed run's stored --compile gives way on a device that cannot compile (the header says why)
-    compile_on = ranks.device_type == "cuda" and blocker is None if cfg.compile is None else cfg.compile
-    compile_on = compile_on and blocker is None
-    if ranks.device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
-        torch.backends.cudnn.allow_tf32 = True
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-    return dtype, compile_on
 
 
 def build_model(cfg, resume):

@@ -86,24 +86,17 @@ def test_dtype_and_device_choice(monkeypatch):
                                          "installed"),
 ])
 def test_compile_by_default_only_where_triton_runs(monkeypatch, gpu, triton, default, explicit):
-    import argparse
-    import parallel
-    import train_gpt2
     from torch.utils import _triton
     fake_gpus(monkeypatch, [gpu])
     monkeypatch.setattr(_triton, "has_triton", lambda: triton)
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    ranks = parallel.Ranks(device="cuda")
     try:
-        cfg = argparse.Namespace(dtype="auto", compile=None, deterministic=False, given=frozenset())
-        assert train_gpt2.configure_backends(cfg, ranks)[1] is default
+        assert device.configure_backends("cuda", "auto", None, False, False)[1] is default
         if explicit:
-            typed = argparse.Namespace(dtype="auto", compile=True, deterministic=False, given=frozenset({"compile"}))
             with pytest.raises(common.UserError, match=explicit):
-                train_gpt2.configure_backends(typed, ranks)
+                device.configure_backends("cuda", "auto", True, True, False)  # --compile typed
             # a run started with --compile on another GPU, resumed here without the flag: compile is off
-            stored = argparse.Namespace(dtype="auto", compile=True, deterministic=False, given=frozenset())
-            assert train_gpt2.configure_backends(stored, ranks)[1] is False
+            assert device.configure_backends("cuda", "auto", True, False, False)[1] is False
             # and no advice to turn on what cannot run
             assert not any("compile" in w for w in device.slow_settings("cuda", "float16", False, False, 2 ** 16))
         else:
