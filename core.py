@@ -31,8 +31,9 @@ min() and list.index, which takes such an answer when it comes first and never o
 options with identical contexts are all empty, so the first is picked. Identical options get
 identical scores, and the first of equal means is picked.
 
-Scoring is scoring.py's, shared with hellaswag.py: all options of an item in one packed row, many
-items per forward pass, items split over torchrun ranks and the counts summed.
+Scoring is scoring.py's evaluation, shared with hellaswag.py, over CORE's own pieces (the class
+Core): all options of an item in one packed row, many items per forward pass, items split over
+torchrun ranks and the counts summed.
 """
 
 import csv
@@ -48,9 +49,6 @@ import urllib.error
 import urllib.request
 import zipfile
 from dataclasses import dataclass, field
-
-import torch
-import torch.distributed as tdist
 
 import common
 import scoring
@@ -373,69 +371,49 @@ def centered(acc, baseline):
     return (acc - baseline) / (1 - baseline)
 
 
-@dataclass
-class Share:
-    """What one rank scores: its items as (task index, item index), their rows for
-    scoring.scored_batches, and where each item's options start among the rows' options. The same
-    at every evaluation of a run: the trainer renders it once."""
-    items: list
-    rows: list
-    option_start: list
+class Core:
+    """CORE's pieces of an evaluation (scoring.evaluate): the items of all tasks, each named by
+    (task index, item index), rendered by rows_of with its few-shot examples, judged by judge()
+    and tallied per task."""
+    name = "core"
 
+    def __init__(self, tasks):
+        self.tasks = tasks
+        self.items = [(t, i) for t, task in enumerate(tasks) for i in range(len(task.items))]
+        self.tallies = (len(tasks), 1)  # a tally per task; the mark: right
 
-def share_of(tasks, block_size, rank=0, world_size=1):
-    """This rank's Share of the tasks' items (items rank::world_size over all tasks)."""
-    enc = get_tokenizer()
-    everything = [(t, i) for t, task in enumerate(tasks) for i in range(len(task.items))]
-    mine = [everything[k] for k in scoring.shard(len(everything), rank, world_size)]
-    rows, option_start = [], [0]
-    for t, i in mine:
-        task = tasks[t]
-        item = task.items[i]
-        these = rows_of(task, item, fewshot(task.items, i, task.shots), enc, block_size)
-        rows += these
-        option_start.append(option_start[-1] + scoring.n_options(these))
-    return Share(mine, rows, option_start)
+    def rows(self, item, block_size):
+        t, i = item
+        task = self.tasks[t]
+        return rows_of(task, task.items[i], fewshot(task.items, i, task.shots), get_tokenizer(), block_size)
+
+    def marks(self, item, sums, counts, exact):
+        t, i = item
+        return t, (judge(self.tasks[t], self.tasks[t].items[i], sums, counts, exact),)
+
+    def result(self, tally):
+        """{"core", "tasks": {label: {"acc", "centered", "n"}}}."""
+        results = {}
+        for task, (right, n) in zip(self.tasks, tally):
+            acc = right / n if n else 0.0
+            results[task.label] = {"acc": acc, "centered": centered(acc, task.baseline), "n": n}
+        core = sum(r["centered"] for r in results.values()) / len(results)
+        return {"core": core, "tasks": results}
+
+    def report(self, result):
+        """The trainer's log line and record."""
+        centred = {label: r["centered"] for label, r in result["tasks"].items()}
+        return f"{result['core']:.4f} over {len(centred)} tasks", dict(core=result["core"], centered=centred)
 
 
 def evaluate(model, tasks, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
              should_stop=None, lockstep=False, share=None):
-    """{"core", "tasks": {label: {"acc", "centered", "n"}}} over tasks (Task, with their items);
-    None if should_stop said so. Every rank must call it (the counts are summed over ranks);
-    model, should_stop and lockstep as for hellaswag.evaluate; share: this rank's share_of() the
-    tasks, when it was rendered before."""
-    batch_size = batch_size or scoring.default_batch_size(device)
-    share = share or share_of(tasks, scoring.model_block_size(model), rank, world_size)
-    mine, rows, option_start = share.items, share.rows, share.option_start
-    batches = torch.tensor([scoring.n_batches(len(rows), batch_size)], device=device)
-    if world_size > 1 and tdist.is_available() and tdist.is_initialized():
-        tdist.all_reduce(batches, op=tdist.ReduceOp.MAX)  # the rows per item vary: ask the longest share
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"):
-        model.eval()
-    try:
-        scored = scoring.drain(model, scoring.scored_batches(model, rows, device, dtype, batch_size),
-                               int(batches.item()), device, dtype, should_stop, lockstep, "core" if progress else None)
-    finally:
-        if hasattr(model, "train"):
-            model.train(was_training)
-    if scored is scoring.STOPPED:
-        return None
-    tally = torch.zeros(len(tasks), 2, dtype=torch.long)  # right, scored
-    sums, counts, exact = scored if mine else (None, None, None)
-    for k, (t, i) in enumerate(mine):
-        a, b = option_start[k], option_start[k + 1]
-        tally[t, 0] += judge(tasks[t], tasks[t].items[i], sums[a:b], counts[a:b], exact[a:b])
-        tally[t, 1] += 1
-    tally = tally.to(device)
-    if world_size > 1 and tdist.is_available() and tdist.is_initialized():
-        tdist.all_reduce(tally, op=tdist.ReduceOp.SUM)
-    results = {}
-    for task, (right, n) in zip(tasks, tally.tolist()):
-        acc = right / n if n else 0.0
-        results[task.label] = {"acc": acc, "centered": centered(acc, task.baseline), "n": n}
-    core = sum(r["centered"] for r in results.values()) / len(results)
-    return {"core": core, "tasks": results}
+    """Core(tasks).result() over the tasks (Task, with their items), or None if should_stop said so.
+    Every rank must call it (the counts are summed over ranks); the arguments as for
+    scoring.evaluate, share among them: this rank's scoring.share_of(Core(tasks)), when it was
+    rendered before."""
+    return scoring.evaluate(model, Core(tasks), device, dtype, batch_size, rank, world_size, progress,
+                            should_stop, lockstep, share)
 
 
 def describe(result, n_tasks_all=N_CORE_TASKS):
@@ -456,24 +434,14 @@ def describe(result, n_tasks_all=N_CORE_TASKS):
 
 def training_hook(bundle_dir, limit, ranks, log, lockstep):
     """CORE inside train_gpt2.py (scoring.TrainingHook): the bundle (--core-bundle, else the cache,
-    downloaded once) read at the first call, limit items per task, this rank's prompts rendered then
-    and kept for the run's later evaluations."""
-    def load(raw_model):
+    downloaded once) read at the first call, limit items per task (--core-limit); ranks: the
+    trainer's parallel.Ranks; lockstep: every rank makes the same number of forward passes (FSDP)."""
+    def load():
         tasks = load_tasks(bundle_dir, None, limit, "--core-bundle")
         for note in fewer_shots(tasks, "--core-limit"):
             log.line(note)
-        return tasks, share_of(tasks, scoring.model_block_size(raw_model), ranks.rank, ranks.world_size)
-
-    def score(raw_model, data, dtype, should_stop, progress):
-        tasks, share = data
-        return evaluate(raw_model, tasks, ranks.device, dtype, rank=ranks.rank, world_size=ranks.world_size,
-                        progress=progress, should_stop=should_stop, lockstep=lockstep, share=share)
-
-    def report(result):
-        centred = {label: r["centered"] for label, r in result["tasks"].items()}
-        return f"{result['core']:.4f} over {len(centred)} tasks", dict(core=result["core"], centered=centred)
-    return scoring.TrainingHook("core", load, lambda data: sum(len(t.items) for t in data[0]), score, report,
-                                ranks, log)
+        return Core(tasks)
+    return scoring.TrainingHook(Core.name, load, ranks, log, lockstep)
 
 
 def load_tasks(bundle_dir, only, limit, flag="--bundle-dir", cache_dir=None):
@@ -510,21 +478,16 @@ def main(argv=None):
     """python core.py (or under torchrun): score a model, print each task and CORE."""
     args = parse_args(argv)
 
-    def score(model, tasks, ranks, dtype):
-        return evaluate(model, tasks, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
-                        progress=ranks.is_master)
-
-    def show(result, seconds):
-        n = sum(r["n"] for r in result["tasks"].values())
-        return "\n".join(describe(result) + [f"{n / seconds:.1f} items/s"])
-
     def load():
         tasks = load_tasks(args.bundle_dir, args.tasks, args.limit, cache_dir=args.cache_dir)
         for note in fewer_shots(tasks):
             common.print0(note, file=sys.stderr)
-        return tasks
-    scoring.run_script(args, "core", load, lambda tasks: f"{len(tasks)} tasks, {sum(len(t.items) for t in tasks):,} items",
-                       score, show)
+        return Core(tasks)
+
+    def show(result, seconds):
+        n = sum(r["n"] for r in result["tasks"].values())
+        return "\n".join(describe(result) + [f"{n / seconds:.1f} items/s"])
+    scoring.run_script(args, load, lambda bench: f"{len(bench.tasks)} tasks, {len(bench.items):,} items", show)
 
 
 if __name__ == "__main__":

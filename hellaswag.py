@@ -10,8 +10,9 @@ For OpenAI's GPT-2 124M this gives acc 0.2859, acc_norm 0.2955 on the 10,042 val
     python hellaswag.py --model log/ --limit 500      # latest checkpoint written by train_gpt2.py
     torchrun --nproc_per_node=8 hellaswag.py --model log/ckpt_019073.pt --json
 
-The trainer imports load_items() and evaluate(); evaluate() is rank-aware, takes a
-torch.compile'd model, and stops between batches when its should_stop says so.
+An evaluation is scoring.evaluate's (the steps HellaSwag and CORE share) over HellaSwag's own
+pieces, the class HellaSwag: an item as one row, and its marks from its endings' scores. The
+trainer runs it through training_hook(); evaluate() scores a list of items in one call.
 Offline: --data-file path/to/hellaswag_val.jsonl, or the copy cached by an earlier download.
 """
 
@@ -22,9 +23,6 @@ import lzma
 import os
 import urllib.error
 import urllib.request
-
-import torch
-import torch.distributed as tdist
 
 import common
 import scoring
@@ -165,71 +163,40 @@ def render(item, enc, block_size):
     return ctx[cut:], endings
 
 
-def scored_batches(model, items, device, dtype="float32", batch_size=4):
-    """Scores items batch by batch (scoring.scored_batches: the context once, the 4 endings side by
-    side in one row): yields (sums, counts) after each forward pass, each (n, 4) float64 on the CPU,
-    the same two tensors each time with the rows of the items scored so far filled in."""
-    enc = get_tokenizer()
-    block_size = scoring.model_block_size(model)
-    rows = []
-    for item in items:
-        ctx, endings = render(item, enc, block_size)
-        rows.append((ctx, [([], e) for e in endings]))
-    for sums, counts, _ in scoring.scored_batches(model, rows, device, dtype, batch_size):
-        yield sums.view(-1, N_ENDINGS), counts.view(-1, N_ENDINGS)
+class HellaSwag:
+    """HellaSwag's pieces of an evaluation (scoring.evaluate): an item is one row, its context
+    once and its endings side by side; it is right by acc when the ending with the lowest summed
+    loss is the label, by acc_norm when the one with the lowest mean loss per token is."""
+    name = "hellaswag"
+    tallies = (1, 2)  # one tally for all items; marks: acc, acc_norm
 
+    def __init__(self, items):
+        self.items = items
 
-def score_items(model, items, device, dtype="float32", batch_size=4, progress=False):
-    """Summed ending loss and ending token count, each (n, 4) float64 on the CPU, for items in the
-    order given (see scored_batches)."""
-    batches = scored_batches(model, items, device, dtype, batch_size)
-    if progress:
-        from tqdm import tqdm
-        batches = tqdm(batches, total=scoring.n_batches(len(items), batch_size), desc="hellaswag", unit="batch",
-                       dynamic_ncols=True)
-    sums = counts = torch.zeros(0, N_ENDINGS, dtype=torch.float64)
-    for sums, counts in batches:
-        pass
-    return sums, counts
+    def rows(self, item, block_size):
+        ctx, endings = render(item, get_tokenizer(), block_size)
+        return [(ctx, [([], e) for e in endings])]
+
+    def marks(self, item, sums, counts, exact):
+        return 0, (int(sums.argmin()) == item["label"], int((sums / counts).argmin()) == item["label"])
+
+    def result(self, tally):
+        (correct, correct_norm, n), = tally
+        return {"acc": correct / n if n else 0.0, "acc_norm": correct_norm / n if n else 0.0, "n": n}
+
+    def report(self, result):
+        """The trainer's log line and record."""
+        return f"acc_norm {result['acc_norm']:.4f} acc {result['acc']:.4f} n {result['n']}", result
 
 
 def evaluate(model, items, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
              should_stop=None, lockstep=False):
-    """{"acc", "acc_norm", "n"} over all items. Each rank scores its share (items rank::world_size);
-    the counts are summed over ranks when torch.distributed is initialised and world_size > 1, so
-    every rank must call this. model: a GPT (model(idx, pos=, mask=) -> (logits, loss)), also
-    torch.compile'd; pass the model itself, not a DDP wrapper. It is put in eval mode and its
-    train/eval state restored afterwards. batch_size: items per forward pass, one packed row
-    each (default: scoring.default_batch_size(device)).
-    should_stop: None, or a function called before each batch; when it returns True, evaluate
-    returns None at once (a stop request must not wait for 10,042 items); it may be a collective,
-    and lockstep keeps FSDP's forwards in step (see scoring.drain)."""
-    batch_size = batch_size or scoring.default_batch_size(device)
-    mine = [items[i] for i in scoring.shard(len(items), rank, world_size)]
-    was_training = getattr(model, "training", False)
-    if hasattr(model, "eval"):
-        model.eval()
-    try:
-        batches = scoring.n_batches(scoring.n_batches(len(items), world_size), batch_size)  # the longest share's
-        scored = scoring.drain(model, scored_batches(model, mine, device, dtype, batch_size), batches, device, dtype,
-                               should_stop, lockstep, "hellaswag" if progress else None)
-        if scored is scoring.STOPPED:
-            return None
-        if mine:
-            sums, counts = scored
-            labels = torch.tensor([item["label"] for item in mine])
-            correct = int((sums.argmin(dim=1) == labels).sum())
-            correct_norm = int(((sums / counts).argmin(dim=1) == labels).sum())
-        else:
-            correct = correct_norm = 0
-    finally:
-        if hasattr(model, "train"):
-            model.train(was_training)
-    totals = torch.tensor([correct, correct_norm, len(mine)], dtype=torch.long, device=device)
-    if world_size > 1 and tdist.is_available() and tdist.is_initialized():
-        tdist.all_reduce(totals, op=tdist.ReduceOp.SUM)
-    correct, correct_norm, n = totals.tolist()
-    return {"acc": correct / n if n else 0.0, "acc_norm": correct_norm / n if n else 0.0, "n": n}
+    """{"acc", "acc_norm", "n"} over all items, or None if should_stop said so (a stop request must
+    not wait for 10,042 items). Every rank must call it: each scores its share, and the counts are
+    summed over ranks (scoring.evaluate, which says what model, batch_size, should_stop and lockstep
+    may be)."""
+    return scoring.evaluate(model, HellaSwag(items), device, dtype, batch_size, rank, world_size, progress,
+                            should_stop, lockstep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,14 +207,9 @@ def training_hook(data_file, limit, ranks, log, lockstep):
     """HellaSwag inside train_gpt2.py (scoring.TrainingHook): data_file, limit: the trainer's
     --hellaswag-file and --hellaswag-limit; ranks: its parallel.Ranks; lockstep: every rank makes
     the same number of forward passes (FSDP)."""
-    def score(raw_model, items, dtype, should_stop, progress):
-        return evaluate(raw_model, items, ranks.device, dtype, rank=ranks.rank, world_size=ranks.world_size,
-                        progress=progress, should_stop=should_stop, lockstep=lockstep)
-
-    def report(result):
-        return f"acc_norm {result['acc_norm']:.4f} acc {result['acc']:.4f} n {result['n']}", result
-    return scoring.TrainingHook("hellaswag", lambda _: load_items(data_file, limit=limit, flag="--hellaswag-file"),
-                                len, score, report, ranks, log)
+    return scoring.TrainingHook(HellaSwag.name,
+                                lambda: HellaSwag(load_items(data_file, limit=limit, flag="--hellaswag-file")),
+                                ranks, log, lockstep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,17 +234,13 @@ def main(argv=None):
     """python hellaswag.py (or under torchrun): score a model, print acc and acc_norm."""
     args = parse_args(argv)
 
-    def score(model, items, ranks, dtype):
-        return evaluate(model, items, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
-                        progress=ranks.is_master)
-
     def show(result, seconds):
         n = result["n"]
         return (f"acc {result['acc']:.4f} ({round(result['acc'] * n)}/{n})  "
                 f"acc_norm {result['acc_norm']:.4f} ({round(result['acc_norm'] * n)}/{n})  "
                 f"{n / seconds:.1f} items/s  (OpenAI GPT-2 124M: acc 0.2859, acc_norm 0.2955)")
-    scoring.run_script(args, "hellaswag", lambda: load_items(args.data_file, args.cache_dir, args.limit),
-                       lambda items: f"{len(items)} items", score, show)
+    scoring.run_script(args, lambda: HellaSwag(load_items(args.data_file, args.cache_dir, args.limit)),
+                       lambda bench: f"{len(bench.items)} items", show)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,13 @@
 """
-Scoring continuations with a GPT: the engine that HellaSwag (hellaswag.py) and CORE (core.py)
-share. An item becomes one row: a prefix its options share, then each option as its own
+Scoring continuations with a GPT: the evaluation that HellaSwag (hellaswag.py) and CORE (core.py)
+share. evaluate() runs one on every rank, the same steps for both: each rank renders its share of
+the items (rank::world_size) as rows, the model scores the rows in eval mode batch by batch (a stop
+request and FSDP's collective forwards keep all ranks in step), each item is judged from its
+options' scores, and the tallies are summed over ranks. The benchmark supplies the pieces that are
+its own (hellaswag.HellaSwag, core.Core): how an item becomes rows, what its options' scores make
+of it, and what the summed tallies say.
+
+An item becomes one row or more: a prefix its options share, then each option as its own
 sequence (its own context, if any, and the continuation that is scored), side by side:
 
     multiple choice   prefix = the question, options = ([], each answer)       (HellaSwag too)
@@ -13,15 +20,16 @@ computed once. Rows are sorted by length and a batch of them shares one forward 
 out per option: the summed loss of its continuation tokens, their count, and whether each of them
 was the model's greedy prediction.
 
-Rank-aware: every rank scores its share of the rows (rows rank::world_size), and drain() runs the
-batches so that a stop request and FSDP's collective forwards keep all ranks in step.
+Also here: the trainer's hook around evaluate(), and the command line the two scripts share.
 """
 
 import json
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as tdist
 
 import checkpoint
 import common
@@ -33,60 +41,129 @@ SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple 
 LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
 
 
-def model_block_size(model):
-    """block_size of a GPT, also through torch.compile (which forwards attributes) or DDP (.module)."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
-    return getattr(getattr(model, "config", None), "block_size", 1024)
+# ----------------------------------------------------------------------------------------------
+# One evaluation
 
 
-def pack(prefix, options):
-    """One row, as lists: tokens; pos, each token's position in its own sequence (an option starts
-    where the prefix ends); seg, 0 for the prefix and j + 1 for option j; where, the index of the
-    token that predicts each continuation token (the one before it in its own sequence), option by
-    option, in order. options: [(own context tokens, continuation tokens)]; a continuation's first
-    token needs something before it, in the option's context or the prefix."""
-    tokens, pos, seg, where = list(prefix), list(range(len(prefix))), [0] * len(prefix), []
-    for j, (own, continuation) in enumerate(options):
-        assert continuation and (own or prefix), "a continuation needs a token before it"
-        start = len(tokens)
-        tokens += own + continuation
-        pos += range(len(prefix), len(prefix) + len(own) + len(continuation))
-        seg += [j + 1] * (len(own) + len(continuation))
-        first = start + len(own)  # the continuation's first token
-        before = first - 1 if own else len(prefix) - 1
-        where += [before] + list(range(first, first + len(continuation) - 1))
-    return tokens, pos, seg, where
+def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
+             should_stop=None, lockstep=False, share=None):
+    """bench.result() of the summed tallies over bench.items, or None when should_stop said so.
+    Every rank calls it: each scores its share of the items, and the tallies are summed over ranks
+    when torch.distributed is initialised and world_size > 1.
+    model: a GPT (model(idx, pos=, mask=) -> (logits, loss)), also torch.compile'd; the model
+    itself, not a DDP wrapper. It is put in eval mode and its train/eval state restored afterwards.
+    bench: the benchmark's pieces (hellaswag.HellaSwag, core.Core):
+        name      the progress bar's word for it
+        items     what is shared out over the ranks
+        rows(item, block_size) -> the item as rows for scored_batches, its options in order
+        tallies   (slots, marks): how many tallies, and how many marks an item earns in its tally
+        marks(item, sums, counts, exact) -> (slot, marks): from the scores of the item's options
+                  (scored_batches'), its tally and its marks there (ints, or bools: right or not)
+        result(tally) -> the result, from the tallies summed over ranks: a list per slot, each
+                  mark's count and then the items'
+    batch_size: rows per forward pass (default: default_batch_size(device)).
+    progress: show a tqdm bar; should_stop, lockstep: see drain; share: this rank's share_of() the
+    bench, when it was rendered before (the trainer renders it once for the run)."""
+    batch_size = batch_size or default_batch_size(device)
+    share = share or share_of(bench, model.config.block_size, rank, world_size)
+    distributed = world_size > 1 and tdist.is_available() and tdist.is_initialized()
+    # as many batches on every rank, at least the longest share's: every item is a row or more,
+    # and where the rows per item vary (CORE), the ranks ask each other
+    batches = torch.tensor([n_batches(max(len(share.rows), share.longest), batch_size)], device=device)
+    if distributed:
+        tdist.all_reduce(batches, op=tdist.ReduceOp.MAX)
+    was_training = model.training
+    model.eval()
+    try:
+        scored = drain(model, scored_batches(model, share.rows, device, dtype, batch_size), int(batches.item()),
+                       device, dtype, should_stop, lockstep, bench.name if progress else None)
+    finally:
+        model.train(was_training)
+    if scored is STOPPED:
+        return None
+    slots, n_marks = bench.tallies
+    tally = torch.zeros(slots, n_marks + 1, dtype=torch.long)  # per slot: each mark's count, then the items'
+    for k, item in enumerate(share.items):
+        a, b = share.option_start[k], share.option_start[k + 1]
+        slot, marks = bench.marks(item, *(scores[a:b] for scores in scored))
+        tally[slot] += torch.tensor((*marks, 1))
+    tally = tally.to(device)
+    if distributed:
+        tdist.all_reduce(tally, op=tdist.ReduceOp.SUM)
+    return bench.result(tally.tolist())
 
 
-def attention_mask(seg):
-    """(B, 1, T, T) bool from seg (B, T): token i sees token j <= i when j is prefix (seg 0) or in
-    i's own segment. Padding (seg -1) sees the prefix and padding, so no row is all False."""
-    T = seg.size(1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
-    sees = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (B, T, T)
-    return (sees & causal)[:, None]
+@dataclass
+class Share:
+    """What one rank scores of a benchmark: its items, their rows for scored_batches, and where each
+    item's options start among the rows' options (and where the last one ends). The same at every
+    evaluation of a run."""
+    items: list
+    rows: list
+    option_start: list
+    longest: int  # the items in the longest share, rank 0's
 
 
-def target_scores(logits, where, targets):
-    """For targets at flat positions `where` of logits (B, T, V): each one's loss (float32) and
-    whether it was the argmax. Only the scored positions are upcast and normalised, a chunk at a
-    time so bf16 logits don't double in memory. Padded ids hold -inf: logsumexp and a gather never
-    multiply -inf by zero, and they are never the argmax."""
-    flat = logits.view(-1, logits.size(-1))
-    step = max(1, LOGIT_CHUNK // flat.size(1))
-    losses, greedy = [], []
-    for i in range(0, len(where), step):
-        lg = flat[where[i:i + step]].float()  # (scored positions, V)
-        t = targets[i:i + step]
-        losses.append(torch.logsumexp(lg, dim=-1) - lg.gather(-1, t[:, None]).squeeze(-1))
-        greedy.append(lg.argmax(dim=-1) == t)
-    return torch.cat(losses), torch.cat(greedy)
+def share_of(bench, block_size, rank=0, world_size=1):
+    """This rank's Share of bench.items (items rank::world_size), rendered for a model of block_size."""
+    mine = [bench.items[k] for k in shard(len(bench.items), rank, world_size)]
+    rows, option_start = [], [0]
+    for item in mine:
+        these = bench.rows(item, block_size)
+        rows += these
+        option_start.append(option_start[-1] + n_options(these))
+    return Share(mine, rows, option_start, len(shard(len(bench.items), 0, world_size)))
 
 
-def n_options(rows):
-    """How many options the rows hold in all."""
-    return sum(len(options) for _, options in rows)
+def shard(n, rank, world_size):
+    """Indices of the items rank scores: every item once over all ranks, none twice."""
+    return range(rank, n, world_size)
+
+
+def n_batches(n_rows, batch_size):
+    """Forward passes for n_rows at batch_size rows each."""
+    return -(-n_rows // batch_size)
+
+
+def default_batch_size(device):
+    """Rows per forward pass: 16 on a GPU; 4 on CPU, where a forward is compute-bound already and
+    larger batches measured slower (BENCHMARKS.md)."""
+    return 16 if device.startswith("cuda") else 4
+
+
+STOPPED = object()  # what drain() returns when a stop request ended it
+
+
+def drain(model, scores, batches, device, dtype, should_stop=None, lockstep=False, progress=None):
+    """Run `scores` (a scored_batches generator over this rank's share of the rows) to its end and
+    return its last result (None for an empty share), or STOPPED. batches: the same number on every
+    rank, at least the batches of the longest share.
+    should_stop: None, or a function called before each batch; when it returns True, drain returns
+    STOPPED at once. It may be a collective (an all-reduce of every rank's flag): every rank calls it
+    `batches` times, also where its own share is shorter or used up, and all ranks see the same
+    answers, so all stop together.
+    lockstep: every rank makes that same number of forward passes too (under FSDP each forward
+    gathers parameters from all ranks): a rank past its share runs a one-token pass instead.
+    progress: a description for a tqdm bar, or None."""
+    steps = range(batches)
+    if progress:
+        from tqdm import tqdm
+        steps = tqdm(steps, desc=progress, unit="batch", dynamic_ncols=True)
+    last = None
+    for _ in steps:
+        if should_stop is not None and should_stop():
+            return STOPPED
+        scored = next(scores, None)
+        if scored is not None:
+            last = scored
+        elif lockstep:  # past the end of this rank's share: keep the others' collectives company
+            with torch.no_grad(), autocast(device, dtype):
+                model(torch.zeros((1, 1), dtype=torch.long, device=device))
+    return last
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring rows
 
 
 @torch.no_grad()
@@ -159,87 +236,100 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
         yield sums, counts, exact
 
 
-def n_batches(n_items, batch_size):
-    """Forward passes for n_items at batch_size items each."""
-    return -(-n_items // batch_size)
+def n_options(rows):
+    """How many options the rows hold in all."""
+    return sum(len(options) for _, options in rows)
 
 
-def shard(n, rank, world_size):
-    """Indices of the items rank scores: every item once over all ranks, none twice."""
-    return range(rank, n, world_size)
+def pack(prefix, options):
+    """One row, as lists: tokens; pos, each token's position in its own sequence (an option starts
+    where the prefix ends); seg, 0 for the prefix and j + 1 for option j; where, the index of the
+    token that predicts each continuation token (the one before it in its own sequence), option by
+    option, in order. options: [(own context tokens, continuation tokens)]; a continuation's first
+    token needs something before it, in the option's context or the prefix."""
+    tokens, pos, seg, where = list(prefix), list(range(len(prefix))), [0] * len(prefix), []
+    for j, (own, continuation) in enumerate(options):
+        assert continuation and (own or prefix), "a continuation needs a token before it"
+        start = len(tokens)
+        tokens += own + continuation
+        pos += range(len(prefix), len(prefix) + len(own) + len(continuation))
+        seg += [j + 1] * (len(own) + len(continuation))
+        first = start + len(own)  # the continuation's first token
+        before = first - 1 if own else len(prefix) - 1
+        where += [before] + list(range(first, first + len(continuation) - 1))
+    return tokens, pos, seg, where
 
 
-def default_batch_size(device):
-    """Rows per forward pass: 16 on a GPU; 4 on CPU, where a forward is compute-bound already and
-    larger batches measured slower (BENCHMARKS.md)."""
-    return 16 if device.startswith("cuda") else 4
+def attention_mask(seg):
+    """(B, 1, T, T) bool from seg (B, T): token i sees token j <= i when j is prefix (seg 0) or in
+    i's own segment. Padding (seg -1) sees the prefix and padding, so no row is all False."""
+    T = seg.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
+    sees = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (B, T, T)
+    return (sees & causal)[:, None]
 
 
-STOPPED = object()  # what drain() returns when a stop request ended it
+def target_scores(logits, where, targets):
+    """For targets at flat positions `where` of logits (B, T, V): each one's loss (float32) and
+    whether it was the argmax. Only the scored positions are upcast and normalised, a chunk at a
+    time so bf16 logits don't double in memory. Padded ids hold -inf: logsumexp and a gather never
+    multiply -inf by zero, and they are never the argmax."""
+    flat = logits.view(-1, logits.size(-1))
+    step = max(1, LOGIT_CHUNK // flat.size(1))
+    losses, greedy = [], []
+    for i in range(0, len(where), step):
+        lg = flat[where[i:i + step]].float()  # (scored positions, V)
+        t = targets[i:i + step]
+        losses.append(torch.logsumexp(lg, dim=-1) - lg.gather(-1, t[:, None]).squeeze(-1))
+        greedy.append(lg.argmax(dim=-1) == t)
+    return torch.cat(losses), torch.cat(greedy)
 
 
-def drain(model, scores, batches, device, dtype, should_stop=None, lockstep=False, progress=None):
-    """Run `scores` (a scored_batches generator over this rank's share of the rows) to its end and
-    return its last result (None for an empty share), or STOPPED. batches: the same number on every
-    rank, at least the batches of the longest share.
-    should_stop: None, or a function called before each batch; when it returns True, drain returns
-    STOPPED at once. It may be a collective (an all-reduce of every rank's flag): every rank calls it
-    `batches` times, also where its own share is shorter or used up, and all ranks see the same
-    answers, so all stop together.
-    lockstep: every rank makes that same number of forward passes too (under FSDP each forward
-    gathers parameters from all ranks): a rank past its share runs a one-token pass instead.
-    progress: a description for a tqdm bar, or None."""
-    steps = range(batches)
-    if progress:
-        from tqdm import tqdm
-        steps = tqdm(steps, desc=progress, unit="batch", dynamic_ncols=True)
-    last = None
-    for _ in steps:
-        if should_stop is not None and should_stop():
-            return STOPPED
-        scored = next(scores, None)
-        if scored is not None:
-            last = scored
-        elif lockstep:  # past the end of this rank's share: keep the others' collectives company
-            with torch.no_grad(), autocast(device, dtype):
-                model(torch.zeros((1, 1), dtype=torch.long, device=device))
-    return last
+# ----------------------------------------------------------------------------------------------
+# Inside train_gpt2.py
 
 
 class TrainingHook:
-    """An evaluation inside train_gpt2.py (HellaSwag, CORE), called at the top of a step. Its data
-    is loaded at the first call; if it cannot be had on any rank, that is said once in the run's
-    log and the evaluation stays off for the rest of the run (the ranks agree first: the reductions
-    inside would hang otherwise). On a terminal rank 0 shows a bar, elsewhere one line: scoring
-    10,042 items takes minutes on a slow GPU.
-    name: the record kind and the log's word for it; load(raw_model) -> data (a UserError when it
-    cannot be had); count(data) -> items; score(raw_model, data, dtype, should_stop, progress) ->
-    the result, or None when should_stop said so; report(result) -> (the log line's text, the
-    record's fields)."""
+    """An evaluation inside train_gpt2.py (HellaSwag, CORE), called at the top of a step:
+    hook(raw_model, dtype, should_stop) -> the result, or None (should_stop said so, or there is no
+    data). load() -> the benchmark with its items (a UserError when they cannot be had), at the
+    first call; if they cannot be had on any rank, that is said once in the run's log and the
+    evaluation stays off for the rest of the run (the ranks agree first: the reductions inside
+    would hang otherwise). This rank's share is rendered then too, once for the run. On a terminal
+    rank 0 shows a bar, elsewhere one line: scoring 10,042 items takes minutes on a slow GPU.
+    name: the record kind and the log's word for it; lockstep: every rank makes the same number of
+    forward passes (FSDP); report(result) -> (the log line's text, the record's fields)."""
 
-    def __init__(self, name, load, count, score, report, ranks, log):
-        self.name, self.load, self.count, self.score, self.report = name, load, count, score, report
-        self.ranks, self.log = ranks, log
-        self.data, self.failed = None, False
+    def __init__(self, name, load, ranks, log, lockstep):
+        self.name, self.load, self.ranks, self.log, self.lockstep = name, load, ranks, log, lockstep
+        self.bench = self.share = None
+        self.failed = False
 
     def __call__(self, raw_model, dtype, should_stop):
         if self.failed:
             return None
-        if self.data is None:
-            data, error = None, None
+        ranks = self.ranks
+        if self.bench is None:
+            bench, error = None, None
             try:
-                data = self.load(raw_model)
+                bench = self.load()
             except UserError as e:
                 error = str(e)
-            if not all(parallel.gather(data is not None, self.ranks)):
+            if not all(parallel.gather(bench is not None, ranks)):
                 self.failed = True
                 self.log.line(f"{self.name}: skipped for this run ({error or 'data missing on another rank'})")
                 return None
-            self.data = data
-        bar = self.ranks.is_master and sys.stdout.isatty()
-        if self.ranks.is_master and not bar:
-            self.log.line(f"{self.name}: scoring {self.count(self.data):,} items on {self.ranks.world_size} rank(s)...")
-        return self.score(raw_model, self.data, dtype, should_stop, bar)
+            self.bench = bench
+            self.share = share_of(bench, raw_model.config.block_size, ranks.rank, ranks.world_size)
+        bar = ranks.is_master and sys.stdout.isatty()
+        if ranks.is_master and not bar:
+            self.log.line(f"{self.name}: scoring {len(self.bench.items):,} items on {ranks.world_size} rank(s)...")
+        return evaluate(raw_model, self.bench, ranks.device, dtype, rank=ranks.rank, world_size=ranks.world_size,
+                        progress=bar, should_stop=should_stop, lockstep=self.lockstep, share=self.share)
+
+    def report(self, result):
+        """(the log line's text, the record's fields): the benchmark's report of the result."""
+        return self.bench.report(result)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,11 +362,11 @@ def check_counts(args, names):
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
-def run_script(args, name, load, describe_data, score, show):
-    """A scoring script's main, under torchrun too: load() its data; the model from --model;
-    describe_data(data) -> what the first line says of it; score(model, data, ranks, dtype) -> the
-    result; show(result, seconds) -> the summary's text. The summary goes to stdout, or to stderr
-    with --json, where stdout holds only the JSON line."""
+def run_script(args, load, describe_data, show):
+    """A scoring script's main, under torchrun too: load() -> the benchmark with its items; the
+    model from --model; describe_data(bench) -> what the first line says of the items; evaluate();
+    show(result, seconds) -> the summary's text. The summary goes to stdout, or to stderr with
+    --json, where stdout holds only the JSON line."""
     ranks = parallel.setup_distributed(args.device)
     summary = sys.stderr if args.json else sys.stdout
     try:
@@ -284,16 +374,18 @@ def run_script(args, name, load, describe_data, score, show):
         if blocker:  # else inductor's traceback, at the first forward pass
             raise UserError(f"--compile: {blocker}; leave it out")
         dtype = pick_dtype(args.dtype, ranks.device)
-        data = load()
+        bench = load()
         model, what = checkpoint.load_model(args.model, ranks.device)
         if args.compile:
             model = torch.compile(model)
-        common.print0(f"{name}: {describe_data(data)}, {what}, {ranks.world_size} process(es) on "
+        common.print0(f"{bench.name}: {describe_data(bench)}, {what}, {ranks.world_size} process(es) on "
                       f"{device_name(ranks.device)}, {dtype}", file=summary)
         t0 = time.time()
-        result = score(model, data, ranks, dtype)
+        result = evaluate(model, bench, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
+                          progress=ranks.is_master)
         common.print0(show(result, time.time() - t0), file=summary)
         if args.json:
             common.print0(json.dumps({**result, "model": args.model}))
     finally:
         parallel.teardown_distributed()
+

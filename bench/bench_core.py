@@ -22,6 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import core  # noqa: E402
 import measure  # noqa: E402
+import scoring  # noqa: E402
 from bench_hellaswag import WORDS, add_model_args, scored_model, timed  # noqa: E402
 from bench_sample import add_device_args, setup  # noqa: E402
 from device import autocast, device_name  # noqa: E402
@@ -88,7 +89,7 @@ def main():
     model = scored_model(args, device)
     tasks = synthetic_tasks(args.items)
     n = sum(len(t.items) for t in tasks)
-    share = core.share_of(tasks, model.config.block_size)  # rendered once, as the trainer does
+    share = scoring.share_of(core.Core(tasks), model.config.block_size)  # rendered once, as the trainer does
     lengths = [len(prefix) + sum(len(o) + len(c) for o, c in options) for prefix, options in share.rows]
     print(f"torch {torch.__version__}, {device_name(device)}, {torch.get_num_threads()} threads, {dtype}; "
           f"GPT {model.num_params() / 1e6:.0f}M ({args.n_layer}/{args.n_head}/{args.n_embd}), {n} items in "

@@ -74,10 +74,18 @@ def reference(model, items):
     return torch.tensor(sums, dtype=torch.float64), torch.tensor(means, dtype=torch.float64)
 
 
+def scores(model, items, batch_size=4):
+    """Each ending's summed loss and token count, (n, 4) float64 each: the scores of the rows that
+    evaluate renders."""
+    share = scoring.share_of(hellaswag.HellaSwag(items), model.config.block_size)
+    *_, (sums, counts, _) = scoring.scored_batches(model, share.rows, "cpu", batch_size=batch_size)
+    return sums.view(-1, 4), counts.view(-1, 4)
+
+
 @torch.no_grad()
 def test_scores_match_reference(model):
     sums_ref, means_ref = reference(model, ITEMS)
-    sums, counts = hellaswag.score_items(model, ITEMS, "cpu", batch_size=3)
+    sums, counts = scores(model, ITEMS, batch_size=3)
     torch.testing.assert_close(sums, sums_ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(sums / counts, means_ref, rtol=1e-5, atol=1e-4)
     labels = torch.tensor([item["label"] for item in ITEMS])
@@ -88,9 +96,9 @@ def test_scores_match_reference(model):
 
 @torch.no_grad()
 def test_batched_equals_one_at_a_time(model):
-    one = hellaswag.score_items(model, ITEMS, "cpu", batch_size=1)
+    one = scores(model, ITEMS, batch_size=1)
     for batch_size in (2, 16):  # 7 items: a short last batch, and one batch larger than the set
-        sums, counts = hellaswag.score_items(model, ITEMS, "cpu", batch_size=batch_size)
+        sums, counts = scores(model, ITEMS, batch_size=batch_size)
         torch.testing.assert_close(sums, one[0], rtol=1e-5, atol=1e-4)
         assert torch.equal(counts, one[1])
     assert hellaswag.evaluate(model, ITEMS, "cpu", batch_size=1) == hellaswag.evaluate(model, ITEMS, "cpu")
@@ -103,7 +111,7 @@ def test_context_longer_than_block_size_is_cut_from_the_front(model):
     assert endings == [enc.encode(" " + e) for e in item["endings"]]  # endings whole
     assert len(ctx) + max(len(e) for e in endings) == 64  # the longest row just fits
     assert ctx == enc.encode(item["ctx"])[-len(ctx):]  # the end of the context is kept
-    sums, counts = hellaswag.score_items(model, [item], "cpu")
+    sums, counts = scores(model, [item])
     assert counts[0].tolist() == [len(e) for e in endings]
     # each ending scored as in its own row: the cut context, then the ending
     for j, e in enumerate(endings):
@@ -159,14 +167,14 @@ def rank_worker(rank, world_size, port, ckpt, data, out):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     ranks = parallel.setup_distributed("cpu")
-    seen = []
-    scored_batches = hellaswag.scored_batches
+    seen = []  # the items this rank renders: those it scores
+    render = hellaswag.render
 
-    def recording(model, items, *args, **kwargs):
-        seen.extend(item["ctx"] for item in items)
-        return scored_batches(model, items, *args, **kwargs)
+    def recording(item, *args):
+        seen.append(item["ctx"])
+        return render(item, *args)
 
-    hellaswag.scored_batches = recording
+    hellaswag.render = recording
     model, _ = checkpoint.load_model(ckpt, "cpu")
     items = hellaswag.load_items(data)
     result = hellaswag.evaluate(model, items, "cpu", batch_size=2, rank=ranks.rank, world_size=ranks.world_size)
