@@ -413,6 +413,56 @@ def test_offline_without_a_bundle_is_one_line_naming_the_flag(capsys, tmp_path, 
     assert not os.path.exists(tmp_path / "cache" / "eval_bundle")
 
 
+def test_the_bundle_downloads_once_and_whole(tmp_path, monkeypatch):
+    """The download against a web server on this machine: the zip unpacked into the cache, then
+    read from there with the server gone. A damaged zip, one without the bundle or a missing file is
+    one line naming the flag for a local copy, and leaves the cache without a bundle or anything
+    half-made."""
+    import http.server
+    import threading
+    import zipfile
+    source = write_bundle(tmp_path / "src" / "eval_bundle")
+    served = tmp_path / "served"
+    served.mkdir()
+    with zipfile.ZipFile(served / "eval_bundle.zip", "w") as z:
+        for root, _, names in os.walk(source):
+            for name in names:
+                z.write(os.path.join(root, name), os.path.relpath(os.path.join(root, name), tmp_path / "src"))
+    (served / "damaged.zip").write_bytes(b"PK\x03\x04 cut short")
+    with zipfile.ZipFile(served / "other.zip", "w") as z:
+        z.writestr("something/else.txt", "not a bundle")
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(served), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cache = tmp_path / "cache"
+    try:
+        site = f"http://127.0.0.1:{server.server_address[1]}"
+        for name, problem in [("damaged.zip", "(File is not a zip file)"), ("other.zip", "holds no eval_bundle/core.yaml"),
+                              ("missing.zip", "(File not found)")]:
+            monkeypatch.setattr(core, "BUNDLE_URL", f"{site}/{name}")
+            with pytest.raises(common.UserError) as e:
+                core.download(str(cache))
+            assert problem in str(e.value) and str(e.value).endswith("pass --bundle-dir path/to/eval_bundle"), name
+            assert os.listdir(cache) == [], name
+        monkeypatch.setattr(core, "BUNDLE_URL", f"{site}/eval_bundle.zip")
+        bundle = core.download(str(cache))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert bundle == str(cache / "eval_bundle") and os.listdir(cache) == ["eval_bundle"]
+    assert [t.label for t in core.read_tasks(bundle)] == [t[0] for t in TASKS]
+    assert core.download(str(cache)) == bundle  # cached: the server is gone
+
+
 def test_the_public_bundle_downloads_and_reads(tmp_path):
     """The network path: the real bundle, once (skipped where its host cannot be reached)."""
     problem = common.unreachable(core.BUNDLE_URL, 5.0)
