@@ -44,9 +44,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
-import urllib.error
-import urllib.request
 import zipfile
 from dataclasses import dataclass, field
 
@@ -61,7 +58,6 @@ N_CORE_TASKS = 22
 GPT2_CORE = {"124M": 0.1139, "355M": 0.1849, "774M": 0.2146, "1.5B": 0.2565}
 SHUFFLE_SEED = 1337  # each task's items are shuffled with this before --limit (nanochat's base_eval)
 FEWSHOT_SEED = 1234  # item i's few-shot examples: random.Random(FEWSHOT_SEED + i)
-CONNECT_TIMEOUT = 5
 READ_TIMEOUT = 60
 
 # ----------------------------------------------------------------------------------------------
@@ -78,37 +74,21 @@ def is_bundle(path):
 
 
 def download(cache_dir=None, flag="--bundle-dir"):
-    """The cached bundle's directory, fetched and unpacked once (then no network is asked). The zip
-    is unpacked into a temporary directory and renamed into place, so a bundle is whole or absent."""
-    cache_dir = cache_dir or default_cache_dir()
-    bundle = os.path.join(cache_dir, "eval_bundle")
-    if is_bundle(bundle):
-        return bundle
+    """The cached bundle's directory, fetched and unpacked once (scoring.download; then no network
+    is asked), whole or absent. flag: the option an error names for a local copy."""
+    bundle = os.path.join(cache_dir or default_cache_dir(), "eval_bundle")
     hint = f"download {BUNDLE_URL} on a machine with network access, unzip it and pass {flag} path/to/eval_bundle"
-    problem = common.unreachable(BUNDLE_URL, CONNECT_TIMEOUT)
-    if problem:
-        raise common.UserError(f"the CORE bundle is not in the cache ({bundle}) and {problem}; {hint}")
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".eval_bundle.", dir=cache_dir)
-    try:
+
+    def unzip(response, tmp):
         archive = os.path.join(tmp, "eval_bundle.zip")
-        with urllib.request.urlopen(BUNDLE_URL, timeout=READ_TIMEOUT) as response, open(archive, "wb") as f:
+        with open(archive, "wb") as f:
             shutil.copyfileobj(response, f)
         with zipfile.ZipFile(archive) as z:
             z.extractall(tmp)
         if not is_bundle(os.path.join(tmp, "eval_bundle")):
             raise common.UserError(f"{BUNDLE_URL} holds no eval_bundle/core.yaml; {hint}")
-        try:
-            os.replace(os.path.join(tmp, "eval_bundle"), bundle)
-        except OSError:
-            if not is_bundle(bundle):  # else another rank (or process) put a whole one there first
-                raise
-    except (urllib.error.URLError, OSError, zipfile.BadZipFile) as e:
-        raise common.UserError(f"could not download the CORE bundle from {BUNDLE_URL} "
-                               f"({getattr(e, 'reason', None) or e}); {hint}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return bundle
+        return os.path.join(tmp, "eval_bundle")
+    return scoring.download(BUNDLE_URL, bundle, "the CORE bundle", hint, unzip, READ_TIMEOUT, is_bundle)
 
 
 @dataclass

@@ -21,8 +21,6 @@ import gzip
 import json
 import lzma
 import os
-import urllib.error
-import urllib.request
 
 import common
 import scoring
@@ -32,7 +30,6 @@ HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/
 HELLASWAG_FILE = "hellaswag_val.jsonl"
 HELLASWAG_VAL_ITEMS = 10042
 N_ENDINGS = 4
-CONNECT_TIMEOUT = 5  # seconds to wait for the download's host to answer before calling it offline
 READ_TIMEOUT = 30  # seconds of silence from the server before a download is given up
 
 # ----------------------------------------------------------------------------------------------
@@ -44,31 +41,19 @@ def default_cache_dir():
     return os.environ.get("HELLASWAG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gpt2-hellaswag")
 
 
-OFFLINE_HINT = "pass a local copy with {flag} path/to/" + HELLASWAG_FILE
-
-
 def download(cache_dir=None, flag="--data-file"):
-    """Path of the cached validation file, fetched once: once cached, no network is asked. Safe
-    when every rank calls it at once: each writes its own temporary file and renames it into
-    place."""
-    cache_dir = cache_dir or default_cache_dir()
-    path = os.path.join(cache_dir, HELLASWAG_FILE)
-    if os.path.isfile(path):
-        return path
-    # probed first: offline, urllib alone can wait out a dropped connection for the whole read timeout
-    problem = common.unreachable(HELLASWAG_URL, CONNECT_TIMEOUT)
-    if problem:
-        raise common.UserError(f"HellaSwag is not in the cache ({path}) and {problem}; "
-                               + OFFLINE_HINT.format(flag=flag))
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-        with urllib.request.urlopen(HELLASWAG_URL, timeout=READ_TIMEOUT) as response:
-            data = response.read()
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", None) or e
-        raise common.UserError(f"could not download HellaSwag from {HELLASWAG_URL} ({reason}); "
-                               + OFFLINE_HINT.format(flag=flag))
-    common.atomic_write(path, lambda f: f.write(data))
+    """Path of the cached validation file, fetched once (scoring.download): once cached, no network
+    is asked. flag: the option an error names for a local copy."""
+    path = os.path.join(cache_dir or default_cache_dir(), HELLASWAG_FILE)
+    return scoring.download(HELLASWAG_URL, path, "HellaSwag", f"pass a local copy with {flag} path/to/{HELLASWAG_FILE}",
+                            write_response, READ_TIMEOUT)
+
+
+def write_response(response, tmp):
+    """The file as downloaded, into the directory tmp (scoring.download puts it in place)."""
+    path = os.path.join(tmp, HELLASWAG_FILE)
+    with open(path, "wb") as f:
+        f.write(response.read())
     return path
 
 

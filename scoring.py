@@ -20,12 +20,19 @@ computed once. Rows are sorted by length and a batch of them shares one forward 
 out per option: the summed loss of its continuation tokens, their count, and whether each of them
 was the model's greedy prediction.
 
-Also here: the trainer's hook around evaluate(), and the command line the two scripts share.
+Also here: the trainer's hook around evaluate(), the command line the two scripts share, and the
+download of their data into a cache.
 """
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
+import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +46,7 @@ from device import autocast, compile_blocker, device_name, pick_dtype
 
 SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple of this: few shapes
 LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
+CONNECT_TIMEOUT = 5  # seconds to wait for a download's host to answer before calling it offline
 
 
 # ----------------------------------------------------------------------------------------------
@@ -389,3 +397,41 @@ def run_script(args, load, describe_data, show):
     finally:
         parallel.teardown_distributed()
 
+
+# ----------------------------------------------------------------------------------------------
+# Data downloaded once
+
+
+def download(url, path, what, hint, fill, timeout, present=os.path.isfile):
+    """path, downloaded from url the first time: once present(path), no network is asked.
+    fill(response, tmp) writes what urlopen(url) answers into tmp, a new directory beside path, and
+    returns what in tmp is to be at path; a rename puts it there, so path is whole or absent, also
+    when every rank downloads at once. what: the data's name in the one-line errors; hint: what to
+    do instead (the flag for a local copy); timeout: seconds of silence from the server before the
+    download is given up."""
+    if present(path):
+        return path
+    # probed first: offline, urllib alone can wait out a dropped connection for the whole read timeout
+    problem = common.unreachable(url, CONNECT_TIMEOUT)
+    if problem:
+        raise UserError(f"{what} is not in the cache ({path}) and {problem}; {hint}")
+    cache_dir = os.path.dirname(path)
+    tmp = None
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", dir=cache_dir)
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            made = fill(response, tmp)
+        common.fsync_path(made)
+        try:
+            os.replace(made, path)
+        except OSError:
+            if not present(path):  # else another rank (or process) put a whole one there first
+                raise
+        common.fsync_path(cache_dir)  # the rename too
+    except (urllib.error.URLError, OSError, zipfile.BadZipFile) as e:
+        raise UserError(f"could not download {what} from {url} ({getattr(e, 'reason', None) or e}); {hint}")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
