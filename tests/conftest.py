@@ -2,7 +2,6 @@
 the tiny random GPT that the HellaSwag and sampling tests score and sample from, and an
 nvidia-smi that lists GPUs this machine does not have."""
 import os
-import signal
 import socket
 import sys
 
@@ -94,19 +93,14 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference_run(data_dir, tmp_path_factory):
     """An uninterrupted 10-step run that the resume tests must reproduce bit for bit."""
-    from runs import TINY, run
+    from runs import run, tiny
     log_dir = str(tmp_path_factory.mktemp("ref"))
-    run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "3"])
+    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3))
     return log_dir
 
 
 @pytest.fixture
 def train_in_process():
-    """train_gpt2.train(parse_args(argv)) in this process. The trainer installs its own signal
-    handlers: pytest's come back afterwards."""
-    import train_config
-    import train_gpt2
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    yield lambda argv: train_gpt2.train(train_config.parse_args(argv))
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
+    """runs.train: the trainer in this process, a bad input raised as its UserError."""
+    from runs import train
+    return train

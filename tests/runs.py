@@ -1,24 +1,49 @@
-"""Running train_gpt2.py in the tests: a tiny configuration, shards of learnable text for it, and
-reading back what a run wrote (its metrics and its last checkpoint); and any script with its
-stdout closed."""
+"""Running train_gpt2.py in the tests: a tiny configuration (tiny(), with overrides), shards of
+learnable text for it, the trainer in this process (run(), the default: no interpreter and torch
+import to pay for) or in one of its own (run_process(), where a process must die, be signalled or
+run beside others), and reading back what a run wrote (its metrics and its last checkpoint); and
+any script with its stdout closed."""
+import contextlib
+import io
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 
 import numpy as np
+import torch
 
 import checkpoint
+import common
 import tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train_gpt2.py")
 FAULT_TRAINER = os.path.join(ROOT, "tests", "fault_trainer.py")  # the trainer with one fault injected
-TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
-        "--micro-batch-size", "2", "--total-batch-size", "128", "--warmup-steps", "2", "--max-lr", "3e-3",
-        "--eval-every", "4", "--val-tokens", "128", "--hellaswag-every", "0", "--sample-every", "0",
-        "--no-plot", "--no-export-hf", "--device", "cpu"]
+TINY_SETTINGS = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, micro_batch_size=2, total_batch_size=128,
+                     warmup_steps=2, max_lr=3e-3, eval_every=4, val_tokens=128, hellaswag_every=0, sample_every=0,
+                     plot=False, export_hf=False, device="cpu")
+
+
+def tiny(**overrides):
+    """The tiny run's command line with overrides, by setting name: max_steps=10, log_dir=path; True is
+    a bare flag (fsdp=True, resume=True), False the --no- form of an on/off flag (export_hf=False), None
+    leaves the flag out (the default, or the architecture of --init-from)."""
+    argv = []
+    for name, value in {**TINY_SETTINGS, **overrides}.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+TINY = tiny()
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
@@ -49,8 +74,50 @@ def write_shards(data_dir, n_train_shards=2, docs_per_shard=120):
     return data_dir
 
 
-def run(args, check=True, **kw):
-    p = subprocess.run([sys.executable, TRAIN] + args, capture_output=True, text=True, env=ENV,
+@contextlib.contextmanager
+def in_this_process():
+    """Around a trainer run in this process: one thread, as ENV gives a subprocess (tiny models gain
+    nothing from more), and the signal handlers the trainer installs put back after."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def train(args):
+    """train_gpt2.train on the command line args, in this process: its exit status, or the UserError
+    of a bad input raised."""
+    import train_config
+    import train_gpt2
+    with in_this_process():
+        return train_gpt2.train(train_config.parse_args(args))
+
+
+def run(args, check=True):
+    """train_gpt2.py with args, in this process, through the script's own exit path (a bad input is
+    exit status 2 and one line on stderr). Returns a CompletedProcess: returncode, stdout, stderr."""
+    import train_gpt2
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with in_this_process(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            common.run_main(lambda: train_gpt2.main(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    p = subprocess.CompletedProcess(["train_gpt2.py"] + args, code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"exit {code}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def run_process(args, check=True, script=TRAIN, **kw):
+    """train_gpt2.py (or script, such as FAULT_TRAINER) with args in a process of its own."""
+    p = subprocess.run([sys.executable, script] + args, capture_output=True, text=True, env=kw.pop("env", ENV),
                        timeout=900, **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")

@@ -20,12 +20,12 @@ import checkpoint
 import common
 import train_config
 import train_gpt2
-from runs import ENV, FAULT_TRAINER, TINY, TRAIN, final_state, records, run
+from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, tiny
 
 
 def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
     log_dir = str(tmp_path / "log")
-    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "3"]
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3)
     proc = subprocess.Popen([sys.executable, TRAIN] + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=ENV)
     for line in proc.stdout:  # kill hard in the middle of step 7, two steps past the last checkpoint
@@ -53,7 +53,7 @@ def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_di
     `--log-dir L --resume` alone (L has a space: quoted for the shell), with none of the run's
     flags, continues it with the run's settings to the reference's losses and weights, bit for bit."""
     log_dir = str(tmp_path / "my run")
-    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "100"]
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=100)
     p = subprocess.run([sys.executable, FAULT_TRAINER] + args, capture_output=True, text=True,
                        env=dict(ENV, FAULT="term:0:5"), timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -103,8 +103,7 @@ def test_resume_with_another_micro_batch_trains_and_validates_on_the_same_data(d
     up to the summation order of the accumulation; and it validates on the same 5 sequences
     (--val-tokens 160: two batches and a half at micro-batch 2, five at 1, two at 4), so its
     validation losses match too instead of jumping."""
-    base = TINY + ["--data-dir", data_dir, "--max-steps", "6", "--checkpoint-every", "3", "--eval-every", "3",
-                   "--val-tokens", "160"]
+    base = tiny(data_dir=data_dir, max_steps=6, checkpoint_every=3, eval_every=3, val_tokens=160)
     whole = str(tmp_path / "whole")
     p = run(base + ["--log-dir", whole])
     assert "val: 160 tokens" in p.stdout
@@ -174,7 +173,7 @@ def test_one_trainer_per_log_dir(data_dir, tmp_path):
     """A second trainer on a log directory in use gets one line naming the running one, with or
     without --resume; a kill -9 of the first leaves nothing to clean up."""
     log_dir = str(tmp_path / "log")
-    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--eval-every", "0"]
+    args = tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0)
     tracked = ["--tensorboard"] if importlib.util.find_spec("tensorboard") else []
     first = subprocess.Popen([sys.executable, TRAIN] + args + tracked + ["--max-steps", "100000"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
@@ -221,7 +220,7 @@ def test_resume_applies_changed_optimizer_settings(data_dir, reference_run, tmp_
     assert (decay["weight_decay"], decay["betas"], decay["eps"]) == (0.3, (0.8, 0.99), 1e-6)
     assert (no_decay["weight_decay"], no_decay["betas"], no_decay["eps"]) == (0.0, (0.8, 0.99), 1e-6)
     muon_dir = str(tmp_path / "muon")
-    base = TINY + ["--data-dir", data_dir, "--log-dir", muon_dir, "--optimizer", "muon", "--eval-every", "0"]
+    base = tiny(data_dir=data_dir, log_dir=muon_dir, optimizer="muon", eval_every=0)
     run(base + ["--max-steps", "2"])
     run(["--log-dir", muon_dir, "--resume", "--max-steps", "3", "--muon-momentum", "0.9"])
     muon, _ = final_state(muon_dir)[2]["optimizers"]
@@ -234,8 +233,7 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     new branch, and --resume alone, sample.py's and hellaswag.py's loader and plot.py all follow it."""
     import plot
     log_dir = str(tmp_path / "log")
-    base = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--eval-every", "0", "--checkpoint-every", "2",
-                   "--keep-checkpoints", "2"]
+    base = tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, checkpoint_every=2, keep_checkpoints=2)
     run(base + ["--max-steps", "6", "--keep-checkpoints", "3", "--export-hf"])
     old = {s: checkpoint.load_file(checkpoint.checkpoint_path(log_dir, s))["model"] for s in (4, 6)}
     p = subprocess.run([sys.executable, FAULT_TRAINER, "--log-dir", log_dir, "--resume",
@@ -270,7 +268,7 @@ def test_a_launch_that_fails_changes_nothing(data_dir, tmp_path, monkeypatch, tr
     silently train again from the older step. A refused launch into a new directory leaves none."""
     from runs import write_shards
     log_dir = str(tmp_path / "log")
-    base = TINY + ["--data-dir", data_dir, "--eval-every", "0", "--checkpoint-every", "2"]
+    base = tiny(data_dir=data_dir, eval_every=0, checkpoint_every=2)
     assert train_in_process(base + ["--log-dir", log_dir, "--max-steps", "6", "--keep-checkpoints", "3"]) == 0
     before = snapshot(log_dir)
     older = checkpoint.checkpoint_path(log_dir, 2)
@@ -296,7 +294,7 @@ def test_another_runs_checkpoint_is_not_resumed_into_a_directory_holding_a_run(d
     step number, hf/ overwritten, plot.py and a later --resume following either), so it is refused in
     one line before anything is written; into an empty directory it continues the run."""
     log_dir = str(tmp_path / "log")
-    base = TINY + ["--data-dir", data_dir, "--eval-every", "0"]
+    base = tiny(data_dir=data_dir, eval_every=0)
     assert train_in_process(base + ["--log-dir", log_dir, "--max-steps", "2"]) == 0
     before = snapshot(log_dir)
     other = checkpoint.checkpoint_path(reference_run, 9)
@@ -319,7 +317,7 @@ def test_a_run_that_failed_before_its_first_step_does_not_block_the_retry(data_d
     tokens[:50] = 60000
     np.save(train_shard, tokens)
     log_dir = str(tmp_path / "log")
-    args = TINY + ["--log-dir", log_dir, "--max-steps", "2"]
+    args = tiny(log_dir=log_dir, max_steps=2)
     p = run(args + ["--data-dir", str(bad)], check=False)
     assert p.returncode == 2 and "token id 60000" in p.stderr, p.stderr
     assert records(log_dir, "run") and not records(log_dir, "train")  # the header is there, no step
@@ -330,7 +328,7 @@ def test_a_run_that_failed_before_its_first_step_does_not_block_the_retry(data_d
 def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, tmp_path):
     """Under DDP a request that reaches one rank while step 5 runs ends every rank after step 5."""
     log_dir = str(tmp_path / "log")
-    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "8", "--eval-every", "0"]
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=8, eval_every=0)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         FAULT_TRAINER] + args, capture_output=True, text=True, env=dict(ENV, FAULT="term:1:5"),
                        timeout=900)
@@ -354,8 +352,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint(data_dir, reference_run, tmp_p
         shutil.copy(path, log_dir)
     cut = log_dir / os.path.basename(newest)
     cut.write_bytes(cut.read_bytes()[:5000])  # as a full disk or a copy cut short would leave it
-    args = TINY + ["--data-dir", data_dir, "--log-dir", str(log_dir), "--max-steps", "10", "--checkpoint-every", "3",
-                   "--resume"]
+    args = tiny(data_dir=data_dir, log_dir=str(log_dir), max_steps=10, checkpoint_every=3, resume=True)
     p = run(args)
     skipped = [l for l in p.stdout.splitlines() if l.startswith("resume: skipped")]
     assert len(skipped) == 1 and cut.name in skipped[0] and "truncated or corrupt" in skipped[0]
@@ -378,7 +375,7 @@ def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_
     item = {"ctx": "The cat sees a red ball and", "endings": ["it runs.", "the dog likes books.", "a.", "we paint."]}
     hs.write_text("".join(json.dumps(dict(item, label=i % 4)) + "\n" for i in range(20000)))  # minutes to score
     log_dir = str(tmp_path / "log")
-    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10", "--checkpoint-every", "3"]
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3)
     proc = subprocess.Popen([sys.executable, TRAIN] + args + ["--hellaswag-every", "5", "--hellaswag-file", str(hs)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     out = []
@@ -424,8 +421,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path
     monkeypatch.setattr(checkpoint, "atomic_write", filling)
     log_dir = str(tmp_path / "log")
     with pytest.raises(common.UserError, match=r"ckpt_000006.pt \(no space left on its disk\)") as e:
-        train_in_process(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "10",
-                                 "--checkpoint-every", "3"])
+        train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3))
     assert "ckpt_000003.pt is intact" in str(e.value) and "\n" not in str(e.value)
     assert sorted(f for f in os.listdir(log_dir) if "ckpt" in f) == ["ckpt_000003.pt"]  # no half file left
     assert checkpoint.load_file(os.path.join(log_dir, "ckpt_000003.pt"))["step"] == 3
@@ -441,7 +437,7 @@ def test_full_disk_during_the_hf_export_keeps_the_earlier_export(data_dir, tmp_p
     import transformers
     log_dir = str(tmp_path / "log")
     hf = os.path.join(log_dir, "hf")
-    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--eval-every", "0", "--export-hf"]
+    args = tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, export_hf=True)
     assert train_in_process(args + ["--max-steps", "2"]) == 0
     earlier = {name: open(os.path.join(hf, name), "rb").read() for name in os.listdir(hf)}
     assert "model.safetensors" in earlier
@@ -512,8 +508,7 @@ def test_torchrun_restart_after_a_killed_rank_resumes_by_itself(data_dir, tmp_pa
     """torchrun --max-restarts with --resume: rank 1 dies with SIGKILL mid-run, the group is started
     again, resumes from the last checkpoint, and ends with the per-step losses and the weights of a
     run that never failed, under DDP and under FSDP."""
-    args = TINY + ["--data-dir", data_dir, "--max-steps", "8", "--checkpoint-every", "3", "--eval-every", "0",
-                   "--resume", "--sharding", sharding]
+    args = tiny(data_dir=data_dir, max_steps=8, checkpoint_every=3, eval_every=0, resume=True, sharding=sharding)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     ref = str(tmp_path / "ref")
     p = subprocess.run(launch + [TRAIN] + args + ["--log-dir", ref], capture_output=True, text=True, env=ENV,

@@ -12,7 +12,7 @@ import pytest
 import checkpoint
 import metrics
 import trackers
-from runs import ENV, FAULT_TRAINER, TINY, TRAIN, records, write_shards
+from runs import ENV, FAULT_TRAINER, TRAIN, records, tiny, write_shards
 
 pytest.importorskip("wandb", reason="pip install wandb (README's test command installs it)")
 pytest.importorskip("tensorboard", reason="pip install tensorboard (README's test command installs it)")
@@ -68,9 +68,8 @@ def tensorboard_scalars(log_dir, tag):
 def test_wandb_and_tensorboard_hold_the_records_across_a_kill_and_two_resumes(tmp_path):
     data_dir = write_shards(str(tmp_path / "data"))
     log_dir = str(tmp_path / "log")
-    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "6", "--checkpoint-every", "3",
-                   "--eval-every", "2", "--sample-every", "3", "--num-samples", "1", "--sample-tokens", "4",
-                   "--wandb", "gpt2-tests", "--tensorboard"]
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=6, checkpoint_every=3, eval_every=2, sample_every=3,
+                num_samples=1, sample_tokens=4, wandb="gpt2-tests", tensorboard=True)
     # killed as step 4 begins: steps 0-3 logged, the checkpoint holds 3 steps
     p = subprocess.run([sys.executable, FAULT_TRAINER] + args, capture_output=True, text=True,
                        env=dict(TRACKED, FAULT="kill:0:4"), timeout=900)

@@ -13,7 +13,7 @@ import torch
 import checkpoint
 import train_config
 from core_bundle import TASKS, write_bundle
-from runs import ENV, FAULT_TRAINER, TINY, TRAIN, final_state, records, run, torchrun
+from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, tiny, torchrun
 
 
 def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
@@ -24,10 +24,9 @@ def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
               "label": i % 4} for i in range(5)]
     hs_file.write_text("".join(json.dumps(item) + "\n" for item in items))
     bundle = write_bundle(tmp_path / "bundle")
-    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "30", "--max-lr", "1e-2",
-                    "--export-hf", "--sample-every", "15", "--num-samples", "2", "--sample-tokens", "8",
-                    "--hellaswag-every", "15", "--hellaswag-file", str(hs_file), "--core-every", "15",
-                    "--core-bundle", bundle, "--core-limit", "4"])
+    p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=30, max_lr="1e-2", export_hf=True, sample_every=15,
+                 num_samples=2, sample_tokens=8, hellaswag_every=15, hellaswag_file=str(hs_file), core_every=15,
+                 core_bundle=bundle, core_limit=4))
     train = records(log_dir, "train")
     assert [r["step"] for r in train] == list(range(30))
     assert abs(train[0]["loss"] - math.log(50257)) < 0.5  # untrained: about uniform over the vocabulary
@@ -80,7 +79,7 @@ def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
 
 
 def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_path):
-    common_args = TINY + ["--data-dir", data_dir, "--max-steps", "4", "--eval-every", "2"]
+    common_args = tiny(data_dir=data_dir, max_steps=4, eval_every=2)
     single = str(tmp_path / "single")
     run(common_args + ["--log-dir", single])  # micro-batch 2, accumulation 2
     ddp = str(tmp_path / "ddp")
@@ -144,11 +143,10 @@ def test_fsdp_in_bf16_compiled_evaluates_samples_resumes_and_exports(data_dir, t
     the sharded weights are fp32 and the forward bf16), a SIGTERM, a resume with --resume alone and
     the export. Evaluation compiles nothing once the first one has run (HellaSwag and samples run
     uncompiled), and the resumed run ends bit-identical to the one that never stopped."""
-    base = TINY + ["--data-dir", data_dir, "--max-steps", "6", "--fsdp", "--dtype", "bfloat16", "--compile",
-                   "--eval-every", "4", "--hellaswag-every", "4", "--hellaswag-file",
-                   hellaswag_items(tmp_path / "hs.jsonl", 5), "--sample-every", "3", "--num-samples", "1",
-                   "--sample-tokens", "4", "--checkpoint-every", "0", "--export-hf", "--core-every", "4",
-                   "--core-bundle", write_bundle(tmp_path / "bundle"), "--core-limit", "3"]
+    base = tiny(data_dir=data_dir, max_steps=6, fsdp=True, dtype="bfloat16", compile=True, eval_every=4,
+                hellaswag_every=4, hellaswag_file=hellaswag_items(tmp_path / "hs.jsonl", 5), sample_every=3,
+                num_samples=1, sample_tokens=4, checkpoint_every=0, export_hf=True, core_every=4,
+                core_bundle=write_bundle(tmp_path / "bundle"), core_limit=3)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULT_TRAINER]
     env = dict(ENV, COMPILE_BACKEND="aot_eager", COMPILE_LOG=str(tmp_path / "compiles"))
 
@@ -188,14 +186,13 @@ def test_muon_accumulates_trains_on_two_processes_and_resumes_exactly(data_dir, 
     """--optimizer muon through the trainer: micro-batches of 2 with accumulation equal one batch of
     4; two processes equal one; a kill -9 mid-run, resumed with --resume alone, ends bit-identical
     to the run that never stopped (Muon's momentum is in the checkpoint)."""
-    base = TINY + ["--data-dir", data_dir, "--max-steps", "6", "--optimizer", "muon", "--eval-every", "0",
-                   "--checkpoint-every", "3"]
+    base = tiny(data_dir=data_dir, max_steps=6, optimizer="muon", eval_every=0, checkpoint_every=3)
     accum = str(tmp_path / "accum")
     p = run(base + ["--log-dir", accum])  # micro-batch 2, accumulation 2
     assert "Muon 0.02 on the block matrices" in p.stdout and "Muon+AdamW" in p.stdout
     whole = str(tmp_path / "whole")
-    run([a if a != "2" or base[i - 1] != "--micro-batch-size" else "4" for i, a in enumerate(base)]
-        + ["--log-dir", whole])
+    run(tiny(data_dir=data_dir, max_steps=6, optimizer="muon", eval_every=0, checkpoint_every=3,
+             micro_batch_size=4, log_dir=whole))
     ddp = str(tmp_path / "ddp")
     p = torchrun(["--standalone", "--nproc_per_node=2"], base + ["--log-dir", ddp])
     out, _ = p.communicate(timeout=900)
@@ -220,7 +217,7 @@ def test_muon_accumulates_trains_on_two_processes_and_resumes_exactly(data_dir, 
 
 
 def test_activation_checkpointing_gives_the_same_losses(data_dir, tmp_path):
-    args = TINY + ["--data-dir", data_dir, "--max-steps", "3", "--eval-every", "0"]
+    args = tiny(data_dir=data_dir, max_steps=3, eval_every=0)
     run(args + ["--log-dir", str(tmp_path / "plain")])
     run(args + ["--log-dir", str(tmp_path / "ckpt"), "--activation-checkpointing"])
     assert [r["loss"] for r in records(str(tmp_path / "ckpt"), "train")] == \
@@ -230,7 +227,7 @@ def test_activation_checkpointing_gives_the_same_losses(data_dir, tmp_path):
 def test_two_node_torchrun_on_loopback(data_dir, tmp_path, free_port):
     log_dir = str(tmp_path / "log")
     port = free_port
-    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "3"]
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=3)
     nodes = [torchrun(["--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
                        f"--master_port={port}"], args) for r in range(2)]
     outs = [n.communicate(timeout=900)[0] for n in nodes]
@@ -246,7 +243,7 @@ def test_a_closed_stdout_does_not_end_the_run(data_dir, tmp_path):
     if not hasattr(fcntl, "F_SETPIPE_SZ"):
         pytest.skip("the pipe's size cannot be set on this system")
     log_dir = str(tmp_path / "log")
-    args = TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "24", "--timing-breakdown", "1"]
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=24, timing_breakdown=1)
     read_end, write_end = os.pipe()
     # a pipe of one page, which the run's output outgrows: the trainer writes into it after the
     # reader has gone, however fast or slow either side runs
@@ -270,8 +267,8 @@ def test_a_closed_stdout_does_not_end_the_run(data_dir, tmp_path):
 
 def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     log_dir = str(tmp_path / "log")
-    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "12", "--checkpoint-every", "1",
-                    "--warmup-steps", "0", "--max-lr", "1e30", "--eval-every", "0"], check=False)
+    p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=12, checkpoint_every=1, warmup_steps=0, max_lr="1e30",
+                 eval_every=0), check=False)
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     assert "non-finite; stopping" in p.stdout and "Traceback" not in p.stderr
     assert "resume from it with a lower --max-lr, or pass --on-nonfinite skip" in p.stdout  # AdamW: no --muon-lr
@@ -282,21 +279,21 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     assert all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
     # with --on-nonfinite skip the run carries on to the end
     log2 = str(tmp_path / "log2")
-    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log2, "--max-steps", "6", "--warmup-steps", "0",
-                    "--max-lr", "1e30", "--eval-every", "0", "--on-nonfinite", "skip"], check=False)
+    p = run(tiny(data_dir=data_dir, log_dir=log2, max_steps=6, warmup_steps=0, max_lr="1e30", eval_every=0,
+                 on_nonfinite="skip"), check=False)
     assert p.returncode == 0 and "skipped (non-finite)" in p.stdout
     # the same with Muon: a skipped step updates neither optimizer, and the weights stay finite
     log3 = str(tmp_path / "log3")
-    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log3, "--max-steps", "6", "--warmup-steps", "0",
-                    "--max-lr", "1e30", "--eval-every", "0", "--on-nonfinite", "skip", "--optimizer", "muon"],
+    p = run(tiny(data_dir=data_dir, log_dir=log3, max_steps=6, warmup_steps=0, max_lr="1e30", eval_every=0,
+                 on_nonfinite="skip", optimizer="muon"),
             check=False)
     assert p.returncode == 0 and "skipped (non-finite)" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
     _, model, _ = final_state(log3)
     assert all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
     # under Muon, with no checkpoint yet: both rates named, and no checkpoint to resume from
     log4 = str(tmp_path / "log4")
-    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log4, "--max-steps", "6", "--warmup-steps", "0",
-                    "--max-lr", "1e30", "--eval-every", "0", "--optimizer", "muon"], check=False)
+    p = run(tiny(data_dir=data_dir, log_dir=log4, max_steps=6, warmup_steps=0, max_lr="1e30", eval_every=0,
+                 optimizer="muon"), check=False)
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     assert ("non-finite; stopping. No checkpoint was written yet: start the run again (--resume) with a lower "
             "--max-lr or --muon-lr, or pass --on-nonfinite skip") in p.stdout
@@ -312,8 +309,8 @@ def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, caps
     import device
     monkeypatch.setattr(device, "pick_dtype", lambda requested, dev: "float16")
     log_dir = str(tmp_path / "log")
-    status = train_in_process(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "12",
-                                      "--warmup-steps", "0", "--max-lr", "1e30", "--eval-every", "0", "--export-hf"])
+    status = train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=12, warmup_steps=0, max_lr="1e30",
+                                   eval_every=0, export_hf=True))
     out = capsys.readouterr().out
     assert "dtype float16" in out
     stop = [line for line in out.splitlines() if "non-finite; stopping" in line]
@@ -333,8 +330,7 @@ def test_samples_from_an_empty_or_special_prompt_and_a_failure_that_does_not_end
     in the log, never the end of the run (with the defaults, up to 250 steps since the last
     checkpoint would be lost)."""
     import model
-    base = TINY + ["--data-dir", data_dir, "--max-steps", "2", "--eval-every", "0", "--sample-every", "1",
-                   "--num-samples", "2", "--sample-tokens", "4"]
+    base = tiny(data_dir=data_dir, max_steps=2, eval_every=0, sample_every=1, num_samples=2, sample_tokens=4)
     for i, prompt in enumerate(["", "<|endoftext|>Once upon a time"]):
         assert train_in_process(base + ["--log-dir", str(tmp_path / f"log{i}"), "--sample-prompt", prompt]) == 0
         with open(tmp_path / f"log{i}" / "metrics.jsonl") as f:
@@ -452,10 +448,10 @@ def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path, capsys):
     extra = [a.format(**bad_input_setup) for a in extra]
     expect = expect.format(**bad_input_setup)
     log_dir = str(tmp_path / "fresh")
-    base = TINY
+    shape = {}
     if "--init-from" in extra:  # the architecture comes from there: no shape flags (refused, see BAD)
-        base = [a for i, a in enumerate(TINY) if not (a.startswith("--n-") or TINY[i - 1].startswith("--n-"))]
-    args = base + ["--data-dir", bad_input_setup["data"], "--log-dir", log_dir, "--max-steps", "2"] + extra
+        shape = dict(n_layer=None, n_head=None, n_embd=None)
+    args = tiny(data_dir=bad_input_setup["data"], log_dir=log_dir, max_steps=2, **shape) + extra
     before = sorted(os.listdir(bad_input_setup["ref"]))
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -509,7 +505,7 @@ def test_wsd_schedule_holds_the_peak_then_decays_linearly():
 
 def test_timing_breakdown_reports_phases(data_dir, tmp_path):
     log_dir = str(tmp_path / "log")
-    p = run(TINY + ["--data-dir", data_dir, "--log-dir", log_dir, "--max-steps", "4", "--timing-breakdown", "2"])
+    p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=4, timing_breakdown=2))
     lines = [l for l in p.stdout.splitlines() if l.startswith("timing |")]
     assert len(lines) == 2
     for phase in ("data_ms", "copy_ms", "forward_ms", "backward_ms", "optimizer_ms", "eval_ms"):
@@ -529,10 +525,7 @@ def test_short_run_leaves_warmup():
 
 def test_validation_covers_the_val_split_at_most_once(data_dir, tmp_path):
     import dataloader
-    args = [a if a != "128" else "1000000000" for a in TINY]  # --val-tokens 1e9 (and the batch stays 128)
-    args[args.index("--total-batch-size") + 1] = "128"
-    args[args.index("--warmup-steps") + 1] = "1"  # no longer than the one step
-    p = run(args + ["--data-dir", data_dir, "--log-dir", str(tmp_path / "log"), "--max-steps", "1"])
+    p = run(tiny(val_tokens=10 ** 9, warmup_steps=1, data_dir=data_dir, log_dir=str(tmp_path / "log"), max_steps=1))
     whole = dataloader.TokenLoader(data_dir, "val", 2, 32).num_sequences * 32  # every sequence of the split once
     assert f"val: {whole:,} tokens (the whole split)" in p.stdout
     assert len(records(str(tmp_path / "log"), "val")) == 1
