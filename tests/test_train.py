@@ -403,7 +403,7 @@ def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path, capsys):
         base = [a for i, a in enumerate(TINY) if not (a.startswith("--n-") or TINY[i - 1].startswith("--n-"))]
     args = base + ["--data-dir", bad_input_setup["data"], "--log-dir", log_dir, "--max-steps", "2"] + extra
     before = sorted(os.listdir(bad_input_setup["ref"]))
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.getsignal(sig) for sig in common.STOP_SIGNALS}
     try:
         with pytest.raises(SystemExit) as e:  # anything but a clean exit (a traceback) fails here
             common.run_main(lambda: train_gpt2.main(args))
