@@ -112,16 +112,19 @@ def print0(*args, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------
-# Stop requests: SIGTERM (Slurm, spot instances, torchrun) and Ctrl-C are noted, not obeyed at
-# once, so that a long job can end cleanly at its next safe point.
+# Stop requests: SIGTERM (Slurm, spot instances, torchrun), Ctrl-C and SIGUSR1 (the warning that
+# train_gpt2.sbatch passes on before Slurm's time limit) are noted, not obeyed at once, so that a
+# long job can end cleanly at its next safe point.
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
 
 
 class StopFlag:
-    """.signal: None, or the name of the first SIGTERM/SIGINT received since it was made."""
+    """.signal: None, or the name of the first of STOP_SIGNALS received since it was made."""
 
     def __init__(self):
         self.signal = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             try:
                 signal.signal(sig, self._handler)
             except ValueError:  # not the main thread (e.g. imported in a notebook worker)

@@ -78,7 +78,7 @@ def write_shards(data_dir, n_train_shards=2, docs_per_shard=120):
 def in_this_process():
     """Around a trainer run in this process: one thread, as ENV gives a subprocess (tiny models gain
     nothing from more), and the signal handlers the trainer installs put back after."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.getsignal(sig) for sig in common.STOP_SIGNALS}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

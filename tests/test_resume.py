@@ -368,6 +368,23 @@ def test_resume_skips_a_corrupt_newest_checkpoint(data_dir, reference_run, tmp_p
     assert p.returncode == 2 and len(lines) == 1 and "none of the 2 checkpoints" in lines[0], p.stderr
 
 
+def test_sigusr1_is_a_stop_request_as_sigterm_is():
+    """train_gpt2.sbatch passes SLURM's warning before the time limit on as SIGUSR1, to processes
+    that ignore it until the trainer's loop begins (its torchrun must not die of it): the stop flag
+    catches it as it catches SIGTERM (whose stop the tests above follow through a run)."""
+    handlers = {sig: signal.getsignal(sig) for sig in common.STOP_SIGNALS}
+    try:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        os.kill(os.getpid(), signal.SIGUSR1)  # before the flag: ignored
+        stop = common.StopFlag()
+        assert stop.signal is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.signal == "SIGUSR1"
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_path):
     """A stop request in the middle of a long HellaSwag pass ends it at the next batch: no figure
     is logged for it, the run keeps the steps it finished, and a resume continues exactly."""
