@@ -16,17 +16,28 @@ from core_bundle import TASKS, write_bundle
 from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, tiny, torchrun
 
 
-def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
-    log_dir = str(tmp_path / "log")
-    hs_file = tmp_path / "hellaswag_val.jsonl"
-    items = [{"ctx": f"The cat sees a red ball number {i}.", "endings": ["It runs.", "The dog likes books.",
-                                                                        "A.", "My friend paints the sky."],
-              "label": i % 4} for i in range(5)]
-    hs_file.write_text("".join(json.dumps(item) + "\n" for item in items))
-    bundle = write_bundle(tmp_path / "bundle")
+HS_ITEMS = [{"ctx": f"The cat sees a red ball number {i}.", "endings": ["It runs.", "The dog likes books.", "A.",
+                                                                     "My friend paints the sky."], "label": i % 4}
+            for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def logged_run(data_dir, tmp_path_factory):
+    """One 30-step run with everything on: validation, HellaSwag and CORE every 15 steps, samples,
+    the export. The tests below read what it left: its log directory and what it printed."""
+    base = tmp_path_factory.mktemp("logged")
+    hs_file = base / "hellaswag_val.jsonl"
+    hs_file.write_text("".join(json.dumps(item) + "\n" for item in HS_ITEMS))
+    bundle = write_bundle(base / "bundle")
+    log_dir = str(base / "log")
     p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=30, max_lr="1e-2", export_hf=True, sample_every=15,
                  num_samples=2, sample_tokens=8, hellaswag_every=15, hellaswag_file=str(hs_file), core_every=15,
                  core_bundle=bundle, core_limit=4))
+    return dict(log_dir=log_dir, stdout=p.stdout.splitlines(), bundle=bundle)
+
+
+def test_loss_goes_down(logged_run):
+    log_dir = logged_run["log_dir"]
     train = records(log_dir, "train")
     assert [r["step"] for r in train] == list(range(30))
     assert abs(train[0]["loss"] - math.log(50257)) < 0.5  # untrained: about uniform over the vocabulary
@@ -34,43 +45,62 @@ def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
     val = records(log_dir, "val")
     assert [r["step"] for r in val] == [0, 4, 8, 12, 16, 20, 24, 28, 29]
     assert val[-1]["val_loss"] < val[0]["val_loss"] - 3.0
-    for r in train:
+
+
+def test_the_run_is_logged_one_greppable_line_per_step(logged_run):
+    """Every step's record, the run header and the end record in metrics.jsonl; one line per step
+    with the same keys in stdout and log.txt; the samples at their steps."""
+    log_dir, stdout = logged_run["log_dir"], logged_run["stdout"]
+    for r in records(log_dir, "train"):
         assert r["tokens"] == (r["step"] + 1) * 128 and r["mfu"] is None and r["dt_ms"] > 0
     header = records(log_dir, "run")[0]
     assert header["grad_accum"] == 2 and header["world_size"] == 1
     assert header["versions"]["torch"] == torch.__version__
     assert records(log_dir, "end")[0]["reason"] == "finished"
-    # one greppable line per step, the same keys in stdout and log.txt
-    lines = [l for l in p.stdout.splitlines() if l.startswith("step ") and "| loss" in l]
+    lines = [l for l in stdout if l.startswith("step ") and "| loss" in l]
     assert len(lines) == 30
     for key in ("loss", "lr", "grad_norm", "dt_ms", "tok_per_s", "mfu"):
         assert f"| {key} " in lines[-1]
     with open(os.path.join(log_dir, "log.txt")) as f:
         assert sum(1 for l in f if l.startswith("step ") and "| loss" in l) == 30
-    assert sum(1 for l in p.stdout.splitlines() if l.startswith("sample ")) == 4  # steps 15 and 29
+    assert sum(1 for l in stdout if l.startswith("sample ")) == 4  # steps 15 and 29
+
+
+def test_hellaswag_in_the_loop_is_the_standalone_figure(logged_run):
+    """At steps 0, 15 and the last, announced before each one; the last equals hellaswag.py's on
+    the final weights."""
+    import hellaswag
+    log_dir, stdout = logged_run["log_dir"], logged_run["stdout"]
     hs = records(log_dir, "hellaswag")
     assert [r["step"] for r in hs] == [0, 15, 29] and all(r["n"] == 5 for r in hs)
-    progress = [i for i, l in enumerate(p.stdout.splitlines()) if l == "hellaswag: scoring 5 items on 1 rank(s)..."]
-    results = [i for i, l in enumerate(p.stdout.splitlines()) if "| hellaswag acc_norm" in l]
+    progress = [i for i, l in enumerate(stdout) if l == "hellaswag: scoring 5 items on 1 rank(s)..."]
+    results = [i for i, l in enumerate(stdout) if "| hellaswag acc_norm" in l]
     assert len(progress) == 3 and all(a < b for a, b in zip(progress, results))  # said before each one
     assert all(0 <= r["acc_norm"] <= 1 and r["acc"] * 5 == round(r["acc"] * 5) for r in hs)
-    # the trainer's figure is the standalone script's on the final weights
-    import hellaswag
     final, _ = checkpoint.load_model(log_dir)
-    assert hs[-1]["acc_norm"] == hellaswag.evaluate(final, items, "cpu")["acc_norm"]
-    # CORE too: in the log, metrics.jsonl (each task's centred accuracy) and the plot's summary
+    assert hs[-1]["acc_norm"] == hellaswag.evaluate(final, HS_ITEMS, "cpu")["acc_norm"]
+
+
+def test_core_in_the_loop_is_the_standalone_figure_and_in_the_summary(logged_run):
+    """In the log, metrics.jsonl (each task's centred accuracy) and the plot's summary; the last
+    equals core.py's on the final weights."""
     import core
     import plot
+    log_dir, stdout = logged_run["log_dir"], logged_run["stdout"]
     cores = records(log_dir, "core")
     assert [r["step"] for r in cores] == [0, 15, 29] and all(len(r["centered"]) == len(TASKS) for r in cores)
-    assert sum(1 for l in p.stdout.splitlines() if "| core " in l and f"over {len(TASKS)} tasks" in l) == 3
-    standalone = core.evaluate(final, core.load_tasks(bundle, None, 4), "cpu")
+    assert sum(1 for l in stdout if "| core " in l and f"over {len(TASKS)} tasks" in l) == 3
+    final, _ = checkpoint.load_model(log_dir)
+    standalone = core.evaluate(final, core.load_tasks(logged_run["bundle"], None, 4), "cpu")
     assert cores[-1]["core"] == pytest.approx(standalone["core"], abs=1e-12)
     summary = plot.summarize(log_dir)
     assert summary["core_final"] == cores[-1]["core"] and summary["core_best"] == max(r["core"] for r in cores)
     assert "  CORE        best " in plot.format_summary(summary)
-    # the final export loads in transformers with the same logits as the checkpoint
+
+
+def test_the_export_loads_in_transformers_with_the_checkpoints_logits(logged_run):
     from transformers import GPT2LMHeadModel
+    log_dir = logged_run["log_dir"]
     hf = GPT2LMHeadModel.from_pretrained(os.path.join(log_dir, "hf")).eval()
     ours, _ = checkpoint.load_model(log_dir)
     idx = torch.randint(0, 50257, (2, 32))
@@ -78,48 +108,50 @@ def test_loss_goes_down_and_run_is_logged(data_dir, tmp_path):
         assert (hf(idx).logits - ours(idx)[0][..., :50257]).abs().max().item() < 1e-4
 
 
-def test_ddp_two_processes_match_one_process_with_accumulation(data_dir, tmp_path):
-    common_args = tiny(data_dir=data_dir, max_steps=4, eval_every=2)
-    single = str(tmp_path / "single")
-    run(common_args + ["--log-dir", single])  # micro-batch 2, accumulation 2
-    ddp = str(tmp_path / "ddp")
-    p = torchrun(["--standalone", "--nproc_per_node=2"], common_args + ["--log-dir", ddp])
-    out, _ = p.communicate(timeout=900)
-    assert p.returncode == 0, out[-3000:]
-    assert records(ddp, "run")[0]["world_size"] == 2
-    assert records(ddp, "run")[0]["grad_accum"] == 1
-    a, b = records(single, "train"), records(ddp, "train")
+@pytest.fixture(scope="module")
+def one_process(data_dir, tmp_path_factory):
+    """The reference for the multi-process runs below: 4 steps on one process, micro-batch 2 and 2
+    accumulation steps, validation every 2 steps."""
+    log_dir = str(tmp_path_factory.mktemp("single"))
+    run(tiny(data_dir=data_dir, max_steps=4, eval_every=2, log_dir=log_dir))
+    return log_dir
+
+
+def assert_same_training(reference, other):
+    """The same global batch, the same math; only the summation order differs."""
+    a, b = records(reference, "train"), records(other, "train")
     assert len(a) == len(b) == 4
-    for ra, rb in zip(a, b):  # same global batch, same math; only the summation order differs
+    for ra, rb in zip(a, b):
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
-    for va, vb in zip(records(single, "val"), records(ddp, "val")):
+    assert len(records(reference, "val")) == len(records(other, "val")) == 3
+    for va, vb in zip(records(reference, "val"), records(other, "val")):
         assert vb["val_loss"] == pytest.approx(va["val_loss"], rel=1e-5)
-    # FSDP2 with activation checkpointing: the same steps again, to the same tolerance; HellaSwag on
-    # 9 items (shares of 5 and 4: two batches of 4 on one rank, one on the other) and samples run on
-    # both ranks in step, since every forward through the sharded model is a collective
+
+
+def test_fsdp_matches_one_process_and_evaluates_samples_and_exports_in_step(data_dir, tmp_path, one_process):
+    """FSDP2 with activation checkpointing through the command line: the steps and validations of one
+    process to float rounding (the in-process checks of parallel.py are test_parallel.py's);
+    HellaSwag on 9 items (shares of 5 and 4: two batches of 4 on one rank, one on the other) and
+    samples run on both ranks in step, since every forward through the sharded model is a
+    collective; the checkpoint is the ordinary full one, and the export is gathered from the shards."""
     fsdp = str(tmp_path / "fsdp")
     hs_file = tmp_path / "hellaswag_val.jsonl"
     hs_file.write_text("".join(json.dumps({"ctx": f"The cat sees item {i}.", "endings": ["A.", "It runs.", "B c.", "D."],
                                            "label": i % 4}) + "\n" for i in range(9)))
-    p = torchrun(["--standalone", "--nproc_per_node=2"], common_args + [
-        "--log-dir", fsdp, "--fsdp", "--activation-checkpointing", "--hellaswag-every", "2", "--hellaswag-file",
-        str(hs_file), "--sample-every", "2", "--num-samples", "1", "--sample-tokens", "4", "--export-hf"])
+    p = torchrun(["--standalone", "--nproc_per_node=2"], tiny(
+        data_dir=data_dir, max_steps=4, eval_every=2, log_dir=fsdp, fsdp=True, activation_checkpointing=True,
+        hellaswag_every=2, hellaswag_file=str(hs_file), sample_every=2, num_samples=1, sample_tokens=4,
+        export_hf=True))
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
     assert "memory (fsdp, activation checkpointing): per process: params" in out
     assert [(r["step"], r["n"]) for r in records(fsdp, "hellaswag")] == [(0, 9), (2, 9), (3, 9)]
     assert sum(1 for line in out.splitlines() if line.startswith("sample 0 |")) == 2  # steps 2 and 3, rank 0
-    c = records(fsdp, "train")
-    assert len(c) == 4
-    for ra, rc in zip(a, c):
-        assert rc["loss"] == pytest.approx(ra["loss"], rel=1e-5)
-        assert rc["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
-    for va, vc in zip(records(single, "val"), records(fsdp, "val")):
-        assert vc["val_loss"] == pytest.approx(va["val_loss"], rel=1e-5)
+    assert_same_training(one_process, fsdp)
     # the FSDP checkpoint is the ordinary full one: it loads as a plain GPT, whole and tied
     model, _ = checkpoint.load_model(fsdp)
-    single_model, _ = checkpoint.load_model(single)
+    single_model, _ = checkpoint.load_model(one_process)
     assert {k: v.shape for k, v in model.state_dict().items()} == \
         {k: v.shape for k, v in single_model.state_dict().items()}
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -182,10 +214,10 @@ def test_fsdp_in_bf16_compiled_evaluates_samples_resumes_and_exports(data_dir, t
         assert torch.equal(exported(idx)[0][..., :50257], model(idx)[0][..., :50257])
 
 
-def test_muon_accumulates_trains_on_two_processes_and_resumes_exactly(data_dir, tmp_path):
+def test_muon_accumulates_and_resumes_exactly(data_dir, tmp_path):
     """--optimizer muon through the trainer: micro-batches of 2 with accumulation equal one batch of
-    4; two processes equal one; a kill -9 mid-run, resumed with --resume alone, ends bit-identical
-    to the run that never stopped (Muon's momentum is in the checkpoint)."""
+    4; a kill -9 mid-run, resumed with --resume alone, ends bit-identical to the run that never
+    stopped (Muon's momentum is in the checkpoint). Two processes equal one: test_parallel.py."""
     base = tiny(data_dir=data_dir, max_steps=6, optimizer="muon", eval_every=0, checkpoint_every=3)
     accum = str(tmp_path / "accum")
     p = run(base + ["--log-dir", accum])  # micro-batch 2, accumulation 2
@@ -193,15 +225,11 @@ def test_muon_accumulates_trains_on_two_processes_and_resumes_exactly(data_dir, 
     whole = str(tmp_path / "whole")
     run(tiny(data_dir=data_dir, max_steps=6, optimizer="muon", eval_every=0, checkpoint_every=3,
              micro_batch_size=4, log_dir=whole))
-    ddp = str(tmp_path / "ddp")
-    p = torchrun(["--standalone", "--nproc_per_node=2"], base + ["--log-dir", ddp])
-    out, _ = p.communicate(timeout=900)
-    assert p.returncode == 0, out[-3000:]
     ref = records(accum, "train")
-    for other in (whole, ddp):  # the same gradients summed in another order; Newton-Schulz runs in bf16,
-        got = records(other, "train")  # which magnifies that rounding in the update (1e-4 in the norms here)
-        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
-        assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-3)
+    got = records(whole, "train")  # the same gradients summed in another order; Newton-Schulz runs in bf16,
+    # which magnifies that rounding in the update (1e-4 in the norms here)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-3)
     killed = str(tmp_path / "killed")
     p = subprocess.run([sys.executable, FAULT_TRAINER] + base + ["--log-dir", killed], capture_output=True,
                        text=True, env=dict(ENV, FAULT="kill:0:4"), timeout=900)
@@ -224,16 +252,18 @@ def test_activation_checkpointing_gives_the_same_losses(data_dir, tmp_path):
         [r["loss"] for r in records(str(tmp_path / "plain"), "train")]
 
 
-def test_two_node_torchrun_on_loopback(data_dir, tmp_path, free_port):
+def test_two_node_torchrun_on_loopback_matches_one_process(data_dir, tmp_path, free_port, one_process):
+    """Two nodes of one process each (DDP over gloo, rendezvous on loopback): one run of world size
+    2 without accumulation, whose steps and validations are one process's to float rounding."""
     log_dir = str(tmp_path / "log")
-    port = free_port
-    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=3)
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=4, eval_every=2)
     nodes = [torchrun(["--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
-                       f"--master_port={port}"], args) for r in range(2)]
+                       f"--master_port={free_port}"], args) for r in range(2)]
     outs = [n.communicate(timeout=900)[0] for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    assert records(log_dir, "run")[0]["world_size"] == 2
-    assert len(records(log_dir, "train")) == 3
+    header = records(log_dir, "run")[0]
+    assert header["world_size"] == 2 and header["grad_accum"] == 1
+    assert_same_training(one_process, log_dir)
 
 
 def test_a_closed_stdout_does_not_end_the_run(data_dir, tmp_path):
@@ -265,10 +295,15 @@ def test_a_closed_stdout_does_not_end_the_run(data_dir, tmp_path):
     assert steps == list(range(24))
 
 
+def diverging(data_dir, log_dir, **overrides):
+    """A run whose learning rate (1e30) makes the loss non-finite within a few steps."""
+    settings = {**dict(max_steps=6, warmup_steps=0, max_lr="1e30", eval_every=0), **overrides}
+    return run(tiny(data_dir=data_dir, log_dir=log_dir, **settings), check=False)
+
+
 def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     log_dir = str(tmp_path / "log")
-    p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=12, checkpoint_every=1, warmup_steps=0, max_lr="1e30",
-                 eval_every=0), check=False)
+    p = diverging(data_dir, log_dir, max_steps=12, checkpoint_every=1)
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     assert "non-finite; stopping" in p.stdout and "Traceback" not in p.stderr
     assert "resume from it with a lower --max-lr, or pass --on-nonfinite skip" in p.stdout  # AdamW: no --muon-lr
@@ -277,27 +312,28 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     step, model, _ = final_state(log_dir)
     assert step <= end["step"]
     assert all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
-    # with --on-nonfinite skip the run carries on to the end
-    log2 = str(tmp_path / "log2")
-    p = run(tiny(data_dir=data_dir, log_dir=log2, max_steps=6, warmup_steps=0, max_lr="1e30", eval_every=0,
-                 on_nonfinite="skip"), check=False)
+
+
+def test_on_nonfinite_skip_carries_on_and_muon_skips_both_optimizers(data_dir, tmp_path):
+    """With --on-nonfinite skip the run carries on to the end; under Muon a skipped step updates
+    neither optimizer, and the weights stay finite."""
+    p = diverging(data_dir, str(tmp_path / "adamw"), on_nonfinite="skip")
     assert p.returncode == 0 and "skipped (non-finite)" in p.stdout
-    # the same with Muon: a skipped step updates neither optimizer, and the weights stay finite
-    log3 = str(tmp_path / "log3")
-    p = run(tiny(data_dir=data_dir, log_dir=log3, max_steps=6, warmup_steps=0, max_lr="1e30", eval_every=0,
-                 on_nonfinite="skip", optimizer="muon"),
-            check=False)
+    log_dir = str(tmp_path / "muon")
+    p = diverging(data_dir, log_dir, on_nonfinite="skip", optimizer="muon")
     assert p.returncode == 0 and "skipped (non-finite)" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
-    _, model, _ = final_state(log3)
+    _, model, _ = final_state(log_dir)
     assert all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
-    # under Muon, with no checkpoint yet: both rates named, and no checkpoint to resume from
-    log4 = str(tmp_path / "log4")
-    p = run(tiny(data_dir=data_dir, log_dir=log4, max_steps=6, warmup_steps=0, max_lr="1e30", eval_every=0,
-                 optimizer="muon"), check=False)
+
+
+def test_nonfinite_stop_under_muon_before_any_checkpoint_names_both_rates(data_dir, tmp_path):
+    """No checkpoint yet: both rates named, and no checkpoint to resume from."""
+    log_dir = str(tmp_path / "log")
+    p = diverging(data_dir, log_dir, optimizer="muon")
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     assert ("non-finite; stopping. No checkpoint was written yet: start the run again (--resume) with a lower "
             "--max-lr or --muon-lr, or pass --on-nonfinite skip") in p.stdout
-    assert "none" not in p.stdout.split("non-finite; stopping")[1] and checkpoint.list_checkpoints(log4) == []
+    assert "none" not in p.stdout.split("non-finite; stopping")[1] and checkpoint.list_checkpoints(log_dir) == []
 
 
 def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, capsys, train_in_process):
