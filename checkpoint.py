@@ -231,7 +231,8 @@ def find_resume(resume, log_dir):
 def in_log_dir(path, log_dir):
     """Whether the checkpoint file at path lies in log_dir itself (not another run's directory, nor a
     folder inside log_dir such as superseded/)."""
-    return os.path.isdir(log_dir) and os.path.samefile(os.path.dirname(os.path.abspath(path)), log_dir)
+    return (path is not None and os.path.isdir(log_dir)
+            and os.path.samefile(os.path.dirname(os.path.abspath(path)), log_dir))
 
 
 def set_aside_later(log_dir, path, step):
@@ -258,15 +259,15 @@ def resume_command(log_dir, world_size=1, per_node=None):
     """The command that continues the run in log_dir, quoted for the shell (a path with spaces): a
     resume needs the run's process count (check_world_size), so a run of world_size processes,
     per_node on each node, gets the torchrun that starts as many, on every node where it spans
-    several (HOST:PORT, the first node's address, is the user's to fill in)."""
+    several (N, each node's rank, and HOST:PORT, the first node's address, are the user's to fill in)."""
     args = f"train_gpt2.py --log-dir {shlex.quote(log_dir)} --resume"
     if world_size <= 1:
         return f"python {args}"
     per_node = per_node or world_size
     if per_node >= world_size:
         return f"torchrun --standalone --nproc_per_node={world_size} {args}"
-    return (f"torchrun --nnodes={world_size // per_node} --nproc_per_node={per_node} --rdzv-endpoint=HOST:PORT "
-            f"{args}")
+    return (f"torchrun --nnodes={world_size // per_node} --node_rank=N --nproc_per_node={per_node} "
+            f"--rdzv-endpoint=HOST:PORT {args}")
 
 
 def check_world_size(ckpt, path, world_size):

@@ -131,7 +131,8 @@ class StopFlag:
                 pass
 
     def _handler(self, signum, frame):
-        self.signal = signal.Signals(signum).name
+        if self.signal is None:  # the first request is the one the run reports
+            self.signal = signal.Signals(signum).name
         # a second Ctrl-C stops at once
         signal.signal(signal.SIGINT, signal.default_int_handler)
 

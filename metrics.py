@@ -37,6 +37,7 @@ error.
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -74,15 +75,17 @@ class RunLog:
         self.text = self.metrics = self.lock = None  # opened at the first write: bad input leaves no trace
         self.trackers = None
         self.printing = True  # False once stdout is gone
-        self.made_dir = False  # hold() made the directory: a launch refused before writing removes it again
+        self.made = None  # what hold() made ("dir", "lock"): a launch refused before its first line removes it
 
     def hold(self):
         """Take the log directory's lock now (rank 0), before anything of this launch touches the
         directory (trackers, checkpoints set aside): a launch refused by the lock leaves it as it was."""
         if self.active and self.lock is None:
-            self.made_dir = not os.path.isdir(self.log_dir)
+            made_dir = not os.path.isdir(self.log_dir)
             os.makedirs(self.log_dir, exist_ok=True)
+            made_lock = not os.path.exists(os.path.join(self.log_dir, LOCK_FILE))
             self.lock = take_lock(self.log_dir)
+            self.made = "dir" if made_dir else "lock" if made_lock else None
 
     def _open(self):
         if self.text is None:
@@ -127,15 +130,15 @@ class RunLog:
             self.trackers.close()
         if self.lock is not None:
             self.lock.truncate(0)
+            if self.text is None and self.made:  # refused before its first line: take back what it made,
+                # while it still holds the lock (no other trainer is in the directory)
+                if self.made == "dir":
+                    shutil.rmtree(self.log_dir, ignore_errors=True)  # and what its trackers made in it
+                else:
+                    os.remove(os.path.join(self.log_dir, LOCK_FILE))
         for f in (self.text, self.metrics, self.lock):
             if f is not None:
                 f.close()
-        if self.made_dir and self.text is None:  # refused before its first line: leave no directory behind
-            try:
-                os.remove(os.path.join(self.log_dir, LOCK_FILE))
-                os.rmdir(self.log_dir)  # only where nothing else was written into it
-            except OSError:
-                pass
 
 
 def _try_lock(f):

@@ -241,6 +241,10 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
         sums[copies], exact[copies] = sums[stand_in[copies]], exact[stand_in[copies]]
         yield sums, counts, exact
     if rows and not todo:
+        # every option was judged without its scores (nothing to score): a one-token pass all the
+        # same, so that each batch is one forward, which FSDP's ranks make in step (drain)
+        with autocast(device, dtype):
+            model(torch.zeros((1, 1), dtype=torch.long, device=device))
         yield sums, counts, exact
 
 

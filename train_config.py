@@ -198,7 +198,7 @@ def check_relations(cfg, parsing=False):
     if cfg.total_batch_size % cfg.block_size:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of "
                         f"--block-size {cfg.block_size}")
-    # a resume's optimizer and init-from are the run's, known once its checkpoint is read: train()
+    # a resume's optimizer and init-from are the run's, known once its checkpoint is read: resolve()
     # checks again then
     given = getattr(cfg, "given", frozenset()) if not (parsing and cfg.resume) else frozenset()
     for flag in ("muon_lr", "muon_momentum"):
@@ -259,10 +259,16 @@ def resolve(args):
                             "or a new --log-dir for a new run")
     path, ckpt, skipped = checkpoint.find_resume(args.resume, log_dir)
     if holds_run and path is not None and not checkpoint.in_log_dir(path, log_dir):
-        # its checkpoints would land among the other run's: the rotation, --resume and plot.py would mix them
-        raise UserError(f"--resume {args.resume}: {log_dir} holds another run; continue {path} in a new "
-                        f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
-                        f"{shlex.quote(path)}")
+        if not continues(log_dir, path):
+            # its checkpoints would land among the other run's: the rotation, --resume and plot.py would mix them
+            raise UserError(f"--resume {args.resume}: {log_dir} holds another run; continue {path} in a new "
+                            f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
+                            f"{shlex.quote(path)}")
+        # the same command again (a requeued job, torchrun --max-restarts): log_dir continues that run
+        # already, so it goes on from log_dir's newest checkpoint, where it has one
+        latest = checkpoint.find_resume("latest", log_dir)
+        if latest[0] is not None:
+            path, ckpt, skipped = latest
     values = dict(vars(args))
     changes = stored_run(values, args.given, ckpt, path) if ckpt is not None else []
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
@@ -278,6 +284,18 @@ def resolve(args):
             trackers.check_tracker_installed(flag)
     check_evaluation_files(cfg)
     return cfg, Resume(path, ckpt, skipped, changes) if ckpt is not None else None
+
+
+def continues(log_dir, path):
+    """Whether the run in log_dir began by resuming the checkpoint at path (--resume PATH with a
+    checkpoint of another directory), so that it is that run, continued here."""
+    try:
+        launches = metrics.read_metrics(log_dir)["launches"]
+    except UserError:
+        return False
+    first = launches[0]["run"] or {}
+    began = first.get("resumed_from")
+    return began is not None and os.path.exists(began) and os.path.samefile(began, path)
 
 
 def stored_run(values, given, ckpt, path):
@@ -310,8 +328,13 @@ def stored_run(values, given, ckpt, path):
 def check_evaluation_files(cfg):
     """--hellaswag-file and --core-bundle, read now as far as the run will read them (its limits): a
     file that cannot be scored is bad input, not a HellaSwag or CORE "skipped" found hours into the
-    run, or a run ended by it."""
-    if cfg.hellaswag_file is not None:
+    run, or a run ended by it. One a resumed run stored but that is gone (a copied run, another
+    machine) is no reason to refuse the resume: that evaluation says it is skipped, as a download
+    that fails does."""
+    def named(flag, every):
+        path = getattr(cfg, flag)
+        return path is not None and (flag in cfg.given or (getattr(cfg, every) and os.path.exists(path)))
+    if named("hellaswag_file", "hellaswag_every"):
         if not os.path.isfile(cfg.hellaswag_file):
             raise UserError(f"--hellaswag-file {cfg.hellaswag_file} does not exist; give the path of a "
                             f"hellaswag_val.jsonl, or leave it out to download the file once")
@@ -319,7 +342,7 @@ def check_evaluation_files(cfg):
             hellaswag.load_items(cfg.hellaswag_file, limit=cfg.hellaswag_limit, flag="--hellaswag-file")
         except UserError as e:
             raise UserError(f"--hellaswag-file: {e}")
-    if cfg.core_bundle is not None:  # the same for a bundle: its tasks and the items the run will score
+    if named("core_bundle", "core_every"):  # the same for a bundle: its tasks and the items the run will score
         import core
         try:
             core.load_tasks(cfg.core_bundle, None, cfg.core_limit, "--core-bundle")

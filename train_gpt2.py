@@ -148,6 +148,7 @@ def setup(cfg, ranks, log, resume):
     optim.apply_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
     start_trackers(cfg, ranks, log, start_step)
     if resume is not None:
+        parallel.gather(None, ranks)  # every rank got this far: only then may rank 0 set a branch aside
         note_resume(cfg, ranks, log, resume)
     run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, micro_batch=micro_batch,
               grad_accum=grad_accum, raw_model=raw_model, model=model, eval_model=getattr(model, "module", model),
@@ -410,8 +411,8 @@ def report_timing(run, timer, step):
 def stopped(run, done, stop):
     """A stop request (SIGTERM, Ctrl-C) ended the run after `done` steps: keep them in a checkpoint,
     unless the last one has them already, and say how to continue."""
-    if run.checkpoints.last_step != done:
-        run.checkpoints.save(done)
+    if run.checkpoints.last_step != done or not checkpoint.in_log_dir(run.checkpoints.last_path, run.cfg.log_dir):
+        run.checkpoints.save(done)  # (resumed from another directory's checkpoint: this one needs its own)
     run.log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
                  f"continue with: {run.resume_command()}")
     return end(run, "signal", done - 1)
@@ -603,7 +604,8 @@ def validation_loss(model, loader, sequences, ranks, dtype, should_stop):
 def log_samples(run, step, stop):
     """The samples of this step, each a log line and a record. Under FSDP every forward is a
     collective, so every rank samples and a stop request must not end one rank's loop early. A
-    failure is one line: samples are a glimpse of the model, never a reason to end the run."""
+    failure is one line: samples are a glimpse of the model, never a reason to end the run (but
+    under FSDP, where the ranks would no longer meet in the same collectives, it ends it)."""
     cfg = run.cfg
     try:
         with parallel.uncompiled(run.raw_model):
@@ -611,6 +613,8 @@ def log_samples(run, step, stop):
                                             cfg.seed + step, run.ranks.device, run.dtype,
                                             None if run.fsdp else stop)
     except Exception as e:  # noqa: BLE001
+        if run.fsdp:  # the other ranks may be inside a collective forward: this rank cannot go on alone
+            raise
         run.log.line(f"step {step} | samples failed, training goes on ({type(e).__name__}: {common.first_line(e)})")
         return
     for i, text in enumerate(texts):

@@ -472,3 +472,22 @@ def test_the_public_bundle_downloads_and_reads(tmp_path):
     assert len(tasks) == core.N_CORE_TASKS and {t.kind for t in tasks} == set(core.TASK_TYPES)
     for task in tasks:
         assert core.load_items(task, 3)
+
+
+def test_a_share_with_nothing_to_score_still_makes_its_forward(model):
+    """Under FSDP each batch is a forward every rank makes in step: a rank whose share holds only
+    options with nothing to score (a schema item whose contexts are identical) makes its forward
+    pass all the same, and yields once for it."""
+    enc = tokenizer.get_tokenizer()
+    task = core.Task("schema", "schema", "", 0, " ", 0.5)
+    rows = core.rows_of(task, DEGENERATE[5][1], [], enc, model.config.block_size)
+    calls = []
+    hook = model.register_forward_hook(lambda module, args, output: calls.append(1))
+    try:
+        scored = list(core.scoring.scored_batches(model, rows, "cpu"))
+    finally:
+        hook.remove()
+    assert len(scored) == len(calls) == 1
+    _, counts, exact = scored[0]
+    assert counts.tolist() == [0, 0] and exact.all()
+

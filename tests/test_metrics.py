@@ -65,3 +65,36 @@ def test_no_trace_before_the_first_write(tmp_path, capsys):
     quiet.record("train", step=0)
     quiet.close()
     assert not (tmp_path / "rank1").exists() and capsys.readouterr().out == ""
+
+
+def test_a_launch_refused_by_the_lock_takes_nothing_of_the_holders(tmp_path):
+    """Two trainers started at once into the same new directory: the one the lock refuses must not
+    take back the directory the other made and holds (nor its lock file); one that holds the lock
+    and is refused later takes back what it made, and nothing else."""
+    log_dir = str(tmp_path / "new")
+    first = metrics.RunLog(log_dir, active=True)
+    first.hold()
+    second = metrics.RunLog(log_dir, active=True)
+    try:
+        second.hold()
+        raise AssertionError("the lock was taken twice")
+    except metrics.UserError:
+        pass
+    second.close()
+    assert os.path.isfile(os.path.join(log_dir, metrics.LOCK_FILE))
+    first.line("step 0 | written")  # its directory is still there
+    first.close()
+    assert open(os.path.join(log_dir, metrics.TEXT_LOG_FILE)).read() == "step 0 | written\n"
+    refused = metrics.RunLog(str(tmp_path / "refused"), active=True)
+    refused.hold()
+    os.makedirs(os.path.join(refused.log_dir, "wandb"))  # what a tracker made before a later check refused
+    refused.close()
+    assert not os.path.exists(refused.log_dir)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "notes.txt").write_text("kept")
+    refused = metrics.RunLog(str(old), active=True)
+    refused.hold()
+    refused.close()
+    assert sorted(os.listdir(old)) == ["notes.txt"]  # no trainer.lock left behind either
+

@@ -305,6 +305,38 @@ def test_another_runs_checkpoint_is_not_resumed_into_a_directory_holding_a_run(d
     moved = str(tmp_path / "moved")
     assert train_in_process(["--log-dir", moved, "--resume", other]) == 0
     assert [r["loss"] for r in records(moved, "train")] == [r["loss"] for r in records(reference_run, "train")[9:]]
+    # the same command again (a requeued job, torchrun --max-restarts) goes on from the run it started
+    # there, here finished, instead of being refused as another run
+    p = run(["--log-dir", moved, "--resume", other])
+    assert p.stdout.startswith(f"{moved}: the run already finished its 10 steps ({moved}/ckpt_000010.pt)")
+
+
+def test_a_stop_before_the_first_step_of_a_moved_run_keeps_a_checkpoint_in_its_directory(
+        data_dir, reference_run, tmp_path, monkeypatch):
+    """Continued from another directory's checkpoint and stopped before its first step finished (in
+    the first validation, say): the checkpoint of its steps is written in --log-dir, which the
+    printed command continues, not left in the other directory, where that command finds none."""
+    import train_gpt2
+    moved = str(tmp_path / "moved")
+    monkeypatch.setattr(train_gpt2, "evaluate", lambda run, step, stop: False)  # a stop request there
+    p = run(["--log-dir", moved, "--resume", checkpoint.checkpoint_path(reference_run, 9)])
+    assert "stopped by a signal on another rank after 9 steps" in p.stdout
+    assert [os.path.basename(c) for c in checkpoint.list_checkpoints(moved)] == ["ckpt_000009.pt"]
+
+
+def test_a_resume_whose_stored_evaluation_file_is_gone_skips_that_evaluation(data_dir, tmp_path):
+    """A run started with --hellaswag-file, resumed where that file is not (a copied run, another
+    machine): the resume goes on, HellaSwag says it is skipped; a file named on the command line
+    that does not exist is still refused (the bad-input table)."""
+    hs = tmp_path / "hs.jsonl"
+    hs.write_text(json.dumps({"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}) + "\n")
+    log_dir = str(tmp_path / "log")
+    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2, eval_every=0, hellaswag_every=1,
+             hellaswag_file=str(hs)))
+    hs.unlink()
+    p = run(["--log-dir", log_dir, "--resume", "--max-steps", "3"])
+    assert f"hellaswag: skipped for this run (HellaSwag file {hs} does not exist)" in p.stdout, p.stdout
+    assert [r["step"] for r in records(log_dir, "train")] == [0, 1, 2]
 
 
 def test_a_run_that_failed_before_its_first_step_does_not_block_the_retry(data_dir, tmp_path):
@@ -340,8 +372,9 @@ def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, t
     assert f"continue with: {command}" in p.stdout
     import plot
     assert f"  resume      {command} (continues at step 6" in plot.format_summary(plot.summarize(log_dir))
-    assert checkpoint.resume_command("my log", 16, 8) == ("torchrun --nnodes=2 --nproc_per_node=8 --rdzv-endpoint="
-                                                          "HOST:PORT train_gpt2.py --log-dir 'my log' --resume")
+    assert checkpoint.resume_command("my log", 16, 8) == ("torchrun --nnodes=2 --node_rank=N --nproc_per_node=8 "
+                                                          "--rdzv-endpoint=HOST:PORT train_gpt2.py --log-dir 'my log' "
+                                                          "--resume")
 
 
 def test_resume_skips_a_corrupt_newest_checkpoint(data_dir, reference_run, tmp_path):
@@ -375,10 +408,11 @@ def test_sigusr1_is_a_stop_request_as_sigterm_is():
     handlers = {sig: signal.getsignal(sig) for sig in common.STOP_SIGNALS}
     try:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        os.kill(os.getpid(), signal.SIGUSR1)  # before the flag: ignored
+        os.kill(os.getpid(), signal.SIGUSR1)  # before the flag: ignored, and this process lives on
         stop = common.StopFlag()
-        assert stop.signal is None
         os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.signal == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGTERM)  # a later request: the first is the one reported
         assert stop.signal == "SIGUSR1"
     finally:
         for sig, handler in handlers.items():
