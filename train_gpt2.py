@@ -64,7 +64,9 @@ def train(args):
     ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
     log = RunLog(cfg.log_dir, ranks.is_master)
     try:
-        return loop(setup(cfg, ranks, log, resume))
+        run = setup(cfg, ranks, log, resume)
+        del resume  # the checkpoint it read is back in the model and optimizer: free its host memory
+        return loop(run)
     finally:
         log.close()
         parallel.teardown_distributed()
