@@ -290,12 +290,11 @@ def agree_on_resume(ckpt, ranks):
 # The final model, exported for other tools: LOG_DIR/hf
 
 
-def export_pending(cfg, final_checkpoint):
-    """Whether a run at its last step still owes its Hugging Face export (one cut short by a full
-    disk, say): on, and LOG_DIR/hf has no weights written after the final checkpoint."""
-    weights = os.path.join(cfg.log_dir, "hf", "model.safetensors")
-    return cfg.export_hf and not (os.path.isfile(weights) and
-                                  os.path.getmtime(weights) >= os.path.getmtime(final_checkpoint))
+def export_pending(log_dir, final_checkpoint):
+    """Whether a run at its last step still owes the export it was to write (one cut short by a full
+    disk, say): LOG_DIR/hf has no weights written after the final checkpoint."""
+    weights = os.path.join(log_dir, "hf", "model.safetensors")
+    return not (os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(final_checkpoint))
 
 
 def export_final(model, log_dir, last_checkpoint, resume_command):

@@ -57,7 +57,8 @@ def train(args):
     train_config.FIXED_ON_RESUME): before the process group forms, since its device and timeout are
     among them."""
     cfg, resume = train_config.resolve(args)
-    if resume is not None and resume.step == cfg.max_steps and not checkpoint.export_pending(cfg, resume.path):
+    owes_export = resume is not None and cfg.export_hf and checkpoint.export_pending(cfg.log_dir, resume.path)
+    if resume is not None and resume.step == cfg.max_steps and not owes_export:
         common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "
                       "pass a larger --max-steps to train on")
         return 0  # nothing to do, and nothing written
