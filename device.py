@@ -118,15 +118,33 @@ def check_kernels(device):
                         f"{' '.join(arch_list)}. Install a build that has: {reinstall(capability)}")
 
 
+def unusable_gpu():
+    """Why the GPU nvidia-smi lists cannot be used by this PyTorch, with the fix, as one line; None
+    where nvidia-smi lists none. Asked only when CUDA is unavailable."""
+    gpu = listed_gpu()
+    if gpu is None:
+        return None
+    name, capability = gpu
+    why = ("a CPU-only build" if torch.version.cuda is None else
+           f"its CUDA {torch.version.cuda} needs a newer driver, or CUDA_VISIBLE_DEVICES hides the GPU")
+    fix = f"install a build that can: {reinstall(capability)}" if wheel_index(capability) else "use another GPU"
+    return (f"nvidia-smi lists a GPU, the {name}, but PyTorch {torch.__version__} cannot use it ({why}): {fix}; "
+            "or pass --device cpu to run on the CPU")
+
+
 def pick_device(requested="auto"):
-    """'auto' prefers CUDA, then Apple MPS, then CPU. Anything else is checked and returned. A
-    CUDA device is checked against the kernels this PyTorch was built with (check_kernels)."""
+    """'auto' prefers CUDA, then Apple MPS, then CPU, but refuses the CPU where nvidia-smi lists a
+    GPU this PyTorch cannot use. Anything else is checked and returned. A CUDA device is checked
+    against the kernels this PyTorch was built with (check_kernels)."""
     if requested in (None, "auto"):
         if torch.cuda.is_available():
             check_kernels("cuda")
             return "cuda"
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return "mps"
+        unusable = unusable_gpu()
+        if unusable:
+            raise UserError(unusable)
         return "cpu"
     kind = requested.split(":")[0]
     if kind not in ("cpu", "cuda", "mps"):
@@ -275,7 +293,10 @@ PEAK_FLOPS = [
     (("V100", "PCIE"), None, 112e12),
     (("V100",), None, 125e12),     # SXM2
     (("T4",), None, 65e12),
-    (("P100",), None, 18.7e12),    # no tensor cores: fp16 at twice the fp32 rate
+    # no tensor cores, and PyTorch's fp16 matmuls accumulate in fp32 (CUBLAS_COMPUTE_32F), which a
+    # P100 runs at its fp32 rate, not at its fp16 rate of twice that
+    (("P100", "PCIE"), None, 9.3e12),
+    (("P100",), None, 10.6e12),    # SXM2
 ]
 
 
@@ -304,13 +325,6 @@ def slow_settings(device, dtype, compile_on, deterministic, micro_batch_tokens):
     warn = []
     if kind == "cpu" and torch.cuda.is_available():
         warn.append("training on the CPU although a CUDA GPU is present: drop --device cpu")
-    elif kind == "cpu" and (gpu := listed_gpu()):
-        name, capability = gpu
-        why = ("a CPU-only build" if torch.version.cuda is None else
-               f"its CUDA {torch.version.cuda} needs a newer driver, or CUDA_VISIBLE_DEVICES hides the GPU")
-        todo = f": {reinstall(capability)}" if wheel_index(capability) else ""
-        warn.append(f"training on the CPU although nvidia-smi lists a GPU, the {name}: this PyTorch "
-                    f"{torch.__version__} cannot use it ({why}){todo}")
     if deterministic:
         warn.append("--deterministic is on: slower kernels; use it for reproducibility studies only")
     if kind == "cuda":

@@ -23,7 +23,9 @@ REAL_GPUS = [
     ("NVIDIA GeForce RTX 4090", 165e12, 165e12), ("NVIDIA GeForce RTX 3090", 71e12, 71e12),
     ("NVIDIA RTX A6000", 155e12, 155e12), ("Tesla V100-SXM2-16GB", None, 125e12),
     ("Tesla V100-SXM2-32GB", None, 125e12), ("Tesla V100-PCIE-16GB", None, 112e12),
-    ("Tesla V100S-PCIE-32GB", None, 130e12), ("Tesla T4", None, 65e12), ("Tesla P100-PCIE-16GB", None, 18.7e12),
+    ("Tesla V100S-PCIE-32GB", None, 130e12), ("Tesla T4", None, 65e12),
+    # fp32 rates: fp16 matmuls accumulate in fp32
+    ("Tesla P100-PCIE-16GB", None, 9.3e12), ("Tesla P100-SXM2-16GB", None, 10.6e12),
     # no row of their own, and no other GPU's row either (an A1000 is not an A100, an L4000 not an L4)
     ("NVIDIA RTX A1000", None, None), ("NVIDIA RTX A2000 12GB", None, None), ("NVIDIA RTX 4000 Ada Generation", None, None),
     ("Quadro RTX 6000", None, None), ("NVIDIA GeForce GTX 1080 Ti", None, None),
@@ -142,18 +144,24 @@ def test_a_gpu_without_kernels_in_this_pytorch_stops_with_the_wheels_to_install(
                                 f"'torch>=2.9' --index-url https://download.pytorch.org/whl/{index}")
 
 
-def test_a_gpu_pytorch_cannot_use_is_a_warning(monkeypatch, fake_nvidia_smi):
+def test_auto_refuses_the_cpu_when_nvidia_smi_lists_a_gpu_pytorch_cannot_use(monkeypatch, fake_nvidia_smi,
+                                                                            data_dir, tmp_path):
     """nvidia-smi lists a GPU, CUDA is unavailable (a CPU build here; elsewhere a driver older than
-    the build's CUDA): training on the CPU says so, with the wheels that fit the GPU."""
+    the build's CUDA): --device auto stops with the wheels that fit the GPU, rather than train for
+    days on the CPU; --device cpu still trains there."""
+    from runs import run, tiny
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not any("nvidia-smi" in w for w in device.slow_settings("cpu", "float32", False, False, 2 ** 16))
+    assert device.pick_device("auto") == "cpu"  # no nvidia-smi: the CPU is all there is
     fake_nvidia_smi([("Tesla P100-PCIE-16GB", "6.0"), ("Tesla P100-PCIE-16GB", "6.0")])
     assert device.listed_gpu() == ("Tesla P100-PCIE-16GB", (6, 0))
     monkeypatch.setattr(torch.version, "cuda", None)
-    warned = [w for w in device.slow_settings("cpu", "float32", False, False, 2 ** 16) if "nvidia-smi" in w]
-    assert warned == [f"training on the CPU although nvidia-smi lists a GPU, the Tesla P100-PCIE-16GB: this PyTorch "
-                      f"{torch.__version__} cannot use it (a CPU-only build): pip uninstall -y torch && pip install "
-                      f"'torch>=2.9' --index-url https://download.pytorch.org/whl/cu126"]
+    p = run(tiny(data_dir=data_dir, log_dir=str(tmp_path / "auto"), device="auto", max_steps=2), check=False)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        f"error: nvidia-smi lists a GPU, the Tesla P100-PCIE-16GB, but PyTorch {torch.__version__} cannot use it "
+        "(a CPU-only build): install a build that can: pip uninstall -y torch && pip install 'torch>=2.9' "
+        "--index-url https://download.pytorch.org/whl/cu126; or pass --device cpu to run on the CPU")
+    assert not (tmp_path / "auto").exists()
+    run(tiny(data_dir=data_dir, log_dir=str(tmp_path / "cpu"), device="cpu", max_steps=2))
 
 
 def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
