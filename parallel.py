@@ -127,7 +127,7 @@ def any_rank(flag, ranks):
     """True on every rank when flag is true on any rank (a collective in a multi-process run)."""
     if not ranks.multi:
         return bool(flag)
-    t = torch.tensor([float(flag)], device=ranks.device)
+    t = torch.full((1,), float(flag), device=ranks.device)  # made on the device: no host-to-device copy
     tdist.all_reduce(t)
     return t.item() > 0
 

@@ -14,6 +14,7 @@ train_config.py), setup (everything the loop needs, on a Run), the loop, one opt
 """
 
 import functools
+import itertools
 import math
 import os
 import random
@@ -476,7 +477,8 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     # the gradients are already all-reduced, so every rank computes the same global norm
     norm = parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
     asked = stop is not None and stop.signal is not None
-    stats = torch.stack([loss_accum, norm.float(), torch.tensor(float(asked), device=ranks.device)])
+    # the flag is made on the device: a tensor of host data would be a pageable copy, a second sync
+    stats = torch.stack([loss_accum, norm.float(), torch.full((), float(asked), device=ranks.device)])
     if ranks.multi:
         stats /= ranks.world_size
         torch.distributed.all_reduce(stats)  # mean loss, the same norm, and > 0 if any rank was signalled
@@ -547,7 +549,7 @@ def evaluate(run, step, stop):
     cfg, ranks, log = run.cfg, run.ranks, run.log
     last_step = step == cfg.max_steps - 1
     due = lambda every: every and (step % every == 0 or last_step)  # noqa: E731
-    should_stop = lambda: parallel.any_rank(stop.signal is not None, ranks)  # noqa: E731
+    should_stop = stop_check(stop, ranks)
     evaluated = False
     if run.val_loader is not None and due(cfg.eval_every):
         val_loss = validation_loss(run.eval_model, run.val_loader, run.val_sequences, ranks, run.dtype,
@@ -562,7 +564,7 @@ def evaluate(run, step, stop):
             continue
         with parallel.uncompiled(run.raw_model):
             result = hook(run.raw_model, run.dtype, should_stop)
-        if result is None and should_stop():
+        if result is None and parallel.any_rank(stop.signal is not None, ranks):
             return False
         if result is not None:
             evaluated = True
@@ -574,6 +576,17 @@ def evaluate(run, step, stop):
     if evaluated and ranks.is_master:
         run.plotter.kick()
     return True
+
+
+STOP_CHECK_EVERY = 8  # evaluation batches between two questions to the ranks about a stop request
+
+
+def stop_check(stop, ranks):
+    """What evaluation calls before each batch: whether any rank was asked to stop, asked of the
+    ranks before the first batch and every STOP_CHECK_EVERY batches after (each question is a
+    collective and a host-device sync; every rank calls it as often, so all ask at the same calls)."""
+    calls = itertools.count()
+    return lambda: next(calls) % STOP_CHECK_EVERY == 0 and parallel.any_rank(stop.signal is not None, ranks)
 
 
 @torch.no_grad()
@@ -591,10 +604,8 @@ def validation_loss(model, loader, sequences, ranks, dtype, should_stop):
             return None
         n = min(loader.B, sequences - done)
         x_val, y_val = loader.next_batch(n)
-        if n < loader.B:
-            pad = loader.B - n
-            x_val = torch.cat([x_val, x_val.new_zeros(pad, x_val.size(1))])
-            y_val = torch.cat([y_val, y_val.new_full((pad, y_val.size(1)), -1)])
+        if n < loader.B:  # in the loader's layout (rows of T+1 tokens), so its strides are the full batches'
+            x_val, y_val = padded(x_val, y_val, loader.B)
         with device.autocast(ranks.device, dtype):
             _, loss_val = model(x_val, y_val)
         total += loss_val.float() * n  # the batch's mean, weighted by its real sequences
@@ -602,6 +613,16 @@ def validation_loss(model, loader, sequences, ranks, dtype, should_stop):
         torch.distributed.all_reduce(total)  # SUM: gloo has no AVG
     model.train()
     return total.item() / (sequences * ranks.world_size)
+
+
+def padded(x, y, size):
+    """x and y (n, T) with rows added up to `size` (inputs 0, targets -1, which the loss ignores), as
+    views of (size, T+1) tensors as the loader's batches are: a compiled model sees the same strides
+    and storage offsets, and compiles no graph for them."""
+    xs, ys = x.new_zeros(size, x.size(1) + 1), y.new_full((size, y.size(1) + 1), -1)
+    xs[:len(x), :-1] = x
+    ys[:len(y), 1:] = y
+    return xs[:, :-1], ys[:, 1:]
 
 
 def log_samples(run, step, stop):

@@ -556,3 +556,63 @@ def test_validation_covers_the_val_split_at_most_once(data_dir, tmp_path):
     whole = dataloader.TokenLoader(data_dir, "val", 2, 32).num_sequences * 32  # every sequence of the split once
     assert f"val: {whole:,} tokens (the whole split)" in p.stdout
     assert len(records(str(tmp_path / "log"), "val")) == 1
+
+
+def test_a_padded_validation_batch_compiles_no_graph_of_its_own(data_dir):
+    """Validation's last batch, filled up to the micro-batch, has the loader batches' shape and
+    strides: a compiled model compiles one graph for training and one for evaluation, however the
+    two interleave (Dynamo would compile again for new strides, then mark them dynamic)."""
+    import dataloader
+    import parallel
+    import train_gpt2
+    from model import GPT, GPTConfig
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32))
+    compiled = torch.compile(model, backend=counting_backend)
+    train = dataloader.TokenLoader(data_dir, "train", batch_size=2, seq_len=32)
+    val = dataloader.TokenLoader(data_dir, "val", batch_size=2, seq_len=32)
+    ranks, no_stop = parallel.Ranks(), lambda: False
+    for _ in range(2):
+        compiled.train()
+        compiled(*train.next_batch())[1].backward()
+        loss = train_gpt2.validation_loss(compiled, val, 3, ranks, "float32", no_stop)  # batches of 2, then 1 + 1
+        assert math.isfinite(loss)
+    assert len(graphs) == 2
+    torch._dynamo.reset()
+
+
+def test_validation_asks_the_ranks_about_a_stop_every_few_batches(data_dir, monkeypatch):
+    """Each question about a stop request is a collective and a host-device sync: a validation of
+    ten batches on each of two ranks asks before its first batch and every STOP_CHECK_EVERY batches,
+    and a request that came before it still stops it at once."""
+    import types
+    import torch.distributed as tdist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import dataloader
+    import parallel
+    import train_gpt2
+    from model import GPT, GPTConfig
+    tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        collectives = []
+        real = tdist.all_reduce
+        monkeypatch.setattr(tdist, "all_reduce", lambda t, *a, **k: collectives.append(t.numel()) or real(t, *a, **k))
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32))
+        val = dataloader.TokenLoader(data_dir, "val", batch_size=2, seq_len=32, rank=0, world_size=2)
+        ranks, stop = parallel.Ranks(rank=0, world_size=2), types.SimpleNamespace(signal=None)
+        loss = train_gpt2.validation_loss(model, val, 20, ranks, "float32", train_gpt2.stop_check(stop, ranks))
+        assert math.isfinite(loss)
+        asks = -(-10 // train_gpt2.STOP_CHECK_EVERY)
+        assert train_gpt2.STOP_CHECK_EVERY > 1 and len(collectives) == asks + 1  # + the loss's own sum
+        stop.signal = "SIGTERM"
+        assert train_gpt2.validation_loss(model, val, 20, ranks, "float32", train_gpt2.stop_check(stop, ranks)) is None
+    finally:
+        tdist.destroy_process_group()
