@@ -46,8 +46,8 @@ def unlisted_shards(data_dir, split, fix):
 
 
 def find_shards(data_dir, split, vocab_size):
-    """Paths of a split's shards, in order, checked against the manifest when there is one.
-    Shards without a manifest (e.g. build-nanogpt's edufineweb_train_000001.npy) load too."""
+    """Paths of a split's shards, in order, their memory maps, and the manifest (None without one),
+    checked against it. Shards without a manifest (build-nanogpt's edufineweb_train_000001.npy) load too."""
     fix = remedy(data_dir, None)
     if not os.path.isdir(data_dir):
         what = "is a file, not a directory" if os.path.exists(data_dir) else "does not exist"
@@ -76,7 +76,7 @@ def find_shards(data_dir, split, vocab_size):
         for path, s, arr in zip(paths, entries, shards):
             if len(arr) != s["tokens"]:
                 raise UserError(f"shard {path} has {len(arr):,} tokens, its manifest says {s['tokens']:,}: {fix}")
-    return paths, shards
+    return paths, shards, manifest
 
 
 def open_shard(path, fix):
@@ -89,7 +89,7 @@ def open_shard(path, fix):
         raise UserError(f"shard {path} is not a .npy file (it begins {head!r}, not numpy's {NPY_MAGIC!r}): {fix}")
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:  # a short file fails the memory map or the header's parser
+    except Exception as e:  # a short file fails the memory map, a damaged header numpy's parser (many kinds)
         raise UserError(f"shard {path} is truncated or its header is damaged ({first_line(e)}): {fix}")
     if arr.dtype != TOKEN_DTYPE or arr.ndim != 1:
         raise UserError(f"shard {path} holds a {arr.dtype} array of shape {arr.shape}, expected 1-D uint16 "
@@ -131,7 +131,7 @@ class TokenLoader:
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.vocab_size, self.shuffle_seed = vocab_size, shuffle_seed
         self.device = torch.device(device)
-        self.paths, self.shards = find_shards(data_dir, split, vocab_size)
+        self.paths, self.shards, self.manifest = find_shards(data_dir, split, vocab_size)
         self.sizes = [len(s) for s in self.shards]
         self.num_tokens = sum(self.sizes)
         self.tokens_per_batch = batch_size * seq_len
@@ -204,9 +204,11 @@ class TokenLoader:
             r += run
         top = int(rows.max())
         if top >= self.vocab_size:
+            why = ("the shards were made with another tokenizer; re-create them with python fineweb.py"
+                   if self.manifest is None else  # whose token ids it checked: the shard changed since
+                   f"its manifest lists none so large, so a shard is damaged; {remedy(self.data_dir, self.manifest)}")
             raise UserError(f"token id {top} in the {self.split} data of {self.data_dir} is >= the model's "
-                            f"vocab_size {self.vocab_size}: the shards were made with another tokenizer; "
-                            "re-create them with python fineweb.py")
+                            f"vocab_size {self.vocab_size}: {why}")
         return buf
 
     # -- batches --------------------------------------------------------------------------------

@@ -313,6 +313,10 @@ def test_corrupted_shard_header(tmp_path, capsys):
         f.write(b"\x93NUMPY\xff\xff")  # the magic string, then a version numpy does not know
     err = fails(capsys, d, "train", 2, 3)
     assert f"shard {path} is truncated or its header is damaged" in err
+    with open(path, "r+b") as f:
+        f.write(b"\x93NUMPY\x01\x00\x27")  # a header length that ends it mid-dict (numpy's parser: TokenError)
+    err = fails(capsys, d, "train", 2, 3)
+    assert f"shard {path} is truncated or its header is damaged" in err
 
 
 def test_text_file_as_a_shard(tmp_path, capsys):
@@ -376,6 +380,15 @@ def test_token_ids_beyond_vocabulary(tmp_path):
     d = make_shards(tmp_path / "m", manifest=True)  # with a manifest: at once
     with pytest.raises(UserError, match="holds token id 1[0-9][0-9].*vocabulary has 100"):
         TokenLoader(d, "train", 2, 3, vocab_size=100)
+    # a shard whose manifest vouched for its ids, changed since: damaged, not another tokenizer's
+    ld = TokenLoader(d, "train", 2, 3)
+    arr = np.load(os.path.join(d, "edufineweb_train_000001.npy"), mmap_mode="r+")
+    arr[0] = 65535
+    arr.flush()
+    with pytest.raises(UserError, match=r"^token id 65535 in the train data of .* is >= the model's vocab_size 50257: "
+                                        r"its manifest lists none so large, so a shard is damaged; re-run the command "
+                                        r"that made it"):
+        ld.next_batch()
 
 
 def test_split_shorter_than_one_batch(tmp_path):
