@@ -80,6 +80,8 @@ def parse_item(line, where):
         problem = "'endings' is not a list of strings"
     elif len(endings) != N_ENDINGS:
         problem = f"{len(endings)} endings, not {N_ENDINGS}"
+    elif not any(e.strip() for e in endings):
+        problem = "every ending is empty: nothing to score"
     elif "label" not in d:
         problem = "no 'label'"
     elif isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < N_ENDINGS:

@@ -300,6 +300,7 @@ def test_load_items(files):
     (json.dumps({"ctx": "a", "endings": ["w", "x", "y", "z"], "label": -1}), "label -1 is not 0-3"),
     (json.dumps({"ctx": "a", "endings": ["w", "x", "y", "z"], "label": "b"}), "label 'b' is not 0-3"),
     (json.dumps({"ctx": "a", "endings": ["w", "x", "y", "z"], "label": True}), "label True is not 0-3"),
+    (json.dumps({"ctx": "a", "endings": ["", " ", "", ""], "label": 2}), "every ending is empty: nothing to score"),
 ])
 def test_malformed_line_names_the_file_and_line(tmp_path, line, problem):
     path = tmp_path / "bad.jsonl"
