@@ -508,6 +508,78 @@ def test_hellaswag_file_is_read_at_start_as_far_as_the_limit(tmp_path):
     assert not os.path.exists(log_dir)
 
 
+class FixedBatches:
+    """The loader's part that train_step uses, handing out the given (x, y) micro-batches in order."""
+
+    def __init__(self, batches):
+        self.batches = iter(batches)
+
+    def next_batch(self, timer=None):
+        return next(self.batches)
+
+
+def cosine_lr(step, peak, warmup=2, max_steps=5, floor=0.1):
+    """Linear warm-up to peak, then cosine down to floor * peak at max_steps, as GPT-3's appendix B."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * floor + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (max_steps - warmup))) * peak * (1 - floor)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_scheduled_rates(optimizer, one_thread):
+    """Two optimizer steps of train_step (2 accumulation steps each) against torch's pieces by hand:
+    the gradient of the whole batch's mean loss, clip_grad_norm_, then torch.optim.AdamW with weight
+    decay on its 2-D weights only and, with Muon, torch.optim.Muon on the blocks' matrices, each at
+    the cosine schedule of its own peak. Both sides make the same float32 operations in the same
+    order on one thread, so they agree to the last bit on any machine; the tolerance is a margin."""
+    import copy
+    import optim
+    import parallel
+    import train_gpt2
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    ref = copy.deepcopy(model)
+    peak, muon_peak, decay, clip = 1e-2, 5e-2, 0.1, 0.05
+    muon = muon_peak if optimizer == "muon" else None
+    opt = optim.configure(model, decay, peak, muon_lr=muon)
+    params = dict(ref.named_parameters())
+    matrices = [p for n, p in params.items() if muon and n.startswith("transformer.h.") and p.dim() == 2]
+    rest = [p for p in params.values() if not any(p is m for m in matrices)]
+    ref_opts = [torch.optim.AdamW([{"params": [p for p in rest if p.dim() == 2], "weight_decay": decay},
+                                   {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                                  betas=(0.9, 0.95), eps=1e-8)]
+    peaks = [peak]
+    if muon:
+        ref_opts.append(torch.optim.Muon(matrices, momentum=0.95, nesterov=True, weight_decay=0.0))
+        peaks.append(muon_peak)
+    schedule = train_gpt2.Schedule(warmup_steps=2, max_steps=5, min_lr_ratio=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for step in (0, 3):  # in the warm-up, then on the cosine
+        micro = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(2)]
+        train_gpt2.set_lrs(opt, schedule, step, peak, muon)
+        loss, norm, _, finite = train_gpt2.train_step(model, opt, scaler, FixedBatches(micro), 2, parallel.Ranks(),
+                                                      "float32", grad_clip=clip)
+
+        whole_loss = ref(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))[1]
+        whole_norm = torch.linalg.vector_norm(torch.stack(
+            [g.norm() for g in torch.autograd.grad(whole_loss, list(params.values()))]))
+        for x, y in micro:
+            (ref(x, y)[1] / 2).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        assert ref_norm > 2 * clip  # the clip changes the step
+        for o, p in zip(ref_opts, peaks):
+            for group in o.param_groups:
+                group["lr"] = cosine_lr(step, p)
+            o.step()
+            o.zero_grad()
+
+        assert finite and loss == pytest.approx(whole_loss.item(), rel=1e-5)
+        assert norm == pytest.approx(whole_norm.item(), rel=1e-5)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p, params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {n}: {m}")
+
+
 def test_lr_schedule():
     import train_gpt2
     args = train_config.parse_args([])
