@@ -359,6 +359,24 @@ def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, caps
             assert line.endswith("skipped (float16 gradient overflow: the loss scale is lowered)"), line
 
 
+def test_float16_resumes_with_the_loss_scale_of_its_checkpoint(data_dir, tmp_path, monkeypatch, train_in_process):
+    """A resumed fp16 run trains on with the gradient scaler's scale and growth count that its
+    checkpoint saved, not a fresh scaler's. fp16 is faked on the CPU as above."""
+    import device
+    import train_gpt2
+    monkeypatch.setattr(device, "pick_dtype", lambda requested, dev: "float16")
+    log_dir = str(tmp_path / "log")
+    assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=3, eval_every=0)) == 0
+    saved = checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))["scaler"]
+    assert saved != torch.amp.GradScaler("cpu").state_dict()
+    first_step = []
+    real = train_gpt2.train_step
+    monkeypatch.setattr(train_gpt2, "train_step", lambda model, optimizer, scaler, *a, **kw: (
+        first_step.append(scaler.state_dict()), real(model, optimizer, scaler, *a, **kw))[1])
+    assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=4, eval_every=0, resume=True)) == 0
+    assert first_step[0] == saved
+
+
 def test_samples_from_an_empty_or_special_prompt_and_a_failure_that_does_not_end_the_run(
         data_dir, tmp_path, monkeypatch, capsys, train_in_process):
     """The trainer's samples start from the prompt as sample.py does: an empty one is <|endoftext|>
