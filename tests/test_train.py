@@ -23,16 +23,17 @@ HS_ITEMS = [{"ctx": f"The cat sees a red ball number {i}.", "endings": ["It runs
 
 @pytest.fixture(scope="module")
 def logged_run(data_dir, tmp_path_factory):
-    """One 30-step run with everything on: validation, HellaSwag and CORE every 15 steps, samples,
-    the export. The tests below read what it left: its log directory and what it printed."""
+    """One 30-step run with everything on: validation, HellaSwag (the first 3 of the file's 5 items) and
+    CORE (4 items a task) every 15 steps, samples, the export. The tests below read what it left: its
+    log directory and what it printed."""
     base = tmp_path_factory.mktemp("logged")
     hs_file = base / "hellaswag_val.jsonl"
     hs_file.write_text("".join(json.dumps(item) + "\n" for item in HS_ITEMS))
     bundle = write_bundle(base / "bundle")
     log_dir = str(base / "log")
     p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=30, max_lr="1e-2", export_hf=True, sample_every=15,
-                 num_samples=2, sample_tokens=8, hellaswag_every=15, hellaswag_file=str(hs_file), core_every=15,
-                 core_bundle=bundle, core_limit=4))
+                 num_samples=2, sample_tokens=8, hellaswag_every=15, hellaswag_file=str(hs_file), hellaswag_limit=3,
+                 core_every=15, core_bundle=bundle, core_limit=4))
     return dict(log_dir=log_dir, stdout=p.stdout.splitlines(), bundle=bundle)
 
 
@@ -66,29 +67,32 @@ def test_the_run_is_logged_one_greppable_line_per_step(logged_run):
     assert sum(1 for l in stdout if l.startswith("sample ")) == 4  # steps 15 and 29
 
 
-def test_hellaswag_in_the_loop_is_the_standalone_figure(logged_run):
-    """At steps 0, 15 and the last, announced before each one; the last equals hellaswag.py's on
-    the final weights."""
+def test_hellaswag_in_the_loop_is_the_standalone_figure_on_the_limits_items(logged_run):
+    """At steps 0, 15 and the last, announced before each one, over the first --hellaswag-limit
+    items; the last equals hellaswag.py's on the final weights."""
     import hellaswag
     log_dir, stdout = logged_run["log_dir"], logged_run["stdout"]
     hs = records(log_dir, "hellaswag")
-    assert [r["step"] for r in hs] == [0, 15, 29] and all(r["n"] == 5 for r in hs)
-    progress = [i for i, l in enumerate(stdout) if l == "hellaswag: scoring 5 items on 1 rank(s)..."]
+    assert [(r["step"], r["n"]) for r in hs] == [(0, 3), (15, 3), (29, 3)]
+    progress = [i for i, l in enumerate(stdout) if l == "hellaswag: scoring 3 items on 1 rank(s)..."]
     results = [i for i, l in enumerate(stdout) if "| hellaswag acc_norm" in l]
     assert len(progress) == 3 and all(a < b for a, b in zip(progress, results))  # said before each one
-    assert all(0 <= r["acc_norm"] <= 1 and r["acc"] * 5 == round(r["acc"] * 5) for r in hs)
+    assert all(0 <= r["acc_norm"] <= 1 and r["acc"] * 3 == round(r["acc"] * 3) for r in hs)
     final, _ = checkpoint.load_model(log_dir)
-    assert hs[-1]["acc_norm"] == hellaswag.evaluate(final, HS_ITEMS, "cpu")["acc_norm"]
+    assert hs[-1]["acc_norm"] == hellaswag.evaluate(final, HS_ITEMS[:3], "cpu")["acc_norm"]
 
 
 def test_core_in_the_loop_is_the_standalone_figure_and_in_the_summary(logged_run):
-    """In the log, metrics.jsonl (each task's centred accuracy) and the plot's summary; the last
-    equals core.py's on the final weights."""
+    """In the log, metrics.jsonl (each task's centred accuracy) and the plot's summary, over
+    --core-limit items a task; the last equals core.py's on the final weights."""
     import core
     import plot
     log_dir, stdout = logged_run["log_dir"], logged_run["stdout"]
     cores = records(log_dir, "core")
     assert [r["step"] for r in cores] == [0, 15, 29] and all(len(r["centered"]) == len(TASKS) for r in cores)
+    scored = sum(min(4, items) for *_, items in TASKS)
+    assert scored < sum(items for *_, items in TASKS)
+    assert stdout.count(f"core: scoring {scored} items on 1 rank(s)...") == 3
     assert sum(1 for l in stdout if "| core " in l and f"over {len(TASKS)} tasks" in l) == 3
     final, _ = checkpoint.load_model(log_dir)
     standalone = core.evaluate(final, core.load_tasks(logged_run["bundle"], None, 4), "cpu")
