@@ -602,6 +602,25 @@ def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_sch
             torch.testing.assert_close(p, params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {n}: {m}")
 
 
+def test_the_loop_steps_with_each_optimizers_scheduled_rate_and_the_grad_clip(data_dir, tmp_path, monkeypatch,
+                                                                            train_in_process):
+    """What the loop hands train_step: Muon's group at the schedule of --muon-lr, AdamW's two at that
+    of --max-lr, and --grad-clip."""
+    import train_gpt2
+    seen = []
+    real = train_gpt2.train_step
+
+    def step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip, *rest):
+        seen.append(([(type(o).__name__, g["lr"]) for o in optimizer.optimizers for g in o.param_groups], grad_clip))
+        return real(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip, *rest)
+    monkeypatch.setattr(train_gpt2, "train_step", step)
+    assert train_in_process(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log"), max_steps=4, warmup_steps=2,
+                                 optimizer="muon", muon_lr=0.05, max_lr=0.01, min_lr_ratio=0.1, grad_clip=0.5,
+                                 eval_every=0)) == 0
+    assert seen == [([("Muon", pytest.approx(cosine_lr(s, 0.05, max_steps=4)))]
+                     + [("AdamW", pytest.approx(cosine_lr(s, 0.01, max_steps=4)))] * 2, 0.5) for s in range(4)]
+
+
 def test_lr_schedule():
     import train_gpt2
     args = train_config.parse_args([])
