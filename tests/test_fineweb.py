@@ -155,6 +155,26 @@ def test_shards_and_manifest(tmp_path):
         fineweb.main(["--out-dir", str(copy), "--verify"])
 
 
+@pytest.mark.parametrize("val_tokens", [1500, 10 ** 6])
+def test_a_corpus_of_many_read_tasks_is_one_stream_whose_first_tokens_are_validation(tmp_path, monkeypatch,
+                                                                                       val_tokens):
+    """The source is read in tasks of about TASK_BYTES of text: over many of them the shards hold
+    every document in order, and the val shard is the stream's first --val-tokens (or its first
+    tenth, for a corpus under ten times that), whichever tasks they came from."""
+    monkeypatch.setattr(fineweb_source, "TASK_BYTES", 64)
+    docs = big_docs(60, seed=5)
+    want = expected_stream(docs)
+    val = min(val_tokens, len(want) // 10)
+    assert len(want) >= 10 * 1500 and min(len(d.encode()) for d in docs) > 64  # a task per document
+    assert len(expected_stream(docs[:2])) < val  # and the val shard spans several
+    prepare(tmp_path, tmp_path / "out", "--data-files", write_jsonl(tmp_path / "d.jsonl", docs),
+            "--shard-size", "5000", "--val-tokens", str(val_tokens))
+    first = json.load(open(tmp_path / "out" / "manifest.json"))["shards"][0]
+    assert first["split"] == "val" and first["tokens"] == val
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / first["name"]), want[:val])
+    np.testing.assert_array_equal(stream_of(tmp_path / "out"), want)
+
+
 def test_prepares_without_importing_torch(tmp_path):
     """fineweb.py writes shards without importing torch (most of its start-up, and no part of
     tokenizing), and its manifest still records torch's version and CUDA, as torch gives them."""

@@ -14,8 +14,6 @@ import metrics
 import trackers
 from runs import ENV, FAULT_TRAINER, TRAIN, records, tiny, write_shards
 
-pytest.importorskip("wandb", reason="pip install wandb (README's test command installs it)")
-pytest.importorskip("tensorboard", reason="pip install tensorboard (README's test command installs it)")
 TRACKED = dict(ENV, WANDB_MODE="offline", WANDB_SILENT="true")
 
 
@@ -66,6 +64,8 @@ def tensorboard_scalars(log_dir, tag):
 
 
 def test_wandb_and_tensorboard_hold_the_records_across_a_kill_and_two_resumes(tmp_path):
+    pytest.importorskip("wandb", reason="pip install wandb (README's test command installs it)")
+    pytest.importorskip("tensorboard", reason="pip install tensorboard (README's test command installs it)")
     data_dir = write_shards(str(tmp_path / "data"))
     log_dir = str(tmp_path / "log")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=6, checkpoint_every=3, eval_every=2, sample_every=3,
@@ -110,6 +110,13 @@ def test_wandb_and_tensorboard_hold_the_records_across_a_kill_and_two_resumes(tm
     assert all(row["_step"] <= 3 for row in first)  # whatever of steps 0-3 reached the killed launch's file
 
 
+@pytest.fixture
+def no_tracker_packages(monkeypatch):
+    """Which steps go to W&B is Trackers' own logic: it needs neither package, so both are blocked."""
+    for name in ("wandb", "tensorboard", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 class FakeWandbRun:
     """The part of a wandb Run that Trackers uses: .step (the last step it holds), .log, .finish."""
 
@@ -124,7 +131,7 @@ class FakeWandbRun:
         self.finished = True
 
 
-def test_a_step_the_wandb_run_holds_already_is_not_sent_again(tmp_path):
+def test_a_step_the_wandb_run_holds_already_is_not_sent_again(tmp_path, no_tracker_packages):
     """Online, W&B continues a run at the server's last step: the replayed steps before it are not
     sent (W&B would refuse them with a warning each); from it on, every record is."""
     sender = trackers.Trackers(str(tmp_path))
@@ -137,7 +144,7 @@ def test_a_step_the_wandb_run_holds_already_is_not_sent_again(tmp_path):
     assert fake.finished
 
 
-def test_a_resumed_launch_replays_what_the_wandb_run_never_received(tmp_path):
+def test_a_resumed_launch_replays_what_the_wandb_run_never_received(tmp_path, no_tracker_packages):
     """Online, the W&B run holds steps up to its .step: a launch resuming at step 4 of a run whose
     W&B history ends at step 2 sends steps 2 and 3 from metrics.jsonl (evaluation before the step's
     training, as the trainer logs them), then its own."""
@@ -157,10 +164,29 @@ def test_a_resumed_launch_replays_what_the_wandb_run_never_received(tmp_path):
                            (4, ["train/loss"])]
 
 
+@pytest.mark.parametrize("reason, end_step", [("finished", 4), ("signal", 3)])
+def test_a_resume_replays_to_wandb_what_came_after_the_last_launch_that_ended(tmp_path, monkeypatch, reason, end_step,
+                                                                             no_tracker_packages):
+    """Offline the W&B run holds no step it can name (.step 0). A launch that ended (finished at its
+    max_steps 4, or stopped after step 3) finished its W&B run; the next one was killed after step 6
+    with a checkpoint at 6: the launch resuming there replays steps 4 and 5, then sends its own."""
+    train = [{"kind": "train", "step": s, "loss": 1.0, "tokens": 64, "tok_per_s": 1e3, "dt_ms": 1.0} for s in range(7)]
+    lines = ([{"kind": "run", "step": 0}] + train[:4] + [{"kind": "end", "step": end_step, "reason": reason}]
+             + [{"kind": "run", "step": 4}, {"kind": "val", "step": 4, "val_loss": 3.0, "tokens": 256}] + train[4:])
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    fake = FakeWandbRun(step=0)
+    monkeypatch.setattr(trackers, "start_wandb", lambda *a: fake)
+    sender = trackers.Trackers(str(tmp_path), "project", "name", "abcd1234", start_step=6)
+    sender.send("train", {"step": 6, "loss": 0.5})
+    sender.close()
+    train_fields = ["train/dt_ms", "train/loss", "train/tok_per_s", "train/tokens"]
+    assert fake.logged == [(4, ["val/tokens", "val/val_loss"]), (4, train_fields), (5, train_fields),
+                           (6, ["train/loss"])]
+
+
 def test_a_missing_package_is_one_line(monkeypatch):
     import importlib.util
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "tensorboard" else None)
     with pytest.raises(trackers.UserError, match=r"^--wandb needs the wandb package, which is not installed: "
                                                 r"pip install wandb$"):
         trackers.check_tracker_installed("wandb")

@@ -23,16 +23,17 @@ HS_ITEMS = [{"ctx": f"The cat sees a red ball number {i}.", "endings": ["It runs
 
 @pytest.fixture(scope="module")
 def logged_run(data_dir, tmp_path_factory):
-    """One 30-step run with everything on: validation, HellaSwag and CORE every 15 steps, samples,
-    the export. The tests below read what it left: its log directory and what it printed."""
+    """One 30-step run with everything on: validation, HellaSwag (the first 3 of the file's 5 items) and
+    CORE (4 items a task) every 15 steps, samples, the export. The tests below read what it left: its
+    log directory and what it printed."""
     base = tmp_path_factory.mktemp("logged")
     hs_file = base / "hellaswag_val.jsonl"
     hs_file.write_text("".join(json.dumps(item) + "\n" for item in HS_ITEMS))
     bundle = write_bundle(base / "bundle")
     log_dir = str(base / "log")
     p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=30, max_lr="1e-2", export_hf=True, sample_every=15,
-                 num_samples=2, sample_tokens=8, hellaswag_every=15, hellaswag_file=str(hs_file), core_every=15,
-                 core_bundle=bundle, core_limit=4))
+                 num_samples=2, sample_tokens=8, hellaswag_every=15, hellaswag_file=str(hs_file), hellaswag_limit=3,
+                 core_every=15, core_bundle=bundle, core_limit=4))
     return dict(log_dir=log_dir, stdout=p.stdout.splitlines(), bundle=bundle)
 
 
@@ -66,29 +67,32 @@ def test_the_run_is_logged_one_greppable_line_per_step(logged_run):
     assert sum(1 for l in stdout if l.startswith("sample ")) == 4  # steps 15 and 29
 
 
-def test_hellaswag_in_the_loop_is_the_standalone_figure(logged_run):
-    """At steps 0, 15 and the last, announced before each one; the last equals hellaswag.py's on
-    the final weights."""
+def test_hellaswag_in_the_loop_is_the_standalone_figure_on_the_limits_items(logged_run):
+    """At steps 0, 15 and the last, announced before each one, over the first --hellaswag-limit
+    items; the last equals hellaswag.py's on the final weights."""
     import hellaswag
     log_dir, stdout = logged_run["log_dir"], logged_run["stdout"]
     hs = records(log_dir, "hellaswag")
-    assert [r["step"] for r in hs] == [0, 15, 29] and all(r["n"] == 5 for r in hs)
-    progress = [i for i, l in enumerate(stdout) if l == "hellaswag: scoring 5 items on 1 rank(s)..."]
+    assert [(r["step"], r["n"]) for r in hs] == [(0, 3), (15, 3), (29, 3)]
+    progress = [i for i, l in enumerate(stdout) if l == "hellaswag: scoring 3 items on 1 rank(s)..."]
     results = [i for i, l in enumerate(stdout) if "| hellaswag acc_norm" in l]
     assert len(progress) == 3 and all(a < b for a, b in zip(progress, results))  # said before each one
-    assert all(0 <= r["acc_norm"] <= 1 and r["acc"] * 5 == round(r["acc"] * 5) for r in hs)
+    assert all(0 <= r["acc_norm"] <= 1 and r["acc"] * 3 == round(r["acc"] * 3) for r in hs)
     final, _ = checkpoint.load_model(log_dir)
-    assert hs[-1]["acc_norm"] == hellaswag.evaluate(final, HS_ITEMS, "cpu")["acc_norm"]
+    assert hs[-1]["acc_norm"] == hellaswag.evaluate(final, HS_ITEMS[:3], "cpu")["acc_norm"]
 
 
 def test_core_in_the_loop_is_the_standalone_figure_and_in_the_summary(logged_run):
-    """In the log, metrics.jsonl (each task's centred accuracy) and the plot's summary; the last
-    equals core.py's on the final weights."""
+    """In the log, metrics.jsonl (each task's centred accuracy) and the plot's summary, over
+    --core-limit items a task; the last equals core.py's on the final weights."""
     import core
     import plot
     log_dir, stdout = logged_run["log_dir"], logged_run["stdout"]
     cores = records(log_dir, "core")
     assert [r["step"] for r in cores] == [0, 15, 29] and all(len(r["centered"]) == len(TASKS) for r in cores)
+    scored = sum(min(4, items) for *_, items in TASKS)
+    assert scored < sum(items for *_, items in TASKS)
+    assert stdout.count(f"core: scoring {scored} items on 1 rank(s)...") == 3
     assert sum(1 for l in stdout if "| core " in l and f"over {len(TASKS)} tasks" in l) == 3
     final, _ = checkpoint.load_model(log_dir)
     standalone = core.evaluate(final, core.load_tasks(logged_run["bundle"], None, 4), "cpu")
@@ -359,6 +363,24 @@ def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, caps
             assert line.endswith("skipped (float16 gradient overflow: the loss scale is lowered)"), line
 
 
+def test_float16_resumes_with_the_loss_scale_of_its_checkpoint(data_dir, tmp_path, monkeypatch, train_in_process):
+    """A resumed fp16 run trains on with the gradient scaler's scale and growth count that its
+    checkpoint saved, not a fresh scaler's. fp16 is faked on the CPU as above."""
+    import device
+    import train_gpt2
+    monkeypatch.setattr(device, "pick_dtype", lambda requested, dev: "float16")
+    log_dir = str(tmp_path / "log")
+    assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=3, eval_every=0)) == 0
+    saved = checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))["scaler"]
+    assert saved != torch.amp.GradScaler("cpu").state_dict()
+    first_step = []
+    real = train_gpt2.train_step
+    monkeypatch.setattr(train_gpt2, "train_step", lambda model, optimizer, scaler, *a, **kw: (
+        first_step.append(scaler.state_dict()), real(model, optimizer, scaler, *a, **kw))[1])
+    assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=4, eval_every=0, resume=True)) == 0
+    assert first_step[0] == saved
+
+
 def test_samples_from_an_empty_or_special_prompt_and_a_failure_that_does_not_end_the_run(
         data_dir, tmp_path, monkeypatch, capsys, train_in_process):
     """The trainer's samples start from the prompt as sample.py does: an empty one is <|endoftext|>
@@ -506,6 +528,97 @@ def test_hellaswag_file_is_read_at_start_as_far_as_the_limit(tmp_path):
     with pytest.raises(train_config.UserError, match="line 2: malformed HellaSwag line"):
         resolve(["--hellaswag-file", str(hs), "--log-dir", log_dir])
     assert not os.path.exists(log_dir)
+
+
+class FixedBatches:
+    """The loader's part that train_step uses, handing out the given (x, y) micro-batches in order."""
+
+    def __init__(self, batches):
+        self.batches = iter(batches)
+
+    def next_batch(self, timer=None):
+        return next(self.batches)
+
+
+def cosine_lr(step, peak, warmup=2, max_steps=5, floor=0.1):
+    """Linear warm-up to peak, then cosine down to floor * peak at max_steps, as GPT-3's appendix B."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * floor + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (max_steps - warmup))) * peak * (1 - floor)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_scheduled_rates(optimizer, one_thread):
+    """Two optimizer steps of train_step (2 accumulation steps each) against torch's pieces by hand:
+    the gradient of the whole batch's mean loss, clip_grad_norm_, then torch.optim.AdamW with weight
+    decay on its 2-D weights only and, with Muon, torch.optim.Muon on the blocks' matrices, each at
+    the cosine schedule of its own peak. Both sides make the same float32 operations in the same
+    order on one thread, so they agree to the last bit on any machine; the tolerance is a margin."""
+    import copy
+    import optim
+    import parallel
+    import train_gpt2
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    ref = copy.deepcopy(model)
+    peak, muon_peak, decay, clip = 1e-2, 5e-2, 0.1, 0.05
+    muon = muon_peak if optimizer == "muon" else None
+    opt = optim.configure(model, decay, peak, muon_lr=muon)
+    params = dict(ref.named_parameters())
+    matrices = [p for n, p in params.items() if muon and n.startswith("transformer.h.") and p.dim() == 2]
+    rest = [p for p in params.values() if not any(p is m for m in matrices)]
+    ref_opts = [torch.optim.AdamW([{"params": [p for p in rest if p.dim() == 2], "weight_decay": decay},
+                                   {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                                  betas=(0.9, 0.95), eps=1e-8)]
+    peaks = [peak]
+    if muon:
+        ref_opts.append(torch.optim.Muon(matrices, momentum=0.95, nesterov=True, weight_decay=0.0))
+        peaks.append(muon_peak)
+    schedule = train_gpt2.Schedule(warmup_steps=2, max_steps=5, min_lr_ratio=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for step in (0, 3):  # in the warm-up, then on the cosine
+        micro = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(2)]
+        train_gpt2.set_lrs(opt, schedule, step, peak, muon)
+        loss, norm, _, finite = train_gpt2.train_step(model, opt, scaler, FixedBatches(micro), 2, parallel.Ranks(),
+                                                      "float32", grad_clip=clip)
+
+        whole_loss = ref(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))[1]
+        whole_norm = torch.linalg.vector_norm(torch.stack(
+            [g.norm() for g in torch.autograd.grad(whole_loss, list(params.values()))]))
+        for x, y in micro:
+            (ref(x, y)[1] / 2).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        assert ref_norm > 2 * clip  # the clip changes the step
+        for o, p in zip(ref_opts, peaks):
+            for group in o.param_groups:
+                group["lr"] = cosine_lr(step, p)
+            o.step()
+            o.zero_grad()
+
+        assert finite and loss == pytest.approx(whole_loss.item(), rel=1e-5)
+        assert norm == pytest.approx(whole_norm.item(), rel=1e-5)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p, params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {n}: {m}")
+
+
+def test_the_loop_steps_with_each_optimizers_scheduled_rate_and_the_grad_clip(data_dir, tmp_path, monkeypatch,
+                                                                            train_in_process):
+    """What the loop hands train_step: Muon's group at the schedule of --muon-lr, AdamW's two at that
+    of --max-lr, and --grad-clip."""
+    import train_gpt2
+    seen = []
+    real = train_gpt2.train_step
+
+    def step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip, *rest):
+        seen.append(([(type(o).__name__, g["lr"]) for o in optimizer.optimizers for g in o.param_groups], grad_clip))
+        return real(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip, *rest)
+    monkeypatch.setattr(train_gpt2, "train_step", step)
+    assert train_in_process(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log"), max_steps=4, warmup_steps=2,
+                                 optimizer="muon", muon_lr=0.05, max_lr=0.01, min_lr_ratio=0.1, grad_clip=0.5,
+                                 eval_every=0)) == 0
+    assert seen == [([("Muon", pytest.approx(cosine_lr(s, 0.05, max_steps=4)))]
+                     + [("AdamW", pytest.approx(cosine_lr(s, 0.01, max_steps=4)))] * 2, 0.5) for s in range(4)]
 
 
 def test_lr_schedule():
