@@ -188,3 +188,11 @@ def test_muon_rung_times_the_trainers_muon_step(tmp_path):
     assert r["muon"]["optimizer_state"] > 0 and r["fp32"]["optimizer_state"] > 0
     muon, adamw = r["muon"]["weight_change"], r["fp32"]["weight_change"]
     assert muon > 0 and adamw > 0 and abs(muon - adamw) > 0.1 * max(muon, adamw), (muon, adamw)
+
+
+def test_a_cuda_loader_pins_its_batches_only_with_prefetch(tmp_path):
+    """The prefetch rung adds the thread and the pinned, asynchronous copy; the rungs before it copy
+    from pageable memory. (Pinning itself needs CUDA: here only the unpinned side can run.)"""
+    ladder.write_shards(str(tmp_path), 1000, seed=0)
+    loader = ladder.TokenLoader(str(tmp_path), "train", 2, 8, device="cuda", prefetch=False)
+    assert not loader._make(0, 2).is_pinned()
