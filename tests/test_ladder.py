@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import ladder  # noqa: E402
 import measure  # noqa: E402
+import memory  # noqa: E402
 from common import UserError  # noqa: E402
 
 # 16 tokens per step: the 50257-wide LM head is most of the cost on CPU
@@ -196,3 +198,12 @@ def test_a_cuda_loader_pins_its_batches_only_with_prefetch(tmp_path):
     ladder.write_shards(str(tmp_path), 1000, seed=0)
     loader = ladder.TokenLoader(str(tmp_path), "train", 2, 8, device="cuda", prefetch=False)
     assert not loader._make(0, 2).is_pinned()
+
+
+def test_the_auto_fit_counts_the_memory_this_process_may_take(monkeypatch):
+    """torch.cuda.set_per_process_memory_fraction(0.3), as device_check's probe sets it, leaves this
+    process 30% of the card: the micro-batch auto-fit must fit into that, not into the whole card.
+    (The CUDA calls are stood in for: a CPU has none.)"""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2 ** 30))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.3)
+    assert memory.CudaMemory("cuda:0").capacity() == int(0.3 * 80 * 2 ** 30)
