@@ -11,7 +11,8 @@ train_gpt2.py's learning-rate schedule, AdamW and clipping; so a speed-up the la
 a speed-up of training. Warm-up steps (compilation happens there) are left out; whole timed
 steps are measured with CUDA events (a synchronised perf_counter elsewhere), the median
 reported. Each rung runs in a fresh process, so compile caches and memory don't leak between
-rungs, and a crash or an out-of-memory fails that rung while the ladder goes on. The whole ladder
+rungs, and a crash or an out-of-memory fails that rung while the ladder goes on; a rung that
+compiles is skipped, with the reason, on a GPU that torch.compile cannot run on. The whole ladder
 runs --repeats times, the rungs taking turns, and each speed-up is the median of the pairs of
 neighbouring rungs measured in the same turn, with the range of the pairs: a speed-up whose range
 reaches 1.0x is marked as this machine's noise (bench/measure.py).
@@ -52,7 +53,8 @@ import torch  # noqa: E402
 import measure  # noqa: E402
 
 import common  # noqa: E402
-from device import autocast, device_name, muon_dtype, peak_flops, pick_device, pick_dtype  # noqa: E402
+from device import (autocast, compile_blocker, device_name, muon_dtype, peak_flops, pick_device,  # noqa: E402
+                    pick_dtype)
 from provenance import git_commit, versions  # noqa: E402
 from parallel import Ranks  # noqa: E402
 import optim  # noqa: E402
@@ -93,6 +95,7 @@ class Rung:
     default: bool = True  # part of the ladder unless --rungs names otherwise
     settings: dict = field(default_factory=dict)  # filled by plan_rungs
     overridden: dict = field(default_factory=dict)  # what --override set for this rung
+    skipped: str = None  # why it cannot run on this device (a rung that compiles where compile cannot)
 
 
 RUNGS = [
@@ -139,9 +142,10 @@ def parse_override(text):
     return rung, key, BOOLEANS[value.lower()]
 
 
-def plan_rungs(selected, compile_mode="default", overrides=()):
+def plan_rungs(selected, compile_mode="default", overrides=(), blocker=None):
     """The rungs to run, in ladder order, each a Rung with its cumulative settings, after
-    overrides: first those for every rung, then those naming the rung."""
+    overrides: first those for every rung, then those naming the rung. blocker: why torch.compile
+    cannot run on the device (device.compile_blocker), which skips the rungs that compile."""
     plan, settings = [], dict(BASELINE, compile_mode=compile_mode)
     for rung in RUNGS:
         settings = dict(settings, **rung.change)
@@ -150,8 +154,10 @@ def plan_rungs(selected, compile_mode="default", overrides=()):
         overridden = {}
         for scope in (None, rung.name):
             overridden.update({k: v for r, k, v in overrides if r == scope})
-        plan.append(Rung(rung.name, rung.change, rung.description, rung.default, dict(settings, **overridden),
-                         overridden))
+        final = dict(settings, **overridden)
+        plan.append(Rung(rung.name, rung.change, rung.description, rung.default, final, overridden,
+                         f"torch.compile: {blocker} (--override compile=false runs it without)"
+                         if blocker and final["compile"] else None))
     return plan
 
 
@@ -514,7 +520,7 @@ def format_table(doc):
 
 
 def run_ladder(args):
-    plan = plan_rungs(args.rung_list, args.compile_mode, args.overrides)
+    plan = plan_rungs(args.rung_list, args.compile_mode, args.overrides, compile_blocker(args.device))
     with torch.device("meta"):  # FLOPs from the shapes alone; the padded model, as the trainer runs it
         flops_per_token = GPT(GPTConfig(**args.model_config)).flops_per_token(args.block_size)
     config = {k: getattr(args, k) for k in ("device", "model", "model_config", "block_size", "micro_batch_size",
@@ -546,7 +552,10 @@ def run_ladder(args):
                             changed=sorted(set(rung.change) | set(rung.overridden)), data_dir=work_dir,
                             result_path=os.path.join(work_dir, f"{rung.name}.{rep}.result.json"))
                 print(f"[{rep + 1}/{args.repeats}: {i + 1}/{len(plan)}] {rung.name:15s} {rung.description}", flush=True)
-                if args.in_process:
+                if rung.skipped:
+                    result = dict(name=rung.name, description=rung.description, settings=rung.settings,
+                                  status="skipped", notes=[], reason=rung.skipped)
+                elif args.in_process:
                     torch._dynamo.reset()
                     with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
                         result = run_rung(spec)
@@ -565,7 +574,7 @@ def run_ladder(args):
                           f"loss {result['final_loss']:.4f}, warm-up {result['warmup_s']:.1f} s, "
                           f"attention {result['attention_kernel']}", flush=True)
                 else:
-                    print(f"    FAILED: {result.get('reason')}", flush=True)
+                    print(f"    {result['status'].upper()}: {result.get('reason')}", flush=True)
                 common.atomic_write(args.json_out, lambda f: f.write(json.dumps(doc, indent=1).encode()))
         finished = True
     finally:  # also when stopped (Ctrl-C, SIGTERM): the table of what did run still comes last

@@ -207,3 +207,22 @@ def test_the_auto_fit_counts_the_memory_this_process_may_take(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2 ** 30))
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.3)
     assert memory.CudaMemory("cuda:0").capacity() == int(0.3 * 80 * 2 ** 30)
+
+
+def test_rungs_that_compile_are_skipped_where_compile_cannot_run(tmp_path, monkeypatch, capsys):
+    """On a P100 (compute capability 6.0, below Triton's 7.0) every rung from compile on would fail;
+    they are skipped with device.compile_blocker's reason instead, and the rest of the ladder runs."""
+    blocker = ("the Tesla P100-PCIE-16GB has compute capability 6.0, and Triton, which torch.compile generates "
+               "GPU code with, needs 7.0 or newer")
+    plan = ladder.plan_rungs(["bf16", "compile", "flash", "fused-adamw"], "default",
+                             [ladder.parse_override("flash:compile=false")], blocker)
+    assert [bool(r.skipped) for r in plan] == [False, True, False, True]
+    assert blocker in plan[1].skipped
+    assert not any(r.skipped for r in ladder.plan_rungs(ladder.RUNG_NAMES, "default", [], None))
+
+    monkeypatch.setattr(ladder, "compile_blocker", lambda device: blocker)  # this CPU compiles: say it cannot
+    rc, doc, r = run(tmp_path, "--in-process", "--rungs", "fp32,compile")
+    assert rc == 0 and r["fp32"]["status"] == "ok"
+    assert r["compile"]["status"] == "skipped" and blocker in r["compile"]["reason"]
+    assert "speedup_prev" not in r["compile"]
+    assert capsys.readouterr().out.rstrip().splitlines()[-2].split()[:2] == ["compile", "SKIPPED"]
