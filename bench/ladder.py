@@ -407,7 +407,7 @@ def run_rung_subprocess(spec, work_dir, timeout):
     spec_path, log_path = (os.path.join(work_dir, spec["name"] + ext) for ext in (".spec.json", ".log"))
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", spec_path]
+    cmd = worker_command(spec_path)
     rc = reason = None
     with open(log_path, "w") as log:
         # its own process group, so a kill takes its compile workers too; and on Linux it dies with
@@ -438,6 +438,10 @@ def run_rung_subprocess(spec, work_dir, timeout):
     if result["status"] != "ok":
         result["log_tail"] = tail
     return result
+
+
+def worker_command(spec_path):
+    return [sys.executable, os.path.abspath(__file__), "--worker", spec_path]
 
 
 def die_with_parent():

@@ -1,6 +1,7 @@
 """bench/ladder.py on CPU with a tiny model: rungs are cumulative, rungs with the same math give
 the same losses, a failed or hung rung is reported and the ladder goes on, the table comes last.
-torch.compile is left out here (minutes on two cores); `python bench/ladder.py` runs it."""
+torch.compile is left out here (minutes on two cores); `python bench/ladder.py` runs it. And every
+command bench/device_check.py and the ladder run on a GPU, parsed here by the script it runs."""
 import json
 import math
 import os
@@ -14,10 +15,18 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import bench_core  # noqa: E402
+import bench_hellaswag  # noqa: E402
+import bench_sample  # noqa: E402
+import device_check  # noqa: E402
+import hellaswag  # noqa: E402
 import ladder  # noqa: E402
 import measure  # noqa: E402
 import memory  # noqa: E402
+import sample  # noqa: E402
+import train_config  # noqa: E402
 from common import UserError  # noqa: E402
+from device_check import Machine  # noqa: E402
 
 # 16 tokens per step: the 50257-wide LM head is most of the cost on CPU
 TINY = ["--device", "cpu", "--model", "tiny", "--block-size", "16", "--micro-batch-size", "1",
@@ -226,3 +235,81 @@ def test_rungs_that_compile_are_skipped_where_compile_cannot_run(tmp_path, monke
     assert r["compile"]["status"] == "skipped" and blocker in r["compile"]["reason"]
     assert "speedup_prev" not in r["compile"]
     assert capsys.readouterr().out.rstrip().splitlines()[-2].split()[:2] == ["compile", "SKIPPED"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The commands that reach a GPU: every one parsed here by the parser of the script it runs
+
+PARSERS = {"train_gpt2.py": train_config.parse_args, "hellaswag.py": hellaswag.parse_args,
+           "sample.py": sample.parse_args, "bench/bench_hellaswag.py": bench_hellaswag.parse_args,
+           "bench/bench_sample.py": bench_sample.parse_args, "bench/bench_core.py": bench_core.parse_args,
+           "bench/ladder.py": ladder.parse_args}
+MACHINES = {  # the command line of device_check.py there, and the machine as it finds it
+    "H100": (["--device", "cuda"], Machine("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 1)),
+    "T4": (["--device", "cuda"], Machine("cuda", "Tesla T4", (7, 5), 1)),
+    "P100": (["--device", "cuda"], Machine("cuda", "Tesla P100-PCIE-16GB", (6, 0), 1)),
+    "2 x T4": (["--device", "cuda"], Machine("cuda", "Tesla T4", (7, 5), 2)),
+    "CPU": (["--device", "cpu", "--small", "--steps", "12"], Machine("cpu")),
+}
+
+
+def script_and_args(cmd):
+    """(the script a command runs, relative to the repository, and its arguments); None for the
+    script of `python -c CODE ARGS` (CODE is compiled)."""
+    assert cmd[0] == sys.executable, cmd
+    if cmd[1] == "-m":  # torchrun: its own parser says which script it starts, with which arguments
+        assert cmd[2] == "torch.distributed.run"
+        from torch.distributed.run import get_args_parser
+        launch = get_args_parser().parse_args(cmd[3:])
+        assert launch.nproc_per_node == "2" and launch.standalone
+        return launch.training_script, launch.training_script_args
+    if cmd[1] == "-c":
+        compile(cmd[2], "-c", "exec")
+        rest = cmd[3:]  # python -c CODE script.py ARGS, where CODE runs the script with them
+        return (rest[0], rest[1:]) if rest and rest[0].endswith(".py") else (None, rest)
+    return os.path.relpath(os.path.join(ROOT, cmd[1]), ROOT), cmd[2:]
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_every_device_check_command_parses_for_its_machine(machine, tmp_path):
+    argv, found = MACHINES[machine]
+    data, out = str(tmp_path / "data"), str(tmp_path / "out")
+    args = device_check.parse_args(["--data-dir", data, "--out", out] + argv)
+    steps = device_check.plan(args, found, out)
+    cuda = found.device == "cuda"
+    assert ("fsdp" in steps) == (found.gpus >= 2) and ("probe" in steps) == ("fp16" in steps) == cuda
+    parsed = {}
+    for name, step in steps.items():
+        script, script_argv = script_and_args(step.cmd)
+        if script is not None:
+            parsed[name] = args_ = PARSERS[script](script_argv)
+            if found.capability and found.capability < (8, 0):  # no bfloat16 before Ampere: the scripts refuse it
+                assert getattr(args_, "dtype", None) != "bfloat16", (name, step.cmd)
+            if found.capability and found.capability < (7, 0):  # nor torch.compile before Volta
+                assert getattr(args_, "compile", None) is not True, (name, step.cmd)
+            if script == "train_gpt2.py" and args_.resume in (None, "latest"):  # a resume of a path reads its data_dir
+                assert args_.data_dir == data and args_.device == argv[1], (name, step.cmd)
+        if step.stop_at:
+            assert step.stop_at[0] == f"step {int(step.stop_at[0].split()[1]):5d} |"
+            assert int(step.stop_at[0].split()[1]) < args.steps
+    assert parsed["train"].log_dir == parsed["resume"].log_dir and parsed["resume"].resume == "latest"
+    assert parsed["micro_b"].resume == os.path.join(parsed["micro_a"].log_dir, "ckpt_000006.pt")
+    assert parsed["micro_a"].checkpoint_every == 6 and parsed["micro_b"].micro_batch_size == 4
+    if cuda:
+        assert parsed["probe"].max_steps == 3 and parsed["fp16"].dtype == "float16"
+    if "fsdp" in steps:
+        fsdp = parsed["fsdp"]
+        assert fsdp.sharding == "fsdp" and fsdp.sample_every == 3 and fsdp.eval_every == 0 and fsdp.max_steps == 6
+    runs = [p.log_dir for name, p in parsed.items() if hasattr(p, "given") and name != "resume"]
+    assert len(set(runs)) == len(runs)  # each run its own log directory
+
+def test_the_ladders_worker_command_parses(tmp_path):
+    script, argv = script_and_args(ladder.worker_command(str(tmp_path / "fp32.spec.json")))
+    assert PARSERS[script](argv).worker == str(tmp_path / "fp32.spec.json")
+
+
+def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
+    with pytest.raises(UserError, match="no step fsdp"):
+        device_check.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--device", "cpu",
+                           "--only", "fsdp"])
+    assert not (tmp_path / "out").exists()
