@@ -162,7 +162,7 @@ def plan_rungs(selected, compile_mode="default", overrides=(), blocker=None):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     by_device = lambda k: f" (default: {CUDA_DEFAULTS[k]} on CUDA, {OTHER_DEFAULTS[k]} elsewhere)"  # noqa: E731
     a("--model", choices=sorted(MODELS), help="model shape" + by_device("model"))
@@ -187,6 +187,10 @@ def parse_args(argv=None):
     a("--repeats", type=int, metavar="N", default=3,
       help="run every rung N times, the rungs taking turns; speed-ups are shown with their spread (default: 3)")
     a("--seed", type=int, metavar="N", default=TRAIN.seed, help=f"seed of weights and data (default: {TRAIN.seed})")
+    a("--profile-steps", type=train_config.step_window, metavar="A:B",
+      help="torch.profiler over steps A to B (counted from 0, warm-up steps included) of each rung's first "
+           "repeat: a Chrome trace per rung in profile/ beside --json-out, and the operations with the most "
+           "time after the rung (default: off)")
     a("--in-process", action="store_true",
       help="run the rungs in this process (for debugging and tests: compile caches and memory carry over)")
     a("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one rung from a spec file
@@ -212,6 +216,9 @@ def parse_args(argv=None):
         raise UserError(str(e))
     if args.rung_timeout <= 0:
         raise UserError("--rung-timeout must be positive")
+    if args.profile_steps and args.profile_steps[1] >= args.warmup_steps + args.steps:
+        raise UserError(f"--profile-steps {args.profile_steps[0]}:{args.profile_steps[1]}: a rung runs steps 0 to "
+                        f"{args.warmup_steps + args.steps - 1} ({args.warmup_steps} warm-up, {args.steps} timed)")
 
     if args.rungs in ("default", "all"):
         args.rung_list = [r.name for r in RUNGS if r.default or args.rungs == "all"]
@@ -292,7 +299,8 @@ def attention_kernel(model, loader, device, dtype, compiled):
 def run_rung(spec):
     """Run one rung from its spec dict; return its result dict (status ok or failed)."""
     s, device = spec["settings"], spec["device"]
-    result = dict(name=spec["name"], description=spec["description"], settings=s, status="failed", notes=[])
+    result = dict(name=spec["name"], description=spec["description"], settings=s, status="failed", notes=[],
+                  profile=[])
     notes = result["notes"]
     B, T, accum = spec["micro_batch_size"], spec["block_size"], spec["grad_accum"]
     if s["batch_x2"]:
@@ -349,19 +357,24 @@ def run_rung(spec):
             train_gpt2.set_lrs(optimizer, schedule, i, TRAIN.max_lr, TRAIN.muon_lr)
             return train_gpt2.train_step(model, optimizer, scaler, loader, accum, ranks, dtype, TRAIN.grad_clip)
 
-        warmup, steps = spec["warmup_steps"], spec["steps"]
+        warmup, steps, window = spec["warmup_steps"], spec["steps"], spec["profile_steps"]
+        profiler = train_gpt2.StepProfiler(window, device, spec["profile_dir"], spec["name"], result["profile"].append)
+        if window and window[1] >= warmup:
+            notes.append(f"steps {window[0]}-{window[1]} profiled: the profiler's cost is in their times")
         with attention_context(s["attention"]):
             t0 = time.perf_counter()
             for i in range(warmup):
-                step(i)  # compilation, allocator growth, optimizer state: all here
+                with profiler.step(i):
+                    step(i)  # compilation, allocator growth, optimizer state: all here
             result["warmup_s"] = time.perf_counter() - t0
             if kind == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             timer, losses, skipped = measure.StepTimer(device), [], 0
             for i in range(warmup, warmup + steps):
-                timer.start()
-                loss, _, _, finite = step(i)
-                timer.stop()
+                with profiler.step(i):  # around the timer: the trace is written after the step's time
+                    timer.start()
+                    loss, _, _, finite = step(i)
+                    timer.stop()
                 losses.append(loss)
                 skipped += not finite
             step_ms = timer.times_ms()
@@ -529,7 +542,7 @@ def run_ladder(args):
         flops_per_token = GPT(GPTConfig(**args.model_config)).flops_per_token(args.block_size)
     config = {k: getattr(args, k) for k in ("device", "model", "model_config", "block_size", "micro_batch_size",
                                             "grad_accum", "warmup_steps", "steps", "repeats", "compile_mode",
-                                            "seed", "rung_timeout", "in_process")}
+                                            "seed", "rung_timeout", "in_process", "profile_steps")}
     config.update(rungs=[r.name for r in plan], overrides=args.override)
     doc = dict(schema="ladder-v1", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=shlex.join(["python", os.path.relpath(os.path.abspath(__file__)), *args.argv]),
@@ -554,7 +567,9 @@ def run_ladder(args):
                     continue  # a rung that failed (out of memory, a timeout) fails again: no need to wait
                 spec = dict(config, name=rung.name, description=rung.description, settings=rung.settings,
                             changed=sorted(set(rung.change) | set(rung.overridden)), data_dir=work_dir,
-                            result_path=os.path.join(work_dir, f"{rung.name}.{rep}.result.json"))
+                            result_path=os.path.join(work_dir, f"{rung.name}.{rep}.result.json"),
+                            profile_steps=args.profile_steps if rep == 0 else None,
+                            profile_dir=os.path.join(os.path.dirname(os.path.abspath(args.json_out)), "profile"))
                 print(f"[{rep + 1}/{args.repeats}: {i + 1}/{len(plan)}] {rung.name:15s} {rung.description}", flush=True)
                 if rung.skipped:
                     result = dict(name=rung.name, description=rung.description, settings=rung.settings,
@@ -579,6 +594,8 @@ def run_ladder(args):
                           f"attention {result['attention_kernel']}", flush=True)
                 else:
                     print(f"    {result['status'].upper()}: {result.get('reason')}", flush=True)
+                for line in result.get("profile", []):
+                    print(f"    {line}", flush=True)
                 common.atomic_write(args.json_out, lambda f: f.write(json.dumps(doc, indent=1).encode()))
         finished = True
     finally:  # also when stopped (Ctrl-C, SIGTERM): the table of what did run still comes last

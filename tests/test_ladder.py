@@ -1,7 +1,8 @@
 """bench/ladder.py on CPU with a tiny model: rungs are cumulative, rungs with the same math give
 the same losses, a failed or hung rung is reported and the ladder goes on, the table comes last.
-torch.compile is left out here (minutes on two cores); `python bench/ladder.py` runs it. And every
-command bench/device_check.py and the ladder run on a GPU, parsed here by the script it runs."""
+torch.compile is left out here (minutes on two cores); `python bench/ladder.py` runs it. Every
+command bench/device_check.py and the ladder run on a GPU, parsed here by the script it runs. And
+--profile-steps, of the trainer and the ladder: a trace of those steps and nothing else."""
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import sample  # noqa: E402
 import train_config  # noqa: E402
 from common import UserError  # noqa: E402
 from device_check import Machine  # noqa: E402
+from runs import run as run_trainer, tiny  # noqa: E402
 
 # 16 tokens per step: the 50257-wide LM head is most of the cost on CPU
 TINY = ["--device", "cpu", "--model", "tiny", "--block-size", "16", "--micro-batch-size", "1",
@@ -313,3 +315,70 @@ def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
         device_check.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--device", "cpu",
                            "--only", "fsdp"])
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# --profile-steps A:B
+
+
+def profiled_steps(trace_path):
+    """{ProfilerStep#N: (start, end)} of a Chrome trace, in microseconds, and its operators' events."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    steps = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    return steps, [e for e in events if e.get("cat") == "cpu_op"]
+
+
+def test_profile_steps_trace_those_steps_and_no_other(data_dir, tmp_path):
+    log_dir = tmp_path / "run"
+    run_trainer(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=6, eval_every=0, profile_steps="2:3",
+                     checkpoint_every=1, keep_checkpoints=6))
+    trace, = (log_dir / "profile").glob("rank0.steps2-3.*.pt.trace.json")
+    steps, ops = profiled_steps(trace)
+    assert sorted(steps) == ["ProfilerStep#2", "ProfilerStep#3"]
+    assert "aten::mm" in {e["name"] for e in ops}
+    # every operator ran inside step 2 or 3 (1 us of slack for the trace's rounding)
+    outside = [e["name"] for e in ops
+               if not any(lo - 1 <= e["ts"] and e["ts"] + e["dur"] <= hi + 1 for lo, hi in steps.values())]
+    assert not outside, outside[:5]
+    lines = (log_dir / "log.txt").read_text().splitlines()
+    table = [i for i, line in enumerate(lines) if line.startswith("profile |")]
+    assert len(table) == 1 + ladder.train_gpt2.StepProfiler.TOP and str(trace) in lines[table[0]]
+    assert "self CPU time" in lines[table[0]] and any(lines[i].endswith("aten::mm") for i in table)
+    step_line = lambda n: next(i for i, line in enumerate(lines) if line.startswith(f"step {n:5d} |"))  # noqa: E731
+    assert step_line(3) < table[0] and table[-1] < step_line(4)  # written once step 3 is done
+
+    # a resume profiles only when asked to again: --profile-steps is this launch's, not the run's
+    again = tmp_path / "again"
+    run_trainer(["--log-dir", str(again), "--resume", str(log_dir / "ckpt_000001.pt")])
+    assert (again / "ckpt_000006.pt").exists() and not (again / "profile").exists()
+
+
+@pytest.mark.parametrize("value, error", [("5:3", "step A comes after step B"), ("-1:3", "not A:B"),
+                                          ("1.5:3", "not A:B"), ("3", "not A:B"), ("a:b", "not A:B"),
+                                          ("2:6", "ends after the run's last step, 5")])
+def test_bad_profile_steps_are_one_line_errors(value, error, tmp_path):
+    p = run_trainer(tiny(log_dir=tmp_path / "run", max_steps=6) + [f"--profile-steps={value}"], check=False)
+    assert p.returncode == 2 and error in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_memory_snapshot_is_refused_off_cuda(data_dir, tmp_path):
+    """A CUDA allocator's history is all it records: on a CPU it would be silently nothing."""
+    p = run_trainer(tiny(data_dir=data_dir, log_dir=tmp_path / "run", memory_snapshot=True), check=False)
+    assert p.returncode == 2 and "--memory-snapshot" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_ladder_profiles_the_first_repeat_of_each_rung(tmp_path, capsys):
+    rc, doc, r = run(tmp_path, "--in-process", "--rungs", "fp32", "--repeats", "2", "--profile-steps", "1:2")
+    assert rc == 0 and r["fp32"]["status"] == "ok"
+    trace, = (tmp_path / "profile").glob("fp32.steps1-2.*.pt.trace.json")
+    steps, ops = profiled_steps(trace)
+    assert sorted(steps) == ["ProfilerStep#1", "ProfilerStep#2"] and "aten::mm" in {e["name"] for e in ops}
+    first, second = r["fp32"]["repeats"]
+    assert str(trace) in first["profile"][0] and not second["profile"]
+    assert "steps 1-2 profiled: the profiler's cost is in their times" in r["fp32"]["notes"]
+    assert first["profile"][1] in capsys.readouterr().out
+    with pytest.raises(UserError, match="a rung runs steps 0 to 2"):
+        ladder.parse_args(TINY + ["--profile-steps", "2:3"])
