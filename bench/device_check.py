@@ -9,8 +9,8 @@ pinned prefetch, the memory probe, compiled evaluation, SIGTERM and resume on a 
 DIR holds shards from fineweb.py (a few million tokens are enough: the loader wraps around).
 Steps, each a subprocess with its own time limit; a failure is reported and the rest go on:
   train      train_gpt2.py with the defaults of the 124M recipe (batch, compile, dtype, auto
-             micro-batch), validation, HellaSwag, samples and --timing-breakdown; stopped with
-             SIGTERM part-way
+             micro-batch), validation, HellaSwag, samples, --timing-breakdown and two steps under
+             --profile-steps (the trace in OUT/run/profile/); stopped with SIGTERM part-way
   resume     --resume to the end: steps continue from the checkpoint the signal wrote
   fp16       a short run with --dtype float16 (the T4/V100 path, with the gradient scaler)
   eager      a short run with --no-compile, for the compile speed-up
@@ -22,6 +22,8 @@ Steps, each a subprocess with its own time limit; a failure is reported and the 
                  what the trainer's header says about it
   probe      the micro-batch auto-fit with this process allowed 30% of the GPU's memory: sizes that
              fit on the whole card fail here, and the probe must take a smaller one and train
+  oom_snapshot   a micro-batch of a million tokens with --memory-snapshot: out of memory at the
+             first step (exit status 1 expected), and the snapshot it wrote in OUT/oom/profile/
   micro_a, micro_b   a run with the fitted micro-batch, then its middle checkpoint resumed with
              --micro-batch-size 4 (a GPU with less memory): same data, same losses
   fsdp       FSDP over 2 GPUs (bf16 where they have it, compiled where they can), sampling after a training
@@ -204,7 +206,7 @@ def plan(args, machine, out):
     train = trainer("run", max_steps=args.steps, warmup_steps=min(10, args.steps), eval_every=every,
                     val_tokens=4096 if args.small else 1048576, hellaswag_every=every, hellaswag_file=items,
                     hellaswag_limit=200, sample_every=every, checkpoint_every=every, timing_breakdown=10,
-                    export_hf=None, plot=None)
+                    profile_steps=f"{every // 2}:{every // 2 + 1}", export_hf=None, plot=None)
     bench_dtype = ["--dtype", "auto"]  # bf16 where the GPU has it, fp16 on a T4 or P100, fp32 on CPU
     steps = {
         "train": Step([PY, "train_gpt2.py"] + train, (f"step {(3 * args.steps) // 4:5d} |", signal.SIGTERM)),
@@ -226,14 +228,18 @@ def plan(args, machine, out):
         # smaller micro-batch, FSDP
         "compile_gate": Step([PY, "-c", GATE, args.device]),
         "probe": Step([PY, "-c", PROBE, "train_gpt2.py"] + trainer("probe", max_steps=3)),
+        # a step of a million tokens per micro-batch runs out of memory on any GPU: the snapshot is written
+        "oom_snapshot": Step([PY, "train_gpt2.py"] + trainer("oom", block_size=1024, micro_batch_size=1024,
+                                                             total_batch_size=1024 * 1024, compile=False,
+                                                             memory_snapshot=True, max_steps=2), rc=1),
         "micro_a": Step([PY, "train_gpt2.py"] + trainer("micro_a", checkpoint_every=6)),
         "micro_b": Step([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "micro_b"), "--resume",
                          os.path.join(out, "micro_a", "ckpt_000006.pt"), "--micro-batch-size", "4"]),
         "fsdp": Step([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
                      + trainer("fsdp", sharding="fsdp", max_steps=6, sample_every=3, num_samples=2)),
     }
-    if not cuda:  # float16 autocast and the memory fraction are CUDA's
-        del steps["fp16"], steps["probe"]
+    if not cuda:  # float16 autocast, the memory fraction and the allocator's snapshots are CUDA's
+        del steps["fp16"], steps["probe"], steps["oom_snapshot"]
     if machine.gpus < 2:  # NCCL needs one GPU per rank
         del steps["fsdp"]
     return steps
@@ -290,7 +296,7 @@ def main(argv=None):
         if r["name"].startswith("bench_"):  # the speed ratios the benchmark printed last
             figures[r["name"]] = " / ".join(m for l in r["tail"] for m in re.findall(r"(\d+\.\d+x)", l))
     figures["micro_b"] = same_losses(os.path.join(out, "micro_a"), os.path.join(out, "micro_b"))
-    for name, prefix in (("compile_gate", "capability"), ("probe", "batch ")):
+    for name, prefix in (("compile_gate", "capability"), ("probe", "batch "), ("oom_snapshot", "out of memory at")):
         figures[name] = first_line(os.path.join(out, f"{name}.log"), prefix)
     print(f"\n{'step':16s} {'result':8s} {'seconds':>8s}  figure")
     for r in results:
