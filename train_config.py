@@ -136,7 +136,7 @@ def build_parser(description=None):
            "backward, optimizer, evaluation); "
            "adds synchronisation, so off (0) by default")
     a("--profile-steps", type=step_window, metavar="A:B",
-      help="torch.profiler over steps A to B (both included): a Chrome trace in LOG_DIR/profile/ (open it in "
+      help="torch.profiler over steps A to B (both included): a gzipped Chrome trace in LOG_DIR/profile/ (open it in "
            "ui.perfetto.dev or TensorBoard) and the operations that took the most time in the log (default: off)")
     a("--memory-snapshot", action="store_true",
       help="CUDA: record every allocation from the first step, and at an out-of-memory error write a snapshot "

@@ -672,8 +672,8 @@ class PhaseTimer:
 
 class StepProfiler:
     """--profile-steps A:B: torch.profiler over steps A to B (CPU, and CUDA where the run is, with
-    shapes and memory), each marked ProfilerStep#N; after B a Chrome trace (Perfetto, TensorBoard)
-    in out_dir and the operations with the most self time, as lines to `write`. --memory-snapshot:
+    shapes and memory), each marked ProfilerStep#N; after B a gzipped Chrome trace (Perfetto,
+    TensorBoard) in out_dir and the operations with the most self time, as lines to `write`. --memory-snapshot:
     CUDA's allocations recorded from the first step, and a snapshot written at an out-of-memory
     error, which then ends the run as before."""
 
@@ -710,7 +710,7 @@ class StepProfiler:
         """Stop the profiler, write the trace and the table of the operations with the most self time."""
         self.prof.stop()
         first, last = self.window
-        path = self.path(f"steps{first}-{last}", "pt.trace.json")  # the name TensorBoard's plugin looks for
+        path = self.path(f"steps{first}-{last}", "pt.trace.json.gz")  # Perfetto and TensorBoard read it gzipped
         self.prof.export_chrome_trace(path)
         key, where = ("self_device_time_total", "CUDA") if self.cuda else ("self_cpu_time_total", "CPU")
         ops = sorted(self.prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)

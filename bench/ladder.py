@@ -21,6 +21,7 @@ reaches 1.0x is marked as this machine's noise (bench/measure.py).
     python bench/ladder.py --list-rungs
     python bench/ladder.py --rungs fp32,bf16,compile --micro-batch-size 32 --json-out ladder.json
     python bench/ladder.py --override compile=false   # every rung, without torch.compile
+    python bench/ladder.py --rungs bf16,compile --profile-steps 6:7   # and a trace of two timed steps
 
 A table comes last; the JSON holds every step time and the environment. MFU is model FLOPs
 (6N + 12LdT per token, nanoGPT's convention) over the GPU's dense bf16 peak (fp16 where it has

@@ -3,6 +3,7 @@ the same losses, a failed or hung rung is reported and the ladder goes on, the t
 torch.compile is left out here (minutes on two cores); `python bench/ladder.py` runs it. Every
 command bench/device_check.py and the ladder run on a GPU, parsed here by the script it runs. And
 --profile-steps, of the trainer and the ladder: a trace of those steps and nothing else."""
+import gzip
 import json
 import math
 import os
@@ -325,7 +326,7 @@ def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
 
 def profiled_steps(trace_path):
     """{ProfilerStep#N: (start, end)} of a Chrome trace, in microseconds, and its operators' events."""
-    with open(trace_path) as f:
+    with gzip.open(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
     steps = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("ProfilerStep#")}
     return steps, [e for e in events if e.get("cat") == "cpu_op"]
@@ -335,7 +336,7 @@ def test_profile_steps_trace_those_steps_and_no_other(data_dir, tmp_path):
     log_dir = tmp_path / "run"
     run_trainer(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=6, eval_every=0, profile_steps="2:3",
                      checkpoint_every=1, keep_checkpoints=6))
-    trace, = (log_dir / "profile").glob("rank0.steps2-3.*.pt.trace.json")
+    trace, = (log_dir / "profile").glob("rank0.steps2-3.*.pt.trace.json.gz")
     steps, ops = profiled_steps(trace)
     assert sorted(steps) == ["ProfilerStep#2", "ProfilerStep#3"]
     assert "aten::mm" in {e["name"] for e in ops}
@@ -375,7 +376,7 @@ def test_memory_snapshot_is_refused_off_cuda(data_dir, tmp_path):
 def test_ladder_profiles_the_first_repeat_of_each_rung(tmp_path, capsys):
     rc, doc, r = run(tmp_path, "--in-process", "--rungs", "fp32", "--repeats", "2", "--profile-steps", "1:2")
     assert rc == 0 and r["fp32"]["status"] == "ok"
-    trace, = (tmp_path / "profile").glob("fp32.steps1-2.*.pt.trace.json")
+    trace, = (tmp_path / "profile").glob("fp32.steps1-2.*.pt.trace.json.gz")
     steps, ops = profiled_steps(trace)
     assert sorted(steps) == ["ProfilerStep#1", "ProfilerStep#2"] and "aten::mm" in {e["name"] for e in ops}
     first, second = r["fp32"]["repeats"]
