@@ -148,7 +148,7 @@ class TokenLoader:
         self._layout_cache = None
         if prefetch is None:
             prefetch = self.device.type == "cuda"
-        self._pin = self.device.type == "cuda"
+        self._pin = self.device.type == "cuda" and prefetch
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="TokenLoader") if prefetch else None
         self._ahead = None  # (position, future) being made in the background
 
@@ -188,7 +188,7 @@ class TokenLoader:
 
     def _make(self, position, size):
         """This rank's batch of `size` sequences when `position` sequences have been handed out, as
-        one CPU int64 tensor of `size` rows of T+1 tokens (pinned for CUDA)."""
+        one CPU int64 tensor of `size` rows of T+1 tokens (pinned for CUDA with prefetch)."""
         buf = torch.empty(size, self.T + 1, dtype=torch.int64, pin_memory=self._pin)
         rows = buf.numpy()
         first = position + self.rank * size

@@ -65,7 +65,9 @@ class CudaMemory:
         self.device = device
 
     def capacity(self):
-        return torch.cuda.get_device_properties(self.device).total_memory
+        """The bytes this process may allocate: the card's, under torch.cuda.set_per_process_memory_fraction's limit."""
+        return int(torch.cuda.get_device_properties(self.device).total_memory
+                   * torch.cuda.get_per_process_memory_fraction(self.device))
 
     def allocated(self):
         return torch.cuda.memory_allocated(self.device)

@@ -135,7 +135,23 @@ def build_parser(description=None):
       help="every N steps print where the time went (batch preparation, host-to-device copy, forward, "
            "backward, optimizer, evaluation); "
            "adds synchronisation, so off (0) by default")
+    a("--profile-steps", type=step_window, metavar="A:B",
+      help="torch.profiler over steps A to B (both included): a gzipped Chrome trace in LOG_DIR/profile/ (open it in "
+           "ui.perfetto.dev or TensorBoard) and the operations that took the most time in the log (default: off)")
+    a("--memory-snapshot", action="store_true",
+      help="CUDA: record every allocation from the first step, and at an out-of-memory error write a snapshot "
+           "to LOG_DIR/profile/ (open it in pytorch.org/memory_viz)")
     return p
+
+
+def step_window(text):
+    """'A:B' -> (A, B), the steps A to B, both included (argparse's type for --profile-steps)."""
+    first, _, last = text.partition(":")
+    if not (first.isdecimal() and last.isdecimal()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not A:B, two steps (whole numbers, 0 or more)")
+    if int(first) > int(last):
+        raise argparse.ArgumentTypeError(f"{text!r}: step A comes after step B; write the first step first")
+    return int(first), int(last)
 
 
 # Every numeric flag's range, checked right after parsing: (flags, test, what the test asks for).
@@ -155,11 +171,11 @@ RANGES = [
 # that differs from the stored run is applied, and printed, unless it would change the math in the
 # middle of the run: those are refused. The micro-batch does not change the math (the total batch
 # does, and the data position is counted in sequences): a run whose micro-batch was fitted fits it
-# again on the GPU it resumes on, and another value may be given. Where the run is written and
-# which checkpoint continues it are this launch's own.
+# again on the GPU it resumes on, and another value may be given. Where the run is written, which
+# checkpoint continues it and what is profiled are this launch's own.
 FIXED_ON_RESUME = ("model", "n_layer", "n_head", "n_embd", "block_size", "init_from", "total_batch_size",
                    "shuffle_seed", "seed", "optimizer")
-LAUNCH_ONLY = ("log_dir", "resume")
+LAUNCH_ONLY = ("log_dir", "resume", "profile_steps", "memory_snapshot")
 
 
 def parse_args(argv=None, description=None):
@@ -209,6 +225,9 @@ def check_relations(cfg, parsing=False):
         if flag in given and cfg.init_from:
             raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "
                             f"from {cfg.init_from}; drop it")
+    if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
+        raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
+                        f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
     if cfg.warmup_steps > cfg.max_steps:
         raise UserError(f"--warmup-steps {cfg.warmup_steps} is more than --max-steps {cfg.max_steps}: the run "
                         "would end before the learning rate reaches its peak; lower it, or raise --max-steps")

@@ -13,6 +13,7 @@ train_config.py), setup (everything the loop needs, on a Run), the loop, one opt
 (train_step), and the evaluation at the top of a step.
 """
 
+import contextlib
 import functools
 import itertools
 import math
@@ -131,6 +132,9 @@ def setup(cfg, ranks, log, resume):
     if fsdp and not ranks.multi:
         raise UserError("--sharding fsdp shards the model over several processes: launch it with "
                         "torchrun --nproc_per_node=N (N >= 2), or drop it on one GPU")
+    if cfg.memory_snapshot and ranks.device_type != "cuda":
+        raise UserError(f"--memory-snapshot records what CUDA's allocator holds, and this run is on {ranks.device}: "
+                        "drop it")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -338,30 +342,34 @@ def loop(run):
     cfg = run.cfg
     stop = common.StopFlag()
     timer = PhaseTimer(run.ranks.device, cfg.timing_breakdown > 0)
+    profiler = StepProfiler(cfg.profile_steps, run.ranks.device, os.path.join(cfg.log_dir, "profile"),
+                            f"rank{run.ranks.rank}", run.log.line, cfg.memory_snapshot)
     done = run.start_step  # optimizer steps completed
     for step in range(run.start_step, cfg.max_steps):
-        # ---- evaluation: validation loss, HellaSwag, CORE and samples, when due
-        timer.start()
-        if not evaluate(run, step, stop):
-            return stopped(run, done, stop)
-        timer.mark("eval")
+        with profiler.step(step):
+            # ---- evaluation: validation loss, HellaSwag, CORE and samples, when due
+            timer.start()
+            if not evaluate(run, step, stop):
+                return stopped(run, done, stop)
+            timer.mark("eval")
 
-        # ---- one optimizer step over grad_accum micro-batches
-        t0 = time.perf_counter()
-        lr = set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, muon_lr(cfg))
-        loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
-                                                  run.grad_accum, run.ranks, run.dtype, cfg.grad_clip, stop, timer)
-        if diverged(run, loss, finite) and cfg.on_nonfinite == "stop":
-            return stop_on_nonfinite(run, step, loss, norm)
-        done = step + 1
-        log_step(run, step, loss, lr, norm, time.perf_counter() - t0, finite)
-        report_timing(run, timer, step)
+            # ---- one optimizer step over grad_accum micro-batches
+            t0 = time.perf_counter()
+            lr = set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, muon_lr(cfg))
+            loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
+                                                      run.grad_accum, run.ranks, run.dtype, cfg.grad_clip, stop,
+                                                      timer)
+            if diverged(run, loss, finite) and cfg.on_nonfinite == "stop":
+                return stop_on_nonfinite(run, step, loss, norm)
+            done = step + 1
+            log_step(run, step, loss, lr, norm, time.perf_counter() - t0, finite)
+            report_timing(run, timer, step)
 
-        # ---- checkpoint: on schedule, at the end, and when a stop was asked for
-        if stopping:
-            return stopped(run, done, stop)
-        if done == cfg.max_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-            run.checkpoints.save(done)
+            # ---- checkpoint: on schedule, at the end, and when a stop was asked for
+            if stopping:
+                return stopped(run, done, stop)
+            if done == cfg.max_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                run.checkpoints.save(done)
     if cfg.export_hf:
         export_hf(run)
     return end(run, "finished", cfg.max_steps)
@@ -681,6 +689,65 @@ class PhaseTimer:
         self.totals = dict.fromkeys(self.PHASES, 0.0)
         self.steps = 0
         return out
+
+
+class StepProfiler:
+    """--profile-steps A:B: torch.profiler over steps A to B (CPU, and CUDA where the run is, with
+    shapes and memory), each marked ProfilerStep#N; after B a gzipped Chrome trace (Perfetto,
+    TensorBoard) in out_dir and the operations with the most self time, as lines to `write`. --memory-snapshot:
+    CUDA's allocations recorded from the first step, and a snapshot written at an out-of-memory
+    error, which then ends the run as before."""
+
+    TOP = 8  # operations in the table
+
+    def __init__(self, window, device_str, out_dir, name, write, memory_snapshot=False):
+        self.window, self.out_dir, self.name, self.write = window, out_dir, name, write
+        self.cuda, self.memory_snapshot, self.prof = device_str.startswith("cuda"), memory_snapshot, None
+        if memory_snapshot:  # the last 100,000 allocations and frees, PyTorch's own example's bound
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    @contextlib.contextmanager
+    def step(self, step):
+        profiled = self.window is not None and self.window[0] <= step <= self.window[1]
+        if profiled and self.prof is None:
+            from torch.profiler import ProfilerActivity
+            self.prof = torch.profiler.profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * self.cuda,
+                                               record_shapes=True, profile_memory=True)
+            self.prof.start()
+        try:
+            with torch.profiler.record_function(f"ProfilerStep#{step}") if profiled else contextlib.nullcontext():
+                yield
+        except Exception as e:
+            if self.memory_snapshot and memory.is_allocation_failure(e):
+                path = self.path("memory_snapshot", "pickle")
+                torch.cuda.memory._dump_snapshot(path)
+                print(f"out of memory at step {step}: memory snapshot in {path} (drop it on pytorch.org/memory_viz "
+                      "to see what held the memory)", file=sys.stderr, flush=True)
+            raise
+        if profiled and step == self.window[1]:
+            self.report()
+
+    def report(self):
+        """Stop the profiler, write the trace and the table of the operations with the most self time."""
+        self.prof.stop()
+        first, last = self.window
+        path = self.path(f"steps{first}-{last}", "pt.trace.json.gz")  # Perfetto and TensorBoard read it gzipped
+        self.prof.export_chrome_trace(path)
+        key, where = ("self_device_time_total", "CUDA") if self.cuda else ("self_cpu_time_total", "CPU")
+        ops = sorted(self.prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+        total = max(sum(getattr(e, key) for e in ops), 1e-9)
+        self.write(f"profile | steps {first}-{last} | trace {path} (ui.perfetto.dev or TensorBoard) | "
+                   f"the operations with the most self {where} time:")
+        for e in ops[:self.TOP]:
+            t = getattr(e, key)
+            self.write(f"profile | {t / 1e3 / (last - first + 1):10.2f} ms/step {100 * t / total:5.1f}% "
+                       f"{e.count:7d} calls  {e.key}")
+        self.prof = None
+
+    def path(self, what, ext):
+        """A new file in out_dir, named for this process, what it holds and the time."""
+        os.makedirs(self.out_dir, exist_ok=True)
+        return os.path.join(self.out_dir, f"{self.name}.{what}.{time.strftime('%Y%m%d-%H%M%S')}.{ext}")
 
 
 if __name__ == "__main__":

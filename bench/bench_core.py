@@ -76,7 +76,7 @@ def one_item_per_forward(model, tasks, device, dtype):
     return {"core": sum(r["centered"] for r in result.values()) / len(result), "tasks": result}
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_args(p)
     p.add_argument("--items", type=int, default=8, help="items per task type (default 8: ~2 minutes on 2 CPU cores)")
@@ -84,7 +84,11 @@ def main():
     p.add_argument("--rounds", type=int, default=2,
                    help="the methods take turns this many times, so a passing load hits all alike (default 2)")
     add_model_args(p)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     device, dtype = setup(args)
     model = scored_model(args, device)
     tasks = synthetic_tasks(args.items)

@@ -86,7 +86,7 @@ def timed(fn, device):
     return time.perf_counter() - t0, out
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_args(p)
     p.add_argument("--items", type=int, default=40, help="synthetic items (default 40: ~3 minutes on 2 CPU cores)")
@@ -96,7 +96,11 @@ def main():
                    help="the items are split into this many parts and the methods take turns on each, so a "
                         "load that comes and goes on the machine hits all of them alike (default 4)")
     add_model_args(p)
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     device, dtype = setup(args)
     model = scored_model(args, device)
     items = synthetic_items(args.items)

@@ -41,13 +41,17 @@ def setup(args):
     return device, dtype
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_args(p)
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per run (default 256)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed runs per side, the sides taking turns; median and range reported (default 3)")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     device, dtype = setup(args)
     model = GPT(GPTConfig()).to(device).eval()
     hf = model.to_hf().to(device).eval()

@@ -9,23 +9,25 @@ pinned prefetch, the memory probe, compiled evaluation, SIGTERM and resume on a 
 DIR holds shards from fineweb.py (a few million tokens are enough: the loader wraps around).
 Steps, each a subprocess with its own time limit; a failure is reported and the rest go on:
   train      train_gpt2.py with the defaults of the 124M recipe (batch, compile, dtype, auto
-             micro-batch), validation, HellaSwag, samples and --timing-breakdown; stopped with
-             SIGTERM part-way
+             micro-batch), validation, HellaSwag, samples, --timing-breakdown and two steps under
+             --profile-steps (the trace in OUT/run/profile/); stopped with SIGTERM part-way
   resume     --resume to the end: steps continue from the checkpoint the signal wrote
   fp16       a short run with --dtype float16 (the T4/V100 path, with the gradient scaler)
   eager      a short run with --no-compile, for the compile speed-up
   muon       a short run with --optimizer muon (compiled, Newton-Schulz on the GPU)
-  hellaswag  hellaswag.py --compile on the run's checkpoint
+  hellaswag  hellaswag.py on the run's checkpoint, with --compile where the GPU can compile
   sample     sample.py on the run's checkpoint
   bench_hellaswag, bench_sample, bench_core   the benchmarks of BENCHMARKS.md on this device
   compile_gate   whether torch.compile can run here (Triton needs compute capability 7.0+), and
                  what the trainer's header says about it
   probe      the micro-batch auto-fit with this process allowed 30% of the GPU's memory: sizes that
              fit on the whole card fail here, and the probe must take a smaller one and train
-  micro_a, micro_b   a run with the fitted micro-batch, then a copy of its middle checkpoint
-             resumed with --micro-batch-size 4 (a GPU with less memory): same data, same losses
-  fsdp_bf16  FSDP over 2 GPUs in bf16, compiled, sampling right after a training step (skipped
-             on a machine with fewer than 2 GPUs)
+  oom_snapshot   a micro-batch of a million tokens with --memory-snapshot: out of memory at the
+             first step (exit status 1 expected), and the snapshot it wrote in OUT/oom/profile/
+  micro_a, micro_b   a run with the fitted micro-batch, then its middle checkpoint resumed with
+             --micro-batch-size 4 (a GPU with less memory): same data, same losses
+  fsdp       FSDP over 2 GPUs (bf16 where they have it, compiled where they can), sampling after a training
+             step (only on a machine with 2 or more GPUs)
 HellaSwag uses synthetic items written next to the results (the machine may be offline).
 Every step's command, exit status, time and output tail go to --out as JSON and text files.
 """
@@ -34,19 +36,25 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402
 import plot  # noqa: E402
 from common import UserError  # noqa: E402
+from device import TRITON_MIN_CAPABILITY, pick_device  # noqa: E402
 
 PY = sys.executable
+ITEMS = "hellaswag_synthetic.jsonl"  # in the results folder: the machine may be offline
 
 
 def run_step(name, cmd, out_dir, timeout, env, stop_at=None):
@@ -56,8 +64,8 @@ def run_step(name, cmd, out_dir, timeout, env, stop_at=None):
     log_path = os.path.join(out_dir, f"{name}.log")
     lines = []
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             deadline = t0 + timeout
             for line in proc.stdout:
@@ -100,6 +108,14 @@ def last_timing(log_path):
     return " ".join(f"{k} {float(v):.0f}" for k, v in re.findall(r"(\w+)_ms ([\d.]+)", lines[-1])) + " (ms)"
 
 
+def first_line(log_path, prefix):
+    """The first line of a step's log that starts with prefix, or ''."""
+    if not os.path.isfile(log_path):
+        return ""
+    with open(log_path) as f:
+        return next((line.strip() for line in f if line.startswith(prefix)), "")
+
+
 def same_losses(log_a, log_b):
     """How far run b's losses are from run a's at the steps both logged, or ''."""
     try:
@@ -120,8 +136,117 @@ def write_items(path, n):
             f.write(json.dumps(item) + "\n")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@dataclass(frozen=True)
+class Machine:
+    """What the steps depend on: the device, and on CUDA the GPU's name, its compute capability and
+    how many GPUs there are."""
+    device: str
+    gpu: str = ""
+    capability: tuple = None
+    gpus: int = 0
+
+
+def this_machine(device):
+    if not device.startswith("cuda"):
+        return Machine(device)
+    import torch
+    return Machine(device, torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device)),
+                   torch.cuda.device_count())
+
+
+class Step(NamedTuple):
+    cmd: list
+    stop_at: tuple = None  # (line prefix, signal): sent once a line starting with the prefix is printed
+    rc: int = 0  # the exit status of a step that did what it checks
+
+
+def flags(settings):
+    """Command-line flags from {setting: value}: True a bare flag, False its --no- form, None none."""
+    out = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            out.append("--no-" + flag[2:])
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+# the probe's process may take 30% of the GPU's memory: the sizes that fit on the whole card do not
+PROBE = ("import runpy, sys, torch; torch.cuda.set_per_process_memory_fraction(0.3); sys.argv = sys.argv[1:]; "
+         "runpy.run_path(sys.argv[0], run_name='__main__')")
+GATE = ("import sys, torch, device; d = sys.argv[1]; "
+        "print('capability', torch.cuda.get_device_capability(d) if d.startswith('cuda') else '-', "
+        "'| compile', 'off: ' + device.compile_blocker(d) if device.compile_blocker(d) else 'allowed')")
+
+
+def plan(args, machine, out):
+    """{name: Step} of every step this machine runs, in order; args: parse_args()'s, out: the results
+    folder. The commands name each setting once."""
+    cuda = machine.device.startswith("cuda")
+    compiles = not cuda or machine.capability >= TRITON_MIN_CAPABILITY
+    items, log_dir = os.path.join(out, ITEMS), os.path.join(out, "run")
+    if args.small:
+        shape = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, total_batch_size=2048)
+        bench_hs = ["--items", "40", "--n-layer", "2", "--n-head", "2", "--n-embd", "64"]
+        bench_gen = ["--new-tokens", "16", "--repeats", "1"]
+    else:
+        shape, bench_hs, bench_gen = {}, ["--items", "2000"], []
+
+    def trainer(name, **settings):
+        """train_gpt2.py's flags for a run into out/name: by default a short one, no evaluation,
+        nothing exported; settings (by name) over these."""
+        return flags(dict(dict(data_dir=args.data_dir, log_dir=os.path.join(out, name), device=args.device,
+                               max_steps=12, warmup_steps=2, eval_every=0, hellaswag_every=0, sample_every=0,
+                               export_hf=False, plot=False, **shape), **settings))
+
+    every = max(2, args.steps // 2)
+    train = trainer("run", max_steps=args.steps, warmup_steps=min(10, args.steps), eval_every=every,
+                    val_tokens=4096 if args.small else 1048576, hellaswag_every=every, hellaswag_file=items,
+                    hellaswag_limit=200, sample_every=every, checkpoint_every=every, timing_breakdown=10,
+                    profile_steps=f"{every // 2}:{every // 2 + 1}", export_hf=None, plot=None)
+    bench_dtype = ["--dtype", "auto"]  # bf16 where the GPU has it, fp16 on a T4 or P100, fp32 on CPU
+    steps = {
+        "train": Step([PY, "train_gpt2.py"] + train, (f"step {(3 * args.steps) // 4:5d} |", signal.SIGTERM)),
+        "resume": Step([PY, "train_gpt2.py"] + train + ["--resume"]),
+        "fp16": Step([PY, "train_gpt2.py"] + trainer("fp16", dtype="float16")),
+        "eager": Step([PY, "train_gpt2.py"] + trainer("eager", compile=False)),
+        "muon": Step([PY, "train_gpt2.py"] + trainer("muon", optimizer="muon")),
+        "hellaswag": Step([PY, "hellaswag.py", "--model", log_dir, "--data-file", items, "--device", args.device,
+                           "--json"] + (["--compile"] if compiles else [])),
+        "sample": Step([PY, "sample.py", "--model", log_dir, "--device", args.device, "--num-samples", "2",
+                        "--max-new-tokens", "64", "--seed", "1"]),
+        "bench_hellaswag": Step([PY, "bench/bench_hellaswag.py", "--device", args.device, "--batch-sizes", "1,16,64"]
+                                + bench_dtype + bench_hs),
+        "bench_sample": Step([PY, "bench/bench_sample.py", "--device", args.device] + bench_dtype + bench_gen),
+        "bench_core": Step([PY, "bench/bench_core.py", "--device", args.device, "--batch-sizes", "1,16,64"]
+                           + bench_dtype + (["--items", "4", "--n-layer", "2", "--n-head", "2", "--n-embd", "64"]
+                                            if args.small else ["--items", "200"])),
+        # the GPU-readiness checks: compile gating, the probe under memory pressure, a resume with a
+        # smaller micro-batch, FSDP
+        "compile_gate": Step([PY, "-c", GATE, args.device]),
+        "probe": Step([PY, "-c", PROBE, "train_gpt2.py"] + trainer("probe", max_steps=3)),
+        # a step of a million tokens per micro-batch runs out of memory on any GPU: the snapshot is written
+        "oom_snapshot": Step([PY, "train_gpt2.py"] + trainer("oom", block_size=1024, micro_batch_size=1024,
+                                                             total_batch_size=1024 * 1024, compile=False,
+                                                             memory_snapshot=True, max_steps=2), rc=1),
+        "micro_a": Step([PY, "train_gpt2.py"] + trainer("micro_a", checkpoint_every=6)),
+        "micro_b": Step([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "micro_b"), "--resume",
+                         os.path.join(out, "micro_a", "ckpt_000006.pt"), "--micro-batch-size", "4"]),
+        "fsdp": Step([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
+                     + trainer("fsdp", sharding="fsdp", max_steps=6, sample_every=3, num_samples=2)),
+    }
+    if not cuda:  # float16 autocast, the memory fraction and the allocator's snapshots are CUDA's
+        del steps["fp16"], steps["probe"], steps["oom_snapshot"]
+    if machine.gpus < 2:  # NCCL needs one GPU per rank
+        del steps["fsdp"]
+    return steps
+
+
+def parse_args(argv=None):
+    p = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True, help="token shards from fineweb.py")
     p.add_argument("--out", default="device_check", help="results folder (default: device_check)")
     p.add_argument("--device", default="cuda", help="cuda (default), cpu, ...")
@@ -129,89 +254,39 @@ def main():
     p.add_argument("--steps", type=int, default=40, help="optimizer steps of the train/resume run (default 40)")
     p.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
     p.add_argument("--step-timeout", type=int, default=240, help="seconds per step (default 240)")
-    args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    out = os.path.abspath(args.out)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    items = os.path.join(out, "hellaswag_synthetic.jsonl")
-    write_items(items, 500)
+    return p.parse_args(argv)
 
-    bench_dtype = ["--dtype", "bfloat16" if args.device.startswith("cuda") else "float32"]
-    if args.small:
-        shape = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64",
-                 "--total-batch-size", "2048"]
-        bench_hs = ["--items", "40", "--n-layer", "2", "--n-head", "2", "--n-embd", "64"]
-        bench_gen = ["--new-tokens", "16", "--repeats", "1"]
-    else:
-        shape, bench_hs, bench_gen = [], ["--items", "2000"], []
-    log_dir = os.path.join(out, "run")
-    every = max(2, args.steps // 2)
-    train = ([PY, "train_gpt2.py", "--data-dir", args.data_dir, "--log-dir", log_dir, "--device", args.device,
-              "--max-steps", str(args.steps), "--warmup-steps", "10", "--eval-every", str(every),
-              "--val-tokens", "1048576" if not args.small else "4096", "--hellaswag-every", str(every),
-              "--hellaswag-file", items, "--hellaswag-limit", "200", "--sample-every", str(every),
-              "--checkpoint-every", str(every), "--timing-breakdown", "10"] + shape)
-    short = ["--data-dir", args.data_dir, "--device", args.device, "--max-steps", "12", "--warmup-steps", "2",
-             "--eval-every", "0", "--hellaswag-every", "0", "--sample-every", "0", "--no-export-hf",
-             "--no-plot"] + shape
-    stop_step = (3 * args.steps) // 4
-    steps = {
-        "train": (train, (f"step {stop_step:5d} |", signal.SIGTERM)),
-        "resume": (train + ["--resume"], None),
-        "fp16": ([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "fp16"), "--dtype", "float16"] + short, None),
-        "eager": ([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "eager"), "--no-compile"] + short, None),
-        "muon": ([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "muon"), "--optimizer", "muon"] + short, None),
-        "hellaswag": ([PY, "hellaswag.py", "--model", log_dir, "--data-file", items, "--device", args.device,
-                       "--compile", "--json"], None),
-        "sample": ([PY, "sample.py", "--model", log_dir, "--device", args.device, "--num-samples", "2",
-                    "--max-new-tokens", "64", "--seed", "1"], None),
-        "bench_hellaswag": ([PY, "bench/bench_hellaswag.py", "--device", args.device, "--batch-sizes", "1,16,64"]
-                            + bench_dtype + bench_hs, None),
-        "bench_sample": ([PY, "bench/bench_sample.py", "--device", args.device] + bench_dtype + bench_gen, None),
-        "bench_core": ([PY, "bench/bench_core.py", "--device", args.device, "--batch-sizes", "1,16,64"] + bench_dtype
-                       + (["--items", "4", "--n-layer", "2", "--n-head", "2", "--n-embd", "64"] if args.small
-                          else ["--items", "200"]), None),
-    }
-    # the GPU-readiness checks: compile gating, the probe under memory pressure, a resume with a
-    # smaller micro-batch, FSDP in bf16
-    gate = ("import sys, torch, device; d = sys.argv[1]; "
-            "print('capability', torch.cuda.get_device_capability(d) if d.startswith('cuda') else '-', "
-            "'| compile', 'off: ' + device.compile_blocker(d) if device.compile_blocker(d) else 'allowed')")
-    steps["compile_gate"] = ([PY, "-c", gate, args.device], None)
-    probe = ("import runpy, sys, torch; torch.cuda.set_per_process_memory_fraction(0.3); "
-             "sys.argv = ['train_gpt2.py'] + sys.argv[1:]; runpy.run_path('train_gpt2.py', run_name='__main__')")
-    if args.device.startswith("cuda"):
-        steps["probe"] = ([PY, "-c", probe, "--log-dir", os.path.join(out, "probe"), "--max-steps", "3"]
-                          + short[2:], None)
-    micro_a, micro_b = os.path.join(out, "micro_a"), os.path.join(out, "micro_b")
-    micro = short + ["--checkpoint-every", "6"]
-    steps["micro_a"] = ([PY, "train_gpt2.py", "--log-dir", micro_a] + micro, None)
-    steps["micro_b"] = (["sh", "-c", f"mkdir -p {micro_b} && cp {micro_a}/ckpt_000006.pt {micro_b}/ && "
-                         f"{PY} train_gpt2.py --log-dir {micro_b} --resume --micro-batch-size 4"], None)
-    fsdp = ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py", "--fsdp",
-             "--log-dir", os.path.join(out, "fsdp_bf16"), "--sample-every", "3", "--num-samples", "2"]
-            + [a for a in short if a not in ("--sample-every", "0")] + ["--max-steps", "6"])
-    gpus = __import__("torch").cuda.device_count() if args.device.startswith("cuda") else 0
-    if gpus >= 2:
-        steps["fsdp_bf16"] = (fsdp, None)
-    else:
-        print(f"fsdp_bf16: skipped, {gpus} GPU(s) here (NCCL needs one GPU per rank)", flush=True)
-    if not args.device.startswith("cuda"):
-        del steps["fp16"]  # float16 autocast is a CUDA path; the trainer refuses it elsewhere
-    only = set(args.only.split(",")) if args.only else set(steps)
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = os.path.abspath(args.out)
+    machine = this_machine(pick_device(args.device))
+    steps = plan(args, machine, out)
+    only = args.only.split(",") if args.only else list(steps)
+    if set(only) - set(steps):
+        raise UserError(f"--only: no step {', '.join(sorted(set(only) - set(steps)))} on this machine; its steps: "
+                        f"{', '.join(steps)}")
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    write_items(os.path.join(out, ITEMS), 500)
+    print(f"{machine.gpus} x {machine.gpu} (capability {machine.capability})" if machine.gpus else machine.device,
+          flush=True)
+    if "fsdp" not in steps:
+        print(f"fsdp: skipped, {machine.gpus} GPU(s) here", flush=True)
     results = []
-    for name, (cmd, stop_at) in steps.items():
+    for name, step in steps.items():
         if name not in only:
             continue
-        print(f"== {name}: {' '.join(cmd)}", flush=True)
-        r = run_step(name, cmd, out, args.step_timeout, env, stop_at)
+        print(f"== {name}: {shlex.join(step.cmd)}", flush=True)
+        r = run_step(name, step.cmd, out, args.step_timeout, env, step.stop_at)
+        r["ok"] = r["rc"] == step.rc
         results.append(r)
         print("\n".join(r["tail"][-5:]), flush=True)
         with open(os.path.join(out, "device_check.json"), "w") as f:
             json.dump(results, f, indent=1)
 
     # ---- the table: what ran, and the one figure that matters for each step
-    figures = {"train": last_timing(os.path.join(out, "train.log")), "resume": speed(log_dir),
+    figures = {"train": last_timing(os.path.join(out, "train.log")), "resume": speed(os.path.join(out, "run")),
                "fp16": speed(os.path.join(out, "fp16")), "eager": speed(os.path.join(out, "eager")),
                "muon": speed(os.path.join(out, "muon"))}
     for r in results:
@@ -220,16 +295,15 @@ def main():
                                          len(l.split("  ")) > 2), "")
         if r["name"].startswith("bench_"):  # the speed ratios the benchmark printed last
             figures[r["name"]] = " / ".join(m for l in r["tail"] for m in re.findall(r"(\d+\.\d+x)", l))
-    figures["micro_b"] = same_losses(micro_a, micro_b)
-    for r in results:
-        if r["name"] in ("compile_gate", "probe"):
-            figures[r["name"]] = next((l for l in r["tail"] if l.startswith(("capability", "batch "))), "")
+    figures["micro_b"] = same_losses(os.path.join(out, "micro_a"), os.path.join(out, "micro_b"))
+    for name, prefix in (("compile_gate", "capability"), ("probe", "batch "), ("oom_snapshot", "out of memory at")):
+        figures[name] = first_line(os.path.join(out, f"{name}.log"), prefix)
     print(f"\n{'step':16s} {'result':8s} {'seconds':>8s}  figure")
     for r in results:
-        ok = "ok" if r["rc"] == 0 else f"rc {r['rc']}"
+        ok = "ok" if r["ok"] else f"rc {r['rc']}"
         print(f"{r['name']:16s} {ok:8s} {r['seconds']:8.1f}  {figures.get(r['name'], '')}")
-    sys.exit(0 if all(r["rc"] == 0 for r in results) else 1)
+    return 0 if all(r["ok"] for r in results) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(common.run_main(main))

@@ -11,7 +11,8 @@ train_gpt2.py's learning-rate schedule, AdamW and clipping; so a speed-up the la
 a speed-up of training. Warm-up steps (compilation happens there) are left out; whole timed
 steps are measured with CUDA events (a synchronised perf_counter elsewhere), the median
 reported. Each rung runs in a fresh process, so compile caches and memory don't leak between
-rungs, and a crash or an out-of-memory fails that rung while the ladder goes on. The whole ladder
+rungs, and a crash or an out-of-memory fails that rung while the ladder goes on; a rung that
+compiles is skipped, with the reason, on a GPU that torch.compile cannot run on. The whole ladder
 runs --repeats times, the rungs taking turns, and each speed-up is the median of the pairs of
 neighbouring rungs measured in the same turn, with the range of the pairs: a speed-up whose range
 reaches 1.0x is marked as this machine's noise (bench/measure.py).
@@ -20,6 +21,7 @@ reaches 1.0x is marked as this machine's noise (bench/measure.py).
     python bench/ladder.py --list-rungs
     python bench/ladder.py --rungs fp32,bf16,compile --micro-batch-size 32 --json-out ladder.json
     python bench/ladder.py --override compile=false   # every rung, without torch.compile
+    python bench/ladder.py --rungs bf16,compile --profile-steps 6:7   # and a trace of two timed steps
 
 A table comes last; the JSON holds every step time and the environment. MFU is model FLOPs
 (6N + 12LdT per token, nanoGPT's convention) over the GPU's dense bf16 peak (fp16 where it has
@@ -52,7 +54,8 @@ import torch  # noqa: E402
 import measure  # noqa: E402
 
 import common  # noqa: E402
-from device import autocast, device_name, muon_dtype, peak_flops, pick_device, pick_dtype  # noqa: E402
+from device import (autocast, compile_blocker, device_name, muon_dtype, peak_flops, pick_device,  # noqa: E402
+                    pick_dtype)
 from provenance import git_commit, versions  # noqa: E402
 from parallel import Ranks  # noqa: E402
 import optim  # noqa: E402
@@ -93,6 +96,7 @@ class Rung:
     default: bool = True  # part of the ladder unless --rungs names otherwise
     settings: dict = field(default_factory=dict)  # filled by plan_rungs
     overridden: dict = field(default_factory=dict)  # what --override set for this rung
+    skipped: str = None  # why it cannot run on this device (a rung that compiles where compile cannot)
 
 
 RUNGS = [
@@ -139,9 +143,10 @@ def parse_override(text):
     return rung, key, BOOLEANS[value.lower()]
 
 
-def plan_rungs(selected, compile_mode="default", overrides=()):
+def plan_rungs(selected, compile_mode="default", overrides=(), blocker=None):
     """The rungs to run, in ladder order, each a Rung with its cumulative settings, after
-    overrides: first those for every rung, then those naming the rung."""
+    overrides: first those for every rung, then those naming the rung. blocker: why torch.compile
+    cannot run on the device (device.compile_blocker), which skips the rungs that compile."""
     plan, settings = [], dict(BASELINE, compile_mode=compile_mode)
     for rung in RUNGS:
         settings = dict(settings, **rung.change)
@@ -150,13 +155,15 @@ def plan_rungs(selected, compile_mode="default", overrides=()):
         overridden = {}
         for scope in (None, rung.name):
             overridden.update({k: v for r, k, v in overrides if r == scope})
-        plan.append(Rung(rung.name, rung.change, rung.description, rung.default, dict(settings, **overridden),
-                         overridden))
+        final = dict(settings, **overridden)
+        plan.append(Rung(rung.name, rung.change, rung.description, rung.default, final, overridden,
+                         f"torch.compile: {blocker} (--override compile=false runs it without)"
+                         if blocker and final["compile"] else None))
     return plan
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     by_device = lambda k: f" (default: {CUDA_DEFAULTS[k]} on CUDA, {OTHER_DEFAULTS[k]} elsewhere)"  # noqa: E731
     a("--model", choices=sorted(MODELS), help="model shape" + by_device("model"))
@@ -181,6 +188,10 @@ def parse_args(argv=None):
     a("--repeats", type=int, metavar="N", default=3,
       help="run every rung N times, the rungs taking turns; speed-ups are shown with their spread (default: 3)")
     a("--seed", type=int, metavar="N", default=TRAIN.seed, help=f"seed of weights and data (default: {TRAIN.seed})")
+    a("--profile-steps", type=train_config.step_window, metavar="A:B",
+      help="torch.profiler over steps A to B (counted from 0, warm-up steps included) of each rung's first "
+           "repeat: a Chrome trace per rung in profile/ beside --json-out, and the operations with the most "
+           "time after the rung (default: off)")
     a("--in-process", action="store_true",
       help="run the rungs in this process (for debugging and tests: compile caches and memory carry over)")
     a("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one rung from a spec file
@@ -206,6 +217,9 @@ def parse_args(argv=None):
         raise UserError(str(e))
     if args.rung_timeout <= 0:
         raise UserError("--rung-timeout must be positive")
+    if args.profile_steps and args.profile_steps[1] >= args.warmup_steps + args.steps:
+        raise UserError(f"--profile-steps {args.profile_steps[0]}:{args.profile_steps[1]}: a rung runs steps 0 to "
+                        f"{args.warmup_steps + args.steps - 1} ({args.warmup_steps} warm-up, {args.steps} timed)")
 
     if args.rungs in ("default", "all"):
         args.rung_list = [r.name for r in RUNGS if r.default or args.rungs == "all"]
@@ -286,7 +300,8 @@ def attention_kernel(model, loader, device, dtype, compiled):
 def run_rung(spec):
     """Run one rung from its spec dict; return its result dict (status ok or failed)."""
     s, device = spec["settings"], spec["device"]
-    result = dict(name=spec["name"], description=spec["description"], settings=s, status="failed", notes=[])
+    result = dict(name=spec["name"], description=spec["description"], settings=s, status="failed", notes=[],
+                  profile=[])
     notes = result["notes"]
     B, T, accum = spec["micro_batch_size"], spec["block_size"], spec["grad_accum"]
     if s["batch_x2"]:
@@ -343,19 +358,24 @@ def run_rung(spec):
             train_gpt2.set_lrs(optimizer, schedule, i, TRAIN.max_lr, TRAIN.muon_lr)
             return train_gpt2.train_step(model, optimizer, scaler, loader, accum, ranks, dtype, TRAIN.grad_clip)
 
-        warmup, steps = spec["warmup_steps"], spec["steps"]
+        warmup, steps, window = spec["warmup_steps"], spec["steps"], spec["profile_steps"]
+        profiler = train_gpt2.StepProfiler(window, device, spec["profile_dir"], spec["name"], result["profile"].append)
+        if window and window[1] >= warmup:
+            notes.append(f"steps {window[0]}-{window[1]} profiled: the profiler's cost is in their times")
         with attention_context(s["attention"]):
             t0 = time.perf_counter()
             for i in range(warmup):
-                step(i)  # compilation, allocator growth, optimizer state: all here
+                with profiler.step(i):
+                    step(i)  # compilation, allocator growth, optimizer state: all here
             result["warmup_s"] = time.perf_counter() - t0
             if kind == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             timer, losses, skipped = measure.StepTimer(device), [], 0
             for i in range(warmup, warmup + steps):
-                timer.start()
-                loss, _, _, finite = step(i)
-                timer.stop()
+                with profiler.step(i):  # around the timer: the trace is written after the step's time
+                    timer.start()
+                    loss, _, _, finite = step(i)
+                    timer.stop()
                 losses.append(loss)
                 skipped += not finite
             step_ms = timer.times_ms()
@@ -401,7 +421,7 @@ def run_rung_subprocess(spec, work_dir, timeout):
     spec_path, log_path = (os.path.join(work_dir, spec["name"] + ext) for ext in (".spec.json", ".log"))
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", spec_path]
+    cmd = worker_command(spec_path)
     rc = reason = None
     with open(log_path, "w") as log:
         # its own process group, so a kill takes its compile workers too; and on Linux it dies with
@@ -432,6 +452,10 @@ def run_rung_subprocess(spec, work_dir, timeout):
     if result["status"] != "ok":
         result["log_tail"] = tail
     return result
+
+
+def worker_command(spec_path):
+    return [sys.executable, os.path.abspath(__file__), "--worker", spec_path]
 
 
 def die_with_parent():
@@ -514,12 +538,12 @@ def format_table(doc):
 
 
 def run_ladder(args):
-    plan = plan_rungs(args.rung_list, args.compile_mode, args.overrides)
+    plan = plan_rungs(args.rung_list, args.compile_mode, args.overrides, compile_blocker(args.device))
     with torch.device("meta"):  # FLOPs from the shapes alone; the padded model, as the trainer runs it
         flops_per_token = GPT(GPTConfig(**args.model_config)).flops_per_token(args.block_size)
     config = {k: getattr(args, k) for k in ("device", "model", "model_config", "block_size", "micro_batch_size",
                                             "grad_accum", "warmup_steps", "steps", "repeats", "compile_mode",
-                                            "seed", "rung_timeout", "in_process")}
+                                            "seed", "rung_timeout", "in_process", "profile_steps")}
     config.update(rungs=[r.name for r in plan], overrides=args.override)
     doc = dict(schema="ladder-v1", date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command=shlex.join(["python", os.path.relpath(os.path.abspath(__file__)), *args.argv]),
@@ -544,9 +568,14 @@ def run_ladder(args):
                     continue  # a rung that failed (out of memory, a timeout) fails again: no need to wait
                 spec = dict(config, name=rung.name, description=rung.description, settings=rung.settings,
                             changed=sorted(set(rung.change) | set(rung.overridden)), data_dir=work_dir,
-                            result_path=os.path.join(work_dir, f"{rung.name}.{rep}.result.json"))
+                            result_path=os.path.join(work_dir, f"{rung.name}.{rep}.result.json"),
+                            profile_steps=args.profile_steps if rep == 0 else None,
+                            profile_dir=os.path.join(os.path.dirname(os.path.abspath(args.json_out)), "profile"))
                 print(f"[{rep + 1}/{args.repeats}: {i + 1}/{len(plan)}] {rung.name:15s} {rung.description}", flush=True)
-                if args.in_process:
+                if rung.skipped:
+                    result = dict(name=rung.name, description=rung.description, settings=rung.settings,
+                                  status="skipped", notes=[], reason=rung.skipped)
+                elif args.in_process:
                     torch._dynamo.reset()
                     with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
                         result = run_rung(spec)
@@ -565,7 +594,9 @@ def run_ladder(args):
                           f"loss {result['final_loss']:.4f}, warm-up {result['warmup_s']:.1f} s, "
                           f"attention {result['attention_kernel']}", flush=True)
                 else:
-                    print(f"    FAILED: {result.get('reason')}", flush=True)
+                    print(f"    {result['status'].upper()}: {result.get('reason')}", flush=True)
+                for line in result.get("profile", []):
+                    print(f"    {line}", flush=True)
                 common.atomic_write(args.json_out, lambda f: f.write(json.dumps(doc, indent=1).encode()))
         finished = True
     finally:  # also when stopped (Ctrl-C, SIGTERM): the table of what did run still comes last

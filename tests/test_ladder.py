@@ -1,10 +1,14 @@
 """bench/ladder.py on CPU with a tiny model: rungs are cumulative, rungs with the same math give
 the same losses, a failed or hung rung is reported and the ladder goes on, the table comes last.
-torch.compile is left out here (minutes on two cores); `python bench/ladder.py` runs it."""
+torch.compile is left out here (minutes on two cores); `python bench/ladder.py` runs it. Every
+command bench/device_check.py and the ladder run on a GPU, parsed here by the script it runs. And
+--profile-steps, of the trainer and the ladder: a trace of those steps and nothing else."""
+import gzip
 import json
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,9 +17,19 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import bench_core  # noqa: E402
+import bench_hellaswag  # noqa: E402
+import bench_sample  # noqa: E402
+import device_check  # noqa: E402
+import hellaswag  # noqa: E402
 import ladder  # noqa: E402
 import measure  # noqa: E402
+import memory  # noqa: E402
+import sample  # noqa: E402
+import train_config  # noqa: E402
 from common import UserError  # noqa: E402
+from device_check import Machine  # noqa: E402
+from runs import run as run_trainer, tiny  # noqa: E402
 
 # 16 tokens per step: the 50257-wide LM head is most of the cost on CPU
 TINY = ["--device", "cpu", "--model", "tiny", "--block-size", "16", "--micro-batch-size", "1",
@@ -188,3 +202,186 @@ def test_muon_rung_times_the_trainers_muon_step(tmp_path):
     assert r["muon"]["optimizer_state"] > 0 and r["fp32"]["optimizer_state"] > 0
     muon, adamw = r["muon"]["weight_change"], r["fp32"]["weight_change"]
     assert muon > 0 and adamw > 0 and abs(muon - adamw) > 0.1 * max(muon, adamw), (muon, adamw)
+
+
+def test_a_cuda_loader_pins_its_batches_only_with_prefetch(tmp_path):
+    """The prefetch rung adds the thread and the pinned, asynchronous copy; the rungs before it copy
+    from pageable memory. (Pinning itself needs CUDA: here only the unpinned side can run.)"""
+    ladder.write_shards(str(tmp_path), 1000, seed=0)
+    loader = ladder.TokenLoader(str(tmp_path), "train", 2, 8, device="cuda", prefetch=False)
+    assert not loader._make(0, 2).is_pinned()
+
+
+def test_the_auto_fit_counts_the_memory_this_process_may_take(monkeypatch):
+    """torch.cuda.set_per_process_memory_fraction(0.3), as device_check's probe sets it, leaves this
+    process 30% of the card: the micro-batch auto-fit must fit into that, not into the whole card.
+    (The CUDA calls are stood in for: a CPU has none.)"""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2 ** 30))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.3)
+    assert memory.CudaMemory("cuda:0").capacity() == int(0.3 * 80 * 2 ** 30)
+
+
+def test_rungs_that_compile_are_skipped_where_compile_cannot_run(tmp_path, monkeypatch, capsys):
+    """On a P100 (compute capability 6.0, below Triton's 7.0) every rung from compile on would fail;
+    they are skipped with device.compile_blocker's reason instead, and the rest of the ladder runs."""
+    blocker = ("the Tesla P100-PCIE-16GB has compute capability 6.0, and Triton, which torch.compile generates "
+               "GPU code with, needs 7.0 or newer")
+    plan = ladder.plan_rungs(["bf16", "compile", "flash", "fused-adamw"], "default",
+                             [ladder.parse_override("flash:compile=false")], blocker)
+    assert [bool(r.skipped) for r in plan] == [False, True, False, True]
+    assert blocker in plan[1].skipped
+    assert not any(r.skipped for r in ladder.plan_rungs(ladder.RUNG_NAMES, "default", [], None))
+
+    monkeypatch.setattr(ladder, "compile_blocker", lambda device: blocker)  # this CPU compiles: say it cannot
+    rc, doc, r = run(tmp_path, "--in-process", "--rungs", "fp32,compile")
+    assert rc == 0 and r["fp32"]["status"] == "ok"
+    assert r["compile"]["status"] == "skipped" and blocker in r["compile"]["reason"]
+    assert "speedup_prev" not in r["compile"]
+    assert capsys.readouterr().out.rstrip().splitlines()[-2].split()[:2] == ["compile", "SKIPPED"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The commands that reach a GPU: every one parsed here by the parser of the script it runs
+
+PARSERS = {"train_gpt2.py": train_config.parse_args, "hellaswag.py": hellaswag.parse_args,
+           "sample.py": sample.parse_args, "bench/bench_hellaswag.py": bench_hellaswag.parse_args,
+           "bench/bench_sample.py": bench_sample.parse_args, "bench/bench_core.py": bench_core.parse_args,
+           "bench/ladder.py": ladder.parse_args}
+MACHINES = {  # the command line of device_check.py there, and the machine as it finds it
+    "H100": (["--device", "cuda"], Machine("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 1)),
+    "T4": (["--device", "cuda"], Machine("cuda", "Tesla T4", (7, 5), 1)),
+    "P100": (["--device", "cuda"], Machine("cuda", "Tesla P100-PCIE-16GB", (6, 0), 1)),
+    "2 x T4": (["--device", "cuda"], Machine("cuda", "Tesla T4", (7, 5), 2)),
+    "CPU": (["--device", "cpu", "--small", "--steps", "12"], Machine("cpu")),
+}
+
+
+def script_and_args(cmd):
+    """(the script a command runs, relative to the repository, and its arguments); None for the
+    script of `python -c CODE ARGS` (CODE is compiled)."""
+    assert cmd[0] == sys.executable, cmd
+    if cmd[1] == "-m":  # torchrun: its own parser says which script it starts, with which arguments
+        assert cmd[2] == "torch.distributed.run"
+        from torch.distributed.run import get_args_parser
+        launch = get_args_parser().parse_args(cmd[3:])
+        assert launch.nproc_per_node == "2" and launch.standalone
+        return launch.training_script, launch.training_script_args
+    if cmd[1] == "-c":
+        compile(cmd[2], "-c", "exec")
+        rest = cmd[3:]  # python -c CODE script.py ARGS, where CODE runs the script with them
+        return (rest[0], rest[1:]) if rest and rest[0].endswith(".py") else (None, rest)
+    return os.path.relpath(os.path.join(ROOT, cmd[1]), ROOT), cmd[2:]
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_every_device_check_command_parses_for_its_machine(machine, tmp_path):
+    argv, found = MACHINES[machine]
+    data, out = str(tmp_path / "data"), str(tmp_path / "out")
+    args = device_check.parse_args(["--data-dir", data, "--out", out] + argv)
+    steps = device_check.plan(args, found, out)
+    cuda = found.device == "cuda"
+    assert ("fsdp" in steps) == (found.gpus >= 2) and ("probe" in steps) == ("fp16" in steps) == cuda
+    parsed = {}
+    for name, step in steps.items():
+        script, script_argv = script_and_args(step.cmd)
+        if script is not None:
+            parsed[name] = args_ = PARSERS[script](script_argv)
+            if found.capability and found.capability < (8, 0):  # no bfloat16 before Ampere: the scripts refuse it
+                assert getattr(args_, "dtype", None) != "bfloat16", (name, step.cmd)
+            if found.capability and found.capability < (7, 0):  # nor torch.compile before Volta
+                assert getattr(args_, "compile", None) is not True, (name, step.cmd)
+            if script == "train_gpt2.py" and args_.resume in (None, "latest"):  # a resume of a path reads its data_dir
+                assert args_.data_dir == data and args_.device == argv[1], (name, step.cmd)
+        if step.stop_at:
+            assert step.stop_at[0] == f"step {int(step.stop_at[0].split()[1]):5d} |"
+            assert int(step.stop_at[0].split()[1]) < args.steps
+    assert parsed["train"].log_dir == parsed["resume"].log_dir and parsed["resume"].resume == "latest"
+    assert parsed["micro_b"].resume == os.path.join(parsed["micro_a"].log_dir, "ckpt_000006.pt")
+    assert parsed["micro_a"].checkpoint_every == 6 and parsed["micro_b"].micro_batch_size == 4
+    if cuda:
+        assert parsed["probe"].max_steps == 3 and parsed["fp16"].dtype == "float16"
+        assert parsed["oom_snapshot"].memory_snapshot and steps["oom_snapshot"].rc == 1
+    assert parsed["train"].profile_steps[1] < args.steps
+    if "fsdp" in steps:
+        fsdp = parsed["fsdp"]
+        assert fsdp.sharding == "fsdp" and fsdp.sample_every == 3 and fsdp.eval_every == 0 and fsdp.max_steps == 6
+    runs = [p.log_dir for name, p in parsed.items() if hasattr(p, "given") and name != "resume"]
+    assert len(set(runs)) == len(runs)  # each run its own log directory
+
+def test_the_ladders_worker_command_parses(tmp_path):
+    script, argv = script_and_args(ladder.worker_command(str(tmp_path / "fp32.spec.json")))
+    assert PARSERS[script](argv).worker == str(tmp_path / "fp32.spec.json")
+
+
+def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
+    with pytest.raises(UserError, match="no step fsdp"):
+        device_check.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--device", "cpu",
+                           "--only", "fsdp"])
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# --profile-steps A:B
+
+
+def profiled_steps(trace_path):
+    """{ProfilerStep#N: (start, end)} of a Chrome trace, in microseconds, and its operators' events."""
+    with gzip.open(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    steps = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    return steps, [e for e in events if e.get("cat") == "cpu_op"]
+
+
+def test_profile_steps_trace_those_steps_and_no_other(data_dir, tmp_path):
+    log_dir = tmp_path / "run"
+    run_trainer(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=6, eval_every=0, profile_steps="2:3",
+                     checkpoint_every=1, keep_checkpoints=6))
+    trace, = (log_dir / "profile").glob("rank0.steps2-3.*.pt.trace.json.gz")
+    steps, ops = profiled_steps(trace)
+    assert sorted(steps) == ["ProfilerStep#2", "ProfilerStep#3"]
+    assert "aten::mm" in {e["name"] for e in ops}
+    # every operator ran inside step 2 or 3 (1 us of slack for the trace's rounding)
+    outside = [e["name"] for e in ops
+               if not any(lo - 1 <= e["ts"] and e["ts"] + e["dur"] <= hi + 1 for lo, hi in steps.values())]
+    assert not outside, outside[:5]
+    lines = (log_dir / "log.txt").read_text().splitlines()
+    table = [i for i, line in enumerate(lines) if line.startswith("profile |")]
+    assert len(table) == 1 + ladder.train_gpt2.StepProfiler.TOP and str(trace) in lines[table[0]]
+    assert "self CPU time" in lines[table[0]] and any(lines[i].endswith("aten::mm") for i in table)
+    step_line = lambda n: next(i for i, line in enumerate(lines) if line.startswith(f"step {n:5d} |"))  # noqa: E731
+    assert step_line(3) < table[0] and table[-1] < step_line(4)  # written once step 3 is done
+
+    # a resume profiles only when asked to again: --profile-steps is this launch's, not the run's
+    again = tmp_path / "again"
+    run_trainer(["--log-dir", str(again), "--resume", str(log_dir / "ckpt_000001.pt")])
+    assert (again / "ckpt_000006.pt").exists() and not (again / "profile").exists()
+
+
+@pytest.mark.parametrize("value, error", [("5:3", "step A comes after step B"), ("-1:3", "not A:B"),
+                                          ("1.5:3", "not A:B"), ("3", "not A:B"), ("a:b", "not A:B"),
+                                          ("2:6", "ends after the run's last step, 5")])
+def test_bad_profile_steps_are_one_line_errors(value, error, tmp_path):
+    p = run_trainer(tiny(log_dir=tmp_path / "run", max_steps=6) + [f"--profile-steps={value}"], check=False)
+    assert p.returncode == 2 and error in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_memory_snapshot_is_refused_off_cuda(data_dir, tmp_path):
+    """A CUDA allocator's history is all it records: on a CPU it would be silently nothing."""
+    p = run_trainer(tiny(data_dir=data_dir, log_dir=tmp_path / "run", memory_snapshot=True), check=False)
+    assert p.returncode == 2 and "--memory-snapshot" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_ladder_profiles_the_first_repeat_of_each_rung(tmp_path, capsys):
+    rc, doc, r = run(tmp_path, "--in-process", "--rungs", "fp32", "--repeats", "2", "--profile-steps", "1:2")
+    assert rc == 0 and r["fp32"]["status"] == "ok"
+    trace, = (tmp_path / "profile").glob("fp32.steps1-2.*.pt.trace.json.gz")
+    steps, ops = profiled_steps(trace)
+    assert sorted(steps) == ["ProfilerStep#1", "ProfilerStep#2"] and "aten::mm" in {e["name"] for e in ops}
+    first, second = r["fp32"]["repeats"]
+    assert str(trace) in first["profile"][0] and not second["profile"]
+    assert "steps 1-2 profiled: the profiler's cost is in their times" in r["fp32"]["notes"]
+    assert first["profile"][1] in capsys.readouterr().out
+    with pytest.raises(UserError, match="a rung runs steps 0 to 2"):
+        ladder.parse_args(TINY + ["--profile-steps", "2:3"])
