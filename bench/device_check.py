@@ -20,6 +20,8 @@ Steps, each a subprocess with its own time limit; a failure is reported and the 
   bench_hellaswag, bench_sample, bench_core   the benchmarks of BENCHMARKS.md on this device
   compile_gate   whether torch.compile can run here (Triton needs compute capability 7.0+), and
                  what the trainer's header says about it
+  syncs      host-device syncs in one training step (CUDA's sync debug mode), AdamW and Muon, bf16
+             and fp16 with the gradient scaler: 1 expected, the read of the step's loss and norm
   probe      the micro-batch auto-fit with this process allowed 30% of the GPU's memory: sizes that
              fit on the whole card fail here, and the probe must take a smaller one and train
   oom_snapshot   a micro-batch of a million tokens with --memory-snapshot: out of memory at the
@@ -174,6 +176,46 @@ def flags(settings):
     return out
 
 
+def count_syncs(data_dir, device):
+    """Print the host-device syncs in one training step (CUDA's sync debug mode), for AdamW and for
+    Muon with AdamW, in bf16 where the GPU has it and in fp16 with the gradient scaler; exit status 1
+    unless each is 1, the read of the step's loss, norm and stop flag together."""
+    import warnings
+    import torch
+    import optim
+    import train_gpt2
+    from dataloader import TokenLoader
+    from device import bf16_supported, muon_dtype
+    from model import GPT, GPTConfig
+    from parallel import Ranks
+    counts = {}
+    for dtype in (["bfloat16"] if bf16_supported(device) else []) + ["float16"]:
+        for name in ("adamw", "muon"):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=256)).to(device)
+            opt = optim.configure(model, 0.1, 6e-4, device_type="cuda", muon_lr=0.02 if name == "muon" else None,
+                                  muon_dtype=muon_dtype(device))
+            scaler = torch.amp.GradScaler("cuda", enabled=dtype == "float16")
+            loader = TokenLoader(data_dir, "train", 4, 256, device=device)
+
+            def step():
+                train_gpt2.train_step(model, opt, scaler, loader, 2, Ranks(device=device), dtype, 1.0)
+            step()  # the first step allocates the optimizer's state
+            torch.cuda.synchronize(device)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    for _ in range(3):
+                        step()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            counts[f"{name} {dtype}"] = sum("synchroniz" in str(w.message) for w in caught) / 3
+    print("syncs per step | " + ", ".join(f"{k} {v:g}" for k, v in counts.items()), flush=True)
+    sys.exit(0 if all(v == 1 for v in counts.values()) else 1)
+
+
+SYNCS = "import sys; sys.path.insert(0, 'bench'); import device_check; device_check.count_syncs(*sys.argv[1:])"
 # the probe's process may take 30% of the GPU's memory: the sizes that fit on the whole card do not
 PROBE = ("import runpy, sys, torch; torch.cuda.set_per_process_memory_fraction(0.3); sys.argv = sys.argv[1:]; "
          "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -227,6 +269,7 @@ def plan(args, machine, out):
         # the GPU-readiness checks: compile gating, the probe under memory pressure, a resume with a
         # smaller micro-batch, FSDP
         "compile_gate": Step([PY, "-c", GATE, args.device]),
+        "syncs": Step([PY, "-c", SYNCS, args.data_dir, args.device]),
         "probe": Step([PY, "-c", PROBE, "train_gpt2.py"] + trainer("probe", max_steps=3)),
         # a step of a million tokens per micro-batch runs out of memory on any GPU: the snapshot is written
         "oom_snapshot": Step([PY, "train_gpt2.py"] + trainer("oom", block_size=1024, micro_batch_size=1024,
@@ -238,8 +281,8 @@ def plan(args, machine, out):
         "fsdp": Step([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
                      + trainer("fsdp", sharding="fsdp", max_steps=6, sample_every=3, num_samples=2)),
     }
-    if not cuda:  # float16 autocast, the memory fraction and the allocator's snapshots are CUDA's
-        del steps["fp16"], steps["probe"], steps["oom_snapshot"]
+    if not cuda:  # float16 autocast, the memory fraction, the allocator's snapshots and sync debugging are CUDA's
+        del steps["fp16"], steps["probe"], steps["oom_snapshot"], steps["syncs"]
     if machine.gpus < 2:  # NCCL needs one GPU per rank
         del steps["fsdp"]
     return steps
@@ -296,7 +339,8 @@ def main(argv=None):
         if r["name"].startswith("bench_"):  # the speed ratios the benchmark printed last
             figures[r["name"]] = " / ".join(m for l in r["tail"] for m in re.findall(r"(\d+\.\d+x)", l))
     figures["micro_b"] = same_losses(os.path.join(out, "micro_a"), os.path.join(out, "micro_b"))
-    for name, prefix in (("compile_gate", "capability"), ("probe", "batch "), ("oom_snapshot", "out of memory at")):
+    for name, prefix in (("compile_gate", "capability"), ("probe", "batch "), ("oom_snapshot", "out of memory at"),
+                         ("syncs", "syncs per step")):
         figures[name] = first_line(os.path.join(out, f"{name}.log"), prefix)
     print(f"\n{'step':16s} {'result':8s} {'seconds':>8s}  figure")
     for r in results:
