@@ -22,7 +22,6 @@ import common  # noqa: E402
 import dataloader  # noqa: E402
 import fineweb  # noqa: E402
 import fineweb_source  # noqa: E402
-import shard_writer  # noqa: E402
 from common import UserError, run_main  # noqa: E402
 from tokenizer import EOT_TOKEN, get_tokenizer  # noqa: E402
 
@@ -139,7 +138,7 @@ def test_shards_and_manifest(tmp_path):
     for s in m["shards"]:
         arr = np.load(out / s["name"])
         assert arr.dtype == np.uint16 and len(arr) == s["tokens"] and arr.max() == s["max_token"]
-        assert shard_writer.sha256_file(out / s["name"]) == s["sha256"]
+        assert fineweb.sha256_file(out / s["name"]) == s["sha256"]
     assert np.load(out / names[0])[0] == EOT_TOKEN  # every document starts with <|endoftext|>
     np.testing.assert_array_equal(stream_of(out), want)
     fineweb.main(["--out-dir", str(out), "--verify"])
@@ -326,7 +325,7 @@ def test_disk_full_keeps_earlier_shards(tmp_path, capsys, monkeypatch):
     free space is what tells; an ENOSPC says it by itself."""
     data = write_jsonl(tmp_path / "d.jsonl", big_docs(200, seed=5))
     args = ["--data-files", data, "--shard-size", "4000", "--val-tokens", "300"]
-    real = shard_writer.atomic_write
+    real = fineweb.atomic_write
     for error in (OSError("8000 requested and 2304 written"), OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))):
         def full_disk(path, write_fn):
             if not str(path).endswith("_000003.npy"):
@@ -336,7 +335,7 @@ def test_disk_full_keeps_earlier_shards(tmp_path, capsys, monkeypatch):
                 f.write(b"\x93NUMPY half a shard")
                 raise error
             real(path, half_then_full)
-        monkeypatch.setattr(shard_writer, "atomic_write", full_disk)
+        monkeypatch.setattr(fineweb, "atomic_write", full_disk)
         monkeypatch.setattr(common.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 9, 10 ** 9, 1000))
         out = tmp_path / f"out{error.errno}"
         err = fails(capsys, tmp_path, out, *args)
@@ -345,7 +344,7 @@ def test_disk_full_keeps_earlier_shards(tmp_path, capsys, monkeypatch):
         assert sorted(os.listdir(out)) == ["data_train_000001.npy", "data_train_000002.npy", "data_val_000000.npy",
                                            "manifest.json"]
     monkeypatch.undo()
-    monkeypatch.setattr(shard_writer, "atomic_write", real)
+    monkeypatch.setattr(fineweb, "atomic_write", real)
     prepare(tmp_path, tmp_path / "ref", *args)
     ref = shard_bytes(tmp_path / "ref")
     names = [s["name"] for s in json.load(open(tmp_path / "ref" / "manifest.json"))["shards"][:3]]
