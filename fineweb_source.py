@@ -303,7 +303,8 @@ def load_source(args, source, offline=None):
     if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
         raise UserError(f"column {args.text_column!r} of {what} holds {feature}, not text; "
                         f"choose a text column with --text-column (columns: {', '.join(columns)})")
-    ds = ds.select_columns([args.text_column])
+    if columns:  # else read_tasks checks the column, as the source says it
+        ds = ds.select_columns([args.text_column])
     if not args.streaming and len(ds) == 0:
         raise UserError(f"the input is empty: {what} has no documents")
     return ds

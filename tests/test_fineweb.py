@@ -294,6 +294,10 @@ def test_missing_column_and_empty_text_leave_no_out_dir(tmp_path, capsys):
     data = write_parquet(tmp_path / "d.parquet", DOCS, column="content")
     err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", data)
     assert "no column 'text'" in err and "content" in err and "--text-column" in err
+    text = tmp_path / "t.txt"  # streamed text files name their column only as they are read
+    text.write_text("one line\n")
+    err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", str(text), "--streaming", "--text-column", "body")
+    assert re.search(r"no column 'body'.*text.*--text-column", err), err
     (tmp_path / "empty.txt").write_text("")
     assert "empty" in fails(capsys, tmp_path, tmp_path / "out", "--data-files", str(tmp_path / "empty.txt"))
     assert not os.path.exists(tmp_path / "out")
