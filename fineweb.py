@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from common import ArgumentParser, UserError, atomic_write, check_output_dir, out_of_space, run_main
-from fineweb_source import check_utf8, describe, describe_source, hub_problem, load_source, read_tasks, text_bytes
+from fineweb_source import check_utf8, describe, describe_source, load_source, read_tasks, text_bytes
 from provenance import versions
 from shard_format import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, read_manifest, remedy, shard_name
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, get_tokenizer
@@ -453,7 +453,7 @@ def tokenize_into_shards(args, ds, pool, manifest):
     writer = ShardWriter(args.out_dir, manifest, progress.bar.write)
     end, nulls = [doc, skip], 0
     try:
-        tasks = read_tasks(ds, doc, args.text_column, manifest["source"], args.encoding_errors)
+        tasks = read_tasks(ds, doc, manifest["source"])
         for tokens, lens, nbytes in ordered_map(_encode_task, tasks, pool, TASKS_PER_WORKER * args.workers):
             if skip:  # the document where the last kept shard ended: drop what that shard has
                 tokens, lens = tokens[skip:], lens.copy()
@@ -495,7 +495,6 @@ def prepare(args):
     keep = plan_resume(out_dir, previous, args.max_tokens) if previous else []
     if source.get("encoding_errors") == "strict":
         check_utf8(source["data_files"])
-    offline = hub_problem(args, source)
 
     pool = manifest = None
     created = not os.path.isdir(out_dir)
@@ -506,16 +505,9 @@ def prepare(args):
         ctx = multiprocessing.get_context(args.start_method)
         pool = ctx.Pool(args.workers, _init_worker, (get_tokenizer(),))
     try:
-        print(f"loading {describe(source)}")
-        ds = load_source(args, source, offline)
+        print(f"loading {describe(source)}, column {args.text_column!r}")
+        ds = load_source(args, source)
         n_docs = None if args.streaming else len(ds)  # unknown when streaming
-        # too little text for a val and a train split (a token each) is known before tokenizing: each
-        # token of GPT-2's byte-level BPE has a byte of text at least, plus one <|endoftext|> a document
-        # (a null text is none: encode_documents)
-        column = None if args.streaming else ds.data.column(args.text_column)
-        if column is not None and text_bytes(column) + n_docs - column.null_count < 2:
-            raise UserError(f"{describe(source)} makes at most 1 token, too few for a validation and a train "
-                            "split: add text")
         known = previous.get("num_documents") if previous else None
         if None not in (n_docs, known) and n_docs != known:
             raise UserError(f"the source now has {n_docs:,} documents, the shards in {out_dir} were made "
