@@ -443,12 +443,6 @@ def test_too_little_text_fails_before_tokenizing(tmp_path, capsys, monkeypatch):
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_token_id_beyond_uint16():
-    with pytest.raises(UserError, match="does not fit in uint16"):
-        fineweb.to_uint16(np.array([1, 70000], dtype=np.uint32))
-    assert fineweb.to_uint16(np.array([0, 65535], dtype=np.uint32)).dtype == np.uint16
-
-
 def test_config_and_split_not_found(tmp_path):
     """A local dataset directory with a named config (no network needed)."""
     os.makedirs(tmp_path / "ds" / "data")
