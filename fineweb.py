@@ -309,9 +309,8 @@ def check_out_dir(out_dir, settings):
 
 
 def plan_resume(out_dir, manifest, max_tokens):
-    """Shards of an earlier run to keep: a val shard of --val-tokens, then the leading full train shards. A
-    smaller val shard was sized by where that run's stream ended and a partial last shard ends there, so both
-    are made again: going on later gives the same bytes."""
+    """Shards of an earlier run to keep: a val shard of --val-tokens, then the leading full train shards. A smaller
+    val shard and a partial last one were cut where that run's stream ended, so they are made again."""
     keep = []
     for s in manifest["shards"]:
         full = manifest["val_tokens"] if s["split"] == "val" else manifest["shard_size"]
@@ -361,8 +360,7 @@ def position_after(n, first_doc, ends, skip):
 
 def tokenize_into_shards(args, ds, pool, manifest):
     """Go on from the manifest's last shard to the end of the source (or --max-tokens); returns the tokens in
-    shards, the null texts skipped and this run's tokens per second. The progress bar's total is estimated from
-    the text left (known unless streaming) at this run's tokens per byte."""
+    shards, the null texts skipped and this run's tokens per second. The bar's total is estimated from the text."""
     from tqdm import tqdm
     doc, skip = manifest["shards"][-1]["end"] if manifest["shards"] else (0, 0)
     done = before = sum(s["tokens"] for s in manifest["shards"])

@@ -250,10 +250,7 @@ def load_source(args, source):
     try:
         with datasets_errors_held():
             if "data_files" in source:
-                if source["kind"] == "text":
-                    kwargs["sample_by"] = source["sample_by"]
-                if source["kind"] in ("text", "json"):
-                    kwargs["encoding_errors"] = source["encoding_errors"]
+                kwargs.update({k: source[k] for k in ("sample_by", "encoding_errors") if k in source})
                 ds = datasets.load_dataset(source["kind"], data_files=source["data_files"], **kwargs)
             elif offline:
                 ds = None if args.streaming else load_cached(args, kwargs)
