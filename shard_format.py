@@ -1,7 +1,7 @@
 """
-The token-shard directory's format, said once for both sides: shard_writer.py writes it (for
-fineweb.py), dataloader.py reads it (for the trainer). Names, the manifest, the token dtype, and
-what to do about a directory that is missing, damaged or unfinished.
+The token-shard directory's format, said once for both sides: fineweb.py writes it, dataloader.py
+reads it (for the trainer). Names, the manifest, the token dtype, and what to do about a directory
+that is missing, damaged or unfinished.
 
 A directory holds <prefix>_val_000000.npy, then <prefix>_train_000001.npy, ... (plain uint16
 .npy files, as in build-nanogpt) and manifest.json, which lists each shard with its token count,

@@ -37,14 +37,11 @@ def gpt2_bpe_files():
 
 @functools.lru_cache(maxsize=None)
 def get_tokenizer():
-    """The tiktoken 'gpt2' encoding, identical to tiktoken.get_encoding('gpt2'), built offline."""
+    """The tiktoken 'gpt2' encoding, built offline."""
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
-    encoder_json, vocab_bpe = gpt2_bpe_files()
-    # local paths: tiktoken reads them from disk and checks the hashes we pass
-    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=vocab_bpe, encoder_json_file=encoder_json,
-                                            vocab_bpe_hash=VOCAB_BPE_SHA256,
-                                            encoder_json_hash=ENCODER_JSON_SHA256)
+    encoder_json, vocab_bpe = gpt2_bpe_files()  # hash-checked there, so not again by tiktoken
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=vocab_bpe, encoder_json_file=encoder_json)
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT_TOKEN}, explicit_n_vocab=VOCAB_SIZE)
