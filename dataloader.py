@@ -6,7 +6,7 @@ of a DDP run, resumable to the exact batch. Shards from build-nanogpt (no manife
     loader = TokenLoader("edu_fineweb10B", "train", batch_size=16, seq_len=1024, rank=0, world_size=1)
     x, y = loader.next_batch()
 
-The format is shard_format.py's, which the writer (shard_writer.py, for fineweb.py) shares. The
+The format is shard_format.py's, which the writer (fineweb.py) shares. The
 trainer imports this file, so it needs only numpy and torch: no writer, no `datasets`, no tokenizer.
 """
 

@@ -235,12 +235,12 @@ def test_reads_fineweb_output(tmp_path):
 
 def test_trainer_imports_no_writer():
     """The trainer reads shards through dataloader.py, which holds no writing code: the writer
-    (shard_writer.py), fineweb.py's source and `datasets` stay out of the trainer's imports."""
+    (fineweb.py), its source and `datasets` stay out of the trainer's imports."""
     assert [name for name in ("ShardWriter", "write_manifest", "plan_resume", "verify", "sha256_file", "intact",
                               "val_size", "VAL_SHARE") if hasattr(dataloader, name)] == []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import sys, train_gpt2, dataloader; "
-            "print(sorted(m for m in ('shard_writer', 'fineweb', 'fineweb_source', 'datasets') if m in sys.modules))")
+            "print(sorted(m for m in ('fineweb', 'fineweb_source', 'datasets') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == "[]"
