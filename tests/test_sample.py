@@ -77,8 +77,8 @@ def test_stream_equals_generate(model):
     enc = tokenizer.get_tokenizer()
     tokens = [tokenizer.EOT_TOKEN]  # unconditional: the start token is not printed
     out = io.StringIO()
-    new = sample.stream_sample(model, tokens, sample.TokenPrinter(enc, out), "cpu", max_new_tokens=20,
-                               temperature=1.0, generator=torch.Generator().manual_seed(3))
+    new = sample.stream_sample(model, tokens, enc, out, "cpu", max_new_tokens=20, temperature=1.0,
+                               generator=torch.Generator().manual_seed(3))
     ref = model.generate(torch.tensor([tokens]), 20, temperature=1.0, generator=torch.Generator().manual_seed(3))
     assert new == ref[0, 1:].tolist()
     assert out.getvalue() == enc.decode(new)
@@ -101,8 +101,7 @@ def test_tokens_stream_as_generated(model):
     try:
         out = Recorder(counter)
         enc = tokenizer.get_tokenizer()
-        sample.stream_sample(model, enc.encode("Hi"), sample.TokenPrinter(enc, out), "cpu", max_new_tokens=8,
-                             temperature=0)
+        sample.stream_sample(model, enc.encode("Hi"), enc, out, "cpu", max_new_tokens=8, temperature=0)
     finally:
         hook.remove()
     # the prompt is shown before the first forward pass; then text appears after each one
@@ -118,15 +117,8 @@ def test_utf8_split_across_tokens_is_held_back():
     tokens = enc.encode(text)
     assert any(_is_partial(enc.decode_single_token_bytes(t)) for t in tokens)  # the case being tested
     out = io.StringIO()
-    printer = sample.TokenPrinter(enc, out)
-    pieces = []
-    for t in tokens:
-        before = out.getvalue()
-        printer.write_tokens([t])
-        pieces.append(out.getvalue()[len(before):])
-    printer.close()
-    assert "".join(pieces) == out.getvalue() == text
-    assert "\ufffd" not in "".join(pieces)
+    sample.print_stream(enc, tokens, out)
+    assert out.getvalue() == text and "\ufffd" not in out.getvalue()
 
 
 def _is_partial(b):
