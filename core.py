@@ -223,11 +223,7 @@ def prompts(task, item, examples):
 
 
 def common_prefix(seqs):
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        if any(s[i] != seqs[0][i] for s in seqs):
-            return i
-    return n
+    return len(os.path.commonprefix(seqs))  # lists too, element by element
 
 
 def spans(task, seqs):

@@ -59,7 +59,8 @@ def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, wor
     distributed = world_size > 1 and tdist.is_available() and tdist.is_initialized()
     # as many batches on every rank, at least the longest share's: every item is a row or more,
     # and where the rows per item vary (CORE), the ranks ask each other
-    batches = torch.tensor([-(-max(len(share.rows), share.longest) // batch_size)], device=device)
+    longest = -(-len(bench.items) // world_size)  # the items in the longest share, rank 0's
+    batches = torch.tensor([-(-max(len(share.rows), longest) // batch_size)], device=device)
     if distributed:
         tdist.all_reduce(batches, op=tdist.ReduceOp.MAX)
     steps = range(int(batches.item()))
@@ -100,7 +101,6 @@ class Share:
     items: list
     rows: list
     option_start: list
-    longest: int  # the items in the longest share, rank 0's
 
 
 def share_of(bench, block_size, rank=0, world_size=1):
@@ -111,7 +111,7 @@ def share_of(bench, block_size, rank=0, world_size=1):
         these = bench.rows(item, block_size)
         rows += these
         option_start.append(option_start[-1] + n_options(these))
-    return Share(mine, rows, option_start, len(bench.items[::world_size]))
+    return Share(mine, rows, option_start)
 
 
 @torch.no_grad()
@@ -273,12 +273,10 @@ def parse_args(p, argv, json_holds, cache):
     (cache: cache_dir's env and name)."""
     env, name = cache
     p.add_argument("--cache-dir", default=None, help=f"where the download is kept (default ${env} or ~/.cache/{name})")
-    p.add_argument("--model", required=True,
-                   help="Hugging Face name or directory (gpt2, gpt2-medium, ...), a checkpoint written "
-                        "by train_gpt2.py, or a log directory (its latest checkpoint)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="items per forward pass (default: 16 on a GPU; 4 on CPU, where larger "
-                        "batches measured slower, see BENCHMARKS.md)")
+    p.add_argument("--model", required=True, help="a checkpoint written by train_gpt2.py, a log directory (its "
+                                                  "latest checkpoint), or a Hugging Face name or directory (gpt2, ...)")
+    p.add_argument("--batch-size", type=int, default=None, help="items per forward pass (default: 16 on a GPU, 4 on "
+                                                                "CPU, where larger measured slower: BENCHMARKS.md)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     p.add_argument("--dtype", default="auto",
                    help="autocast dtype: auto, bfloat16, float16, float32 (default auto: bf16 on recent "
