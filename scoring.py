@@ -124,11 +124,11 @@ def idle_forward(model, device, dtype):
 @torch.no_grad()
 def scored_batches(model, rows, device, dtype="float32", batch_size=4):
     """Scores rows ([(prefix, [(own context, continuation)])], each fitting the model's block_size)
-    batch by batch, yielding after each forward pass the same three tensors (sums, counts, exact: one
-    entry per option, float64, float64, bool) with the rows scored so far filled in. An empty
-    continuation is not scored: sum 0, count 0 (a NaN mean) and exact. An option the same as one
-    before it is scored once and shares its scores: elsewhere, the same tokens can round differently
-    in the last bits, and a pick between equal options must not follow the batching."""
+    batch by batch, yielding after each forward pass; the last yield holds every option's (sums,
+    counts, exact): float64, float64, bool. An empty continuation is not scored: sum 0, count 0 (a
+    NaN mean) and exact. An option the same as one before it is scored once and shares its scores:
+    elsewhere, the same tokens can round differently in the last bits, and a pick between equal
+    options must not follow the batching."""
     total = n_options(rows)
     stand_in = list(range(total))  # each option's scores come from this one: itself, or the first one like it
     todo, first_of = [], {}  # todo: the rows to pack, [(prefix, [(option index, own, continuation)])]
@@ -151,9 +151,8 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
     order = sorted(range(len(todo)), key=lambda i: -len(packed[i][0]))  # longest first: an OOM shows at once
     counts = torch.tensor([len(c) for _, options in rows for _, c in options], dtype=torch.float64)
     sums = torch.zeros(total, dtype=torch.float64)
-    exact = counts == 0
+    exact = torch.ones(total, dtype=torch.bool)
     stand_in = torch.tensor(stand_in, dtype=torch.long)
-    copies = torch.nonzero(stand_in != torch.arange(total)).flatten()
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
         T = -(-max(len(packed[i][0]) for i in batch) // bucket) * bucket
@@ -177,15 +176,11 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
                                        torch.tensor(targets, device=device))
         option_of = torch.tensor(option_of)
         sums.index_add_(0, option_of, losses.double().cpu())
-        missed = torch.zeros(total, dtype=torch.long).index_add_(0, option_of, (~greedy).long().cpu())
-        touched = torch.zeros(total, dtype=torch.bool)
-        touched[option_of] = True
-        exact |= touched & (missed == 0)
-        sums[copies], exact[copies] = sums[stand_in[copies]], exact[stand_in[copies]]
-        yield sums, counts, exact
+        exact[option_of[~greedy.cpu()]] = False
+        yield sums[stand_in], counts, exact[stand_in]
     if rows and not todo:  # nothing to score: a forward pass all the same, as the other ranks make theirs
         idle_forward(model, device, dtype)
-        yield sums, counts, exact
+        yield sums[stand_in], counts, exact[stand_in]
 
 
 def n_options(rows):
