@@ -151,8 +151,7 @@ def main(argv=None, stdin=None, stdout=None):
     model, what = checkpoint.load_model(args.model, device)
     enc = get_tokenizer()
     tokens = encode_prompt(enc, prompt, model.config.block_size)
-    print(f"sampling from {what} on {device_name(device)} ({dtype}), seed {args.seed}",
-          file=sys.stderr, flush=True)
+    print(f"sampling from {what} on {device_name(device)} ({dtype}), seed {args.seed}", file=sys.stderr, flush=True)
     if len(tokens) + args.max_new_tokens > model.config.block_size + 1:
         print(f"note: prompt + new tokens exceed the context of {model.config.block_size}: later tokens see only "
               "the last part of the text, and generation slows down (no key/value cache)", file=sys.stderr, flush=True)

@@ -273,9 +273,8 @@ def parse_args(p, argv, json_holds, cache):
     p.add_argument("--batch-size", type=int, default=None, help="items per forward pass (default: 16 on a GPU, 4 on "
                                                                 "CPU, where larger measured slower: BENCHMARKS.md)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
-    p.add_argument("--dtype", default="auto",
-                   help="autocast dtype: auto, bfloat16, float16, float32 (default auto: bf16 on recent "
-                        "GPUs, fp32 on CPU); losses are always computed in float32")
+    p.add_argument("--dtype", default="auto", help="autocast dtype: auto, bfloat16, float16, float32 (default auto: "
+                                                   "bf16 on recent GPUs, fp32 on CPU); losses are always in float32")
     p.add_argument("--compile", action="store_true", help="torch.compile the model first")
     p.add_argument("--json", action="store_true",
                    help=f"print one JSON line ({json_holds}) on stdout; the summary goes to stderr")
