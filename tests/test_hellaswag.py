@@ -201,7 +201,7 @@ def rank_worker(rank, world_size, port, ckpt, data, out):
     for asked_at in (None, 2):  # never; rank 1 asks before the 2nd batch
         should_stop, calls = collective_stop(asked_at)
         outcome = evaluate(model, items, "cpu", batch_size=1, rank=ranks.rank, world_size=ranks.world_size,
-                                     should_stop=should_stop)
+                           should_stop=should_stop)
         stops.append({"calls": len(calls), "result": outcome})
     parallel.teardown_distributed()
     with open(f"{out}{rank}.json", "w") as f:
@@ -270,8 +270,8 @@ def test_should_stop_called_as_often_on_every_rank(model, n, world_size, batch_s
     calls, scored = [], 0
     for rank in range(world_size):
         stop = StopAfter()
-        scored += evaluate(model, ITEMS[:n], "cpu", batch_size=batch_size, rank=rank,
-                                     world_size=world_size, should_stop=stop)["n"]
+        scored += evaluate(model, ITEMS[:n], "cpu", batch_size=batch_size, rank=rank, world_size=world_size,
+                           should_stop=stop)["n"]
         calls.append(stop.calls)
     assert scored == n
     longest_share = -(-n // world_size)
