@@ -9,10 +9,10 @@ the yardstick of nanochat's time-to-GPT-2 leaderboard. As nanochat measures it (
     python core.py --model log/hf --tasks arc_easy,piqa --json
     torchrun --nproc_per_node=8 core.py --model log/ckpt_019073.pt
 
-The tasks come from the DCLM eval bundle (the one nanochat uses): core.yaml lists them (type,
-few-shot count, the delimiter between question and answer), eval_meta_data.csv holds their random
-baselines (in percent), eval_data/ one JSONL per task. It is downloaded once into a cache, or read
-from --bundle-dir. Three kinds of task:
+The tasks come from the DCLM eval bundle (the one nanochat uses), downloaded once into a cache or
+read from --bundle-dir: core.yaml lists them (type, few-shot count, the delimiter between question
+and answer), eval_meta_data.csv holds their random baselines (in percent), eval_data/ one JSONL per
+task. Three kinds of task:
     multiple_choice    one question, several answers: the lowest mean loss per answer token wins
     schema             several contexts, one continuation: the context under which the
                        continuation has the lowest mean loss wins
@@ -30,10 +30,6 @@ begin every other answer's, its scored span is empty and its mean loss NaN; nano
 min() and list.index, which takes such an answer when it comes first and never otherwise. Schema
 options with identical contexts are all empty, so the first is picked. Identical options get
 identical scores, and the first of equal means is picked.
-
-Scoring is scoring.py's evaluation, shared with hellaswag.py, over CORE's own pieces (the class
-Core): all options of an item in one packed row, many items per forward pass, items split over
-torchrun ranks and the counts summed.
 """
 
 import csv
@@ -42,13 +38,13 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import zipfile
 from dataclasses import dataclass, field
 
 import common
 import scoring
+from common import UserError
 from tokenizer import EOT_TOKEN, get_tokenizer
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # ~162 MB, nanochat's
@@ -58,15 +54,11 @@ N_CORE_TASKS = 22
 GPT2_CORE = {"124M": 0.1139, "355M": 0.1849, "774M": 0.2146, "1.5B": 0.2565}
 SHUFFLE_SEED = 1337  # each task's items are shuffled with this before --limit (nanochat's base_eval)
 FEWSHOT_SEED = 1234  # item i's few-shot examples: random.Random(FEWSHOT_SEED + i)
-READ_TIMEOUT = 60
-
-# ----------------------------------------------------------------------------------------------
-# The bundle
-
-
-def default_cache_dir():
-    """Where the downloaded bundle is kept: $CORE_CACHE or ~/.cache/gpt2-core."""
-    return os.environ.get("CORE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gpt2-core")
+CACHE = ("CORE_CACHE", "gpt2-core")  # where the download is kept: $CORE_CACHE, else ~/.cache/gpt2-core
+# an item's fields and their types, per task type
+FIELDS = {"multiple_choice": {"query": str, "choices": list, "gold": int},
+          "schema": {"context_options": list, "continuation": str, "gold": int},
+          "language_modeling": {"context": str, "continuation": str}}
 
 
 def is_bundle(path):
@@ -74,26 +66,21 @@ def is_bundle(path):
 
 
 def download(cache_dir=None, flag="--bundle-dir"):
-    """The cached bundle's directory, fetched and unpacked once (scoring.download; then no network
-    is asked), whole or absent. flag: the option an error names for a local copy."""
-    bundle = os.path.join(cache_dir or default_cache_dir(), "eval_bundle")
+    """The cached bundle's directory, downloaded and unzipped once (scoring.download)."""
     hint = f"download {BUNDLE_URL} on a machine with network access, unzip it and pass {flag} path/to/eval_bundle"
 
-    def unzip(response, tmp):
-        archive = os.path.join(tmp, "eval_bundle.zip")
-        with open(archive, "wb") as f:
-            shutil.copyfileobj(response, f)
+    def unzip(archive, tmp):
         with zipfile.ZipFile(archive) as z:
             z.extractall(tmp)
         if not is_bundle(os.path.join(tmp, "eval_bundle")):
-            raise common.UserError(f"{BUNDLE_URL} holds no eval_bundle/core.yaml; {hint}")
+            raise UserError(f"{BUNDLE_URL} holds no eval_bundle/core.yaml; {hint}")
         return os.path.join(tmp, "eval_bundle")
-    return scoring.download(BUNDLE_URL, bundle, "the CORE bundle", hint, unzip, READ_TIMEOUT, is_bundle)
+    return scoring.download(BUNDLE_URL, os.path.join(scoring.cache_dir(cache_dir, *CACHE), "eval_bundle"),
+                            "the CORE bundle", hint, unzip, is_bundle)
 
 
 @dataclass
 class Task:
-    """One task of the bundle."""
     label: str
     kind: str            # one of TASK_TYPES
     path: str            # its JSONL
@@ -104,139 +91,103 @@ class Task:
 
 
 def read_tasks(bundle_dir, only=None, flag="--bundle-dir"):
-    """The bundle's tasks in core.yaml's order (only: a list of labels, in that order), baselines
-    from eval_meta_data.csv; one line naming the file (its line, the task) for anything malformed.
-    flag: the option that named bundle_dir (the trainer's is --core-bundle)."""
+    """The bundle's tasks in core.yaml's order (only: the labels to keep), baselines from
+    eval_meta_data.csv. flag: the option that named bundle_dir (the trainer's is --core-bundle)."""
     import yaml
-    if not os.path.isdir(bundle_dir):
-        raise common.UserError(f"{bundle_dir} is not a directory: pass the unzipped eval_bundle to {flag}")
+    if not is_bundle(bundle_dir):
+        raise UserError(f"{bundle_dir} is not a directory with core.yaml in it: pass the unzipped eval_bundle "
+                        f"to {flag}")
     spec_path = os.path.join(bundle_dir, "core.yaml")
     meta_path = os.path.join(bundle_dir, "eval_meta_data.csv")
-    for path in (spec_path, meta_path):
-        if not os.path.isfile(path):
-            raise common.UserError(f"{bundle_dir} has no {os.path.basename(path)}: pass the unzipped eval_bundle "
-                                   f"(it holds core.yaml, eval_meta_data.csv and eval_data/)")
     try:
-        spec = yaml.safe_load(read_text(spec_path))
-    except yaml.YAMLError as e:
-        raise common.UserError(f"{spec_path} is not valid YAML ({common.first_line(e)})")
-    entries = spec.get("icl_tasks") if isinstance(spec, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise common.UserError(f"{spec_path} has no icl_tasks list")
-    baselines = read_baselines(meta_path)
-    tasks, numbers = [], {}
-    for n, entry in enumerate(entries, 1):
-        try:
-            label, kind = entry["label"], entry["icl_task_type"]
-            shots = entry["num_fewshot"][0] if isinstance(entry["num_fewshot"], list) else entry["num_fewshot"]
-            uri = entry["dataset_uri"]
-        except (KeyError, TypeError, IndexError):
-            raise common.UserError(f"{spec_path}: task {n} needs label, dataset_uri, num_fewshot and icl_task_type")
-        if isinstance(label, (int, float)) and not isinstance(label, bool):
-            label = str(label)  # YAML reads `label: 2020` as a number; the csv names the task by its text
-        if not isinstance(label, str) or not isinstance(uri, str):
-            raise common.UserError(f"{spec_path}: task {n}'s label and dataset_uri must be text")
-        if label in numbers:  # else one would hide the other in the report, and CORE count it twice
-            raise common.UserError(f"{spec_path}: tasks {numbers[label]} and {n} are both labelled {label}: "
-                                   f"give each task its own label")
-        numbers[label] = n
+        reader = csv.DictReader(io.StringIO(read_text(meta_path), newline=""))
+        baselines = {row["Eval Task"]: (row["Random baseline"], reader.line_num) for row in reader}
+        # YAML reads `label: 2020` as a number; num_fewshot is a list of one
+        entries = [(str(e["label"]), e["icl_task_type"], e["num_fewshot"][0], e["dataset_uri"],
+                    e.get("continuation_delimiter", " ")) for e in yaml.safe_load(read_text(spec_path))["icl_tasks"]]
+    except (KeyError, TypeError, IndexError, csv.Error, yaml.YAMLError) as e:
+        raise UserError(f"{bundle_dir} is not a DCLM eval_bundle: its core.yaml or eval_meta_data.csv does not "
+                        f"read ({type(e).__name__} {common.first_line(e)})")
+    tasks = {}
+    for n, (label, kind, shots, uri, delimiter) in enumerate(entries, 1):
+        if label in tasks:  # else one would hide the other in the report, and CORE count it twice
+            raise UserError(f"{spec_path}: tasks {list(tasks).index(label) + 1} and {n} are both labelled {label}: "
+                            f"give each task its own label")
         if kind not in TASK_TYPES:
-            raise common.UserError(f"{spec_path}: task {label} has the unknown type {kind!r} "
-                                   f"(known: {', '.join(TASK_TYPES)})")
-        if not isinstance(shots, int) or shots < 0:
-            raise common.UserError(f"{spec_path}: task {label} has num_fewshot {shots!r}, not a whole number")
-        delimiter = entry.get("continuation_delimiter", " ")
+            raise UserError(f"{spec_path}: task {label} has the unknown type {kind!r} (known: {', '.join(TASK_TYPES)})")
         if not isinstance(delimiter, str):  # a bare `null` would be rendered as "None"
-            shown = "null" if delimiter is None else repr(delimiter)
-            raise common.UserError(f"{spec_path}: task {label} has the continuation_delimiter {shown}: give a "
-                                   f"string in quotes, or leave it out for a space")
+            raise UserError(f"{spec_path}: task {label} has the continuation_delimiter {json.dumps(delimiter)}: give "
+                            f"a string in quotes, or leave it out for a space")
         if label not in baselines:
-            raise common.UserError(f"{meta_path} has no random baseline for task {label} (its 'Eval Task' column)")
+            raise UserError(f"{meta_path} has no random baseline for task {label} (its 'Eval Task' column)")
         text, line = baselines[label]
         try:
             baseline = float(text)
         except (TypeError, ValueError):
             baseline = math.nan
         if not 0 <= baseline < 100:  # NaN too; 100 would centre by dividing by zero
-            raise common.UserError(f"{meta_path} line {line}: task {label} has the random baseline {text!r}: give "
-                                   f"the accuracy of chance in percent, at least 0 and below 100")
-        tasks.append(Task(label, kind, os.path.join(bundle_dir, "eval_data", uri), shots, delimiter, baseline / 100))
-    if only:
-        known = {t.label: t for t in tasks}
-        unknown = [name for name in only if name not in known]
-        if unknown:
-            raise common.UserError(f"--tasks: no task {unknown[0]!r} in {spec_path}; the tasks: "
-                                   f"{', '.join(known)}")
-        tasks = [t for t in tasks if t.label in only]
-    return tasks
-
-
-def read_baselines(meta_path):
-    """eval_meta_data.csv's random baselines: {task: (its 'Random baseline' text, its line)}."""
-    reader = csv.DictReader(io.StringIO(read_text(meta_path), newline=""))
-    try:
-        return {row["Eval Task"]: (row["Random baseline"], reader.line_num) for row in reader}
-    except KeyError as e:
-        raise common.UserError(f"{meta_path} is not the bundle's table: it has no column {e} (it needs "
-                               f"'Eval Task' and 'Random baseline')")
-    except csv.Error as e:
-        raise common.UserError(f"{meta_path} line {reader.line_num} is not CSV ({common.first_line(e)})")
+            raise UserError(f"{meta_path} line {line}: task {label} has the random baseline {text!r}: give "
+                            f"the accuracy of chance in percent, at least 0 and below 100")
+        tasks[label] = Task(label, kind, os.path.join(bundle_dir, "eval_data", uri), shots, delimiter, baseline / 100)
+    for name in only or []:
+        if name not in tasks:
+            raise UserError(f"--tasks: no task {name!r} in {spec_path}; the tasks: {', '.join(tasks)}")
+    return [t for t in tasks.values() if not only or t.label in only]
 
 
 def read_text(path, where=""):
-    """A bundle file's text, without the byte-order mark that Excel's "CSV UTF-8" and some editors
-    put first; one line naming the line that is not UTF-8 (where: what to say first)."""
-    with open(path, "rb") as f:
-        data = f.read()
+    """A bundle file's text, without the byte-order mark Excel's "CSV UTF-8" puts first; one line
+    naming the line that is not UTF-8 (where: what to say first)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"{where}cannot read {path} ({e.strerror}): pass the unzipped eval_bundle, whole")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise common.UserError(f"{where}{path} line {line}: not UTF-8 text ({e.reason}): save the file as UTF-8")
-
-
-FIELDS = {"multiple_choice": {"query": str, "choices": list, "gold": int},
-          "schema": {"context_options": list, "continuation": str, "gold": int},
-          "language_modeling": {"context": str, "continuation": str}}
+        raise UserError(f"{where}{path} line {line}: not UTF-8 text ({e.reason}): save the file as UTF-8")
 
 
 def parse_item(line, kind, where):
-    """One JSONL line of a task of this kind, checked; UserError naming the file and line."""
-    fix = "fields " + ", ".join(f"{k} ({t.__name__})" for k, t in FIELDS[kind].items())
+    """One JSONL line of a task of this kind, checked against FIELDS; UserError naming the line."""
+    fix = f"a {kind} item is a JSON object with " + ", ".join(f"{k} ({t.__name__})" for k, t in FIELDS[kind].items())
     try:
         item = json.loads(line)
     except json.JSONDecodeError as e:
-        raise common.UserError(f"{where}: {common.json_line_problem(line, e)}; a {kind} item is an object with {fix}")
-    if not isinstance(item, dict):
-        raise common.UserError(f"{where}: not a JSON object; a {kind} item has {fix}")
+        raise UserError(f"{where}: {common.json_line_problem(line, e)}; {fix}")
     for key, kind_of in FIELDS[kind].items():
-        if not isinstance(item.get(key), kind_of) or isinstance(item.get(key), bool):
-            raise common.UserError(f"{where}: {key!r} is missing or not a {kind_of.__name__}; a {kind} item has {fix}")
-    options = item.get("choices", item.get("context_options"))
-    if options is not None and not (options and all(isinstance(o, str) for o in options)
-                                    and 0 <= item["gold"] < len(options)):
-        raise common.UserError(f"{where}: its options must be strings and gold an index into them")
+        value = item.get(key) if isinstance(item, dict) else None
+        if not isinstance(value, kind_of) or isinstance(value, bool):
+            raise UserError(f"{where}: {key!r} is missing or not a {kind_of.__name__}; {fix}")
     return item
 
 
 def load_items(task, limit=None):
     """A task's items, shuffled with SHUFFLE_SEED, the first `limit` of them (None: all), each
     checked: its fields, and that its prompts leave something to score."""
-    if not os.path.isfile(task.path):
-        raise common.UserError(f"task {task.label}: its data {task.path} is missing from the bundle")
     where = f"task {task.label}: "
     lines = enumerate(io.StringIO(read_text(task.path, where), newline=None), 1)
     numbered = [(n, parse_item(line, task.kind, f"{where}{task.path} line {n}")) for n, line in lines if line.strip()]
     if not numbered:
-        raise common.UserError(f"task {task.label}: {task.path} holds no items")
-    random.Random(SHUFFLE_SEED).shuffle(numbered)  # the items' order alone would be the same: it depends on the count
-    numbered = numbered[:limit] if limit else numbered
+        raise UserError(f"{where}{task.path} holds no items")
+    random.Random(SHUFFLE_SEED).shuffle(numbered)
+    numbered = numbered[:limit]
     enc = get_tokenizer()
     for n, item in numbered:
         problem = nothing_to_score(task, item, enc)
         if problem:
-            raise common.UserError(f"{where}{task.path} line {n}: {problem}: fix the item or remove it")
+            raise UserError(f"{where}{task.path} line {n}: {problem}: fix the item or remove it")
     return [item for _, item in numbered]
+
+
+def load_tasks(bundle_dir, only, limit, flag="--bundle-dir", cache_dir=None):
+    """The tasks with their items: from bundle_dir, else the cached (downloaded) bundle."""
+    tasks = read_tasks(bundle_dir if bundle_dir is not None else download(cache_dir, flag), only, flag)
+    for task in tasks:
+        task.items = load_items(task, limit)
+    return tasks
 
 
 def fewer_shots(tasks, flag="--limit"):
@@ -245,10 +196,6 @@ def fewer_shots(tasks, flag="--limit"):
     return [f"note: task {t.label} is {t.shots}-shot, but with {len(t.items)} items each shows only the "
             f"{len(t.items) - 1} others: fewer shots than the benchmark's (a {flag} above {t.shots} gives them all)"
             for t in tasks if t.shots and t.shots >= len(t.items)]
-
-
-# ----------------------------------------------------------------------------------------------
-# Prompts
 
 
 def fewshot(items, index, shots):
@@ -261,9 +208,8 @@ def fewshot(items, index, shots):
 
 def prompts(task, item, examples):
     """The full prompt of each option, as text. Language modelling has one option and returns
-    (prompt without the continuation, prompt with it); the contexts are stripped there, and the
-    first of the two too (which drops the delimiter's trailing space: the continuation's first
-    token carries it)."""
+    (prompt without the continuation, prompt with it), contexts stripped, and the first of the two
+    too (which drops the delimiter's trailing space: the continuation's first token carries it)."""
     d = task.delimiter
     if task.kind == "multiple_choice":
         shown = "".join(f"{ex['query']}{d}{ex['choices'][ex['gold']]}\n\n" for ex in examples)
@@ -277,18 +223,12 @@ def prompts(task, item, examples):
 
 
 def common_prefix(seqs):
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        if any(s[i] != seqs[0][i] for s in seqs):
-            return i
-    return n
+    return len(os.path.commonprefix(seqs))  # lists too, element by element
 
 
 def spans(task, seqs):
     """Token sequences (each starting with <|endoftext|>) -> [(sequence, start of the scored tokens)],
-    one per option: the scored tokens run from start to the sequence's end, as nanochat finds them.
-    They are none (start = the sequence's length) where nanochat's are: for a multiple-choice answer
-    whose tokens begin every other answer's, and for schema options whose contexts are the same."""
+    one per option, the scored tokens found as nanochat finds them (none: start = the length)."""
     if task.kind == "language_modeling":
         return [(seqs[1], common_prefix(seqs))]  # len(without), unless the continuation re-merged its last tokens
     if task.kind == "multiple_choice":
@@ -300,9 +240,8 @@ def spans(task, seqs):
 
 
 def nothing_to_score(task, item, enc):
-    """Why an item's prompts leave nothing to score, or None. The item is rendered without few-shot
-    examples: they end in a blank line, after which the tokenizer starts afresh, so the end of the
-    prompts, where the scored tokens lie, is the same with them."""
+    """Why an item's prompts leave nothing to score, or None. Few-shot examples end in a blank line,
+    after which the tokenizer starts afresh: the end of the prompts is the same without them."""
     seqs = [[EOT_TOKEN] + enc.encode_ordinary(p) for p in prompts(task, item, [])]
     if task.kind == "language_modeling" and common_prefix(seqs) >= len(seqs[1]):
         return "its continuation adds no tokens to its context"
@@ -312,10 +251,9 @@ def nothing_to_score(task, item, enc):
 
 
 def rows_of(task, item, examples, enc, block_size):
-    """The item as rows for scoring.scored_batches, its options in order: one row when the options
-    fit side by side in block_size tokens (what they share before their scored tokens computed
-    once), else one row per option. Each sequence keeps its last block_size tokens (so a prompt
-    longer than the model's context loses its earliest examples)."""
+    """The item as rows for scoring.scored_batches, its options in order: one row when they fit side
+    by side in block_size tokens (what they share before their scored tokens computed once), else a
+    row per option. Each sequence keeps its last block_size tokens."""
     seqs = [[EOT_TOKEN] + enc.encode_ordinary(p) for p in prompts(task, item, examples)]
     options = []
     for seq, start in spans(task, seqs):
@@ -327,16 +265,9 @@ def rows_of(task, item, examples, enc, block_size):
     return [(s[:start], [([], s[start:])]) for s, start in options]
 
 
-# ----------------------------------------------------------------------------------------------
-# Scoring
-
-
 def judge(task, item, sums, counts, exact):
-    """Whether the model got the item right, from its options' scores (in order). Multiple choice
-    and schema pick as nanochat does, min() then list.index over the mean losses, where an option
-    with nothing scored has the mean NaN (a mean over no tokens): min() keeps a NaN that comes
-    first, and nothing is below it, so it is picked; a NaN later is never below anything, so never
-    picked. Of equal means, the first."""
+    """Whether the model got the item right, from its options' scores, by nanochat's rules: min()
+    then list.index over the mean losses, where a NaN first is picked and a NaN later never."""
     if task.kind == "language_modeling":
         return bool(exact[0])
     means = (sums / counts).tolist()
@@ -352,15 +283,14 @@ def centered(acc, baseline):
 
 
 class Core:
-    """CORE's pieces of an evaluation (scoring.evaluate): the items of all tasks, each named by
-    (task index, item index), rendered by rows_of with its few-shot examples, judged by judge()
-    and tallied per task."""
+    """CORE's pieces of an evaluation (scoring.py): the items of all tasks, each named by (task
+    index, item index), rendered with its few-shot examples, tallied per task."""
     name = "core"
 
     def __init__(self, tasks):
         self.tasks = tasks
         self.items = [(t, i) for t, task in enumerate(tasks) for i in range(len(task.items))]
-        self.tallies = (len(tasks), 1)  # a tally per task; the mark: right
+        self.tallies = (len(tasks), 1)
 
     def rows(self, item, block_size):
         t, i = item
@@ -381,41 +311,12 @@ class Core:
         return {"core": core, "tasks": results}
 
     def report(self, result):
-        """The trainer's log line and record."""
         centred = {label: r["centered"] for label, r in result["tasks"].items()}
         return f"{result['core']:.4f} over {len(centred)} tasks", dict(core=result["core"], centered=centred)
 
 
-def evaluate(model, tasks, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
-             should_stop=None, lockstep=False, share=None):
-    """Core(tasks).result() over the tasks (Task, with their items), or None if should_stop said so.
-    Every rank must call it (the counts are summed over ranks); the arguments as for
-    scoring.evaluate, share among them: this rank's scoring.share_of(Core(tasks)), when it was
-    rendered before."""
-    return scoring.evaluate(model, Core(tasks), device, dtype, batch_size, rank, world_size, progress,
-                            should_stop, lockstep, share)
-
-
-def describe(result, n_tasks_all=N_CORE_TASKS):
-    """The result as lines: one per task, then CORE against GPT-2's."""
-    lines = [f"{'task':34s} {'acc':>7s} {'centred':>8s} {'items':>6s}"]
-    for label, r in result["tasks"].items():
-        lines.append(f"{label:34s} {r['acc']:7.4f} {r['centered']:8.4f} {r['n']:6d}")
-    n = len(result["tasks"])
-    of = "" if n == n_tasks_all else f" (over {n} of the {n_tasks_all} tasks: not comparable with the references)"
-    refs = ", ".join(f"{size} {v:.4f}" for size, v in GPT2_CORE.items())
-    lines.append(f"CORE {result['core']:.4f}{of}  (OpenAI GPT-2 as nanochat measures it: {refs})")
-    return lines
-
-
-# ----------------------------------------------------------------------------------------------
-# During training
-
-
 def training_hook(bundle_dir, limit, ranks, log, lockstep):
-    """CORE inside train_gpt2.py (scoring.TrainingHook): the bundle (--core-bundle, else the cache,
-    downloaded once) read at the first call, limit items per task (--core-limit); ranks: the
-    trainer's parallel.Ranks; lockstep: every rank makes the same number of forward passes (FSDP)."""
+    """CORE inside train_gpt2.py (--core-bundle, --core-limit), read at its first call."""
     def load():
         tasks = load_tasks(bundle_dir, None, limit, "--core-bundle")
         for note in fewer_shots(tasks, "--core-limit"):
@@ -424,49 +325,34 @@ def training_hook(bundle_dir, limit, ranks, log, lockstep):
     return scoring.TrainingHook(Core.name, load, ranks, log, lockstep)
 
 
-def load_tasks(bundle_dir, only, limit, flag="--bundle-dir", cache_dir=None):
-    """The tasks with their items: from bundle_dir, else the cached (downloaded) bundle."""
-    tasks = read_tasks(bundle_dir if bundle_dir is not None else download(cache_dir, flag), only, flag)
-    for task in tasks:
-        task.items = load_items(task, limit)
-    return tasks
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
-
-
-def parse_args(argv=None):
-    """The command line, checked: one-line errors for bad values."""
+def main(argv=None):
     p = common.ArgumentParser(description="CORE (22 in-context tasks, DCLM) of a GPT-2 model.")
     p.add_argument("--bundle-dir", default=None,
                    help="the unzipped DCLM eval_bundle (core.yaml, eval_meta_data.csv, eval_data/); "
                         "default: download it once into the cache")
-    p.add_argument("--cache-dir", default=None,
-                   help="where the download is kept (default $CORE_CACHE or ~/.cache/gpt2-core)")
     p.add_argument("--tasks", default=None, help="comma-separated task labels to score (default: all 22)")
     p.add_argument("--limit", type=int, default=None,
                    help="score N items per task, the first N after a fixed shuffle (default: all)")
-    scoring.add_arguments(p, "core, and each task's acc, centred acc and items")
-    args = p.parse_args(argv)
-    scoring.check_counts(args, ("limit", "batch_size"))
-    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
-    return args
-
-
-def main(argv=None):
-    """python core.py (or under torchrun): score a model, print each task and CORE."""
-    args = parse_args(argv)
+    args = scoring.parse_args(p, argv, "core, and each task's acc, centred acc and items", CACHE)
+    only = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
 
     def load():
-        tasks = load_tasks(args.bundle_dir, args.tasks, args.limit, cache_dir=args.cache_dir)
+        tasks = load_tasks(args.bundle_dir, only, args.limit, cache_dir=args.cache_dir)
         for note in fewer_shots(tasks):
             common.print0(note, file=sys.stderr)
         return Core(tasks)
 
     def show(result, seconds):
-        n = sum(r["n"] for r in result["tasks"].values())
-        return "\n".join(describe(result) + [f"{n / seconds:.1f} items/s"])
+        lines = [f"{'task':34s} {'acc':>7s} {'centred':>8s} {'items':>6s}"]
+        for label, r in result["tasks"].items():
+            lines.append(f"{label:34s} {r['acc']:7.4f} {r['centered']:8.4f} {r['n']:6d}")
+        n = len(result["tasks"])
+        of = "" if n == N_CORE_TASKS else f" (over {n} of the {N_CORE_TASKS} tasks: not comparable with the references)"
+        refs = ", ".join(f"{size} {v:.4f}" for size, v in GPT2_CORE.items())
+        items = sum(r["n"] for r in result["tasks"].values())
+        lines += [f"CORE {result['core']:.4f}{of}  (OpenAI GPT-2 as nanochat measures it: {refs})",
+                  f"{items / seconds:.1f} items/s"]
+        return "\n".join(lines)
     scoring.run_script(args, load, lambda bench: f"{len(bench.tasks)} tasks, {len(bench.items):,} items", show)
 
 

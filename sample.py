@@ -10,6 +10,7 @@ The samples go to stdout (and nothing else does); where the model came from goes
 """
 
 import codecs
+import itertools
 import math
 import os
 import sys
@@ -22,9 +23,6 @@ from device import autocast, device_name, pick_device, pick_dtype
 from tokenizer import EOT_TOKEN, get_tokenizer
 
 SEPARATOR = "\n" + "-" * 40 + "\n"  # printed between samples
-
-# ----------------------------------------------------------------------------------------------
-# Prompt
 
 
 def read_prompt(args, stdin=None):
@@ -56,52 +54,36 @@ def encode_prompt(enc, prompt, block_size):
     return tokens
 
 
-# ----------------------------------------------------------------------------------------------
-# Streaming
+def print_stream(enc, tokens, out):
+    """Write token ids to out as text the moment each arrives. A GPT-2 token can end inside a UTF-8
+    character (emoji, CJK): its bytes wait until the character is whole."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for t in tokens:
+        out.write(decoder.decode(enc.decode_single_token_bytes(t)))
+        out.flush()
+    out.write(decoder.decode(b"", final=True))
 
 
-class TokenPrinter:
-    """Writes tokens as text the moment they arrive. A GPT-2 token can end in the middle of a UTF-8
-    character (emoji, CJK): the incremental decoder holds such bytes until the character is whole."""
-
-    def __init__(self, enc, out):
-        self.enc, self.out = enc, out
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def write_tokens(self, tokens):
-        self._emit(self.decoder.decode(b"".join(self.enc.decode_single_token_bytes(t) for t in tokens)))
-
-    def close(self):
-        self._emit(self.decoder.decode(b"", final=True))
-        self.decoder.reset()
-
-    def _emit(self, text):
-        if text:
-            self.out.write(text)
-            self.out.flush()
-
-
-def stream_sample(model, tokens, printer, device, dtype="float32", max_new_tokens=200, temperature=1.0,
+def stream_sample(model, tokens, enc, out, device, dtype="float32", max_new_tokens=200, temperature=1.0,
                   top_k=None, top_p=None, generator=None):
-    """Print the prompt, then each new token as it is generated; return the new token ids."""
-    if tokens != [EOT_TOKEN]:
-        printer.write_tokens(tokens)
+    """Print the prompt (not a lone <|endoftext|>), then each new token as it is generated; return
+    the new token ids."""
     idx = torch.tensor([tokens], dtype=torch.long, device=device)
     new = []
-    with autocast(device, dtype):
+
+    def generated():
         for nxt in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
                                          top_p=top_p, generator=generator):
             new.append(int(nxt[0]))
-            printer.write_tokens(new[-1:])
-    printer.close()
+            yield new[-1]
+    with autocast(device, dtype):
+        print_stream(enc, itertools.chain([] if tokens == [EOT_TOKEN] else tokens, generated()), out)
     return new
 
 
 def training_samples(model, tokens, num_samples, max_new_tokens, seed, device, dtype="float32", stop=None):
-    """The trainer's samples: num_samples continuations of the prompt's token ids (encode_prompt's:
-    an empty prompt is <|endoftext|>, which is not shown), top-k 50 at temperature 1, as one-line
-    strings, computed under the run's autocast dtype. stop: a common.StopFlag; a stop request ends
-    generation at the next token."""
+    """The trainer's samples: num_samples continuations of encode_prompt's tokens, top-k 50 at
+    temperature 1, as one-line strings; a stop request (stop: a common.StopFlag) ends them early."""
     enc = get_tokenizer()
     idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -121,12 +103,7 @@ def training_samples(model, tokens, num_samples, max_new_tokens, seed, device, d
     return [enc.decode(row[shown:]).replace("\n", " ") for row in rows]
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-
-
 def parse_args(argv=None):
-    """The command line, checked: one-line errors for bad values."""
     p = common.ArgumentParser(description="Sample from a GPT-2 model, streaming tokens as they come.")
     p.add_argument("--model", default="log",
                    help="checkpoint written by train_gpt2.py, a log directory (its latest checkpoint), or a "
@@ -149,23 +126,20 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="auto", help="autocast dtype: auto, bfloat16, float16, float32 "
                                                    "(default auto: bf16 on recent GPUs, fp32 on CPU)")
     args = p.parse_args(argv)
-    if args.num_samples < 1:
-        raise common.UserError(f"--num-samples must be at least 1, got {args.num_samples}")
-    if args.max_new_tokens < 1:
-        raise common.UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # nan compares False to anything
-        raise common.UserError(f"--temperature must be a number >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_k < 0:
-        raise common.UserError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
-    if not 0 < args.top_p <= 1:
-        raise common.UserError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not -2 ** 63 <= args.seed < 2 ** 64:
-        raise common.UserError(f"--seed must fit in 64 bits, got {args.seed}")
+    t = args.temperature
+    for flag, value, ok, must in (
+            ("--num-samples", args.num_samples, args.num_samples >= 1, "must be at least 1"),
+            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, "must be at least 1"),
+            ("--temperature", t, math.isfinite(t) and t >= 0, "must be a number >= 0 (0 = greedy)"),
+            ("--top-k", args.top_k, args.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("--top-p", args.top_p, 0 < args.top_p <= 1, "must be in (0, 1]"),
+            ("--seed", args.seed, -2 ** 63 <= args.seed < 2 ** 64, "must fit in 64 bits")):
+        if not ok:
+            raise common.UserError(f"{flag} {must}, got {value}")
     return args
 
 
 def main(argv=None, stdin=None, stdout=None):
-    """python sample.py: stream samples to stdout; where the model came from goes to stderr."""
     args = parse_args(argv)
     out = stdout if stdout is not None else sys.stdout
     if args.model == "log" and not os.path.isdir("log"):
@@ -177,18 +151,16 @@ def main(argv=None, stdin=None, stdout=None):
     model, what = checkpoint.load_model(args.model, device)
     enc = get_tokenizer()
     tokens = encode_prompt(enc, prompt, model.config.block_size)
-    print(f"sampling from {what} on {device_name(device)} ({dtype}), seed {args.seed}",
-          file=sys.stderr, flush=True)
+    print(f"sampling from {what} on {device_name(device)} ({dtype}), seed {args.seed}", file=sys.stderr, flush=True)
     if len(tokens) + args.max_new_tokens > model.config.block_size + 1:
         print(f"note: prompt + new tokens exceed the context of {model.config.block_size}: later tokens see only "
               "the last part of the text, and generation slows down (no key/value cache)", file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    printer = TokenPrinter(enc, out)
     for i in range(args.num_samples):
         if i:
             out.write(SEPARATOR)
-        stream_sample(model, tokens, printer, device, dtype, args.max_new_tokens, args.temperature,
+        stream_sample(model, tokens, enc, out, device, dtype, args.max_new_tokens, args.temperature,
                       args.top_k or None, args.top_p, generator)
     out.write("\n")
     out.flush()

@@ -1,5 +1,5 @@
 """
-CORE scoring speed: core.evaluate (all options of an item in one packed row, many items per
+CORE scoring speed: scoring.evaluate (all options of an item in one packed row, many items per
 forward pass) against one item per forward pass with each option its own padded row, as
 nanochat's core_eval.py runs it, on the same model (default GPT-2 124M, random weights: speed does
 not depend on them), device and synthetic tasks shaped like the bundle's: multiple choice 10-shot
@@ -101,8 +101,8 @@ def main():
           f"(mean {sum(lengths) / len(lengths):.0f})")
     methods = {"one item per forward (nanochat's loop)": lambda: one_item_per_forward(model, tasks, device, dtype)}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
-        methods[f"core.evaluate, batch {bs} items"] = (
-            lambda bs=bs: core.evaluate(model, tasks, device, dtype, batch_size=bs, share=share))
+        methods[f"scoring.evaluate, batch {bs} items"] = (
+            lambda bs=bs: scoring.evaluate(model, core.Core(tasks), device, dtype, batch_size=bs, share=share))
     seconds = {name: [] for name in methods}
     results = {}
     for _ in range(args.rounds):

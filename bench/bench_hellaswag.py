@@ -1,5 +1,5 @@
 """
-HellaSwag scoring speed: hellaswag.evaluate (many items per forward pass) against a loop that
+HellaSwag scoring speed: scoring.evaluate (many items per forward pass) against a loop that
 scores one item (its 4 rows) per forward pass, as build-nanogpt's hellaswag.py does, on the same
 model (default GPT-2 124M, random weights: speed does not depend on them), device and synthetic
 items whose lengths resemble HellaSwag's (context 25-70 words, endings 8-30 words). In float32
@@ -26,6 +26,7 @@ import measure  # noqa: E402
 from device import autocast, device_name, synchronize  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 import hellaswag  # noqa: E402
+import scoring  # noqa: E402
 from bench_sample import add_device_args, setup  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -112,8 +113,8 @@ def main():
     methods = {"one item per forward (build-nanogpt loop)":
                lambda part: one_item_per_forward(model, part, device, dtype)}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
-        methods[f"hellaswag.evaluate, batch {bs} items"] = (
-            lambda part, bs=bs: hellaswag.evaluate(model, part, device, dtype, batch_size=bs))
+        methods[f"scoring.evaluate, batch {bs} items"] = (
+            lambda part, bs=bs: scoring.evaluate(model, hellaswag.HellaSwag(part), device, dtype, batch_size=bs))
     for fn in methods.values():
         fn(items[:2])  # warm-up
     seconds = {name: [] for name in methods}  # per round: the methods scored the same items in turn
