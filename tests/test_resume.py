@@ -261,21 +261,32 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     assert records(log_dir, "run")[-1]["config"]["max_lr"] == 1e-3 and os.path.isdir(os.path.join(log_dir, "hf"))
 
 
-def test_a_launch_that_fails_changes_nothing(data_dir, tmp_path, monkeypatch, train_in_process):
+@pytest.fixture(scope="module")
+def six_steps(data_dir, tmp_path_factory):
+    """A finished 6-step run with its checkpoints of steps 2, 4 and 6."""
+    log_dir = str(tmp_path_factory.mktemp("six") / "log")
+    run(tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, checkpoint_every=2, max_steps=6, keep_checkpoints=3))
+    return log_dir
+
+
+@pytest.mark.parametrize("refusal", ["other data", "unreachable W&B"])
+def test_a_launch_that_fails_changes_nothing(refusal, six_steps, data_dir, tmp_path, monkeypatch, train_in_process):
     """A branch launch (--resume from an older checkpoint of the same directory) that is refused by a
     check, here a loader state saved with other data or an unreachable W&B, leaves the directory
     byte for byte as it was: the later checkpoints are not moved aside, so the next --resume does not
     silently train again from the older step. A refused launch into a new directory leaves none."""
     from runs import write_shards
     log_dir = str(tmp_path / "log")
-    base = tiny(data_dir=data_dir, eval_every=0, checkpoint_every=2)
-    assert train_in_process(base + ["--log-dir", log_dir, "--max-steps", "6", "--keep-checkpoints", "3"]) == 0
+    shutil.copytree(six_steps, log_dir)
     before = snapshot(log_dir)
     older = checkpoint.checkpoint_path(log_dir, 2)
-    other = write_shards(str(tmp_path / "other"), n_train_shards=1)
-    with pytest.raises(common.UserError, match="loader state was saved with another data"):
-        train_in_process(["--log-dir", log_dir, "--resume", older, "--data-dir", other])
-    assert snapshot(log_dir) == before
+    if refusal == "other data":
+        other = write_shards(str(tmp_path / "other"), n_train_shards=1)
+        with pytest.raises(common.UserError, match="loader state was saved with another data"):
+            train_in_process(["--log-dir", log_dir, "--resume", older, "--data-dir", other])
+        assert snapshot(log_dir) == before
+        return
+    pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there: refused at once
     with pytest.raises(common.UserError, match="--wandb: 127.0.0.1 cannot be reached"):
@@ -283,7 +294,7 @@ def test_a_launch_that_fails_changes_nothing(data_dir, tmp_path, monkeypatch, tr
     assert snapshot(log_dir) == before
     fresh = str(tmp_path / "fresh")
     with pytest.raises(common.UserError, match="--wandb: 127.0.0.1 cannot be reached"):
-        train_in_process(base + ["--log-dir", fresh, "--max-steps", "2", "--wandb", "gpt2-tests"])
+        train_in_process(tiny(data_dir=data_dir, log_dir=fresh, max_steps=2, wandb="gpt2-tests"))
     assert not os.path.exists(fresh)
 
 
