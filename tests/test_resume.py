@@ -47,17 +47,20 @@ def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
     assert len(checkpoint.list_checkpoints(log_dir)) == 2  # --keep-checkpoints 2
 
 
-def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_dir, reference_run, tmp_path):
+def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_dir, reference_run, tmp_path,
+                                                                         monkeypatch):
     """SIGTERM while step 5 runs: the run ends after step 5, not after the next one (the request is
     read at the step's sync), with a checkpoint of its 6 steps; then the command it prints,
     `--log-dir L --resume` alone (L has a space: quoted for the shell), with none of the run's
     flags, continues it with the run's settings to the reference's losses and weights, bit for bit."""
+    import fault_trainer
     log_dir = str(tmp_path / "my run")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=100)
-    p = subprocess.run([sys.executable, FAULT_TRAINER] + args, capture_output=True, text=True,
-                       env=dict(ENV, FAULT="term:0:5"), timeout=900)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert "stopped by SIGTERM after 6 steps" in p.stdout and "Traceback" not in p.stderr
+    monkeypatch.setattr(train_gpt2, "train_step", train_gpt2.train_step)  # put back by undo()
+    fault_trainer.inject("term:0:5")
+    p = run(args)
+    monkeypatch.undo()
+    assert "stopped by SIGTERM after 6 steps" in p.stdout
     assert records(log_dir, "end")[-1] == dict(records(log_dir, "end")[-1], step=5, reason="signal")
     assert [r["step"] for r in records(log_dir, "train")] == list(range(6))
     assert final_state(log_dir)[0] == 6
@@ -140,7 +143,7 @@ def test_a_fitted_micro_batch_is_fitted_again_on_resume():
         assert values["micro_batch_size"] == expected
 
 
-def test_resume_turns_the_trackers_off(reference_run, tmp_path):
+def test_resume_turns_the_trackers_off(reference_run, tmp_path, monkeypatch):
     """A run started with --wandb and --tensorboard, resumed where neither package is installed: the
     trackers are refused in one line, and --no-wandb --no-tensorboard resume it without them."""
     log_dir = str(tmp_path / "log")
@@ -149,18 +152,15 @@ def test_resume_turns_the_trackers_off(reference_run, tmp_path):
     ckpt = checkpoint.load_file(path)
     ckpt["config"].update(wandb="gpt2-tests", wandb_id="abc123", tensorboard=True)
     checkpoint.save_file(path, ckpt)
-    # the trainer as `python train_gpt2.py` runs it, on a Python where both imports fail
-    without = ("import runpy, sys; sys.modules['wandb'] = sys.modules['tensorboard'] = None; "
-               f"sys.argv = [{TRAIN!r}] + sys.argv[1:]; runpy.run_path({TRAIN!r}, run_name='__main__')")
-    args = [sys.executable, "-c", without, "--log-dir", log_dir, "--resume", "--max-steps", "12"]
-    p = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=900)
+    for package in ("wandb", "tensorboard"):  # as on a Python where both imports fail
+        monkeypatch.setitem(sys.modules, package, None)
+    args = ["--log-dir", log_dir, "--resume", "--max-steps", "12"]
+    p = run(args, check=False)
     assert p.returncode == 2 and p.stderr.strip() == ("error: --wandb needs the wandb package, which is not "
                                                       "installed: pip install wandb"), p.stderr
-    p = subprocess.run(args + ["--no-wandb"], capture_output=True, text=True, env=ENV, timeout=900)
+    p = run(args + ["--no-wandb"], check=False)
     assert p.returncode == 2 and "--tensorboard needs the tensorboard package" in p.stderr, p.stderr
-    p = subprocess.run(args + ["--no-wandb", "--no-tensorboard"], capture_output=True, text=True, env=ENV,
-                       timeout=900)
-    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    p = run(args + ["--no-wandb", "--no-tensorboard"])
     assert "resume: --tensorboard True -> False (from the command line)" in p.stdout
     assert "resume: --wandb gpt2-tests -> None (from the command line)" in p.stdout
     assert not os.path.exists(os.path.join(log_dir, "tb")) and not os.path.exists(os.path.join(log_dir, "wandb"))
@@ -227,7 +227,7 @@ def test_resume_applies_changed_optimizer_settings(data_dir, reference_run, tmp_
     assert muon["param_groups"][0]["momentum"] == 0.9
 
 
-def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(data_dir, tmp_path):
+def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(data_dir, tmp_path, monkeypatch):
     """Resuming from step 2 of a run that reached 6 starts a new branch: the old branch's later
     checkpoints and its export are moved aside (not deleted, and said so), the rotation keeps the
     new branch, and --resume alone, sample.py's and hellaswag.py's loader and plot.py all follow it."""
@@ -236,10 +236,11 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     base = tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, checkpoint_every=2, keep_checkpoints=2)
     run(base + ["--max-steps", "6", "--keep-checkpoints", "3", "--export-hf"])
     old = {s: checkpoint.load_file(checkpoint.checkpoint_path(log_dir, s))["model"] for s in (4, 6)}
-    p = subprocess.run([sys.executable, FAULT_TRAINER, "--log-dir", log_dir, "--resume",
-                        checkpoint.checkpoint_path(log_dir, 2), "--max-lr", "1e-3"], capture_output=True,
-                       text=True, env=dict(ENV, FAULT="term:0:1"), timeout=900)  # stops after step 3
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr
+    branch = ["--log-dir", log_dir, "--resume", checkpoint.checkpoint_path(log_dir, 2), "--max-lr", "1e-3"]
+    evaluate = train_gpt2.evaluate
+    monkeypatch.setattr(train_gpt2, "evaluate", lambda run, step, stop: step < 4 and evaluate(run, step, stop))
+    p = run(branch)  # a stop request at the top of step 4: it stops after step 3
+    monkeypatch.undo()
     moved = [line for line in p.stdout.splitlines() if "a new branch from step 2" in line]
     assert len(moved) == 1 and "ckpt_000004.pt, ckpt_000006.pt, hf" in moved[0], p.stdout
     aside = moved[0].split(" to ")[-1]
@@ -430,24 +431,25 @@ def test_sigusr1_is_a_stop_request_as_sigterm_is():
             signal.signal(sig, handler)
 
 
-def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_path):
-    """A stop request in the middle of a long HellaSwag pass ends it at the next batch: no figure
-    is logged for it, the run keeps the steps it finished, and a resume continues exactly."""
+def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_path, monkeypatch):
+    """A stop request during the evaluation at the top of a step (here SIGTERM once step 0's
+    validation is done) ends it before HellaSwag's next batch: no figure is logged for it, the run
+    keeps the steps it finished, and a resume continues exactly."""
     hs = tmp_path / "hellaswag_val.jsonl"
     item = {"ctx": "The cat sees a red ball and", "endings": ["it runs.", "the dog likes books.", "a.", "we paint."]}
-    hs.write_text("".join(json.dumps(dict(item, label=i % 4)) + "\n" for i in range(20000)))  # minutes to score
+    hs.write_text("".join(json.dumps(dict(item, label=i % 4)) + "\n" for i in range(16)))
     log_dir = str(tmp_path / "log")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3)
-    proc = subprocess.Popen([sys.executable, TRAIN] + args + ["--hellaswag-every", "5", "--hellaswag-file", str(hs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    out = []
-    for line in proc.stdout:
-        out.append(line)
-        if line.startswith("step 0 | val_loss"):  # HellaSwag comes next
-            proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=600)
-    text = "".join(out)
-    assert proc.returncode == 0 and "stopped by SIGTERM after 0 steps" in text, text[-2000:]
+    validation_loss = train_gpt2.validation_loss
+
+    def then_sigterm(*args):
+        loss = validation_loss(*args)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+    monkeypatch.setattr(train_gpt2, "validation_loss", then_sigterm)
+    p = run(args + ["--hellaswag-every", "5", "--hellaswag-file", str(hs)])
+    monkeypatch.undo()
+    assert "hellaswag: scoring 16 items" in p.stdout and "stopped by SIGTERM after 0 steps" in p.stdout, p.stdout
     assert records(log_dir, "hellaswag") == [] and records(log_dir, "end")[-1]["reason"] == "signal"
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000000.pt"]
     run(args + ["--resume"])
