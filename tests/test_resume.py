@@ -9,8 +9,10 @@ import os
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -389,28 +391,77 @@ def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, t
                                                           "--resume")
 
 
-def test_resume_skips_a_corrupt_newest_checkpoint(data_dir, reference_run, tmp_path):
-    log_dir = tmp_path / "log"
-    log_dir.mkdir()
-    older, newest = checkpoint.list_checkpoints(reference_run)  # steps 9 and 10
-    for path in (older, newest):
+def zero_inside_a_tensor(path, size=2 * 2 ** 20):
+    """Zero `size` bytes in the middle of the largest tensor of a checkpoint file, its zip structure
+    left whole (as a bad block of a disk or a faulty copy leaves it)."""
+    with zipfile.ZipFile(path) as archive:
+        entry = max(archive.infolist(), key=lambda e: e.file_size)
+    with open(path, "r+b") as f:
+        f.seek(entry.header_offset + 26)  # a local file header: 30 bytes, then its name and extra field
+        name, extra = struct.unpack("<HH", f.read(4))
+        f.seek(entry.header_offset + 30 + name + extra + (entry.file_size - size) // 2)
+        f.write(bytes(size))
+
+
+@pytest.fixture(scope="module")
+def damaged_resume(data_dir, reference_run, tmp_path_factory):
+    """--resume of the reference run's checkpoints of steps 9 and 10, with 2 MB of a tensor in the
+    newest zeroed, keeping one checkpoint: the log directory and the output."""
+    log_dir = str(tmp_path_factory.mktemp("damaged"))
+    for path in checkpoint.list_checkpoints(reference_run):  # steps 9 and 10
         shutil.copy(path, log_dir)
-    cut = log_dir / os.path.basename(newest)
-    cut.write_bytes(cut.read_bytes()[:5000])  # as a full disk or a copy cut short would leave it
-    args = tiny(data_dir=data_dir, log_dir=str(log_dir), max_steps=10, checkpoint_every=3, resume=True)
-    p = run(args)
-    skipped = [l for l in p.stdout.splitlines() if l.startswith("resume: skipped")]
-    assert len(skipped) == 1 and cut.name in skipped[0] and "truncated or corrupt" in skipped[0]
-    assert f"resuming {log_dir / os.path.basename(older)} at step 9" in p.stdout
+    zero_inside_a_tensor(checkpoint.checkpoint_path(log_dir, 10))
+    p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3, keep_checkpoints=1,
+                 resume=True))
+    return log_dir, p
+
+
+def test_resume_skips_a_damaged_newest_checkpoint(damaged_resume, reference_run):
+    """A tensor of the newest checkpoint zeroed in place loads as it is (torch.load reads no
+    checksum): the zip's CRC catches it, and --resume passes over it in one line, to the one before,
+    and continues to the reference's weights."""
+    log_dir, p = damaged_resume
+    skipped = [line for line in p.stdout.splitlines() if line.startswith("resume: skipped")]
+    assert len(skipped) == 1 and "ckpt_000010.pt is not a readable checkpoint" in skipped[0], p.stdout
+    assert "fails its CRC check" in skipped[0]
+    assert f"resuming {log_dir}/ckpt_000009.pt at step 9" in p.stdout
     _, model_a, _ = final_state(reference_run)
-    _, model_b, _ = final_state(str(log_dir))
+    _, model_b, _ = final_state(log_dir)
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
-    for path in checkpoint.list_checkpoints(str(log_dir)):  # none loads: one line, nothing written
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "truncated"])
+def test_a_damaged_checkpoint_is_passed_over_in_a_directory_and_refused_by_name(damage, data_dir, reference_run,
+                                                                                tmp_path):
+    """Every loader of a log directory (--resume, sample.py's, hellaswag.py's and core.py's) passes
+    over a damaged newest checkpoint in one line; named itself it is refused in one line; a directory
+    where none loads is refused in one line."""
+    folder = str(tmp_path / "log")
+    os.mkdir(folder)
+    for path in checkpoint.list_checkpoints(reference_run):  # steps 9 and 10
+        shutil.copy(path, folder)
+    bad = checkpoint.checkpoint_path(folder, 10)
+    if damage == "zeroed":
+        zero_inside_a_tensor(bad)
+    else:  # as a full disk or a copy cut short leaves it
+        with open(bad, "r+b") as f:
+            f.truncate(5000)
+    _, what = checkpoint.load_model(folder)
+    assert what.startswith(f"checkpoint {folder}/ckpt_000009.pt (skipped 1 newer that do not load: {bad} is not "
+                           "a readable checkpoint, truncated or corrupt"), what
+    with pytest.raises(common.UserError, match=f"^{bad} is not a readable checkpoint, truncated or corrupt"):
+        checkpoint.load_model(bad)
+    p = run(["--log-dir", str(tmp_path / "new"), "--resume", bad], check=False)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and f"{bad} is not a readable checkpoint" in lines[0], p.stderr
+    for path in checkpoint.list_checkpoints(folder):  # none loads: one line, nothing written
         with open(path, "wb") as f:
             f.write(b"garbage")
-    p = run(args, check=False)
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    before = snapshot(folder)
+    p = run(tiny(data_dir=data_dir, log_dir=folder, max_steps=10, checkpoint_every=3, resume=True), check=False)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "none of the 2 checkpoints" in lines[0], p.stderr
+    assert snapshot(folder) == before
 
 
 def test_sigusr1_is_a_stop_request_as_sigterm_is():
