@@ -200,6 +200,14 @@ class Checkpointer:
         state. Returns the step to continue from."""
         parallel.load_model_state(self.model, ckpt["model"])
         parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"])
+        # the optimizer keeps a CPU tensor it is given as it is (all of a CPU run's state, a GPU run's
+        # step counts): a view of the memory-mapped file, whose space on disk it would hold after the
+        # rotation deletes the file
+        for opt in getattr(self.optimizer, "optimizers", [self.optimizer]):
+            for state in opt.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                        state[key] = value.clone()
         if ckpt["scaler"] or not self.scaler.is_enabled():  # a bf16/fp32 run saved no scale: an fp16
             self.scaler.load_state_dict(ckpt["scaler"])      # resume of it (a T4, say) starts a fresh one
         try:  # every rank moves in lockstep, so any rank's loader state restores this one

@@ -403,24 +403,39 @@ def zero_inside_a_tensor(path, size=2 * 2 ** 20):
         f.write(bytes(size))
 
 
+def maps_naming(folder):
+    """The lines of /proc/self/maps (the files this process has mapped) that name a file in folder."""
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if folder in line]
+
+
 @pytest.fixture(scope="module")
 def damaged_resume(data_dir, reference_run, tmp_path_factory):
     """--resume of the reference run's checkpoints of steps 9 and 10, with 2 MB of a tensor in the
-    newest zeroed, keeping one checkpoint: the log directory and the output."""
+    newest zeroed, keeping one checkpoint: the log directory, the output, and what /proc/self/maps
+    named in it after each checkpoint was written (Linux)."""
     log_dir = str(tmp_path_factory.mktemp("damaged"))
     for path in checkpoint.list_checkpoints(reference_run):  # steps 9 and 10
         shutil.copy(path, log_dir)
     zero_inside_a_tensor(checkpoint.checkpoint_path(log_dir, 10))
-    p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3, keep_checkpoints=1,
-                 resume=True))
-    return log_dir, p
+    mapped, save = [], checkpoint.Checkpointer.save
+
+    def save_and_look(self, step):
+        save(self, step)
+        if os.path.exists("/proc/self/maps"):
+            mapped.append(maps_naming(log_dir))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint.Checkpointer, "save", save_and_look)
+        p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3, keep_checkpoints=1,
+                     resume=True))
+    return log_dir, p, mapped
 
 
 def test_resume_skips_a_damaged_newest_checkpoint(damaged_resume, reference_run):
     """A tensor of the newest checkpoint zeroed in place loads as it is (torch.load reads no
     checksum): the zip's CRC catches it, and --resume passes over it in one line, to the one before,
     and continues to the reference's weights."""
-    log_dir, p = damaged_resume
+    log_dir, p, _ = damaged_resume
     skipped = [line for line in p.stdout.splitlines() if line.startswith("resume: skipped")]
     assert len(skipped) == 1 and "ckpt_000010.pt is not a readable checkpoint" in skipped[0], p.stdout
     assert "fails its CRC check" in skipped[0]
@@ -428,6 +443,17 @@ def test_resume_skips_a_damaged_newest_checkpoint(damaged_resume, reference_run)
     _, model_a, _ = final_state(reference_run)
     _, model_b, _ = final_state(log_dir)
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
+
+
+def test_a_resumed_run_frees_the_disk_space_of_the_checkpoint_it_resumed_from(damaged_resume):
+    """The checkpoint a run resumed from is memory-mapped while it loads; once the rotation deletes
+    it, nothing maps it any more, so its space on disk is free again (a deleted file that is still
+    mapped keeps its blocks until it is unmapped)."""
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads Linux's /proc/self/maps")
+    log_dir, _, mapped = damaged_resume
+    assert [os.path.basename(c) for c in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000010.pt"]
+    assert mapped == [[]]  # after the one checkpoint it wrote, which deleted step 9's
 
 
 @pytest.mark.parametrize("damage", ["zeroed", "truncated"])
