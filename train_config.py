@@ -160,6 +160,9 @@ RANGES = [
 FIXED_ON_RESUME = ("model", "n_layer", "n_head", "n_embd", "block_size", "init_from", "total_batch_size",
                    "shuffle_seed", "seed", "optimizer")
 LAUNCH_ONLY = ("log_dir", "resume")
+# stored absolute, as resolved where the launch ran: a resume from another working directory reads the
+# same files, and a --resume given again is known for the same path (resolve)
+PATH_FLAGS = ("data_dir", "init_from", "hellaswag_file", "core_bundle", "resume")
 
 
 def parse_args(argv=None, description=None):
@@ -183,6 +186,11 @@ def parse_args(argv=None, description=None):
             if value is not None and not (math.isfinite(value) and test(value)):
                 raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
     common.check_output_dir(args.log_dir, "--log-dir")
+    # where the run was started: a resume from another working directory reads the same files
+    for name in PATH_FLAGS:
+        value = getattr(args, name)
+        if value is not None and value != "latest" and (name != "init_from" or os.path.exists(value)):
+            setattr(args, name, os.path.abspath(value))  # (an --init-from that is no file is a hub name)
     # defaults that scale with the run, resolved here so that the rest reads one value
     if args.warmup_steps is None:
         args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)

@@ -338,19 +338,27 @@ def test_a_stop_before_the_first_step_of_a_moved_run_keeps_a_checkpoint_in_its_d
     assert [os.path.basename(c) for c in checkpoint.list_checkpoints(moved)] == ["ckpt_000009.pt"]
 
 
-def test_a_resume_whose_stored_evaluation_file_is_gone_skips_that_evaluation(data_dir, tmp_path):
-    """A run started with --hellaswag-file, resumed where that file is not (a copied run, another
-    machine): the resume goes on, HellaSwag says it is skipped; a file named on the command line
-    that does not exist is still refused (the bad-input table)."""
+def test_a_resume_from_another_working_directory_reads_the_runs_own_files(data_dir, tmp_path, monkeypatch):
+    """--data-dir and --hellaswag-file given relative are stored absolute, so a resume from another
+    working directory reads the same files. One that is gone by then (a copied run, another machine)
+    is no reason to refuse the resume: HellaSwag says it is skipped; a file named on the command
+    line that does not exist is still refused (the bad-input table)."""
     hs = tmp_path / "hs.jsonl"
     hs.write_text(json.dumps({"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}) + "\n")
     log_dir = str(tmp_path / "log")
-    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2, eval_every=0, hellaswag_every=1,
-             hellaswag_file=str(hs)))
-    hs.unlink()
+    monkeypatch.chdir(tmp_path)
+    run(tiny(data_dir=os.path.relpath(data_dir), log_dir=log_dir, max_steps=2, eval_every=0, hellaswag_every=1,
+             hellaswag_file="hs.jsonl"))
+    config = records(log_dir, "run")[0]["config"]
+    assert (config["data_dir"], config["hellaswag_file"]) == (data_dir, str(hs))
+    os.mkdir("elsewhere")
+    monkeypatch.chdir("elsewhere")
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "3"])
+    assert [r["step"] for r in records(log_dir, "hellaswag")] == [0, 1, 2], p.stdout
+    hs.unlink()
+    p = run(["--log-dir", log_dir, "--resume", "--max-steps", "4"])
     assert f"hellaswag: skipped for this run (HellaSwag file {hs} does not exist)" in p.stdout, p.stdout
-    assert [r["step"] for r in records(log_dir, "train")] == [0, 1, 2]
+    assert [r["step"] for r in records(log_dir, "train")] == [0, 1, 2, 3]
 
 
 def test_a_run_that_failed_before_its_first_step_does_not_block_the_retry(data_dir, tmp_path):
