@@ -265,18 +265,18 @@ def resolve(args):
         if holds_run:
             raise UserError(f"{log_dir} already holds a run: pass --resume to continue it, "
                             "or a new --log-dir for a new run")
-    path, ckpt, skipped = checkpoint.find_resume(args.resume, log_dir)
-    if holds_run and path is not None and not checkpoint.in_log_dir(path, log_dir):
-        if not continues(log_dir, path):
-            # its checkpoints would land among the other run's: the rotation, --resume and plot.py would mix them
-            raise UserError(f"--resume {args.resume}: {log_dir} holds another run; continue {path} in a new "
-                            f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
-                            f"{shlex.quote(path)}")
-        # the same command again (a requeued job, torchrun --max-restarts): log_dir continues that run
-        # already, so it goes on from log_dir's newest checkpoint, where it has one
-        latest = checkpoint.find_resume("latest", log_dir)
-        if latest[0] is not None:
-            path, ckpt, skipped = latest
+    # the --resume PATH an earlier launch into log_dir was given, given again (a requeued job, torchrun
+    # --max-restarts): log_dir continues the branch or the other run PATH started already, so it goes on
+    # from log_dir's own newest checkpoint (PATH itself where log_dir has none yet)
+    again = holds_run and args.resume not in (None, "latest") and args.resume in resumed_before(log_dir)
+    path, ckpt, skipped = checkpoint.find_resume("latest", log_dir) if again else (None, None, [])
+    if path is None:
+        path, ckpt, skipped = checkpoint.find_resume(args.resume, log_dir)
+    if holds_run and not again and path is not None and not checkpoint.in_log_dir(path, log_dir):
+        # its checkpoints would land among the other run's: the rotation, --resume and plot.py would mix them
+        raise UserError(f"--resume {args.resume}: {log_dir} holds another run; continue {path} in a new "
+                        f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
+                        f"{shlex.quote(path)}")
     values = dict(vars(args))
     changes = stored_run(values, args.given, ckpt, path) if ckpt is not None else []
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
@@ -294,16 +294,14 @@ def resolve(args):
     return cfg, Resume(path, ckpt, skipped, changes) if ckpt is not None else None
 
 
-def continues(log_dir, path):
-    """Whether the run in log_dir began by resuming the checkpoint at path (--resume PATH with a
-    checkpoint of another directory), so that it is that run, continued here."""
+def resumed_before(log_dir):
+    """The --resume paths (checkpoints, directories) the launches into log_dir were given, absolute."""
     try:
         launches = metrics.read_metrics(log_dir)["launches"]
     except UserError:
-        return False
-    first = launches[0]["run"] or {}
-    began = first.get("resumed_from")
-    return began is not None and os.path.exists(began) and os.path.samefile(began, path)
+        return set()
+    given = [(launch["run"] or {}).get("config", {}).get("resume") for launch in launches]
+    return {os.path.abspath(g) for g in given if g not in (None, "latest")}
 
 
 def stored_run(values, given, ckpt, path):

@@ -232,7 +232,8 @@ def test_resume_applies_changed_optimizer_settings(data_dir, reference_run, tmp_
 def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(data_dir, tmp_path, monkeypatch):
     """Resuming from step 2 of a run that reached 6 starts a new branch: the old branch's later
     checkpoints and its export are moved aside (not deleted, and said so), the rotation keeps the
-    new branch, and --resume alone, sample.py's and hellaswag.py's loader and plot.py all follow it."""
+    new branch, and sample.py's and hellaswag.py's loader and plot.py follow it; the command that
+    started the branch, run again, continues it instead of starting it again."""
     import plot
     log_dir = str(tmp_path / "log")
     base = tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, checkpoint_every=2, keep_checkpoints=2)
@@ -256,8 +257,9 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     assert "ckpt_000004.pt" in what and torch.equal(model.state_dict()["lm_head.weight"], new4["model"]["lm_head.weight"])
     summary = plot.summarize(log_dir)
     assert summary["status"] == "signal" and summary["checkpoint_step"] == 4 and summary["steps"] == 4
-    p = run(["--log-dir", log_dir, "--resume"])  # continues the new branch, at its own learning rate
-    assert "resuming" in p.stdout and "ckpt_000004.pt at step 4" in p.stdout
+    # the branch's own command again (a requeued job, torchrun --max-restarts) continues the branch
+    p = run(branch)
+    assert f"resuming {log_dir}/ckpt_000004.pt at step 4" in p.stdout and "new branch" not in p.stdout, p.stdout
     schedule = train_gpt2.Schedule(warmup_steps=2, max_steps=6, min_lr_ratio=0.1)
     assert [r["lr"] for r in records(log_dir, "train")] == pytest.approx(
         [schedule.lr(s, 3e-3) for s in range(2)] + [schedule.lr(s, 1e-3) for s in range(2, 6)])
@@ -316,13 +318,25 @@ def test_another_runs_checkpoint_is_not_resumed_into_a_directory_holding_a_run(d
                                                "in a new --log-dir"):
         train_in_process(["--log-dir", log_dir, "--resume", other])
     assert snapshot(log_dir) == before
-    moved = str(tmp_path / "moved")
-    assert train_in_process(["--log-dir", moved, "--resume", other]) == 0
-    assert [r["loss"] for r in records(moved, "train")] == [r["loss"] for r in records(reference_run, "train")[9:]]
-    # the same command again (a requeued job, torchrun --max-restarts) goes on from the run it started
-    # there, here finished, instead of being refused as another run
-    p = run(["--log-dir", moved, "--resume", other])
-    assert p.stdout.startswith(f"{moved}: the run already finished its 10 steps ({moved}/ckpt_000010.pt)")
+
+
+def test_the_command_that_continued_another_run_continues_it_again(reference_run, tmp_path, monkeypatch):
+    """--resume DIR or --resume PATH (relative here) of another run, run again (a requeued job,
+    torchrun --max-restarts), goes on in --log-dir, which continues that run: whatever DIR holds by
+    then (a newer checkpoint: the other run trains on), and whether PATH is still there."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(reference_run, "other")
+    os.remove("other/ckpt_000010.pt")
+    commands = {"from_dir": ["--resume", "other"], "from_file": ["--resume", "other/ckpt_000009.pt"]}
+    want = [r["loss"] for r in records(reference_run, "train")[9:]]
+    for log_dir, command in commands.items():
+        run(["--log-dir", log_dir] + command)
+        assert [r["loss"] for r in records(log_dir, "train")] == want
+    shutil.copy(checkpoint.checkpoint_path(reference_run, 10), "other")
+    os.remove("other/ckpt_000009.pt")
+    for log_dir, command in commands.items():
+        p = run(["--log-dir", log_dir] + command)
+        assert p.stdout.startswith(f"{log_dir}: the run already finished its 10 steps ({log_dir}/ckpt_000010.pt)")
 
 
 def test_a_stop_before_the_first_step_of_a_moved_run_keeps_a_checkpoint_in_its_directory(
