@@ -197,24 +197,20 @@ def parse_args(argv=None, description=None):
     if args.val_tokens is None:
         between = args.eval_every * args.total_batch_size // 4  # validation costs at most ~10% of training
         args.val_tokens = min(DEFAULT_VAL_TOKENS, between) if args.eval_every else DEFAULT_VAL_TOKENS
-    check_relations(args, parsing=True)
     return args
 
 
-def check_relations(cfg, parsing=False):
-    """The checks between flags (after parsing, and again once a resume has restored the run's settings)."""
+def check_relations(cfg):
+    """The checks between flags, once the settings are resolved (a resume's: with the run's own)."""
     if cfg.total_batch_size % cfg.block_size:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of "
                         f"--block-size {cfg.block_size}")
-    # a resume's optimizer and init-from are the run's, known once its checkpoint is read: resolve()
-    # checks again then
-    given = getattr(cfg, "given", frozenset()) if not (parsing and cfg.resume) else frozenset()
     for flag in ("muon_lr", "muon_momentum"):
-        if flag in given and cfg.optimizer != "muon":
+        if flag in cfg.given and cfg.optimizer != "muon":
             raise UserError(f"--{flag.replace('_', '-')} is a setting of --optimizer muon, and this run uses "
                             f"{cfg.optimizer}: add --optimizer muon, or drop it")
     for flag in ("model", "n_layer", "n_head", "n_embd"):
-        if flag in given and cfg.init_from:
+        if flag in cfg.given and cfg.init_from:
             raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "
                             f"from {cfg.init_from}; drop it")
     if cfg.warmup_steps > cfg.max_steps:
@@ -282,8 +278,7 @@ def resolve(args):
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
         values["wandb_id"] = trackers.new_wandb_id()
     cfg = Settings(values)
-    if args.resume is not None:
-        check_relations(cfg)
+    check_relations(cfg)
     if ckpt is not None and cfg.max_steps < ckpt["step"]:
         raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {path} has "
                         "done: give more, or leave it out to keep the run's")

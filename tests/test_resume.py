@@ -79,8 +79,9 @@ def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_di
 
 def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, tmp_path):
     """Named on the command line of a resume: more steps, another evaluation cadence or timeout are
-    applied and printed; the checks between flags see the run's own settings (the flags that would
-    change the math are refused: see BAD)."""
+    applied and printed; the checks between flags see the run's own settings (its --block-size 32, not
+    the default, for its own --total-batch-size 128; the flags that would change the math are
+    refused: see BAD)."""
     log_dir = str(tmp_path / "log")
     shutil.copytree(reference_run, log_dir)  # a finished 10-step run
     p = run(["--log-dir", log_dir, "--resume", "--warmup-steps", "11"], check=False)
@@ -88,8 +89,9 @@ def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, 
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "5"], check=False)
     assert p.returncode == 2 and "--max-steps 5 is fewer than the 10 steps" in p.stderr, p.stderr
     before = snapshot(log_dir)
-    p = run(["--log-dir", log_dir, "--resume"])  # finished: nothing to do, and nothing written
-    assert p.stdout.startswith(f"{log_dir}: the run already finished its 10 steps") and snapshot(log_dir) == before
+    for own in ([], ["--total-batch-size", "128"]):  # finished: nothing to do, and nothing written
+        p = run(["--log-dir", log_dir, "--resume"] + own)
+        assert p.stdout.startswith(f"{log_dir}: the run already finished its 10 steps") and snapshot(log_dir) == before
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "12", "--eval-every", "1", "--dist-timeout", "20"])
     for change in ("--max-steps 10 -> 12", "--eval-every 4 -> 1", "--dist-timeout 15.0 -> 20.0"):
         assert f"resume: {change} (from the command line)" in p.stdout, p.stdout
