@@ -287,12 +287,15 @@ def resume_command(log_dir, world_size=1, per_node=None):
             f"--rdzv-endpoint=HOST:PORT {args}")
 
 
-def check_world_size(ckpt, path, world_size):
-    """The data position is counted in the run's world size: it must not change."""
+def check_world_size(ckpt, path, ranks):
+    """The data position is counted in the run's world size: it must not change. Every rank refuses
+    alike; rank 0 says why, the others leave with the same status quietly."""
     saved = ckpt.get("world_size", ckpt["config"].get("world_size"))  # older checkpoints: in the config
-    if saved != world_size:
+    if saved != ranks.world_size:
+        if not ranks.is_master:
+            raise SystemExit(2)
         raise UserError(f"cannot resume {path}: it was trained with {saved} process(es) (GPUs), this launch has "
-                        f"{world_size}; launch it with {saved} in all (torchrun --nproc_per_node x --nnodes)")
+                        f"{ranks.world_size}; launch it with {saved} in all (torchrun --nproc_per_node x --nnodes)")
 
 
 def agree_on_resume(ckpt, ranks):

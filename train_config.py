@@ -319,9 +319,10 @@ def stored_run(values, given, ckpt, path):
             continue
         flag = "--" + key.replace("_", "-")
         if key in FIXED_ON_RESUME:
-            raise UserError(f"cannot resume {path}: the run was trained with {flag} {was} and this command asks "
-                            f"for {now}; drop {flag} to continue the run as it was, or use a new --log-dir for a "
-                            "new run")
+            trained = f"without {flag}" if was is None else f"with {flag} {was}"
+            raise UserError(f"cannot resume {path}: the run was trained {trained} and this command asks for "
+                            f"{flag} {now}; drop {flag} to continue the run as it was, or use a new --log-dir for "
+                            "a new run")
         changes.append(f"{flag} {was} -> {now} (from the command line)")
     return changes
 

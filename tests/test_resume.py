@@ -415,6 +415,22 @@ def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, t
                                                           "--resume")
 
 
+def test_a_resume_with_another_process_count_is_refused_once(reference_run, capsys):
+    """Resumed by two processes, a run of one is refused by every rank alike: rank 0 says why in one
+    line, the other leaves with the same status and says nothing (torchrun would print it per rank)."""
+    import parallel
+    path = checkpoint.latest_checkpoint(reference_run)
+    ckpt = checkpoint.load_file(path)
+    said = {}
+    for rank in (0, 1):
+        with pytest.raises(SystemExit) as e:
+            common.run_main(lambda: checkpoint.check_world_size(ckpt, path, parallel.Ranks(rank, rank, 2)))
+        assert e.value.code == 2
+        said[rank] = capsys.readouterr().err
+    assert said == {0: f"error: cannot resume {path}: it was trained with 1 process(es) (GPUs), this launch has 2; "
+                       "launch it with 1 in all (torchrun --nproc_per_node x --nnodes)\n", 1: ""}
+
+
 def zero_inside_a_tensor(path, size=2 * 2 ** 20):
     """Zero `size` bytes in the middle of the largest tensor of a checkpoint file, its zip structure
     left whole (as a bad block of a disk or a faulty copy leaves it)."""

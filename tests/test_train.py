@@ -432,9 +432,11 @@ BAD = {
     "resume with another seed": (["--log-dir", "{ref}", "--resume", "--seed", "7"], "--seed 1337 and this"),
     "resume with another batch": (["--log-dir", "{ref}", "--resume", "--total-batch-size", "256"],
                                   "--total-batch-size 128"),
-    "resume with a shuffle seed": (["--log-dir", "{ref}", "--resume", "--shuffle-seed", "3"], "--shuffle-seed None"),
+    "resume with a shuffle seed": (["--log-dir", "{ref}", "--resume", "--shuffle-seed", "3"],
+                                   "the run was trained without --shuffle-seed and this command asks for "
+                                   "--shuffle-seed 3"),
     "resume with another optimizer": (["--log-dir", "{ref}", "--resume", "--optimizer", "muon"],
-                                      "--optimizer adamw and this command asks for muon"),
+                                      "--optimizer adamw and this command asks for --optimizer muon"),
     "zero muon lr": (["--optimizer", "muon", "--muon-lr", "0"], "--muon-lr must be a positive number"),
     "muon lr without muon": (["--muon-lr", "0.01"], "--muon-lr is a setting of --optimizer muon"),
     "muon momentum on an adamw resume": (["--log-dir", "{ref}", "--resume", "--muon-momentum", "0.9"],
