@@ -449,6 +449,7 @@ BAD = {
                                  "--hellaswag-file: {malformed} line 2: malformed HellaSwag line, not JSON"),
     "log dir is a file": (["--log-dir", "{junk}"], "is a file"),
     "log dir under a file": (["--log-dir", "{junk}/run1"], "cannot be made"),
+    "empty log dir": (["--log-dir", ""], "--log-dir is empty"),
     "resume with a larger block size": (["--log-dir", "{ref}", "--resume", "--block-size", "64"], "--block-size 32 and"),
     "negative warm-up": (["--warmup-steps", "-1"], "warmup-steps"),
     "fsdp without torchrun": (["--fsdp"], "torchrun"),
