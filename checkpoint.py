@@ -24,6 +24,7 @@ import random
 import re
 import shlex
 import time
+import zipfile
 from dataclasses import asdict
 
 import numpy as np
@@ -80,7 +81,8 @@ def save_file(path, ckpt):
 
 
 def load_file(path, map_location="cpu"):
-    """Read a checkpoint written by train_gpt2.py; UserError for anything else."""
+    """Read a checkpoint written by train_gpt2.py; UserError for anything else, and for one whose
+    zip CRCs say it was damaged."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     with open(path, "rb") as f:
@@ -91,6 +93,13 @@ def load_file(path, map_location="cpu"):
         raise UserError(f"{path} is not a checkpoint: not a torch zip or pickle file (it begins {head!r}); pass a "
                         "ckpt_*.pt written by train_gpt2.py")
     try:
+        if head == TORCH_FILE_MAGIC[0]:
+            # torch.load never checks the CRCs the zip holds: a damaged tensor would load (reading them
+            # costs ~0.04 s per 100 MB, a checksum of our own would cost that again at every save)
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+            if bad is not None:
+                raise ValueError(f"{bad} fails its CRC check")
         try:
             # mmap: the ranks of a node that resume together share one copy of the file in the page
             # cache instead of holding one each (8 x 18.7 GB at GPT-2 XL with AdamW)
@@ -191,6 +200,14 @@ class Checkpointer:
         state. Returns the step to continue from."""
         parallel.load_model_state(self.model, ckpt["model"])
         parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"])
+        # the optimizer keeps a CPU tensor it is given as it is (all of a CPU run's state, a GPU run's
+        # step counts): a view of the memory-mapped file, whose space on disk it would hold after the
+        # rotation deletes the file
+        for opt in getattr(self.optimizer, "optimizers", [self.optimizer]):
+            for state in opt.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                        state[key] = value.clone()
         if ckpt["scaler"] or not self.scaler.is_enabled():  # a bf16/fp32 run saved no scale: an fp16
             self.scaler.load_state_dict(ckpt["scaler"])      # resume of it (a T4, say) starts a fresh one
         try:  # every rank moves in lockstep, so any rank's loader state restores this one
@@ -209,8 +226,8 @@ class Checkpointer:
 def find_resume(resume, log_dir):
     """(path, checkpoint, [why each newer one was skipped]) to resume from, or (None, None, []) to
     start fresh. resume: None (a new run), "latest" (the newest checkpoint in log_dir that loads,
-    passing over files cut short by a full disk, say), a log directory, or a checkpoint file (which
-    must load)."""
+    passing over files cut short by a full disk or damaged, say), a log directory, or a checkpoint
+    file (which must load)."""
     if resume is None:
         return None, None, []
     if resume != "latest" and not os.path.isdir(resume):
@@ -270,12 +287,15 @@ def resume_command(log_dir, world_size=1, per_node=None):
             f"--rdzv-endpoint=HOST:PORT {args}")
 
 
-def check_world_size(ckpt, path, world_size):
-    """The data position is counted in the run's world size: it must not change."""
+def check_world_size(ckpt, path, ranks):
+    """The data position is counted in the run's world size: it must not change. Every rank refuses
+    alike; rank 0 says why, the others leave with the same status quietly."""
     saved = ckpt.get("world_size", ckpt["config"].get("world_size"))  # older checkpoints: in the config
-    if saved != world_size:
+    if saved != ranks.world_size:
+        if not ranks.is_master:
+            raise SystemExit(2)
         raise UserError(f"cannot resume {path}: it was trained with {saved} process(es) (GPUs), this launch has "
-                        f"{world_size}; launch it with {saved} in all (torchrun --nproc_per_node x --nnodes)")
+                        f"{ranks.world_size}; launch it with {saved} in all (torchrun --nproc_per_node x --nnodes)")
 
 
 def agree_on_resume(ckpt, ranks):

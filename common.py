@@ -144,6 +144,8 @@ class StopFlag:
 def check_output_dir(path, flag):
     """UserError unless `path` is, or can be made as, a directory this process may write in; made
     only later, by whatever writes first, so that bad input leaves nothing behind."""
+    if not path:
+        raise UserError(f"{flag} is empty: pass a directory (it is made if missing)")
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path} is a file, not a directory: pass a directory (it is made if missing)")
     parent = os.path.abspath(path)

@@ -176,6 +176,9 @@ RANGES = [
 FIXED_ON_RESUME = ("model", "n_layer", "n_head", "n_embd", "block_size", "init_from", "total_batch_size",
                    "shuffle_seed", "seed", "optimizer")
 LAUNCH_ONLY = ("log_dir", "resume", "profile_steps", "memory_snapshot")
+# stored absolute, as resolved where the launch ran: a resume from another working directory reads the
+# same files, and a --resume given again is known for the same path (resolve)
+PATH_FLAGS = ("data_dir", "init_from", "hellaswag_file", "core_bundle", "resume")
 
 
 def parse_args(argv=None, description=None):
@@ -199,30 +202,31 @@ def parse_args(argv=None, description=None):
             if value is not None and not (math.isfinite(value) and test(value)):
                 raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
     common.check_output_dir(args.log_dir, "--log-dir")
+    # where the run was started: a resume from another working directory reads the same files
+    for name in PATH_FLAGS:
+        value = getattr(args, name)
+        if value is not None and value != "latest" and (name != "init_from" or os.path.exists(value)):
+            setattr(args, name, os.path.abspath(value))  # (an --init-from that is no file is a hub name)
     # defaults that scale with the run, resolved here so that the rest reads one value
     if args.warmup_steps is None:
         args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)
     if args.val_tokens is None:
         between = args.eval_every * args.total_batch_size // 4  # validation costs at most ~10% of training
         args.val_tokens = min(DEFAULT_VAL_TOKENS, between) if args.eval_every else DEFAULT_VAL_TOKENS
-    check_relations(args, parsing=True)
     return args
 
 
-def check_relations(cfg, parsing=False):
-    """The checks between flags (after parsing, and again once a resume has restored the run's settings)."""
+def check_relations(cfg):
+    """The checks between flags, once the settings are resolved (a resume's: with the run's own)."""
     if cfg.total_batch_size % cfg.block_size:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of "
                         f"--block-size {cfg.block_size}")
-    # a resume's optimizer and init-from are the run's, known once its checkpoint is read: resolve()
-    # checks again then
-    given = getattr(cfg, "given", frozenset()) if not (parsing and cfg.resume) else frozenset()
     for flag in ("muon_lr", "muon_momentum"):
-        if flag in given and cfg.optimizer != "muon":
+        if flag in cfg.given and cfg.optimizer != "muon":
             raise UserError(f"--{flag.replace('_', '-')} is a setting of --optimizer muon, and this run uses "
                             f"{cfg.optimizer}: add --optimizer muon, or drop it")
     for flag in ("model", "n_layer", "n_head", "n_embd"):
-        if flag in given and cfg.init_from:
+        if flag in cfg.given and cfg.init_from:
             raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "
                             f"from {cfg.init_from}; drop it")
     if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
@@ -276,25 +280,24 @@ def resolve(args):
         if holds_run:
             raise UserError(f"{log_dir} already holds a run: pass --resume to continue it, "
                             "or a new --log-dir for a new run")
-    path, ckpt, skipped = checkpoint.find_resume(args.resume, log_dir)
-    if holds_run and path is not None and not checkpoint.in_log_dir(path, log_dir):
-        if not continues(log_dir, path):
-            # its checkpoints would land among the other run's: the rotation, --resume and plot.py would mix them
-            raise UserError(f"--resume {args.resume}: {log_dir} holds another run; continue {path} in a new "
-                            f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
-                            f"{shlex.quote(path)}")
-        # the same command again (a requeued job, torchrun --max-restarts): log_dir continues that run
-        # already, so it goes on from log_dir's newest checkpoint, where it has one
-        latest = checkpoint.find_resume("latest", log_dir)
-        if latest[0] is not None:
-            path, ckpt, skipped = latest
+    # the --resume PATH an earlier launch into log_dir was given, given again (a requeued job, torchrun
+    # --max-restarts): log_dir continues the branch or the other run PATH started already, so it goes on
+    # from log_dir's own newest checkpoint (PATH itself where log_dir has none yet)
+    again = holds_run and args.resume not in (None, "latest") and args.resume in resumed_before(log_dir)
+    path, ckpt, skipped = checkpoint.find_resume("latest", log_dir) if again else (None, None, [])
+    if path is None:
+        path, ckpt, skipped = checkpoint.find_resume(args.resume, log_dir)
+    if holds_run and not again and path is not None and not checkpoint.in_log_dir(path, log_dir):
+        # its checkpoints would land among the other run's: the rotation, --resume and plot.py would mix them
+        raise UserError(f"--resume {args.resume}: {log_dir} holds another run; continue {path} in a new "
+                        f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
+                        f"{shlex.quote(path)}")
     values = dict(vars(args))
     changes = stored_run(values, args.given, ckpt, path) if ckpt is not None else []
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
         values["wandb_id"] = trackers.new_wandb_id()
     cfg = Settings(values)
-    if args.resume is not None:
-        check_relations(cfg)
+    check_relations(cfg)
     if ckpt is not None and cfg.max_steps < ckpt["step"]:
         raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {path} has "
                         "done: give more, or leave it out to keep the run's")
@@ -305,16 +308,14 @@ def resolve(args):
     return cfg, Resume(path, ckpt, skipped, changes) if ckpt is not None else None
 
 
-def continues(log_dir, path):
-    """Whether the run in log_dir began by resuming the checkpoint at path (--resume PATH with a
-    checkpoint of another directory), so that it is that run, continued here."""
+def resumed_before(log_dir):
+    """The --resume paths (checkpoints, directories) the launches into log_dir were given, absolute."""
     try:
         launches = metrics.read_metrics(log_dir)["launches"]
     except UserError:
-        return False
-    first = launches[0]["run"] or {}
-    began = first.get("resumed_from")
-    return began is not None and os.path.exists(began) and os.path.samefile(began, path)
+        return set()
+    given = [(launch["run"] or {}).get("config", {}).get("resume") for launch in launches]
+    return {os.path.abspath(g) for g in given if g not in (None, "latest")}
 
 
 def stored_run(values, given, ckpt, path):
@@ -337,9 +338,10 @@ def stored_run(values, given, ckpt, path):
             continue
         flag = "--" + key.replace("_", "-")
         if key in FIXED_ON_RESUME:
-            raise UserError(f"cannot resume {path}: the run was trained with {flag} {was} and this command asks "
-                            f"for {now}; drop {flag} to continue the run as it was, or use a new --log-dir for a "
-                            "new run")
+            trained = f"without {flag}" if was is None else f"with {flag} {was}"
+            raise UserError(f"cannot resume {path}: the run was trained {trained} and this command asks for "
+                            f"{flag} {now}; drop {flag} to continue the run as it was, or use a new --log-dir for "
+                            "a new run")
         changes.append(f"{flag} {was} -> {now} (from the command line)")
     return changes
 

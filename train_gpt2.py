@@ -124,7 +124,7 @@ def setup(cfg, ranks, log, resume):
     first write into the log directory, and before an old branch's later checkpoints are set aside."""
     ckpt = resume.checkpoint if resume is not None else None
     if resume is not None:
-        checkpoint.check_world_size(ckpt, resume.path, ranks.world_size)
+        checkpoint.check_world_size(ckpt, resume.path, ranks)
     checkpoint.agree_on_resume(ckpt, ranks)
     dtype, compile_on = device.configure_backends(ranks.device, cfg.dtype, cfg.compile, "compile" in cfg.given,
                                                    cfg.deterministic)

@@ -9,8 +9,10 @@ import os
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -47,17 +49,20 @@ def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
     assert len(checkpoint.list_checkpoints(log_dir)) == 2  # --keep-checkpoints 2
 
 
-def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_dir, reference_run, tmp_path):
+def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_dir, reference_run, tmp_path,
+                                                                         monkeypatch):
     """SIGTERM while step 5 runs: the run ends after step 5, not after the next one (the request is
     read at the step's sync), with a checkpoint of its 6 steps; then the command it prints,
     `--log-dir L --resume` alone (L has a space: quoted for the shell), with none of the run's
     flags, continues it with the run's settings to the reference's losses and weights, bit for bit."""
+    import fault_trainer
     log_dir = str(tmp_path / "my run")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=100)
-    p = subprocess.run([sys.executable, FAULT_TRAINER] + args, capture_output=True, text=True,
-                       env=dict(ENV, FAULT="term:0:5"), timeout=900)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert "stopped by SIGTERM after 6 steps" in p.stdout and "Traceback" not in p.stderr
+    monkeypatch.setattr(train_gpt2, "train_step", train_gpt2.train_step)  # put back by undo()
+    fault_trainer.inject("term:0:5")
+    p = run(args)
+    monkeypatch.undo()
+    assert "stopped by SIGTERM after 6 steps" in p.stdout
     assert records(log_dir, "end")[-1] == dict(records(log_dir, "end")[-1], step=5, reason="signal")
     assert [r["step"] for r in records(log_dir, "train")] == list(range(6))
     assert final_state(log_dir)[0] == 6
@@ -74,8 +79,9 @@ def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_di
 
 def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, tmp_path):
     """Named on the command line of a resume: more steps, another evaluation cadence or timeout are
-    applied and printed; the checks between flags see the run's own settings (the flags that would
-    change the math are refused: see BAD)."""
+    applied and printed; the checks between flags see the run's own settings (its --block-size 32, not
+    the default, for its own --total-batch-size 128; the flags that would change the math are
+    refused: see BAD)."""
     log_dir = str(tmp_path / "log")
     shutil.copytree(reference_run, log_dir)  # a finished 10-step run
     p = run(["--log-dir", log_dir, "--resume", "--warmup-steps", "11"], check=False)
@@ -83,8 +89,9 @@ def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, 
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "5"], check=False)
     assert p.returncode == 2 and "--max-steps 5 is fewer than the 10 steps" in p.stderr, p.stderr
     before = snapshot(log_dir)
-    p = run(["--log-dir", log_dir, "--resume"])  # finished: nothing to do, and nothing written
-    assert p.stdout.startswith(f"{log_dir}: the run already finished its 10 steps") and snapshot(log_dir) == before
+    for own in ([], ["--total-batch-size", "128"]):  # finished: nothing to do, and nothing written
+        p = run(["--log-dir", log_dir, "--resume"] + own)
+        assert p.stdout.startswith(f"{log_dir}: the run already finished its 10 steps") and snapshot(log_dir) == before
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "12", "--eval-every", "1", "--dist-timeout", "20"])
     for change in ("--max-steps 10 -> 12", "--eval-every 4 -> 1", "--dist-timeout 15.0 -> 20.0"):
         assert f"resume: {change} (from the command line)" in p.stdout, p.stdout
@@ -140,7 +147,7 @@ def test_a_fitted_micro_batch_is_fitted_again_on_resume():
         assert values["micro_batch_size"] == expected
 
 
-def test_resume_turns_the_trackers_off(reference_run, tmp_path):
+def test_resume_turns_the_trackers_off(reference_run, tmp_path, monkeypatch):
     """A run started with --wandb and --tensorboard, resumed where neither package is installed: the
     trackers are refused in one line, and --no-wandb --no-tensorboard resume it without them."""
     log_dir = str(tmp_path / "log")
@@ -149,18 +156,15 @@ def test_resume_turns_the_trackers_off(reference_run, tmp_path):
     ckpt = checkpoint.load_file(path)
     ckpt["config"].update(wandb="gpt2-tests", wandb_id="abc123", tensorboard=True)
     checkpoint.save_file(path, ckpt)
-    # the trainer as `python train_gpt2.py` runs it, on a Python where both imports fail
-    without = ("import runpy, sys; sys.modules['wandb'] = sys.modules['tensorboard'] = None; "
-               f"sys.argv = [{TRAIN!r}] + sys.argv[1:]; runpy.run_path({TRAIN!r}, run_name='__main__')")
-    args = [sys.executable, "-c", without, "--log-dir", log_dir, "--resume", "--max-steps", "12"]
-    p = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=900)
+    for package in ("wandb", "tensorboard"):  # as on a Python where both imports fail
+        monkeypatch.setitem(sys.modules, package, None)
+    args = ["--log-dir", log_dir, "--resume", "--max-steps", "12"]
+    p = run(args, check=False)
     assert p.returncode == 2 and p.stderr.strip() == ("error: --wandb needs the wandb package, which is not "
                                                       "installed: pip install wandb"), p.stderr
-    p = subprocess.run(args + ["--no-wandb"], capture_output=True, text=True, env=ENV, timeout=900)
+    p = run(args + ["--no-wandb"], check=False)
     assert p.returncode == 2 and "--tensorboard needs the tensorboard package" in p.stderr, p.stderr
-    p = subprocess.run(args + ["--no-wandb", "--no-tensorboard"], capture_output=True, text=True, env=ENV,
-                       timeout=900)
-    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+    p = run(args + ["--no-wandb", "--no-tensorboard"])
     assert "resume: --tensorboard True -> False (from the command line)" in p.stdout
     assert "resume: --wandb gpt2-tests -> None (from the command line)" in p.stdout
     assert not os.path.exists(os.path.join(log_dir, "tb")) and not os.path.exists(os.path.join(log_dir, "wandb"))
@@ -227,19 +231,21 @@ def test_resume_applies_changed_optimizer_settings(data_dir, reference_run, tmp_
     assert muon["param_groups"][0]["momentum"] == 0.9
 
 
-def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(data_dir, tmp_path):
+def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(data_dir, tmp_path, monkeypatch):
     """Resuming from step 2 of a run that reached 6 starts a new branch: the old branch's later
     checkpoints and its export are moved aside (not deleted, and said so), the rotation keeps the
-    new branch, and --resume alone, sample.py's and hellaswag.py's loader and plot.py all follow it."""
+    new branch, and sample.py's and hellaswag.py's loader and plot.py follow it; the command that
+    started the branch, run again, continues it instead of starting it again."""
     import plot
     log_dir = str(tmp_path / "log")
     base = tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, checkpoint_every=2, keep_checkpoints=2)
     run(base + ["--max-steps", "6", "--keep-checkpoints", "3", "--export-hf"])
     old = {s: checkpoint.load_file(checkpoint.checkpoint_path(log_dir, s))["model"] for s in (4, 6)}
-    p = subprocess.run([sys.executable, FAULT_TRAINER, "--log-dir", log_dir, "--resume",
-                        checkpoint.checkpoint_path(log_dir, 2), "--max-lr", "1e-3"], capture_output=True,
-                       text=True, env=dict(ENV, FAULT="term:0:1"), timeout=900)  # stops after step 3
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr
+    branch = ["--log-dir", log_dir, "--resume", checkpoint.checkpoint_path(log_dir, 2), "--max-lr", "1e-3"]
+    evaluate = train_gpt2.evaluate
+    monkeypatch.setattr(train_gpt2, "evaluate", lambda run, step, stop: step < 4 and evaluate(run, step, stop))
+    p = run(branch)  # a stop request at the top of step 4: it stops after step 3
+    monkeypatch.undo()
     moved = [line for line in p.stdout.splitlines() if "a new branch from step 2" in line]
     assert len(moved) == 1 and "ckpt_000004.pt, ckpt_000006.pt, hf" in moved[0], p.stdout
     aside = moved[0].split(" to ")[-1]
@@ -253,29 +259,41 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     assert "ckpt_000004.pt" in what and torch.equal(model.state_dict()["lm_head.weight"], new4["model"]["lm_head.weight"])
     summary = plot.summarize(log_dir)
     assert summary["status"] == "signal" and summary["checkpoint_step"] == 4 and summary["steps"] == 4
-    p = run(["--log-dir", log_dir, "--resume"])  # continues the new branch, at its own learning rate
-    assert "resuming" in p.stdout and "ckpt_000004.pt at step 4" in p.stdout
+    # the branch's own command again (a requeued job, torchrun --max-restarts) continues the branch
+    p = run(branch)
+    assert f"resuming {log_dir}/ckpt_000004.pt at step 4" in p.stdout and "new branch" not in p.stdout, p.stdout
     schedule = train_gpt2.Schedule(warmup_steps=2, max_steps=6, min_lr_ratio=0.1)
     assert [r["lr"] for r in records(log_dir, "train")] == pytest.approx(
         [schedule.lr(s, 3e-3) for s in range(2)] + [schedule.lr(s, 1e-3) for s in range(2, 6)])
     assert records(log_dir, "run")[-1]["config"]["max_lr"] == 1e-3 and os.path.isdir(os.path.join(log_dir, "hf"))
 
 
-def test_a_launch_that_fails_changes_nothing(data_dir, tmp_path, monkeypatch, train_in_process):
+@pytest.fixture(scope="module")
+def six_steps(data_dir, tmp_path_factory):
+    """A finished 6-step run with its checkpoints of steps 2, 4 and 6."""
+    log_dir = str(tmp_path_factory.mktemp("six") / "log")
+    run(tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, checkpoint_every=2, max_steps=6, keep_checkpoints=3))
+    return log_dir
+
+
+@pytest.mark.parametrize("refusal", ["other data", "unreachable W&B"])
+def test_a_launch_that_fails_changes_nothing(refusal, six_steps, data_dir, tmp_path, monkeypatch, train_in_process):
     """A branch launch (--resume from an older checkpoint of the same directory) that is refused by a
     check, here a loader state saved with other data or an unreachable W&B, leaves the directory
     byte for byte as it was: the later checkpoints are not moved aside, so the next --resume does not
     silently train again from the older step. A refused launch into a new directory leaves none."""
     from runs import write_shards
     log_dir = str(tmp_path / "log")
-    base = tiny(data_dir=data_dir, eval_every=0, checkpoint_every=2)
-    assert train_in_process(base + ["--log-dir", log_dir, "--max-steps", "6", "--keep-checkpoints", "3"]) == 0
+    shutil.copytree(six_steps, log_dir)
     before = snapshot(log_dir)
     older = checkpoint.checkpoint_path(log_dir, 2)
-    other = write_shards(str(tmp_path / "other"), n_train_shards=1)
-    with pytest.raises(common.UserError, match="loader state was saved with another data"):
-        train_in_process(["--log-dir", log_dir, "--resume", older, "--data-dir", other])
-    assert snapshot(log_dir) == before
+    if refusal == "other data":
+        other = write_shards(str(tmp_path / "other"), n_train_shards=1)
+        with pytest.raises(common.UserError, match="loader state was saved with another data"):
+            train_in_process(["--log-dir", log_dir, "--resume", older, "--data-dir", other])
+        assert snapshot(log_dir) == before
+        return
+    pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there: refused at once
     with pytest.raises(common.UserError, match="--wandb: 127.0.0.1 cannot be reached"):
@@ -283,7 +301,7 @@ def test_a_launch_that_fails_changes_nothing(data_dir, tmp_path, monkeypatch, tr
     assert snapshot(log_dir) == before
     fresh = str(tmp_path / "fresh")
     with pytest.raises(common.UserError, match="--wandb: 127.0.0.1 cannot be reached"):
-        train_in_process(base + ["--log-dir", fresh, "--max-steps", "2", "--wandb", "gpt2-tests"])
+        train_in_process(tiny(data_dir=data_dir, log_dir=fresh, max_steps=2, wandb="gpt2-tests"))
     assert not os.path.exists(fresh)
 
 
@@ -302,13 +320,25 @@ def test_another_runs_checkpoint_is_not_resumed_into_a_directory_holding_a_run(d
                                                "in a new --log-dir"):
         train_in_process(["--log-dir", log_dir, "--resume", other])
     assert snapshot(log_dir) == before
-    moved = str(tmp_path / "moved")
-    assert train_in_process(["--log-dir", moved, "--resume", other]) == 0
-    assert [r["loss"] for r in records(moved, "train")] == [r["loss"] for r in records(reference_run, "train")[9:]]
-    # the same command again (a requeued job, torchrun --max-restarts) goes on from the run it started
-    # there, here finished, instead of being refused as another run
-    p = run(["--log-dir", moved, "--resume", other])
-    assert p.stdout.startswith(f"{moved}: the run already finished its 10 steps ({moved}/ckpt_000010.pt)")
+
+
+def test_the_command_that_continued_another_run_continues_it_again(reference_run, tmp_path, monkeypatch):
+    """--resume DIR or --resume PATH (relative here) of another run, run again (a requeued job,
+    torchrun --max-restarts), goes on in --log-dir, which continues that run: whatever DIR holds by
+    then (a newer checkpoint: the other run trains on), and whether PATH is still there."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(reference_run, "other")
+    os.remove("other/ckpt_000010.pt")
+    commands = {"from_dir": ["--resume", "other"], "from_file": ["--resume", "other/ckpt_000009.pt"]}
+    want = [r["loss"] for r in records(reference_run, "train")[9:]]
+    for log_dir, command in commands.items():
+        run(["--log-dir", log_dir] + command)
+        assert [r["loss"] for r in records(log_dir, "train")] == want
+    shutil.copy(checkpoint.checkpoint_path(reference_run, 10), "other")
+    os.remove("other/ckpt_000009.pt")
+    for log_dir, command in commands.items():
+        p = run(["--log-dir", log_dir] + command)
+        assert p.stdout.startswith(f"{log_dir}: the run already finished its 10 steps ({log_dir}/ckpt_000010.pt)")
 
 
 def test_a_stop_before_the_first_step_of_a_moved_run_keeps_a_checkpoint_in_its_directory(
@@ -324,19 +354,27 @@ def test_a_stop_before_the_first_step_of_a_moved_run_keeps_a_checkpoint_in_its_d
     assert [os.path.basename(c) for c in checkpoint.list_checkpoints(moved)] == ["ckpt_000009.pt"]
 
 
-def test_a_resume_whose_stored_evaluation_file_is_gone_skips_that_evaluation(data_dir, tmp_path):
-    """A run started with --hellaswag-file, resumed where that file is not (a copied run, another
-    machine): the resume goes on, HellaSwag says it is skipped; a file named on the command line
-    that does not exist is still refused (the bad-input table)."""
+def test_a_resume_from_another_working_directory_reads_the_runs_own_files(data_dir, tmp_path, monkeypatch):
+    """--data-dir and --hellaswag-file given relative are stored absolute, so a resume from another
+    working directory reads the same files. One that is gone by then (a copied run, another machine)
+    is no reason to refuse the resume: HellaSwag says it is skipped; a file named on the command
+    line that does not exist is still refused (the bad-input table)."""
     hs = tmp_path / "hs.jsonl"
     hs.write_text(json.dumps({"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}) + "\n")
     log_dir = str(tmp_path / "log")
-    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2, eval_every=0, hellaswag_every=1,
-             hellaswag_file=str(hs)))
-    hs.unlink()
+    monkeypatch.chdir(tmp_path)
+    run(tiny(data_dir=os.path.relpath(data_dir), log_dir=log_dir, max_steps=2, eval_every=0, hellaswag_every=1,
+             hellaswag_file="hs.jsonl"))
+    config = records(log_dir, "run")[0]["config"]
+    assert (config["data_dir"], config["hellaswag_file"]) == (data_dir, str(hs))
+    os.mkdir("elsewhere")
+    monkeypatch.chdir("elsewhere")
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "3"])
+    assert [r["step"] for r in records(log_dir, "hellaswag")] == [0, 1, 2], p.stdout
+    hs.unlink()
+    p = run(["--log-dir", log_dir, "--resume", "--max-steps", "4"])
     assert f"hellaswag: skipped for this run (HellaSwag file {hs} does not exist)" in p.stdout, p.stdout
-    assert [r["step"] for r in records(log_dir, "train")] == [0, 1, 2]
+    assert [r["step"] for r in records(log_dir, "train")] == [0, 1, 2, 3]
 
 
 def test_a_run_that_failed_before_its_first_step_does_not_block_the_retry(data_dir, tmp_path):
@@ -377,28 +415,119 @@ def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, t
                                                           "--resume")
 
 
-def test_resume_skips_a_corrupt_newest_checkpoint(data_dir, reference_run, tmp_path):
-    log_dir = tmp_path / "log"
-    log_dir.mkdir()
-    older, newest = checkpoint.list_checkpoints(reference_run)  # steps 9 and 10
-    for path in (older, newest):
+def test_a_resume_with_another_process_count_is_refused_once(reference_run, capsys):
+    """Resumed by two processes, a run of one is refused by every rank alike: rank 0 says why in one
+    line, the other leaves with the same status and says nothing (torchrun would print it per rank)."""
+    import parallel
+    path = checkpoint.latest_checkpoint(reference_run)
+    ckpt = checkpoint.load_file(path)
+    said = {}
+    for rank in (0, 1):
+        with pytest.raises(SystemExit) as e:
+            common.run_main(lambda: checkpoint.check_world_size(ckpt, path, parallel.Ranks(rank, rank, 2)))
+        assert e.value.code == 2
+        said[rank] = capsys.readouterr().err
+    assert said == {0: f"error: cannot resume {path}: it was trained with 1 process(es) (GPUs), this launch has 2; "
+                       "launch it with 1 in all (torchrun --nproc_per_node x --nnodes)\n", 1: ""}
+
+
+def zero_inside_a_tensor(path, size=2 * 2 ** 20):
+    """Zero `size` bytes in the middle of the largest tensor of a checkpoint file, its zip structure
+    left whole (as a bad block of a disk or a faulty copy leaves it)."""
+    with zipfile.ZipFile(path) as archive:
+        entry = max(archive.infolist(), key=lambda e: e.file_size)
+    with open(path, "r+b") as f:
+        f.seek(entry.header_offset + 26)  # a local file header: 30 bytes, then its name and extra field
+        name, extra = struct.unpack("<HH", f.read(4))
+        f.seek(entry.header_offset + 30 + name + extra + (entry.file_size - size) // 2)
+        f.write(bytes(size))
+
+
+def maps_naming(folder):
+    """The lines of /proc/self/maps (the files this process has mapped) that name a file in folder."""
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if folder in line]
+
+
+@pytest.fixture(scope="module")
+def damaged_resume(data_dir, reference_run, tmp_path_factory):
+    """--resume of the reference run's checkpoints of steps 9 and 10, with 2 MB of a tensor in the
+    newest zeroed, keeping one checkpoint: the log directory, the output, and what /proc/self/maps
+    named in it after each checkpoint was written (Linux)."""
+    log_dir = str(tmp_path_factory.mktemp("damaged"))
+    for path in checkpoint.list_checkpoints(reference_run):  # steps 9 and 10
         shutil.copy(path, log_dir)
-    cut = log_dir / os.path.basename(newest)
-    cut.write_bytes(cut.read_bytes()[:5000])  # as a full disk or a copy cut short would leave it
-    args = tiny(data_dir=data_dir, log_dir=str(log_dir), max_steps=10, checkpoint_every=3, resume=True)
-    p = run(args)
-    skipped = [l for l in p.stdout.splitlines() if l.startswith("resume: skipped")]
-    assert len(skipped) == 1 and cut.name in skipped[0] and "truncated or corrupt" in skipped[0]
-    assert f"resuming {log_dir / os.path.basename(older)} at step 9" in p.stdout
+    zero_inside_a_tensor(checkpoint.checkpoint_path(log_dir, 10))
+    mapped, save = [], checkpoint.Checkpointer.save
+
+    def save_and_look(self, step):
+        save(self, step)
+        if os.path.exists("/proc/self/maps"):
+            mapped.append(maps_naming(log_dir))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint.Checkpointer, "save", save_and_look)
+        p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3, keep_checkpoints=1,
+                     resume=True))
+    return log_dir, p, mapped
+
+
+def test_resume_skips_a_damaged_newest_checkpoint(damaged_resume, reference_run):
+    """A tensor of the newest checkpoint zeroed in place loads as it is (torch.load reads no
+    checksum): the zip's CRC catches it, and --resume passes over it in one line, to the one before,
+    and continues to the reference's weights."""
+    log_dir, p, _ = damaged_resume
+    skipped = [line for line in p.stdout.splitlines() if line.startswith("resume: skipped")]
+    assert len(skipped) == 1 and "ckpt_000010.pt is not a readable checkpoint" in skipped[0], p.stdout
+    assert "fails its CRC check" in skipped[0]
+    assert f"resuming {log_dir}/ckpt_000009.pt at step 9" in p.stdout
     _, model_a, _ = final_state(reference_run)
-    _, model_b, _ = final_state(str(log_dir))
+    _, model_b, _ = final_state(log_dir)
     assert all(torch.equal(model_a[k], model_b[k]) for k in model_a)
-    for path in checkpoint.list_checkpoints(str(log_dir)):  # none loads: one line, nothing written
+
+
+def test_a_resumed_run_frees_the_disk_space_of_the_checkpoint_it_resumed_from(damaged_resume):
+    """The checkpoint a run resumed from is memory-mapped while it loads; once the rotation deletes
+    it, nothing maps it any more, so its space on disk is free again (a deleted file that is still
+    mapped keeps its blocks until it is unmapped)."""
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads Linux's /proc/self/maps")
+    log_dir, _, mapped = damaged_resume
+    assert [os.path.basename(c) for c in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000010.pt"]
+    assert mapped == [[]]  # after the one checkpoint it wrote, which deleted step 9's
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "truncated"])
+def test_a_damaged_checkpoint_is_passed_over_in_a_directory_and_refused_by_name(damage, data_dir, reference_run,
+                                                                                tmp_path):
+    """Every loader of a log directory (--resume, sample.py's, hellaswag.py's and core.py's) passes
+    over a damaged newest checkpoint in one line; named itself it is refused in one line; a directory
+    where none loads is refused in one line."""
+    folder = str(tmp_path / "log")
+    os.mkdir(folder)
+    for path in checkpoint.list_checkpoints(reference_run):  # steps 9 and 10
+        shutil.copy(path, folder)
+    bad = checkpoint.checkpoint_path(folder, 10)
+    if damage == "zeroed":
+        zero_inside_a_tensor(bad)
+    else:  # as a full disk or a copy cut short leaves it
+        with open(bad, "r+b") as f:
+            f.truncate(5000)
+    _, what = checkpoint.load_model(folder)
+    assert what.startswith(f"checkpoint {folder}/ckpt_000009.pt (skipped 1 newer that do not load: {bad} is not "
+                           "a readable checkpoint, truncated or corrupt"), what
+    with pytest.raises(common.UserError, match=f"^{bad} is not a readable checkpoint, truncated or corrupt"):
+        checkpoint.load_model(bad)
+    p = run(["--log-dir", str(tmp_path / "new"), "--resume", bad], check=False)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and f"{bad} is not a readable checkpoint" in lines[0], p.stderr
+    for path in checkpoint.list_checkpoints(folder):  # none loads: one line, nothing written
         with open(path, "wb") as f:
             f.write(b"garbage")
-    p = run(args, check=False)
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    before = snapshot(folder)
+    p = run(tiny(data_dir=data_dir, log_dir=folder, max_steps=10, checkpoint_every=3, resume=True), check=False)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "none of the 2 checkpoints" in lines[0], p.stderr
+    assert snapshot(folder) == before
 
 
 def test_sigusr1_is_a_stop_request_as_sigterm_is():
@@ -419,24 +548,25 @@ def test_sigusr1_is_a_stop_request_as_sigterm_is():
             signal.signal(sig, handler)
 
 
-def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_path):
-    """A stop request in the middle of a long HellaSwag pass ends it at the next batch: no figure
-    is logged for it, the run keeps the steps it finished, and a resume continues exactly."""
+def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_path, monkeypatch):
+    """A stop request during the evaluation at the top of a step (here SIGTERM once step 0's
+    validation is done) ends it before HellaSwag's next batch: no figure is logged for it, the run
+    keeps the steps it finished, and a resume continues exactly."""
     hs = tmp_path / "hellaswag_val.jsonl"
     item = {"ctx": "The cat sees a red ball and", "endings": ["it runs.", "the dog likes books.", "a.", "we paint."]}
-    hs.write_text("".join(json.dumps(dict(item, label=i % 4)) + "\n" for i in range(20000)))  # minutes to score
+    hs.write_text("".join(json.dumps(dict(item, label=i % 4)) + "\n" for i in range(16)))
     log_dir = str(tmp_path / "log")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3)
-    proc = subprocess.Popen([sys.executable, TRAIN] + args + ["--hellaswag-every", "5", "--hellaswag-file", str(hs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    out = []
-    for line in proc.stdout:
-        out.append(line)
-        if line.startswith("step 0 | val_loss"):  # HellaSwag comes next
-            proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=600)
-    text = "".join(out)
-    assert proc.returncode == 0 and "stopped by SIGTERM after 0 steps" in text, text[-2000:]
+    validation_loss = train_gpt2.validation_loss
+
+    def then_sigterm(*args):
+        loss = validation_loss(*args)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+    monkeypatch.setattr(train_gpt2, "validation_loss", then_sigterm)
+    p = run(args + ["--hellaswag-every", "5", "--hellaswag-file", str(hs)])
+    monkeypatch.undo()
+    assert "hellaswag: scoring 16 items" in p.stdout and "stopped by SIGTERM after 0 steps" in p.stdout, p.stdout
     assert records(log_dir, "hellaswag") == [] and records(log_dir, "end")[-1]["reason"] == "signal"
     assert [os.path.basename(p) for p in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000000.pt"]
     run(args + ["--resume"])
