@@ -557,11 +557,10 @@ def evaluate(run, step, stop):
     cfg, ranks, log = run.cfg, run.ranks, run.log
     last_step = step == cfg.max_steps - 1
     due = lambda every: every and (step % every == 0 or last_step)  # noqa: E731
-    should_stop = stop_check(stop, ranks)
     evaluated = False
     if run.val_loader is not None and due(cfg.eval_every):
         val_loss = validation_loss(run.eval_model, run.val_loader, run.val_sequences, ranks, run.dtype,
-                                   should_stop)
+                                   stop_check(stop, ranks))
         if val_loss is None:
             return False
         evaluated = True
@@ -571,7 +570,7 @@ def evaluate(run, step, stop):
         if not due(every):
             continue
         with parallel.uncompiled(run.raw_model):
-            result = hook(run.raw_model, run.dtype, should_stop)
+            result = hook(run.raw_model, run.dtype, stop_check(stop, ranks))
         if result is None and parallel.any_rank(stop.signal is not None, ranks):
             return False
         if result is not None:
@@ -590,9 +589,9 @@ STOP_CHECK_EVERY = 8  # evaluation batches between two questions to the ranks ab
 
 
 def stop_check(stop, ranks):
-    """What evaluation calls before each batch: whether any rank was asked to stop, asked of the
-    ranks before the first batch and every STOP_CHECK_EVERY batches after (each question is a
-    collective and a host-device sync; every rank calls it as often, so all ask at the same calls)."""
+    """What an evaluation (validation, HellaSwag, CORE) calls before each batch: whether any rank was
+    asked to stop, asked of the ranks before its first batch and every STOP_CHECK_EVERY batches after
+    (each question is a collective and a host-device sync; every rank calls it as often)."""
     calls = itertools.count()
     return lambda: next(calls) % STOP_CHECK_EVERY == 0 and parallel.any_rank(stop.signal is not None, ranks)
 
