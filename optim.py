@@ -62,6 +62,10 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
     Under FSDP each matrix's update is gathered once and orthogonalised whole, and this rank keeps its
     rows. The state and its checkpoints are torch's either way."""
 
+    # GradScaler.step passes found_inf (and grad_scale, if not unscaled yet): an overflow skips the
+    # step on the device, without reading found_inf on the host
+    _step_supports_amp_scaling = True
+
     def __init__(self, params, ortho_dtype=torch.bfloat16, **kwargs):
         super().__init__(params, **kwargs)
         self.ortho_dtype = ortho_dtype
@@ -69,21 +73,27 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "the trainer passes no closure"
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         for group in self.param_groups:
             momentum, lr = group["momentum"], group["lr"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if grad_scale is not None:
+                    _local(p.grad).div_(grad_scale)
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
                 buf = state["momentum_buffer"]
+                kept = [(_local(t), _local(t).clone()) for t in (p, buf)] if found_inf is not None else []
                 buf.lerp_(p.grad, 1 - momentum)  # as torch's: B = mu B + (1 - mu) g
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = self._orthogonalize(update, group)
                 rows, cols = p.shape[:2]
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # torch's "original" scaling
+                for now, before in kept:
+                    now.copy_(torch.where(found_inf > 0, before, now))
         return None
 
     def _orthogonalize(self, update, group):
@@ -101,6 +111,11 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
             return result
         mesh = update.device_mesh  # from a replicated tensor to shards: each rank takes its rows, no collective
         return DTensor.from_local(result, mesh, [Replicate()], run_check=False).redistribute(mesh, update.placements)
+
+
+def _local(t):
+    """The tensor itself, or this rank's shard of a DTensor (an alias: writing it writes the DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def orthogonalize(g, coefficients, steps, eps, dtype):
