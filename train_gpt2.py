@@ -490,7 +490,7 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
         for opt in optimizers:
             scaler.step(opt)
         scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    parallel.zero_grad(model)
     timer.mark("optimizer")
     # one process needs no agreement: a request that came during the update counts for this step too
     stopping = stop_any > 0 or (not ranks.multi and stop is not None and stop.signal is not None)

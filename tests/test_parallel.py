@@ -172,6 +172,23 @@ class CountedMemory(TorchDispatchMode):
         return out
 
 
+def grad_storages(model):
+    """How many parameters have a gradient, and the storages (data pointers) those gradients are in."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return len(grads), {g.untyped_storage().data_ptr() for g in grads}
+
+
+class Watched:
+    """A loader that notes grad_storages(model) as each micro-step asks for its batch."""
+
+    def __init__(self, loader, model):
+        self.loader, self.model, self.seen = loader, model, []
+
+    def next_batch(self, *args, **kwargs):
+        self.seen.append(grad_storages(self.model))
+        return self.loader.next_batch(*args, **kwargs)
+
+
 def failing_forward(raw, failure, idx, targets=None, **kw):
     """GPT.forward, except that a micro-batch of 4 or more raises `failure`."""
     if idx.size(0) >= 4:
@@ -260,6 +277,17 @@ def worker(rank, world, tmp):
             model, opt, _, losses, norms = run(tiny_gpt(), sharding, data_dir, ranks, muon=dtype)
             out[name] = dict(losses=losses, norms=norms, state=parallel.model_state(model),
                              optimizer=parallel.optimizer_state(model, opt))
+
+        # DDP with accumulation: where the gradients are between its micro-steps
+        raw = tiny_gpt()
+        model = parallel.wrap_model(raw, "none", "cpu", rank, "float32")
+        opt = optim.configure(raw, 0.1, 1e-3, device_type="cpu")
+        watched = Watched(loader(data_dir, rank, world), raw)
+        out["ddp_grad_storages"] = []
+        for _ in range(3):  # DDP rebuilds its buckets in the second step
+            watched.seen = []
+            train(model, opt, watched, 1, ranks)
+            out["ddp_grad_storages"].append((watched.seen, grad_storages(raw)))
 
         # an interrupted FSDP run, saved after RESUME_AT steps as the trainer saves it (rank 0 writes
         # the full state) and restored into a fresh, differently initialised model: once as the
@@ -447,6 +475,19 @@ def test_muon_under_fsdp_gathers_each_matrix_once(dtype):
         assert counts == {"all_gather_into_tensor": len(matrices)} and len(matrices) == 4 * CONFIG["n_layer"]
     finally:
         tdist.destroy_process_group()
+
+
+def test_ddp_accumulates_in_its_buckets(two_ranks):
+    """Under DDP the micro-steps accumulate into its buckets (gradient_as_bucket_view) from the first
+    step on: between micro-steps every gradient is in the storages that hold the gradients after
+    the step, fewer than the parameters (one per bucket), never in fresh tensors beside them (a
+    second copy of the gradients, which the memory plan does not count)."""
+    n = len(list(tiny_gpt().parameters()))
+    for r in two_ranks[0]:
+        for seen, (count, after) in r["ddp_grad_storages"]:
+            assert count == n and len(after) < n
+            for held in seen[1:]:  # the first is taken before the step's first backward
+                assert held == (n, after), (seen, after)
 
 
 def test_activation_checkpointing_gives_the_same_training(two_ranks):
