@@ -67,10 +67,14 @@ def train(args):
     try:
         run = setup(cfg, ranks, log, resume)
         del resume  # the checkpoint it read is back in the model and optimizer: free its host memory
-        return loop(run)
+        status = loop(run)
     finally:
         log.close()
-        parallel.teardown_distributed()
+    # not after an error: there a rank's destroy_process_group can wait, in NCCL's finalize, for the
+    # ranks that wait for it, until the timeout; leaving without it, the group ends when torchrun
+    # stops the others
+    parallel.teardown_distributed()
+    return status
 
 
 # ----------------------------------------------------------------------------------------------

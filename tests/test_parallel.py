@@ -4,6 +4,7 @@ Every scenario trains with the trainer's own step (train_gpt2.train_step) on its
 import datetime
 import functools
 import os
+import subprocess
 import weakref
 
 import numpy as np
@@ -18,6 +19,7 @@ import checkpoint
 import memory
 import optim
 import parallel
+import runs
 import train_gpt2
 from dataloader import TokenLoader
 from metrics import RunLog
@@ -796,3 +798,26 @@ def test_a_process_that_joined_a_group_exits_with_its_status_and_its_output(tmp_
         assert ours == f"rank {rank} done", (out, err)
     assert outs[1][1].strip().splitlines()[-1:] == (["error: rank 1 cannot go on"] if fail else []), outs[1][1]
 
+
+def test_an_error_on_one_rank_ends_the_group_without_waiting_for_the_timeout(tmp_path):
+    """Rank 1 raises in a step where destroying the process group would wait until --dist-timeout
+    (10 minutes), as NCCL's finalize can: it leaves without, with its error in the output, and
+    torchrun ends the group in seconds (bounded here by a generous 2 minutes from step 1's line on)."""
+    args = runs.tiny(data_dir=runs.write_shards(str(tmp_path / "data")), log_dir=str(tmp_path / "log"),
+                     max_steps=10, dist_timeout=10)
+    p = runs.torchrun(["--standalone", "--nproc_per_node=2"], args, script=runs.FAULT_TRAINER,
+                      env=dict(runs.ENV, FAULT="raise:1:2"))
+    out = []
+    for line in p.stdout:
+        out.append(line)
+        if line.startswith("step     1 |"):  # rank 1 raises as step 2 begins
+            break
+    try:
+        out.append(p.communicate(timeout=120)[0])
+        waited = False
+    except subprocess.TimeoutExpired:
+        waited = True
+        p.terminate()  # torchrun stops its workers
+        out.append(p.communicate()[0])
+    text = "".join(out)
+    assert "\nRuntimeError: fault injected\n" in text and not waited and p.returncode != 0, text[-3000:]
