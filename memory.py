@@ -17,7 +17,7 @@ import common
 from common import UserError
 from device import autocast
 from model import PADDED_VOCAB_SIZE
-from parallel import SHARDINGS, grad_sync, is_fsdp, unwrap
+from parallel import SHARDINGS, grad_sync, is_fsdp, unwrap, zero_grad
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10)
                 outcome = _failure(e, phase[0], stranded=collectives)
             return agree(outcome, b)
         finally:
-            model.zero_grad(set_to_none=True)
+            zero_grad(model)
             if is_fsdp(raw):  # a forward that stopped half-way may leave blocks gathered
                 for m in raw.modules():
                     if hasattr(m, "reshard"):

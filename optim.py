@@ -56,10 +56,15 @@ def apply_settings(optimizer, weight_decay, betas, eps, muon_momentum=None):
 # torch.optim.Muon came in PyTorch 2.9; on an older one this module still imports, and device.py
 # stops the scripts that train with one line
 class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
-    """torch.optim.Muon, whose Newton-Schulz iteration runs in bfloat16, with the choice of another
-    dtype for GPUs without bf16 (T4, V100, P100): ortho_dtype float16 (their tensor cores' type; the
-    iteration keeps every entry within [-1, 1], far inside fp16's range) or float32. In bfloat16 it
-    is torch's own step. The state and its checkpoints are the same either way."""
+    """torch.optim.Muon's step, with the choice of the dtype its Newton-Schulz iteration runs in:
+    bfloat16 (torch's own iteration), or for GPUs without bf16 (T4, V100, P100) float16 (their tensor
+    cores' type; the iteration keeps every entry within [-1, 1], far inside fp16's range) or float32.
+    Under FSDP each matrix's update is gathered once and orthogonalised whole, and this rank keeps its
+    rows. The state and its checkpoints are torch's either way."""
+
+    # GradScaler.step passes found_inf (and grad_scale, if not unscaled yet): an overflow skips the
+    # step on the device, without reading found_inf on the host
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, ortho_dtype=torch.bfloat16, **kwargs):
         super().__init__(params, **kwargs)
@@ -67,26 +72,50 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.ortho_dtype == torch.bfloat16:
-            return super().step(closure)
         assert closure is None, "the trainer passes no closure"
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         for group in self.param_groups:
             momentum, lr = group["momentum"], group["lr"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if grad_scale is not None:
+                    _local(p.grad).div_(grad_scale)
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
                 buf = state["momentum_buffer"]
+                kept = [(_local(t), _local(t).clone()) for t in (p, buf)] if found_inf is not None else []
                 buf.lerp_(p.grad, 1 - momentum)  # as torch's: B = mu B + (1 - mu) g
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                       self.ortho_dtype)
+                update = self._orthogonalize(update, group)
                 rows, cols = p.shape[:2]
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # torch's "original" scaling
+                for now, before in kept:
+                    now.copy_(torch.where(found_inf > 0, before, now))
         return None
+
+    def _orthogonalize(self, update, group):
+        """Newton-Schulz on the whole matrix: a shard of one (FSDP's DTensor) is gathered first, and
+        this rank's rows of the result come back as a DTensor of the same placement. Orthogonalising
+        the shards instead would make DTensor redistribute at every product of every iteration."""
+        from torch.distributed.tensor import DTensor, Replicate
+        whole = update.full_tensor() if isinstance(update, DTensor) else update
+        args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+        if self.ortho_dtype == torch.bfloat16:
+            result = torch.optim._muon._zeropower_via_newtonschulz(whole, *args)  # torch.optim.Muon's own
+        else:
+            result = orthogonalize(whole, *args, self.ortho_dtype)
+        if not isinstance(update, DTensor):
+            return result
+        mesh = update.device_mesh  # from a replicated tensor to shards: each rank takes its rows, no collective
+        return DTensor.from_local(result, mesh, [Replicate()], run_check=False).redistribute(mesh, update.placements)
+
+
+def _local(t):
+    """The tensor itself, or this rank's shard of a DTensor (an alias: writing it writes the DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def orthogonalize(g, coefficients, steps, eps, dtype):

@@ -69,10 +69,14 @@ def train(args):
     try:
         run = setup(cfg, ranks, log, resume)
         del resume  # the checkpoint it read is back in the model and optimizer: free its host memory
-        return loop(run)
+        status = loop(run)
     finally:
         log.close()
-        parallel.teardown_distributed()
+    # not after an error: there a rank's destroy_process_group can wait, in NCCL's finalize, for the
+    # ranks that wait for it, until the timeout; leaving without it, the group ends when torchrun
+    # stops the others
+    parallel.teardown_distributed()
+    return status
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,7 +485,9 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
             timer.mark("forward")
             scaler.scale(loss).backward()
             timer.mark("backward")
-    scaler.unscale_(optimizer)
+    optimizers = getattr(optimizer, "optimizers", [optimizer])  # each through the scaler: see below
+    for opt in optimizers:
+        scaler.unscale_(opt)
     # the gradients are already all-reduced, so every rank computes the same global norm
     norm = parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
     asked = stop is not None and stop.signal is not None
@@ -493,9 +499,12 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     loss_val, norm_val, stop_any = stats.tolist()
     finite = math.isfinite(loss_val) and math.isfinite(norm_val)
     if finite or dtype == "float16":
-        scaler.step(optimizer)  # with fp16 it skips the update by itself when gradients overflowed
+        # with fp16 the scaler skips the update by itself when gradients overflowed; fused AdamW and
+        # Muon skip it on the device, so the scaler need not read found_inf on the host for them
+        for opt in optimizers:
+            scaler.step(opt)
         scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+    parallel.zero_grad(model)
     timer.mark("optimizer")
     # one process needs no agreement: a request that came during the update counts for this step too
     stopping = stop_any > 0 or (not ranks.multi and stop is not None and stop.signal is not None)

@@ -7,6 +7,8 @@ with any of these set:
                            launch only (not after a torchrun restart)
         kill   SIGKILL: the process dies at once (a lost worker)
         term   SIGTERM: a stop request that arrives while the step runs
+        raise  an error; destroying the process group then waits until the timeout, as NCCL's
+               finalize can for the ranks that wait for the failed one
   COMPILE_BACKEND=NAME     torch.compile uses this Dynamo backend (aot_eager: inductor's graphs
                            without a C++ build on a small CPU)
   COMPILE_LOG=PATH         each rank appends one JSON line to PATH.rankN per evaluation at the top of
@@ -34,11 +36,25 @@ def inject(spec):
     real_step, calls = train_gpt2.train_step, []
 
     def faulty(model, optimizer, scaler, loader, grad_accum, ranks, *args, **kwargs):
-        if ranks.rank == int(rank) and len(calls) == int(step) and parallel.torchrun_restart() == 0:
-            os.kill(os.getpid(), SIGNALS[kind])
+        if len(calls) == int(step) and parallel.torchrun_restart() == 0:
+            fault(kind, ranks.rank == int(rank))
         calls.append(1)
         return real_step(model, optimizer, scaler, loader, grad_accum, ranks, *args, **kwargs)
     train_gpt2.train_step = faulty
+
+
+def fault(kind, here):
+    if kind == "raise":
+        group = torch.distributed.new_group()  # made by every rank (a collective)
+        if here:
+            # a collective no other rank joins, which destroying the process group waits for (gloo's
+            # does not wait; NCCL's finalize can, for the ranks that wait for this one)
+            pending = torch.distributed.all_reduce(torch.zeros(1), group=group, async_op=True)
+            destroy = torch.distributed.destroy_process_group
+            torch.distributed.destroy_process_group = lambda: (pending.wait(), destroy())
+            raise RuntimeError("fault injected")
+    elif here:
+        os.kill(os.getpid(), SIGNALS[kind])
 
 
 def count_compiles(backend, log_path):

@@ -140,9 +140,9 @@ def final_state(log_dir):
     return ckpt["step"], ckpt["model"], ckpt["optimizer"]
 
 
-def torchrun(extra, args, **kw):
-    cmd = [sys.executable, "-m", "torch.distributed.run"] + extra + [TRAIN] + args
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, **kw)
+def torchrun(extra, args, script=TRAIN, env=ENV, **kw):
+    cmd = [sys.executable, "-m", "torch.distributed.run"] + extra + [script] + args
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw)
 
 
 def stdout_closed(script, args):

@@ -32,10 +32,27 @@ def test_optimizer_groups_and_step_match_adamw():
         assert torch.equal(a, b)
 
 
+def torch_pair(model, opt, fused=None):
+    """A copy of model, with torch.optim.Muon and torch.optim.AdamW set up by hand as
+    optim.configure set up the pair opt."""
+    muon, adamw = opt.optimizers
+    ref = GPT(GPTConfig(**TINY))
+    ref.load_state_dict(model.state_dict())
+    by_name = dict(ref.named_parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref_muon = torch.optim.Muon([by_name[names[id(p)]] for g in muon.param_groups for p in g["params"]], lr=0.02,
+                                momentum=muon.param_groups[0]["momentum"], nesterov=True, weight_decay=0.0)
+    ref_adamw = torch.optim.AdamW([{"params": [by_name[names[id(p)]] for p in g["params"]],
+                                    "weight_decay": g["weight_decay"]} for g in adamw.param_groups],
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    return ref, ref_muon, ref_adamw
+
+
 def test_muon_for_the_block_matrices_adamw_for_the_rest():
     """--optimizer muon: torch.optim.Muon takes exactly the attention and MLP matrices; AdamW the
     embeddings (the tied head with them), the gains and the biases; one step of the pair equals the
-    two torch optimizers applied by hand; a GradScaler unscales the gradients before either sees them."""
+    two torch optimizers applied by hand; stepped through a GradScaler, the gradients are unscaled before
+    either uses them."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
     opt = optim.configure(model, 0.1, 1e-3, muon_lr=0.02, muon_momentum=0.9)
@@ -48,26 +65,71 @@ def test_muon_for_the_block_matrices_adamw_for_the_rest():
     assert any(p is model.transformer.wte.weight for p in rest) and adamw.param_groups[0]["weight_decay"] == 0.1
     assert muon.param_groups[0]["momentum"] == 0.9 and muon.param_groups[0]["weight_decay"] == 0.0
 
-    ref = GPT(GPTConfig(**TINY))
-    ref.load_state_dict(model.state_dict())
-    by_name = dict(ref.named_parameters())
-    names = {id(p): n for n, p in model.named_parameters()}
-    ref_muon = torch.optim.Muon([by_name[names[id(p)]] for g in muon.param_groups for p in g["params"]], lr=0.02,
-                                momentum=0.9, nesterov=True, weight_decay=0.0)
-    ref_adamw = torch.optim.AdamW([{"params": [by_name[names[id(p)]] for p in g["params"]],
-                                    "weight_decay": g["weight_decay"]} for g in adamw.param_groups],
-                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    ref, ref_muon, ref_adamw = torch_pair(model, opt)
     idx = torch.randint(0, 50257, (2, 16))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
     scaler.scale(model(idx, idx)[1]).backward()
-    scaler.step(opt)  # unscales first; scaled gradients would shift AdamW's update (its eps is not scaled)
+    for o in opt.optimizers:  # each unscales first (Muon by itself, given the scale), as AdamW's eps is not scaled
+        scaler.step(o)
     ref(idx, idx)[1].backward()
     ref_muon.step()
     ref_adamw.step()
+    by_name = dict(ref.named_parameters())
     for n, p in model.named_parameters():
         torch.testing.assert_close(p, by_name[n], rtol=1e-6, atol=1e-7, msg=n)
+    for p, q in zip(muon.param_groups[0]["params"], ref_muon.param_groups[0]["params"]):
+        torch.testing.assert_close(muon.state[p]["momentum_buffer"], ref_muon.state[q]["momentum_buffer"])
     state = opt.state_dict()
     assert len(state["optimizers"]) == 2 and "momentum_buffer" in state["optimizers"][0]["state"][0]
+
+
+class Batches:
+    """A loader whose every micro-batch is idx (as input and as targets)."""
+
+    def __init__(self, idx):
+        self.idx = idx
+
+    def next_batch(self, timer=None):
+        return self.idx, self.idx
+
+
+def test_fp16_step_of_the_pair_skips_or_updates_both_without_a_host_sync(monkeypatch):
+    """train_step in fp16 with Muon and fused AdamW (the pair of a GPU): an overflow skips both
+    optimizers, a finite step updates both, with the scale of stepping torch's two optimizers
+    through the scaler one by one; and found_inf is never read on the host (GradScaler's path that
+    sums it with .item() for an optimizer that cannot skip a step by itself is not taken)."""
+    import train_gpt2
+    from parallel import Ranks
+    host_reads = []
+    real = torch.amp.GradScaler._maybe_opt_step
+    monkeypatch.setattr(torch.amp.GradScaler, "_maybe_opt_step",
+                        lambda self, *a, **kw: host_reads.append(1) or real(self, *a, **kw))
+    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
+    for init_scale, overflow in ((2.0 ** 127, True), (16.0, False)):  # 2^127 x the loss is inf in fp32
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**TINY))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = optim.configure(model, 0.1, 1e-3, fused=True, muon_lr=0.02)
+        ref, ref_muon, ref_adamw = torch_pair(model, opt, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        *_, finite = train_gpt2.train_step(model, opt, scaler, Batches(idx), 1, Ranks(), "float16")
+        assert finite != overflow and host_reads == []
+
+        ref_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ref(idx, idx)[1]
+        ref_scaler.scale(loss).backward()
+        for o in (ref_muon, ref_adamw):
+            ref_scaler.unscale_(o)
+        for o in (ref_muon, ref_adamw):
+            ref_scaler.step(o)
+        ref_scaler.update()
+        assert scaler.get_scale() == ref_scaler.get_scale() == (init_scale / 2 if overflow else init_scale)
+        by_name = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p, by_name[n], rtol=1e-6, atol=1e-7, msg=n)
+            assert torch.equal(p, before[n]) == overflow, n
+        host_reads.clear()
 
 
 def test_muon_without_bf16_orthogonalises_in_another_dtype_and_steps_as_torch_does(monkeypatch):
