@@ -83,7 +83,7 @@ def exit_process(code):
     the last collective's tensors then, and a thread that needs the GIL while the interpreter shuts
     down aborts the whole process (SIGABRT, "terminate called without an active exception"), so a
     finished run would end as a failed one (pytorch/pytorch#179291 describes the crash). Everything
-    the scripts write is closed by then (logs, checkpoints, plots), and the group was destroyed."""
+    the scripts write is closed by then (logs, checkpoints, plots)."""
     if not _joined_process_group:
         sys.exit(code)
     if code is not None and not isinstance(code, int):  # sys.exit("message") prints it, status 1

@@ -120,8 +120,8 @@ def trial_micro_steps(model, micro_batch, block_size, device, dtype, accumulatio
     """Forward and backward at this micro-batch as the training step runs them (train_gpt2.train_step),
     as far as its memory peak: with accumulation the second micro-step holds the gradients of the
     first and the activations of its own. DDP's micro-steps run without sync there (no_sync), and
-    the last one, which all-reduces, holds no more: it copies each gradient into DDP's bucket as it
-    is ready and lets it go. So only a step of one micro-step all-reduces here, as it does in
+    the last one, which all-reduces, holds no more: the gradients are DDP's buckets themselves
+    (parallel.wrap_model). So only a step of one micro-step all-reduces here, as it does in
     training, where the gradients are never held beside the buckets. phase[0]: 'forward' or
     'backward', for the message when one fails."""
     raw = unwrap(model)
