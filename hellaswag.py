@@ -140,12 +140,16 @@ def training_hook(data_file, limit, ranks, log, lockstep):
                                 ranks, log, lockstep)
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = common.ArgumentParser(description="HellaSwag accuracy of a GPT-2 model (completion style).")
     p.add_argument("--data-file", default=None,
                    help=f"local copy of {HELLASWAG_FILE} (offline use); default: download it once")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N items (default: all)")
-    args = scoring.parse_args(p, argv, "acc, acc_norm, n", CACHE)
+    return scoring.parse_args(p, argv, "acc, acc_norm, n", CACHE)
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     def show(result, seconds):
         n = result["n"]
