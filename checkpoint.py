@@ -30,6 +30,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+import metrics
 import parallel
 from common import UserError, atomic_directory, atomic_write, first_line, hub_unreachable, out_of_space
 from model import GPT, GPTConfig
@@ -221,6 +222,31 @@ class Checkpointer:
 
 # ----------------------------------------------------------------------------------------------
 # Resuming: which checkpoint
+
+
+def resume_point(resume, log_dir):
+    """Which checkpoint a launch continues, as find_resume() says it, decided once for the whole launch:
+    a new run (resume None) refused where log_dir holds one or a trainer holds its lock; the
+    --resume PATH an earlier launch into log_dir was given, given again (a requeued job, torchrun
+    --max-restarts), going on from log_dir's own newest checkpoint, since log_dir continues the
+    branch or the other run PATH started already; another directory's checkpoint refused where
+    log_dir holds a run of its own (the two runs' checkpoints, export and metrics would mix)."""
+    holds_run = bool(list_checkpoints(log_dir)) or metrics.steps_logged(log_dir)
+    if resume is None:  # never silently write over an earlier run
+        metrics.check_not_running(log_dir)
+        if holds_run:
+            raise UserError(f"{log_dir} already holds a run: pass --resume to continue it, "
+                            "or a new --log-dir for a new run")
+        return None, None, []
+    again = holds_run and resume != "latest" and resume in metrics.resumed_before(log_dir)
+    path, ckpt, skipped = find_resume("latest", log_dir) if again else (None, None, [])
+    if path is None:
+        path, ckpt, skipped = find_resume(resume, log_dir)
+    if holds_run and not again and path is not None and not in_log_dir(path, log_dir):
+        raise UserError(f"--resume {resume}: {log_dir} holds another run; continue {path} in a new "
+                        f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
+                        f"{shlex.quote(path)}")
+    return path, ckpt, skipped
 
 
 def find_resume(resume, log_dir):

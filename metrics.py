@@ -184,6 +184,16 @@ def check_not_running(log_dir):
                 raise _in_use(log_dir, f)
 
 
+def resumed_before(log_dir):
+    """The --resume paths (checkpoints, directories) the launches into log_dir were given, absolute."""
+    try:
+        launches = read_metrics(log_dir)["launches"]
+    except UserError:
+        return set()
+    given = [(launch["run"] or {}).get("config", {}).get("resume") for launch in launches]
+    return {os.path.abspath(g) for g in given if g not in (None, "latest")}
+
+
 def steps_logged(log_dir):
     """Whether log_dir's metrics.jsonl holds a finished training step: a launch that failed
     before its first step leaves only its header, and must not block a new run."""

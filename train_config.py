@@ -14,14 +14,10 @@ train_gpt2.Run; stored() is what checkpoints and the run header keep of both.
 import argparse
 import math
 import os
-import shlex
 from dataclasses import dataclass
 
 import checkpoint
 import common
-import hellaswag
-import metrics
-import trackers
 from common import UserError
 from model import PRESETS
 
@@ -273,28 +269,13 @@ def resolve(args):
     and each flag the command line names goes over them or is refused (stored_run); then the checks
     between them, the trackers' packages, the evaluation files read as far as the run will read
     them, and a new W&B run's id. Nothing is written: a launch refused here changes nothing."""
-    log_dir = args.log_dir
-    holds_run = bool(checkpoint.list_checkpoints(log_dir)) or metrics.steps_logged(log_dir)
-    if args.resume is None:  # never silently write over an earlier run
-        metrics.check_not_running(log_dir)
-        if holds_run:
-            raise UserError(f"{log_dir} already holds a run: pass --resume to continue it, "
-                            "or a new --log-dir for a new run")
-    # the --resume PATH an earlier launch into log_dir was given, given again (a requeued job, torchrun
-    # --max-restarts): log_dir continues the branch or the other run PATH started already, so it goes on
-    # from log_dir's own newest checkpoint (PATH itself where log_dir has none yet)
-    again = holds_run and args.resume not in (None, "latest") and args.resume in resumed_before(log_dir)
-    path, ckpt, skipped = checkpoint.find_resume("latest", log_dir) if again else (None, None, [])
-    if path is None:
-        path, ckpt, skipped = checkpoint.find_resume(args.resume, log_dir)
-    if holds_run and not again and path is not None and not checkpoint.in_log_dir(path, log_dir):
-        # its checkpoints would land among the other run's: the rotation, --resume and plot.py would mix them
-        raise UserError(f"--resume {args.resume}: {log_dir} holds another run; continue {path} in a new "
-                        f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
-                        f"{shlex.quote(path)}")
+    path, ckpt, skipped = checkpoint.resume_point(args.resume, args.log_dir)
     values = dict(vars(args))
     changes = stored_run(values, args.given, ckpt, path) if ckpt is not None else []
+    if values["optimizer"] != "muon":
+        values["muon_lr"] = None  # Muon's peak rate only where Muon trains: what every reader asks
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
+        import trackers
         values["wandb_id"] = trackers.new_wandb_id()
     cfg = Settings(values)
     check_relations(cfg)
@@ -303,19 +284,10 @@ def resolve(args):
                         "done: give more, or leave it out to keep the run's")
     for flag in ("wandb", "tensorboard"):
         if getattr(cfg, flag):
+            import trackers
             trackers.check_tracker_installed(flag)
     check_evaluation_files(cfg)
     return cfg, Resume(path, ckpt, skipped, changes) if ckpt is not None else None
-
-
-def resumed_before(log_dir):
-    """The --resume paths (checkpoints, directories) the launches into log_dir were given, absolute."""
-    try:
-        launches = metrics.read_metrics(log_dir)["launches"]
-    except UserError:
-        return set()
-    given = [(launch["run"] or {}).get("config", {}).get("resume") for launch in launches]
-    return {os.path.abspath(g) for g in given if g not in (None, "latest")}
 
 
 def stored_run(values, given, ckpt, path):
@@ -359,6 +331,7 @@ def check_evaluation_files(cfg):
         if not os.path.isfile(cfg.hellaswag_file):
             raise UserError(f"--hellaswag-file {cfg.hellaswag_file} does not exist; give the path of a "
                             f"hellaswag_val.jsonl, or leave it out to download the file once")
+        import hellaswag
         try:
             hellaswag.load_items(cfg.hellaswag_file, limit=cfg.hellaswag_limit, flag="--hellaswag-file")
         except UserError as e:

@@ -29,23 +29,16 @@ import torch
 
 import checkpoint
 import common
-import core
 import dataloader
 import device
-import hellaswag
 import memory
 import optim
 import parallel
-import plot
 import provenance
-import sample
-import scoring
-import trackers
 import train_config
 from common import UserError
 from metrics import RunLog
 from model import GPT, GPTConfig, PRESETS
-from tokenizer import get_tokenizer
 
 
 def main(argv=None):
@@ -107,9 +100,9 @@ class Run:
     checkpoints: checkpoint.Checkpointer
     start_step: int              # steps already done when this launch began
     peak_flops: Optional[float]  # the device's peak FLOP/s in dtype, for MFU (None: unknown)
-    hellaswag: scoring.TrainingHook
-    core: scoring.TrainingHook
-    plotter: plot.PlotWriter
+    hellaswag: object            # the evaluations that are on (evaluations()), None where off
+    core: object
+    plotter: object              # plot.PlotWriter, on rank 0 with --plot
     sample_prompt: list          # the token ids the samples continue (--sample-prompt, checked at start)
     per_node: int                # processes per node (torchrun's LOCAL_WORLD_SIZE): how to launch a resume
 
@@ -143,14 +136,19 @@ def setup(cfg, ranks, log, resume):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     raw_model, origin = build_model(cfg, resume)
-    prompt = sample_prompt_tokens(cfg, raw_model.config.block_size)
+    evals = evaluations(cfg, ranks, log, fsdp, raw_model.config.block_size)
     raw_model.to(ranks.device)
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
                                 cfg.activation_checkpointing, compile_on)
     micro_batch, grad_accum = batch_geometry(cfg, ranks, model, dtype)
     train_loader, val_loader, val_sequences = build_data(cfg, ranks, micro_batch, raw_model.config.vocab_size)
-    optimizer, scaler = build_optimizer(cfg, raw_model, ranks, dtype)
+    # AdamW (fused on CUDA), or Muon and AdamW; fp16 needs loss scaling to keep small gradients from
+    # flushing to zero, bf16 and fp32 do not
+    optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
+                                ranks.device_type, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
+                                muon_dtype=device.muon_dtype(ranks.device))
+    scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
     log.hold()  # the lock first: a launch it refuses must not touch the directory
     checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
                                           optimizer=optimizer, scaler=scaler, train_loader=train_loader,
@@ -158,7 +156,10 @@ def setup(cfg, ranks, log, resume):
     start_step = checkpoints.restore(ckpt, resume.path) if resume is not None else 0
     # the settings of this launch, over the param groups the checkpoint brought back
     optim.apply_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
-    start_trackers(cfg, ranks, log, start_step)
+    if ranks.is_master and (cfg.wandb or cfg.tensorboard):  # W&B and TensorBoard, fed by the log's records
+        import trackers
+        name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
+        log.trackers = trackers.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
     if resume is not None:
         parallel.gather(None, ranks)  # every rank got this far: only then may rank 0 set a branch aside
         note_resume(cfg, ranks, log, resume)
@@ -167,10 +168,7 @@ def setup(cfg, ranks, log, resume):
               optimizer=optimizer, scaler=scaler, schedule=schedule_of(cfg), train_loader=train_loader,
               val_loader=val_loader, val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
               peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
-              hellaswag=hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, lockstep=fsdp),
-              core=core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, lockstep=fsdp),
-              plotter=plot.PlotWriter(cfg.log_dir, cfg.plot and ranks.is_master), sample_prompt=prompt,
-              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)))
+              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)), **evals)
     write_header(run, origin, resume)
     return run
 
@@ -203,20 +201,33 @@ def build_model(cfg, resume):
     return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
 
 
-def sample_prompt_tokens(cfg, block_size):
-    """The token ids of --sample-prompt, checked now as sample.py checks its prompt (an empty one
-    is <|endoftext|>, which may also be written in it; it must fit the context), so that a prompt
-    that cannot be sampled from is refused at start, not found at the first samples."""
-    try:
-        return sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, block_size)
-    except UserError as e:
-        raise UserError(f"--sample-prompt: {e}")
+def evaluations(cfg, ranks, log, fsdp, block_size):
+    """What the run evaluates besides the validation loss, each built only where it is on (else None):
+    HellaSwag's and CORE's hooks, the plot writer (rank 0), and the token ids the samples continue,
+    --sample-prompt checked now as sample.py checks its prompt (it must fit the context), so that a
+    prompt that cannot be sampled from is refused at start, not at the first samples."""
+    out = dict(hellaswag=None, core=None, plotter=None, sample_prompt=None)
+    if cfg.hellaswag_every:
+        import hellaswag
+        out["hellaswag"] = hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, fsdp)
+    if cfg.core_every:
+        import core
+        out["core"] = core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, fsdp)
+    if cfg.plot and ranks.is_master:
+        import plot
+        out["plotter"] = plot.PlotWriter(cfg.log_dir, True)
+    if cfg.sample_every or "sample_prompt" in cfg.given:
+        import sample
+                try:
+            out["sample_prompt"] = sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, block_size)
+        except UserError as e:
+            raise UserError(f"--sample-prompt: {e}")
+    return out
 
 
 def batch_geometry(cfg, ranks, model, dtype):
-    """(micro-batch, accumulation steps): say each number once, derive the rest and assert it. The
-    micro-batch is --micro-batch-size, or with auto the largest that fits, tried on the model as it
-    trains (model: wrap_model's; memory.choose_micro_batch)."""
+    """(micro-batch, accumulation steps): --micro-batch-size, or with auto the largest that fits,
+    tried on the model as it trains (memory.choose_micro_batch); the accumulation covers the rest."""
     if cfg.micro_batch_size == "auto":
         micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size)
     else:
@@ -225,9 +236,7 @@ def batch_geometry(cfg, ranks, model, dtype):
     if cfg.total_batch_size % tokens_per_micro:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
                         f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
-    grad_accum = cfg.total_batch_size // tokens_per_micro
-    assert grad_accum * tokens_per_micro == cfg.total_batch_size
-    return micro_batch, grad_accum
+    return micro_batch, cfg.total_batch_size // tokens_per_micro
 
 
 def build_data(cfg, ranks, micro_batch, vocab_size):
@@ -243,31 +252,6 @@ def build_data(cfg, ranks, micro_batch, vocab_size):
     val_loader = loader("val")
     sequences = min(cfg.val_tokens // cfg.block_size, val_loader.num_sequences) // ranks.world_size
     return train_loader, val_loader, max(1, sequences)
-
-
-def build_optimizer(cfg, raw_model, ranks, dtype):
-    """AdamW (fused on CUDA), or Muon and AdamW (--optimizer muon), and the gradient scaler: fp16
-    needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not. The
-    scaler unscales the gradients before either optimizer sees them."""
-    optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
-                                ranks.device_type, muon_lr=muon_lr(cfg), muon_momentum=cfg.muon_momentum,
-                                muon_dtype=device.muon_dtype(ranks.device))
-    scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
-    return optimizer, scaler
-
-
-def muon_lr(cfg):
-    """Muon's peak learning rate, or None when the run does not use Muon."""
-    return cfg.muon_lr if cfg.optimizer == "muon" else None
-
-
-def start_trackers(cfg, ranks, log, start_step):
-    """W&B and/or TensorBoard for this run (rank 0), fed by the log's records, in the W&B run
-    --wandb-id names (chosen with the settings, and so stored in the checkpoints for a resume to
-    continue that run)."""
-    if ranks.is_master and (cfg.wandb or cfg.tensorboard):
-        name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
-        log.trackers = trackers.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
 
 
 def note_resume(cfg, ranks, log, resume):
@@ -289,6 +273,10 @@ def write_header(run, origin, resume):
     commit = provenance.git_commit()
     restart = parallel.torchrun_restart()
     resume_path, changes = (resume.path, resume.changes) if resume is not None else (None, [])
+    muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if cfg.muon_lr else 0  # the block matrices
+    plan = memory.memory_plan(model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, run.dtype,
+                              run.micro_batch, cfg.block_size, model.config.n_layer, model.config.n_embd,
+                              cfg.activation_checkpointing, muon_params=muon_params)
     log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
                compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum,
@@ -314,7 +302,7 @@ def write_header(run, origin, resume):
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
              f"{' (auto-fit)' if fitted else ''}{val_note}")
     auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < train_config.DEFAULT_WARMUP
-    muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if muon_lr(cfg) else ""
+    muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if cfg.muon_lr else ""
     if muon and device.muon_dtype(ranks.device) != torch.bfloat16:
         muon += " (Newton-Schulz in float16: no bfloat16 on this GPU)"
     log.line(f"lr {cfg.max_lr:g}{muon}: {cfg.warmup_steps} warm-up steps"
@@ -322,10 +310,6 @@ def write_header(run, origin, resume):
              f", {'cosine' if cfg.lr_schedule == 'cosine' else 'stable, then linear'} to "
              f"{cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
     capacity = torch.cuda.get_device_properties(ranks.device).total_memory if ranks.device_type == "cuda" else None
-    muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if muon_lr(cfg) else 0  # the block matrices
-    plan = memory.memory_plan(model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, run.dtype,
-                                run.micro_batch, cfg.block_size, model.config.n_layer, model.config.n_embd,
-                                cfg.activation_checkpointing, muon_params=muon_params)
     log.line(f"memory ({cfg.sharding if run.fsdp else 'DDP' if ranks.multi else 'one process'}"
              f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): "
              + memory.format_memory_plan(plan, capacity, "GPU" if ranks.device_type == "cuda" else "process"))
@@ -359,7 +343,7 @@ def loop(run):
 
             # ---- one optimizer step over grad_accum micro-batches
             t0 = time.perf_counter()
-            lr = set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, muon_lr(cfg))
+            lr = set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, cfg.muon_lr)
             loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
                                                       run.grad_accum, run.ranks, run.dtype, cfg.grad_clip, stop,
                                                       timer)
@@ -388,7 +372,7 @@ def diverged(run, loss, finite):
 
 def stop_on_nonfinite(run, step, loss, norm):
     """--on-nonfinite stop: say where to go back to, and end with exit status 3."""
-    rates = "--max-lr or --muon-lr" if muon_lr(run.cfg) else "--max-lr"  # under Muon, either may be the cause
+    rates = "--max-lr or --muon-lr" if run.cfg.muon_lr else "--max-lr"  # under Muon, either may be the cause
     if run.checkpoints.last_path:
         advice = f"The last good checkpoint is {run.checkpoints.last_path}: resume from it with a lower {rates}"
     else:  # --resume with no checkpoint starts the run afresh
@@ -438,7 +422,7 @@ def end(run, reason, step):
     """The end record (step: max_steps when finished, else the last step that ran, -1 for none) and
     the last plot. Returns the exit status, 0."""
     run.log.record("end", step=step, reason=reason)
-    if run.ranks.is_master:
+    if run.plotter:
         run.plotter.kick()
         run.plotter.join()
     return 0
@@ -576,7 +560,7 @@ def evaluate(run, step, stop):
         log.line(f"step {step} | val_loss {val_loss:.4f}")
         log.record("val", step=step, val_loss=val_loss, tokens=step * cfg.total_batch_size)
     for hook, every in ((run.hellaswag, cfg.hellaswag_every), (run.core, cfg.core_every)):
-        if not due(every):
+        if hook is None or not due(every):
             continue
         with parallel.uncompiled(run.raw_model):
             result = hook(run.raw_model, run.dtype, stop_check(stop, ranks))
@@ -589,7 +573,7 @@ def evaluate(run, step, stop):
             log.record(hook.name, step=step, tokens=step * cfg.total_batch_size, **fields)
     if (ranks.is_master or run.fsdp) and step > 0 and due(cfg.sample_every):
         log_samples(run, step, stop)
-    if evaluated and ranks.is_master:
+    if evaluated and run.plotter:
         run.plotter.kick()
     return True
 
@@ -646,6 +630,7 @@ def log_samples(run, step, stop):
     collective, so every rank samples and a stop request must not end one rank's loop early. A
     failure is one line: samples are a glimpse of the model, never a reason to end the run (but
     under FSDP, where the ranks would no longer meet in the same collectives, it ends it)."""
+    import sample
     cfg = run.cfg
     try:
         with parallel.uncompiled(run.raw_model):
