@@ -67,18 +67,6 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def _checkpoint(log_dir, metrics):
-    """The checkpoint `train_gpt2.py --log-dir DIR --resume` continues from, and its step: the
-    newest ckpt_*.pt in the directory, else the newest recorded checkpoint that still exists."""
-    path = checkpoint.latest_checkpoint(log_dir)
-    if path is not None:
-        return path, checkpoint.step_of(path)
-    for rec in reversed(metrics["checkpoint"]):
-        if os.path.isfile(rec["path"]):
-            return rec["path"], rec["step"]
-    return None, None
-
-
 def summarize(log_dir):
     """The numbers of one run, as a dict (None where the log has nothing to say; definitions: see the
     module docstring). status is the last launch's end reason, or "stopped" without one (killed, or running)."""
@@ -112,7 +100,8 @@ def summarize(log_dir):
         last = records[-1] if records else {}
         s.update({f"{key}_best": best.get(field), f"{key}_best_step": best.get("step"),
                   f"{key}_final": last.get(field), f"{key}_final_step": last.get("step")})
-    s["checkpoint"], s["checkpoint_step"] = _checkpoint(log_dir, m)
+    s["checkpoint"] = checkpoint.latest_checkpoint(log_dir)  # what --resume continues from
+    s["checkpoint_step"] = checkpoint.step_of(s["checkpoint"]) if s["checkpoint"] else None
     return s
 
 
@@ -142,7 +131,7 @@ def format_summary(s):
     def na(value, fmt):
         return "n/a" if value is None else fmt.format(value)
 
-    lines = [f"{s['log_dir']}"]
+    lines = [s["log_dir"]]
     if s["device_name"]:
         ranks = f" x{s['world_size']}" if s["world_size"] else ""
         lines.append(f"  device      {s['device_name']}{ranks}, {s['dtype']}")
@@ -272,12 +261,10 @@ def build_figure(log_dirs, labels=None, smooth=None):
         loss = [r["loss"] for r in train]
         smoothed = _curve(ax["loss"], train, loss, color, f"{label} train", span)
         _points(ax["loss"], val, "val_loss", color, f"{label} val", style="--o")
-        resumes = {}  # step -> tokens seen there, each step once; a launch that trained no step (one that
-        # only exported, say) resumed nothing
-        for launch in m["launches"][1:]:
-            run = launch["run"]
-            if run and run.get("tokens_per_step") and launch["first_train_step"] is not None:
-                resumes.setdefault(run["step"], run["step"] * run["tokens_per_step"])
+        # step -> tokens seen there, each step once; a launch that trained no step (an export) resumed nothing
+        resumed = [launch["run"] for launch in m["launches"][1:]
+                   if launch["run"] and launch["first_train_step"] is not None]
+        resumes = {r["step"]: r["step"] * r["tokens_per_step"] for r in resumed if r.get("tokens_per_step")}
         for j, tokens in enumerate(resumes.values()):
             ax["loss"].axvline(tokens, color=color, linestyle=(0, (1, 3)),
                                label=None if j else f"{label}: resumed at step {', '.join(map(str, resumes))}")

@@ -75,14 +75,12 @@ class Trackers:
     def _send(self, kind, fields, to):
         """Send one record to the trackers named in `to` (a replayed one to W&B only: TensorBoard's
         files keep what a killed launch wrote)."""
-        step = fields.get("step")
+        step = fields["step"]
         if kind in self.CONFIG_KINDS:
             if self.wandb is not None:
                 self.wandb.config.update({kind: fields}, allow_val_change=True)
             if self.writer is not None:
                 self.writer.add_text(kind, "    " + json.dumps(fields, indent=1).replace("\n", "\n    "), step)
-            return
-        if step is None:
             return
         if kind == "sample":  # one text per sample
             values = {f"sample/{fields['index']}": fields["text"]}
