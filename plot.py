@@ -243,7 +243,6 @@ def build_figure(log_dirs, labels=None, smooth=None):
     about 4% of the longest run, at most 100). No pyplot: headless, no global state, beside a training loop."""
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return None
     labels = list(labels) if labels else default_labels(log_dirs)
@@ -301,7 +300,7 @@ def build_figure(log_dirs, labels=None, smooth=None):
     ax["hellaswag"].set(title="HellaSwag (acc_norm, 0-shot)", ylabel="accuracy")
     ax["tps"].set(title=f"Throughput ({smoothing}; first step of each launch left out)", ylabel="tokens/s (all ranks)",
                   ylim=(0, None))
-    ax["tps"].yaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v)))
+    ax["tps"].yaxis.set_major_formatter(lambda v, _: human(v))
     ax["mfu"].set(title=f"Model FLOPs utilisation ({smoothing})", ylabel="MFU (% of the device's peak FLOPs)",
                   ylim=(0, None))
     if not scores:
@@ -311,18 +310,17 @@ def build_figure(log_dirs, labels=None, smooth=None):
                        transform=ax["mfu"].transAxes, ha="center", color="gray")
 
     max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m[k]])
-    scale, unit = next((s, u) for s, u in ((1e9, "billions"), (1e6, "millions"), (1e3, "thousands"), (1, ""))
+    scale, unit = next((s, u) for s, u in ((1e9, " (billions)"), (1e6, " (millions)"), (1e3, " (thousands)"), (1, ""))
                        if max_tokens >= s)
     for panel in ax.values():
-        panel.set_xlim(-0.02 * max_tokens, 1.02 * max_tokens)  # the same on every panel, empty ones too
-        panel.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / scale:g}"))
-        panel.set_xlabel(f"tokens seen ({unit})" if unit else "tokens seen")
+        # the same range on every panel, empty ones too
+        panel.set(xlim=(-0.02 * max_tokens, 1.02 * max_tokens), xlabel=f"tokens seen{unit}")
+        panel.xaxis.set_major_formatter(lambda v, _: f"{v / scale:g}")
         panel.grid(alpha=0.3)
         handles, texts = panel.get_legend_handles_labels()
         if handles:
-            # outside the panel, to its right: any corner inside covers some run's curves (a short
-            # run's loss starts top left, a long one's ends bottom right), and loc="best" only
-            # picks the least bad spot. Constrained layout makes room for it.
+            # to the panel's right: any corner inside covers some run's curves (a short run's loss starts
+            # top left, a long one's ends bottom right); constrained layout makes room for it
             panel.legend(handles, [textwrap.fill(t, LEGEND_WIDTH) for t in texts], fontsize=8,
                          loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.suptitle("GPT-2 training: " + ", ".join(labels))
