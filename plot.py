@@ -121,9 +121,8 @@ def format_duration(seconds):
     return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s" if m else f"{seconds:.1f}s"
 
 
-STATUS_WORDS = {"signal": "stopped by a signal at step {}", "nonfinite": "stopped on a non-finite loss at step {}",
-                "error": "stopped by an error at step {}",
-                "stopped": "stopped at step {} (no end record: killed, or still running)"}
+STATUS_WORDS = {"finished": "finished", "signal": "stopped by a signal", "nonfinite": "stopped on a non-finite loss",
+                "error": "stopped by an error", "stopped": "stopped"}  # "stopped": no end record
 
 
 def format_summary(s):
@@ -155,20 +154,18 @@ def format_summary(s):
                          f"final {s[f'{key}_final']:.4f} at step {s[f'{key}_final_step']} ({references})")
         elif missing is not None:  # CORE is off by default: no line for it then
             lines.append(f"  {name:<11} n/a ({missing})")
+    words = STATUS_WORDS.get(s["status"], f"ended ({s['status']})")
+    at = f"at step {s['stop_step']}" if s["stop_step"] is not None and s["stop_step"] >= 0 else "before its first step"
+    status = f"  status      {words} {at}"
+    if s["status"] == "stopped":
+        status += " (no end record: killed, or still running)"
     if s["status"] == "finished":
-        final = f"; final checkpoint {s['checkpoint']}" if s["checkpoint"] else ""
-        lines.append(f"  status      finished at step {s['stop_step']}{final}")
+        lines.append(status + (f"; final checkpoint {s['checkpoint']}" if s["checkpoint"] else ""))
+    elif s["checkpoint"]:
+        command = checkpoint.resume_command(s["log_dir"], s["world_size"] or 1, s["per_node"])
+        lines += [status, f"  resume      {command} (continues at step {s['checkpoint_step']} from {s['checkpoint']})"]
     else:
-        words = STATUS_WORDS.get(s["status"], f"ended ({s['status']}) at step {{}}")
-        if s["stop_step"] is None or s["stop_step"] < 0:  # stopped before its first step finished
-            words = words.replace("at step {}", "before its first step")
-        lines.append(f"  status      {words.format(s['stop_step'])}")
-        if s["checkpoint"]:
-            command = checkpoint.resume_command(s["log_dir"], s["world_size"] or 1, s["per_node"])
-            lines.append(f"  resume      {command} "
-                         f"(continues at step {s['checkpoint_step']} from {s['checkpoint']})")
-        else:
-            lines.append("  resume      no checkpoint written: a new launch starts from step 0")
+        lines += [status, "  resume      no checkpoint written: a new launch starts from step 0"]
     return "\n".join(lines)
 
 
