@@ -4,18 +4,13 @@ The PNG's panels, against tokens seen: loss (train per step and smoothed, valida
 tokens/s, MFU and, when a run scored it, CORE, with GPT-2's values; several runs overlay, one colour each.
 
 How the numbers are defined:
-- A resumed run: the later record for a step wins, and what an earlier launch logged past the
-  step the next launch resumed from is dropped (metrics.read_metrics).
+- A resumed run: the later record for a step wins; an abandoned branch is dropped (metrics.read_metrics).
 - wall time: the sum over launches of (time of its last record - time of its "run" record).
-- mean tokens/s: all logged steps weighted by their step time (tokens / step time), so the
-  warm-up steps count for what they cost.
-- steady-state tokens/s and MFU: medians over the train records past warm-up: the first 10% of
-  the steps are dropped, and so is the first step of every launch (it includes torch.compile
-  and CUDA warm-up). A median, so evaluation and checkpoint stalls do not move it.
-- smoothing: an exponential moving average over --smooth N steps (alpha = 2 / (N + 1), pandas'
-  "span"), started at the first value so the start is not pulled toward zero.
-- CORE over other than the 22 tasks (a custom bundle) is labelled with its task count and not set
-  against GPT-2's.
+- mean tokens/s: all logged steps weighted by their step time, so warm-up counts for what it cost.
+- steady-state tokens/s and MFU: medians past warm-up (the first 10% of the steps, and the first step of
+  every launch, with torch.compile and CUDA warm-up), so evaluation and checkpoint stalls do not move them.
+- smoothing: an EMA over --smooth N steps (alpha = 2 / (N + 1), pandas' "span"), started at the first value.
+- a CORE over other than the 22 tasks (a custom bundle) is labelled with its task count, not set against GPT-2's.
 """
 
 import math
@@ -235,16 +230,15 @@ def write_plot(log_dirs, out_png, labels=None, smooth=None):
 
 
 def build_figure(log_dirs, labels=None, smooth=None):
-    """The panels of one or more runs (a list of log directories) as a matplotlib Figure, or
-    None without matplotlib. labels: default the directory names; smooth: the EMA span in steps (default
-    about 4% of the longest run, at most 100). No pyplot: headless, no global state, beside a training loop."""
+    """The panels of a list of runs as a matplotlib Figure (None without matplotlib); smooth: the EMA span in
+    steps. No pyplot: headless, no global state, so it can run beside a training loop."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         return None
     labels = list(labels) if labels else default_labels(log_dirs)
     runs = [read_metrics(d) for d in log_dirs]
-    # one span for every run, so that an ablation and its baseline are smoothed alike
+    # one span for every run, so that an ablation and its baseline are smoothed alike: about 4% of the longest
     span = smooth or max(1, min(100, max(len(m["train"]) for m in runs) // 25))
     smoothing = f"EMA over {span} steps" if span > 1 else "per step"
     scored_core = any(m["core"] for m in runs)  # a fifth panel, for CORE, when a run scored it
