@@ -58,8 +58,10 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, nh, pos+T, hs)
-        # without a mask, flash / memory-efficient kernels: the causal mask is never materialised
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        # without a mask, flash / memory-efficient kernels: the causal mask is never materialised; one
+        # new token after cached ones (a decode step) sees every key, with no mask either
+        causal = mask is None and q.size(-2) == k.size(-2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
         return self.c_proj(y)
 
@@ -157,7 +159,7 @@ class GPT(nn.Module):
             if start + T > self.config.block_size:
                 raise ValueError(f"sequence of length {start + T} exceeds block_size {self.config.block_size}")
             pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
-            if start > 0:  # query i (position start+i) sees the cached keys 0..start+i
+            if start > 0 and T > 1:  # query i (position start+i) sees the cached keys 0..start+i
                 mask = torch.ones(T, start + T, dtype=torch.bool, device=idx.device).tril(diagonal=start)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
