@@ -1,28 +1,16 @@
 """
-Plots and a text summary of training runs, read from the metrics.jsonl that train_gpt2.py
-writes into its log directory (metrics.py: the format, and the reader used here).
+Plots and a text summary of training runs, from the metrics.jsonl that train_gpt2.py writes (metrics.py).
+The PNG's panels, against tokens seen: loss (train per step and smoothed, validation dashed), HellaSwag,
+tokens/s, MFU and, when a run scored it, CORE, with GPT-2's values; several runs overlay, one colour each.
 
-    python plot.py log                                   # summary, and log/plot.png
-    python plot.py log log_ablation --labels baseline ablation --out runs.png
-
-The PNG has four or five panels against tokens seen: train loss (faint: every step, solid: EMA) and
-validation loss (dashed) with OpenAI GPT-2 124M's validation loss; HellaSwag acc_norm with
-GPT-2 124M and GPT-3 124M; tokens/s; MFU; and, when a run scored it, CORE with GPT-2 124M's and
-1.5B's (a CORE over other than the 22 tasks, from a custom bundle, is labelled with its task count
-and not set against them). Several runs overlay, one colour each.
-matplotlib is optional: without it the summaries still print.
-
-How the numbers are defined (summarize() returns them, format_summary() prints them):
-- A resumed run: the later record for a step wins, and what an earlier launch logged past the
-  step the next launch resumed from is dropped (metrics.read_metrics).
+How the numbers are defined:
+- A resumed run: the later record for a step wins; an abandoned branch is dropped (metrics.read_metrics).
 - wall time: the sum over launches of (time of its last record - time of its "run" record).
-- mean tokens/s: all logged steps weighted by their step time (tokens / step time), so the
-  warm-up steps count for what they cost.
-- steady-state tokens/s and MFU: medians over the train records past warm-up: the first 10% of
-  the steps are dropped, and so is the first step of every launch (it includes torch.compile
-  and CUDA warm-up). A median, so evaluation and checkpoint stalls do not move it.
-- smoothing: an exponential moving average over --smooth N steps (alpha = 2 / (N + 1), pandas'
-  "span"), started at the first value so the start is not pulled toward zero.
+- mean tokens/s: all logged steps weighted by their step time, so warm-up counts for what it cost.
+- steady-state tokens/s and MFU: medians past warm-up (the first 10% of the steps, and the first step of
+  every launch, with torch.compile and CUDA warm-up), so evaluation and checkpoint stalls do not move them.
+- smoothing: an EMA over --smooth N steps (alpha = 2 / (N + 1), pandas' "span"), started at the first value.
+- a CORE over other than the 22 tasks (a custom bundle) is labelled with its task count, not set against GPT-2's.
 """
 
 import math
@@ -38,20 +26,18 @@ from common import UserError
 from core import GPT2_CORE, N_CORE_TASKS
 from metrics import read_metrics
 
-# Reference lines, each with where its number comes from.
 GPT2_VAL_LOSS = 3.2924   # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as measured by build-nanogpt
 GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, HellaSwag acc_norm on the 10,042 validation examples (build-nanogpt)
-GPT3_HELLASWAG = 0.337   # GPT-3 Small (125M), zero-shot HellaSwag (Brown et al. 2020, "Language Models are Few-Shot Learners")
-LOSS_REFERENCES = [(GPT2_VAL_LOSS, f"OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: {GPT2_VAL_LOSS})")]
-LEGEND_WIDTH = 30  # characters per legend line: longer labels wrap, so legends stay narrow
-HELLASWAG_REFERENCES = [(GPT3_HELLASWAG, f"GPT-3 124M {GPT3_HELLASWAG} (Brown et al. 2020)"),
-                        (GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {GPT2_HELLASWAG}")]
+GPT3_HELLASWAG = 0.337   # GPT-3 Small (125M), zero-shot HellaSwag (Brown et al. 2020)
 GPT2_CORE_124M, GPT2_CORE_XL = GPT2_CORE["124M"], GPT2_CORE["1.5B"]  # as nanochat measures them (core.py)
-CORE_REFERENCES = [(GPT2_CORE_XL, f"OpenAI GPT-2 1.5B CORE {GPT2_CORE_XL} (nanochat)"),
-                   (GPT2_CORE_124M, f"OpenAI GPT-2 124M CORE {GPT2_CORE_124M} (nanochat)")]
-
-# ----------------------------------------------------------------------------------------------
-# Summary
+REFERENCES = {  # each panel's reference lines: value, legend, colour
+    "loss": [(GPT2_VAL_LOSS, f"OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: {GPT2_VAL_LOSS})", "black")],
+    "hellaswag": [(GPT3_HELLASWAG, f"GPT-3 124M {GPT3_HELLASWAG} (Brown et al. 2020)", "firebrick"),
+                  (GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {GPT2_HELLASWAG}", "black")],
+    "core": [(GPT2_CORE_XL, f"OpenAI GPT-2 1.5B CORE {GPT2_CORE_XL} (nanochat)", "firebrick"),
+             (GPT2_CORE_124M, f"OpenAI GPT-2 124M CORE {GPT2_CORE_124M} (nanochat)", "black")],
+}
+LEGEND_WIDTH = 30  # characters per legend line: longer labels wrap, so legends stay narrow
 
 
 def warmed_up(metrics):
@@ -60,17 +46,8 @@ def warmed_up(metrics):
     return [r for r in metrics["train"] if r["step"] not in firsts]
 
 
-def steady_records(metrics):
-    """Train records past warm-up: without the first 10% of the steps and without the first
-    step of each launch."""
-    train = metrics["train"]
-    cut = (train[-1]["step"] + 1) // 10 if train else 0
-    return [r for r in warmed_up(metrics) if r["step"] >= cut]
-
-
 def core_tasks(records):
-    """How many tasks a run's CORE averages (its last record's), or None where the records do not
-    say: the trainer writes each task's centred accuracy into `centered`."""
+    """How many tasks a run's CORE averages (its last record's `centered`), None where it does not say."""
     centered = records[-1].get("centered") if records else None
     return len(centered) if isinstance(centered, dict) else None
 
@@ -85,80 +62,42 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def _checkpoint(log_dir, metrics):
-    """The checkpoint `train_gpt2.py --log-dir DIR --resume` continues from, and its step: the
-    newest ckpt_*.pt in the directory, else the newest recorded checkpoint that still exists."""
-    path = checkpoint.latest_checkpoint(log_dir)
-    if path is not None:
-        return path, checkpoint.step_of(path)
-    for rec in reversed(metrics["checkpoint"]):
-        if os.path.isfile(rec["path"]):
-            return rec["path"], rec["step"]
-    return None, None
-
-
 def summarize(log_dir):
-    """The numbers of one run, as a dict (None where the log has nothing to say):
-    log_dir, launches (how many times train_gpt2.py started), max_steps, tokens_per_step,
-    device_name, world_size, per_node (processes per node; None in older logs), dtype (from the
-    last run record);
-    steps (train steps done: last logged step + 1), tokens (tokens seen);
-    wall_time_s; tok_per_s_mean, tok_per_s_steady, mfu (steady-state median, a fraction);
-    val_loss_best, val_loss_best_step, val_loss_final, val_loss_final_step;
-    hellaswag_best, hellaswag_best_step, hellaswag_final, hellaswag_final_step (acc_norm);
-    core_best, core_best_step, core_final, core_final_step (CORE, when the run scored it),
-    core_tasks (how many tasks its CORE averages, None where the records do not say);
-    status ("finished", "signal", "nonfinite", "error" from the last launch's end record, or
-    "stopped" when it has none: killed, or still running); stop_step (the end record's step, or
-    the last logged train step); checkpoint, checkpoint_step (what --resume continues from; the
-    final model of a finished run). Definitions: see the module docstring."""
+    """The numbers of one run, as a dict (None where the log has nothing to say; definitions: see the
+    module docstring). status is the last launch's end reason, or "stopped" without one (killed, or running)."""
     m = read_metrics(log_dir)
-    train, val, hs = m["train"], m["val"], m["hellaswag"]
+    train = m["train"]
     runs = [launch["run"] for launch in m["launches"] if launch["run"]]
     run = runs[-1] if runs else {}
-    steady = steady_records(m)
+    train_cut = (train[-1]["step"] + 1) // 10 if train else 0
+    steady = [r for r in warmed_up(m) if r["step"] >= train_cut]
     step_time = sum(r["dt_ms"] for r in train)
-    best_val = min((r for r in val if math.isfinite(r["val_loss"])), key=lambda r: r["val_loss"], default=None)
-    best_hs = max(hs, key=lambda r: r["acc_norm"], default=None)
-    cores = m["core"]
-    best_core = max(cores, key=lambda r: r["core"], default=None)
     end = m["launches"][-1]["end"]
-    checkpoint, checkpoint_step = _checkpoint(log_dir, m)
-    return {
+    s = {
         "log_dir": os.fspath(log_dir),
         "launches": len(runs),
-        "max_steps": run.get("max_steps"),
-        "tokens_per_step": run.get("tokens_per_step"),
-        "device_name": run.get("device_name"),
-        "world_size": run.get("world_size"),
-        "per_node": run.get("per_node"),
-        "dtype": run.get("dtype"),
+        **{k: run.get(k) for k in ("max_steps", "tokens_per_step", "device_name", "world_size", "per_node", "dtype")},
         "steps": train[-1]["step"] + 1 if train else 0,
         "tokens": train[-1]["tokens"] if train else 0,
         "wall_time_s": sum(launch["last_time"] - launch["start"] for launch in m["launches"]
                            if launch["start"] is not None and launch["last_time"] is not None),
-        "tok_per_s_mean": (sum(r["tok_per_s"] * r["dt_ms"] for r in train) / step_time
-                           if step_time > 0 else None),
+        "tok_per_s_mean": sum(r["tok_per_s"] * r["dt_ms"] for r in train) / step_time if step_time > 0 else None,
         "tok_per_s_steady": _median([r["tok_per_s"] for r in steady]),
         "mfu": _median([r.get("mfu") for r in steady]),
-        "val_loss_best": best_val["val_loss"] if best_val else None,
-        "val_loss_best_step": best_val["step"] if best_val else None,
-        "val_loss_final": val[-1]["val_loss"] if val else None,
-        "val_loss_final_step": val[-1]["step"] if val else None,
-        "hellaswag_best": best_hs["acc_norm"] if best_hs else None,
-        "hellaswag_best_step": best_hs["step"] if best_hs else None,
-        "hellaswag_final": hs[-1]["acc_norm"] if hs else None,
-        "hellaswag_final_step": hs[-1]["step"] if hs else None,
-        "core_best": best_core["core"] if best_core else None,
-        "core_best_step": best_core["step"] if best_core else None,
-        "core_final": cores[-1]["core"] if cores else None,
-        "core_final_step": cores[-1]["step"] if cores else None,
-        "core_tasks": core_tasks(cores),
+        "core_tasks": core_tasks(m["core"]),
         "status": end["reason"] if end else "stopped",
         "stop_step": end["step"] if end else (train[-1]["step"] if train else None),
-        "checkpoint": checkpoint,
-        "checkpoint_step": checkpoint_step,
     }
+    for key, kind, field, pick in (("val_loss", "val", "val_loss", min), ("hellaswag", "hellaswag", "acc_norm", max),
+                                   ("core", "core", "core", max)):
+        records = m[kind]
+        best = pick((r for r in records if math.isfinite(r[field])), key=lambda r: r[field], default={})
+        last = records[-1] if records else {}
+        s.update({f"{key}_best": best.get(field), f"{key}_best_step": best.get("step"),
+                  f"{key}_final": last.get(field), f"{key}_final_step": last.get("step")})
+    s["checkpoint"] = checkpoint.latest_checkpoint(log_dir)  # what --resume continues from
+    s["checkpoint_step"] = checkpoint.step_of(s["checkpoint"]) if s["checkpoint"] else None
+    return s
 
 
 def human(n):
@@ -177,9 +116,8 @@ def format_duration(seconds):
     return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s" if m else f"{seconds:.1f}s"
 
 
-STATUS_WORDS = {"signal": "stopped by a signal at step {}", "nonfinite": "stopped on a non-finite loss at step {}",
-                "error": "stopped by an error at step {}",
-                "stopped": "stopped at step {} (no end record: killed, or still running)"}
+STATUS_WORDS = {"finished": "finished", "signal": "stopped by a signal", "nonfinite": "stopped on a non-finite loss",
+                "error": "stopped by an error", "stopped": "stopped"}  # "stopped": no end record
 
 
 def format_summary(s):
@@ -187,7 +125,7 @@ def format_summary(s):
     def na(value, fmt):
         return "n/a" if value is None else fmt.format(value)
 
-    lines = [f"{s['log_dir']}"]
+    lines = [s["log_dir"]]
     if s["device_name"]:
         ranks = f" x{s['world_size']}" if s["world_size"] else ""
         lines.append(f"  device      {s['device_name']}{ranks}, {s['dtype']}")
@@ -206,32 +144,24 @@ def format_summary(s):
             ("val loss", "val_loss", f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}", "no evaluation logged"),
             ("HellaSwag", "hellaswag", f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}", "not evaluated"),
             ("CORE", "core", core_references, None)):
-        if missing is None and s[f"{key}_best"] is None:
-            continue  # CORE is off by default: no line for it then
-        if s[f"{key}_best"] is None:
-            lines.append(f"  {name:<11} n/a ({missing})")
-        else:
+        if s[f"{key}_best"] is not None:
             lines.append(f"  {name:<11} best {s[f'{key}_best']:.4f} at step {s[f'{key}_best_step']}, "
                          f"final {s[f'{key}_final']:.4f} at step {s[f'{key}_final_step']} ({references})")
+        elif missing is not None:  # CORE is off by default: no line for it then
+            lines.append(f"  {name:<11} n/a ({missing})")
+    words = STATUS_WORDS.get(s["status"], f"ended ({s['status']})")
+    at = f"at step {s['stop_step']}" if s["stop_step"] is not None and s["stop_step"] >= 0 else "before its first step"
+    status = f"  status      {words} {at}"
+    if s["status"] == "stopped":
+        status += " (no end record: killed, or still running)"
     if s["status"] == "finished":
-        final = f"; final checkpoint {s['checkpoint']}" if s["checkpoint"] else ""
-        lines.append(f"  status      finished at step {s['stop_step']}{final}")
+        lines.append(status + (f"; final checkpoint {s['checkpoint']}" if s["checkpoint"] else ""))
+    elif s["checkpoint"]:
+        command = checkpoint.resume_command(s["log_dir"], s["world_size"] or 1, s["per_node"])
+        lines += [status, f"  resume      {command} (continues at step {s['checkpoint_step']} from {s['checkpoint']})"]
     else:
-        words = STATUS_WORDS.get(s["status"], f"ended ({s['status']}) at step {{}}")
-        if s["stop_step"] is None or s["stop_step"] < 0:  # stopped before its first step finished
-            words = words.replace("at step {}", "before its first step")
-        lines.append(f"  status      {words.format(s['stop_step'])}")
-        if s["checkpoint"]:
-            command = checkpoint.resume_command(s["log_dir"], s["world_size"] or 1, s["per_node"])
-            lines.append(f"  resume      {command} "
-                         f"(continues at step {s['checkpoint_step']} from {s['checkpoint']})")
-        else:
-            lines.append("  resume      no checkpoint written: a new launch starts from step 0")
+        lines += [status, "  resume      no checkpoint written: a new launch starts from step 0"]
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# Plot
 
 
 def ema(values, span):
@@ -244,11 +174,6 @@ def ema(values, span):
     return out
 
 
-def auto_span(n_steps):
-    """Default smoothing: about 4% of the run, at most 100 steps."""
-    return max(1, min(100, n_steps // 25))
-
-
 def default_labels(log_dirs):
     """Directory names, or the paths as given where two names would be the same."""
     names = [os.path.basename(os.path.normpath(os.path.abspath(d))) for d in log_dirs]
@@ -257,8 +182,7 @@ def default_labels(log_dirs):
 
 def thin(x, y, buckets=1500):
     """At most 2 * buckets points: the lowest and highest of each run of consecutive points, so
-    spikes survive. A panel is about 600 pixels wide; 19,073 points per line made a plot take
-    seconds to draw."""
+    spikes survive (a panel is about 600 pixels wide, and 19,073 points took seconds to draw)."""
     k = math.ceil(len(x) / buckets)
     if k <= 1:
         return x, y
@@ -269,13 +193,22 @@ def thin(x, y, buckets=1500):
     return [x[j] for j in keep], [y[j] for j in keep]
 
 
-def _curve(ax, x, y, color, label, span):
-    """Faint per-step values and their EMA on top; returns the EMA."""
-    if span > 1:
-        ax.plot(*thin(x, y), color=color, alpha=0.25, linewidth=0.7)  # no label: the title says it
-        y = ema(y, span)
-    ax.plot(*thin(x, y), color=color, linewidth=1.5, label=label)
-    return y
+def _curve(ax, records, values, color, label, span):
+    """Per-step values against tokens, faint, and their EMA on top; returns what was drawn solid."""
+    x = [r["tokens"] for r in records]
+    if records and span > 1:
+        ax.plot(*thin(x, values), color=color, alpha=0.25, linewidth=0.7)  # no label: the title says it
+        values = ema(values, span)
+    if records:
+        ax.plot(*thin(x, values), color=color, linewidth=1.5, label=label)
+    return values
+
+
+def _points(ax, records, field, color, label, style="-o"):
+    """One marker per evaluation, joined."""
+    if records:
+        ax.plot([r["tokens"] for r in records], [r[field] for r in records], style, color=color, markersize=3,
+                linewidth=1.2, label=label)
 
 
 def _late(values):
@@ -284,10 +217,8 @@ def _late(values):
 
 
 def write_plot(log_dirs, out_png, labels=None, smooth=None):
-    """Plot one or more runs (a log directory, or a list of them) into out_png, written
-    atomically (a viewer never sees half a file); see build_figure for labels and smooth.
-    Returns False, writing nothing, when matplotlib is not installed."""
-    check_out(out_png)
+    """Plot one or more runs into out_png, written atomically (a viewer never sees half a file); see
+    build_figure for labels and smooth. Returns False, writing nothing, when matplotlib is not installed."""
     fig = build_figure(log_dirs, labels, smooth)
     if fig is None:
         return False
@@ -298,169 +229,117 @@ def write_plot(log_dirs, out_png, labels=None, smooth=None):
     return True
 
 
-def check_out(out_png):
-    """UserError unless out_png can be a file in an existing directory."""
-    if os.path.isdir(out_png):
-        raise UserError(f"cannot write {out_png}: it is a directory; give --out the path of a .png file, "
-                        f"such as {os.path.join(out_png, 'runs.png')}")
-    out_dir = os.path.dirname(os.path.abspath(out_png))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"cannot write {out_png}: directory {out_dir} does not exist")
-
-
 def build_figure(log_dirs, labels=None, smooth=None):
-    """The four panels of one or more runs as a matplotlib Figure, or None when matplotlib is not
-    installed. Labels default to the directory names; smooth is the EMA span in steps (default
-    auto_span of the longest run). No pyplot: a Figure renders with Agg directly, so this is
-    headless, keeps no global state and can run beside a training loop."""
+    """The panels of a list of runs as a matplotlib Figure (None without matplotlib); smooth: the EMA span in
+    steps. No pyplot: headless, no global state, so it can run beside a training loop."""
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return None
-    log_dirs = [log_dirs] if isinstance(log_dirs, (str, os.PathLike)) else list(log_dirs)
     labels = list(labels) if labels else default_labels(log_dirs)
-    if len(labels) != len(log_dirs):
-        raise UserError(f"{len(labels)} label(s) for {len(log_dirs)} log directories: give one each")
     runs = [read_metrics(d) for d in log_dirs]
-
-    # one span for every run, so that an ablation and its baseline are smoothed alike
-    span = smooth or auto_span(max(len(m["train"]) for m in runs))
+    # one span for every run, so that an ablation and its baseline are smoothed alike: about 4% of the longest
+    span = smooth or max(1, min(100, max(len(m["train"]) for m in runs) // 25))
     smoothing = f"EMA over {span} steps" if span > 1 else "per step"
-    # wider than the panels need: each panel's legend sits to its right (see below)
     scored_core = any(m["core"] for m in runs)  # a fifth panel, for CORE, when a run scored it
+    # wider than the panels need: each panel's legend sits to its right (see below)
     fig = Figure(figsize=(17, 13 if scored_core else 9), dpi=100, layout="constrained")
-    axes = fig.subplots(3 if scored_core else 2, 2)
-    (ax_loss, ax_hs), (ax_tps, ax_mfu) = axes[0], axes[1]
-    ax_core = axes[2][0] if scored_core else None
-    if scored_core:
-        fig.delaxes(axes[2][1])
+    ax = fig.subplot_mosaic([["loss", "hellaswag"], ["tps", "mfu"]] + ([["core", "."]] if scored_core else []))
     loss_late, loss_all = [GPT2_VAL_LOSS], [GPT2_VAL_LOSS]
     for i, (m, label) in enumerate(zip(runs, labels)):
-        color, train, val, hs = f"C{i}", m["train"], m["val"], m["hellaswag"]
+        color, train, val = f"C{i}", m["train"], m["val"]
         loss = [r["loss"] for r in train]
-        smoothed = _curve(ax_loss, [r["tokens"] for r in train], loss, color, f"{label} train", span)
-        if val:
-            ax_loss.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "--o", color=color,
-                         markersize=3, linewidth=1.2, label=f"{label} val")
-        resumes = {}  # step -> tokens seen there, each step once; a launch that trained no step (one that
-        # only exported, say) resumed nothing
-        for launch in m["launches"][1:]:
-            run = launch["run"]
-            if run and run.get("tokens_per_step") and launch["first_train_step"] is not None:
-                resumes.setdefault(run["step"], run["step"] * run["tokens_per_step"])
+        smoothed = _curve(ax["loss"], train, loss, color, f"{label} train", span)
+        _points(ax["loss"], val, "val_loss", color, f"{label} val", style="--o")
+        # step -> tokens seen there, each step once; a launch that trained no step (an export) resumed nothing
+        resumed = [launch["run"] for launch in m["launches"][1:]
+                   if launch["run"] and launch["first_train_step"] is not None]
+        resumes = {r["step"]: r["step"] * r["tokens_per_step"] for r in resumed if r.get("tokens_per_step")}
         for j, tokens in enumerate(resumes.values()):
-            ax_loss.axvline(tokens, color=color, linestyle=(0, (1, 3)),
-                            label=None if j else f"{label}: resumed at step {', '.join(map(str, resumes))}")
-        if hs:
-            ax_hs.plot([r["tokens"] for r in hs], [r["acc_norm"] for r in hs], "-o", color=color,
-                       markersize=3, linewidth=1.2, label=label)
-        if m["core"]:
-            n_tasks = core_tasks(m["core"])
-            ax_core.plot([r["tokens"] for r in m["core"]], [r["core"] for r in m["core"]], "-o", color=color,
-                         markersize=3, linewidth=1.2, label=label if comparable_core(n_tasks) else
-                         f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)")
+            ax["loss"].axvline(tokens, color=color, linestyle=(0, (1, 3)),
+                               label=None if j else f"{label}: resumed at step {', '.join(map(str, resumes))}")
+        _points(ax["hellaswag"], m["hellaswag"], "acc_norm", color, label)
+        n_tasks = core_tasks(m["core"])
+        _points(ax.get("core"), m["core"], "core", color, label if comparable_core(n_tasks)
+                else f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)")
         steps = warmed_up(m)
-        if steps:
-            _curve(ax_tps, [r["tokens"] for r in steps], [r["tok_per_s"] for r in steps], color, label, span)
+        _curve(ax["tps"], steps, [r["tok_per_s"] for r in steps], color, label, span)
         steps = [r for r in steps if r.get("mfu") is not None]
-        if steps:
-            _curve(ax_mfu, [r["tokens"] for r in steps], [100 * r["mfu"] for r in steps], color, label, span)
+        _curve(ax["mfu"], steps, [100 * r["mfu"] for r in steps], color, label, span)
         loss_late += _late(smoothed) + _late([r["val_loss"] for r in val])
         loss_all += [v for v in loss + [r["val_loss"] for r in val] if math.isfinite(v)]
 
-    for value, text in LOSS_REFERENCES:
-        ax_loss.axhline(value, color="black", linestyle=":", linewidth=1.2, label=text)
-    for (value, text), color in zip(HELLASWAG_REFERENCES, ("firebrick", "black")):
-        ax_hs.axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
+    comparable = [comparable_core(core_tasks(m["core"])) for m in runs if m["core"]]
+    references = dict(REFERENCES, core=REFERENCES["core"] if any(comparable) else [])  # GPT-2's: over all 22 tasks
+    for name, lines in references.items():
+        for value, text, color in lines:
+            ax[name].axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
     # from the lowest loss up to where the curves are past their first drop from ~11: where runs
     # differ and the GPT-2 line sits
     low, high = min(loss_all), max(loss_late)
-    ax_loss.set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
-    if ax_core is not None:
-        comparable = [comparable_core(core_tasks(m["core"])) for m in runs if m["core"]]
-        references = CORE_REFERENCES if any(comparable) else []  # GPT-2's, over all 22 tasks
-        for (value, text), color in zip(references, ("firebrick", "black")):
-            ax_core.axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
-        cores = [r["core"] for m in runs for r in m["core"]]
-        ax_core.set_ylim(min([0.0] + cores) - 0.01, max([v for v, _ in references] + cores) + 0.02)
-        ax_core.set_title(f"CORE ({N_CORE_TASKS} in-context tasks, centred accuracy: 0 = chance)" if all(comparable)
-                          else "CORE (centred accuracy: 0 = chance)")
-        ax_core.set_ylabel("CORE")
+    ax["loss"].set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
     scores = [r["acc_norm"] for m in runs for r in m["hellaswag"]]
-    ax_hs.set_ylim(min([0.24] + scores) - 0.005, max([0.35] + scores) + 0.01)
-    ax_tps.set_ylim(bottom=0)
-    ax_mfu.set_ylim(bottom=0)
-
-    ax_loss.set_title(f"Loss (train: faint per step, solid {smoothing}; val: dashed)" if span > 1
-                      else "Loss (train: per step; val: dashed)")
-    ax_loss.set_ylabel("cross-entropy loss (nats/token)")
-    ax_hs.set_title("HellaSwag (acc_norm, 0-shot)")
-    ax_hs.set_ylabel("accuracy")
-    ax_tps.set_title(f"Throughput ({smoothing}; first step of each launch left out)")
-    ax_tps.set_ylabel("tokens/s (all ranks)")
-    ax_tps.yaxis.set_major_formatter(FuncFormatter(lambda v, _: human(v)))
-    ax_mfu.set_title(f"Model FLOPs utilisation ({smoothing})")
-    ax_mfu.set_ylabel("MFU (% of the device's peak FLOPs)")
+    ax["hellaswag"].set_ylim(min([0.24] + scores) - 0.005, max([0.35] + scores) + 0.01)
+    if scored_core:
+        cores = [r["core"] for m in runs for r in m["core"]]
+        ax["core"].set_ylim(min([0.0] + cores) - 0.01, max([v for v, _, _ in references["core"]] + cores) + 0.02)
+        ax["core"].set(ylabel="CORE", title=f"CORE ({N_CORE_TASKS} in-context tasks, centred accuracy: 0 = chance)"
+                       if all(comparable) else "CORE (centred accuracy: 0 = chance)")
+    ax["loss"].set(ylabel="cross-entropy loss (nats/token)",
+                   title=f"Loss (train: faint per step, solid {smoothing}; val: dashed)" if span > 1
+                   else "Loss (train: per step; val: dashed)")
+    ax["hellaswag"].set(title="HellaSwag (acc_norm, 0-shot)", ylabel="accuracy")
+    ax["tps"].set(title=f"Throughput ({smoothing}; first step of each launch left out)", ylabel="tokens/s (all ranks)",
+                  ylim=(0, None))
+    ax["tps"].yaxis.set_major_formatter(lambda v, _: human(v))
+    ax["mfu"].set(title=f"Model FLOPs utilisation ({smoothing})", ylabel="MFU (% of the device's peak FLOPs)",
+                  ylim=(0, None))
     if not scores:
-        ax_hs.text(0.5, 0.6, "not evaluated", transform=ax_hs.transAxes, ha="center", color="gray")
-    if not ax_mfu.lines:
-        ax_mfu.text(0.5, 0.5, "MFU not measured (peak FLOPs of the device unknown, e.g. CPU)",
-                    transform=ax_mfu.transAxes, ha="center", color="gray")
+        ax["hellaswag"].text(0.5, 0.6, "not evaluated", transform=ax["hellaswag"].transAxes, ha="center", color="gray")
+    if not ax["mfu"].lines:
+        ax["mfu"].text(0.5, 0.5, "MFU not measured (peak FLOPs of the device unknown, e.g. CPU)",
+                       transform=ax["mfu"].transAxes, ha="center", color="gray")
 
     max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m[k]])
-    scale, unit = next((s, u) for s, u in ((1e9, "billions"), (1e6, "millions"), (1e3, "thousands"), (1, ""))
+    scale, unit = next((s, u) for s, u in ((1e9, " (billions)"), (1e6, " (millions)"), (1e3, " (thousands)"), (1, ""))
                        if max_tokens >= s)
-    for ax in (ax_loss, ax_hs, ax_tps, ax_mfu) + ((ax_core,) if ax_core is not None else ()):
-        ax.set_xlim(-0.02 * max_tokens, 1.02 * max_tokens)  # the same on every panel, empty ones too
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / scale:g}"))
-        ax.set_xlabel(f"tokens seen ({unit})" if unit else "tokens seen")
-        ax.grid(alpha=0.3)
-        handles, texts = ax.get_legend_handles_labels()
+    for panel in ax.values():
+        # the same range on every panel, empty ones too
+        panel.set(xlim=(-0.02 * max_tokens, 1.02 * max_tokens), xlabel=f"tokens seen{unit}")
+        panel.xaxis.set_major_formatter(lambda v, _: f"{v / scale:g}")
+        panel.grid(alpha=0.3)
+        handles, texts = panel.get_legend_handles_labels()
         if handles:
-            # outside the panel, to its right: any corner inside covers some run's curves (a short
-            # run's loss starts top left, a long one's ends bottom right), and loc="best" only
-            # picks the least bad spot. Constrained layout makes room for it.
-            ax.legend(handles, [textwrap.fill(t, LEGEND_WIDTH) for t in texts], fontsize=8,
-                      loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+            # to the panel's right: any corner inside covers some run's curves (a short run's loss starts
+            # top left, a long one's ends bottom right); constrained layout makes room for it
+            panel.legend(handles, [textwrap.fill(t, LEGEND_WIDTH) for t in texts], fontsize=8,
+                         loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.suptitle("GPT-2 training: " + ", ".join(labels))
     return fig
-
-
-# ----------------------------------------------------------------------------------------------
-# While training: redrawn in the background
 
 
 class PlotWriter:
     """Redraws LOG_DIR/plot.png in a background thread (rank 0), never blocking a step."""
 
     def __init__(self, log_dir, enabled):
-        self.log_dir, self.thread = log_dir, None
-        try:
-            import matplotlib  # noqa: F401
-            self.enabled = enabled
-        except ImportError:
-            self.enabled = False
+        self.log_dir = log_dir
+        self.enabled = enabled
+        self.thread = None
 
     def kick(self):
-        if not self.enabled or (self.thread is not None and self.thread.is_alive()):
-            return
+        if self.enabled and (self.thread is None or not self.thread.is_alive()):
+            self.thread = threading.Thread(target=self._draw, daemon=True)
+            self.thread.start()
 
-        def draw():
-            try:
-                write_plot([self.log_dir], os.path.join(self.log_dir, "plot.png"))
-            except Exception as e:  # a plot must never take a run down
-                print(f"plot: not updated ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-        self.thread = threading.Thread(target=draw, daemon=True)
-        self.thread.start()
+    def _draw(self):
+        try:
+            write_plot([self.log_dir], os.path.join(self.log_dir, "plot.png"))
+        except Exception as e:  # a plot must never take a run down
+            print(f"plot: not updated ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
     def join(self):
         if self.thread is not None:
             self.thread.join()
-
-
-# ----------------------------------------------------------------------------------------------
-# Command line
 
 
 def parse_args(argv=None):
@@ -486,7 +365,11 @@ def main(argv=None):
     args = parse_args(argv)
     out = args.out or (os.path.join(args.log_dirs[0], "plot.png") if len(args.log_dirs) == 1 else "runs.png")
     summaries = [summarize(d) for d in args.log_dirs]  # every directory checked before anything prints
-    check_out(out)
+    if os.path.isdir(out):
+        raise UserError(f"cannot write {out}: it is a directory; give --out the path of a .png file, "
+                        f"such as {os.path.join(out, 'runs.png')}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise UserError(f"cannot write {out}: directory {os.path.dirname(os.path.abspath(out))} does not exist")
     for s in summaries:
         print(format_summary(s) + "\n", flush=True)
     if write_plot(args.log_dirs, out, args.labels, args.smooth):

@@ -3,19 +3,18 @@ What produced a run or a data set, as its run header (train_gpt2.py) and its man
 record it: the versions of Python, PyTorch and the libraries, and the git commit of this checkout.
 """
 
+import importlib.util
 import os
 import platform
+import runpy
 import subprocess
 import sys
 
 
 def versions(*extra):
-    """Versions of Python, torch (and its CUDA), numpy, tiktoken and the `extra` modules that import:
-    what a run header or a data manifest records about the software that wrote it."""
-    import importlib
-
-    torch_version, cuda = torch_versions()
-    out = {"python": platform.python_version(), "torch": torch_version, "cuda": cuda}
+    """Versions of Python, torch (and its CUDA), numpy, tiktoken and the `extra` modules that import."""
+    out = {"python": platform.python_version()}
+    out["torch"], out["cuda"] = torch_versions()
     for name in ("numpy", "tiktoken") + extra:
         try:
             out[name] = importlib.import_module(name).__version__
@@ -25,21 +24,16 @@ def versions(*extra):
 
 
 def torch_versions():
-    """torch.__version__ and torch.version.cuda, without importing torch where it is not imported
-    yet: fineweb.py records them but runs no torch, whose import is a second of its start-up. Both
-    are plain assignments in torch/version.py, the file torch takes them from."""
+    """torch.__version__ and torch.version.cuda, read from torch/version.py where torch is not imported:
+    fineweb.py records them but runs no torch, whose import is a second of its start-up."""
     torch = sys.modules.get("torch")
     if torch is not None:
         return torch.__version__, torch.version.cuda
-    import importlib.util
     spec = importlib.util.find_spec("torch")  # finds the package without running it
     if spec is None:
         return None, None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
-    file_spec = importlib.util.spec_from_file_location("torch_version_file", path)
-    version = importlib.util.module_from_spec(file_spec)
-    file_spec.loader.exec_module(version)
-    return version.__version__, version.cuda
+    version = runpy.run_path(os.path.join(spec.submodule_search_locations[0], "version.py"))
+    return version["__version__"], version["cuda"]
 
 
 def git_commit():
@@ -53,5 +47,3 @@ def git_commit():
         return (rev + ("-dirty" if dirty else "")) or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-

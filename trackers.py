@@ -1,12 +1,13 @@
 """
-Experiment trackers, both optional: Weights & Biases (--wandb) and TensorBoard (--tensorboard). The
-trainer's RunLog hands them every record it writes to metrics.jsonl (rank 0), and a resumed run
-replays to W&B what a killed launch may never have sent it.
+Experiment trackers, both optional: Weights & Biases (--wandb) and TensorBoard (--tensorboard), fed
+every record of metrics.jsonl by the trainer's RunLog (rank 0).
 """
 
+import importlib.util
 import json
 import os
 import queue
+import secrets
 import sys
 import threading
 
@@ -15,26 +16,19 @@ from metrics import read_metrics
 
 
 def check_tracker_installed(package):
-    """UserError naming the pip install when the package of a tracking flag (--wandb, --tensorboard:
-    each flag is named after its package) is missing."""
-    import importlib.util
+    """UserError naming the pip install when a tracking flag's package (the flag's name) is missing."""
     if importlib.util.find_spec(package) is None:
         raise UserError(f"--{package} needs the {package} package, which is not installed: pip install {package}")
 
 
 class Trackers:
-    """The run's records, sent to Weights & Biases and/or TensorBoard (LOG_DIR/tb) as they are
-    written to metrics.jsonl, with the same step numbers: numbers as scalars named KIND/FIELD,
-    text (samples, checkpoint paths) as text, the run header as the run's configuration. A
-    background thread does the sending, so a slow tracker never holds up a step (the records are
-    plain numbers already: no device sync). Rank 0 only.
-
-    A resumed run replays the steps after its checkpoint; neither tracker then holds a step twice.
-    TensorBoard is told to hide what earlier launches logged from start_step on (purge_step), as
-    metrics.jsonl keeps the later record of a step. W&B keeps a step once it has it, so a step below
-    the last one the W&B run holds (run.step: the server's, when it continues a run) is not sent."""
+    """Records sent from a background thread to W&B and/or TensorBoard (LOG_DIR/tb) with their
+    steps: numbers as scalars named KIND/FIELD, text as text, the run header as configuration.
+    No step is sent twice: TensorBoard hides what earlier launches logged from start_step on
+    (purge_step), and W&B gets no step below the last one its run holds (run.step)."""
 
     CONFIG_KINDS = ("run", "memory")  # what the run is, not something that changes with the steps
+    REPLAYED_KINDS = ("val", "hellaswag", "core", "train")  # in the trainer's order within a step
 
     def __init__(self, log_dir, wandb_project=None, wandb_run=None, wandb_id=None, tensorboard=False, start_step=0):
         self.wandb = self.writer = None
@@ -49,14 +43,9 @@ class Trackers:
         self.thread = threading.Thread(target=self._send_all, name="trackers", daemon=True)
         self.thread.start()
 
-    REPLAYED_KINDS = ("val", "hellaswag", "core", "train")  # in the trainer's order within a step
-
     def replay(self, log_dir, start_step):
-        """Queue for W&B the records of metrics.jsonl that a killed launch may never have handed to
-        W&B's service (a kill -9 loses what it had queued), up to start_step, where this launch begins:
-        those after the last launch that ended (and so finished its W&B run), and from the W&B run's
-        step on (what it holds: the server's, online; 0 offline, where it cannot know). A step W&B
-        holds already is not sent twice (see _send)."""
+        """Queue for W&B the records below start_step that a killed launch may never have sent (a kill -9
+        loses W&B's queue): from the later of the W&B run's step and the end of the last launch that ended."""
         try:
             m = read_metrics(log_dir)
         except UserError:
@@ -66,14 +55,9 @@ class Trackers:
             end = launch["end"]
             if end is not None:  # its end record's step: max_steps when finished, else its last step
                 held = max(held, end["step"] + (end["reason"] != "finished"))
-        records = [(r["step"], self.REPLAYED_KINDS.index(kind), kind, r) for kind in self.REPLAYED_KINDS
-                   for r in m[kind] if held <= r["step"] < start_step]
-        for _, _, kind, r in sorted(records, key=lambda t: t[:2]):
-            self.queue.put((kind, {k: v for k, v in r.items() if k not in ("kind", "time")}, ("wandb",)))
-
-    @property
-    def wandb_id(self):
-        return self.wandb.id if self.wandb is not None else None
+        records = [r for kind in self.REPLAYED_KINDS for r in m[kind] if held <= r["step"] < start_step]
+        for r in sorted(records, key=lambda r: r["step"]):  # stable: a step's kinds stay in REPLAYED_KINDS order
+            self.queue.put((r["kind"], {k: v for k, v in r.items() if k not in ("kind", "time")}, ("wandb",)))
 
     def send(self, kind, fields):
         self.queue.put((kind, fields, ("wandb", "tensorboard")))
@@ -89,16 +73,14 @@ class Trackers:
                       flush=True)
 
     def _send(self, kind, fields, to):
-        """Send one record to the trackers named in `to` (a replayed one goes to W&B only:
-        TensorBoard's files keep what a killed launch wrote)."""
-        step = fields.get("step")
+        """Send one record to the trackers named in `to` (a replayed one to W&B only: TensorBoard's
+        files keep what a killed launch wrote)."""
+        step = fields["step"]
         if kind in self.CONFIG_KINDS:
             if self.wandb is not None:
                 self.wandb.config.update({kind: fields}, allow_val_change=True)
             if self.writer is not None:
                 self.writer.add_text(kind, "    " + json.dumps(fields, indent=1).replace("\n", "\n    "), step)
-            return
-        if step is None:
             return
         if kind == "sample":  # one text per sample
             values = {f"sample/{fields['index']}": fields["text"]}
@@ -128,18 +110,15 @@ class Trackers:
 
 
 def new_wandb_id():
-    """An id for a new W&B run: 8 lowercase letters and digits, as W&B makes its own."""
-    import secrets
-    import string
-    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    """An id for a new W&B run, chosen before the run starts so that every checkpoint can hold it."""
+    return secrets.token_hex(4)
 
 
 def start_wandb(log_dir, project, name, run_id):
-    """A W&B run (files under LOG_DIR/wandb), continuing run_id when given. Offline
-    (WANDB_MODE=offline) it needs no account; online, an unreachable server is one line at once."""
+    """A W&B run (files under LOG_DIR/wandb), continuing run_id when given; online, an unreachable
+    server is one line at once."""
     import wandb
-    mode = os.environ.get("WANDB_MODE", "").lower()
-    if mode not in ("offline", "disabled", "dryrun"):
+    if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
         problem = unreachable(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
         if problem:
             raise UserError(f"--wandb: {problem}; set WANDB_MODE=offline to log to {log_dir}/wandb and "
@@ -149,5 +128,3 @@ def start_wandb(log_dir, project, name, run_id):
     except Exception as e:  # no API key, a project that cannot be made, ...
         raise UserError(f"--wandb: could not start a W&B run ({type(e).__name__}: {first_line(e, 200)}); "
                         "run `wandb login`, or set WANDB_MODE=offline")
-
-

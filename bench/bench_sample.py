@@ -1,5 +1,5 @@
 """
-Generation speed: our KV-cache generate (model.GPT.generate) against transformers'
+Generation speed: our KV-cache generation (model.GPT.generate_stream) against transformers'
 GPT2LMHeadModel.generate on the same weights (model.to_hf()), greedy, same prompt, same number of
 new tokens, use_cache=True, batch 1. A 124M GPT-2 with random weights (speed does not depend on them).
 
@@ -60,7 +60,7 @@ def main():
 
     def ours():
         with torch.no_grad(), autocast(device, dtype):
-            return model.generate(idx, n, temperature=0)[0, idx.size(1):].tolist()
+            return torch.cat(list(model.generate_stream(idx, n, temperature=0))).tolist()
 
     def theirs():
         with torch.no_grad(), autocast(device, dtype):
@@ -74,7 +74,7 @@ def main():
           f"batch 1, {args.repeats} runs each, taking turns")
     (s_ours, s_hf), (tok_ours, tok_hf) = measure.in_turns([ours, theirs], device, args.repeats)
     same = next((i for i, (a, b) in enumerate(zip(tok_ours, tok_hf)) if a != b), len(tok_ours))
-    print(f"ours (model.GPT.generate, KV cache):  {measure.value_text([n / t for t in s_ours], '{:.1f}')} tokens/s")
+    print(f"ours (GPT.generate_stream, KV cache): {measure.value_text([n / t for t in s_ours], '{:.1f}')} tokens/s")
     print(f"transformers generate (use_cache):    {measure.value_text([n / t for t in s_hf], '{:.1f}')} tokens/s")
     print(f"speed ours/transformers: {measure.ratio_text(measure.paired_ratios(s_hf, s_ours))}; greedy tokens "
           f"identical for the first {same} of {n}")

@@ -24,6 +24,11 @@ def tiny_hf(seed=0, n_positions=64):
     return hf
 
 
+def generate(model, idx, max_new_tokens, **kwargs):
+    """idx extended by what model.generate_stream yields: (B, T + new tokens)."""
+    return torch.cat([idx] + [t[:, None] for t in model.generate_stream(idx, max_new_tokens, **kwargs)], dim=1)
+
+
 def test_hf_import_logits_match(tmp_path):
     hf = tiny_hf()
     hf.save_pretrained(tmp_path)  # the hub is unreachable here: go through a local directory
@@ -130,12 +135,12 @@ def test_kv_cache_greedy_equals_no_cache():
     m = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)).eval()
     prompt = torch.randint(0, 50257, (3, 7))
     # 40 new tokens run past block_size: exercises the sliding-window fallback too
-    a = m.generate(prompt, 40, temperature=0)
-    b = m.generate(prompt, 40, temperature=0, use_cache=False)
+    a = generate(m, prompt, 40, temperature=0)
+    b = generate(m, prompt, 40, temperature=0, use_cache=False)
     assert a.shape == (3, 47)
     assert torch.equal(a, b)
     # a cache sized to prompt + new tokens (12 of 32 positions), never full
-    assert torch.equal(m.generate(prompt, 5, temperature=0), b[:, :12])
+    assert torch.equal(generate(m, prompt, 5, temperature=0), b[:, :12])
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -149,7 +154,7 @@ def test_generation_past_the_context_computes_the_last_logits_only(use_cache):
     seen = []
     hook = m.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(tuple(inputs[0].shape)))
     try:
-        out = m.generate(prompt, 30, temperature=0, use_cache=use_cache)
+        out = generate(m, prompt, 30, temperature=0, use_cache=use_cache)
     finally:
         hook.remove()
     assert len(seen) == 30 and all(shape[1] == 1 for shape in seen), seen
@@ -167,7 +172,7 @@ def test_cached_logits_match_full_forward():
     from model import KVCache
     idx = torch.randint(0, 50257, (2, 20))
     full, _ = m(idx)
-    cache = KVCache(2, 2, 2, 64, 16, "cpu")
+    cache = KVCache(2, 64)
     m(idx[:, :12], cache=cache)
     step, _ = m(idx[:, 12:15], cache=cache)  # a chunk after the prefill uses the explicit mask
     assert (step[:, -1, :50257] - full[:, 14, :50257]).abs().max().item() < 1e-4
@@ -182,7 +187,7 @@ def test_padded_ids_never_sampled():
         m.transformer.wte.weight[50257:] = 100.0
     prompt = torch.randint(0, 50257, (4, 5))
     for kw in (dict(temperature=0), dict(temperature=1.0), dict(temperature=2.0, top_p=0.99)):
-        out = m.generate(prompt, 20, **kw)
+        out = generate(m, prompt, 20, **kw)
         assert out.max().item() < 50257
 
 
@@ -208,5 +213,5 @@ def test_generation_stops_at_eot():
         m.transformer.wte.weight[50256] = m.transformer.wte.weight[50256] * 0 + 5.0
         m.transformer.ln_f.bias.fill_(1.0)
         m.transformer.ln_f.weight.zero_()
-    out = m.generate(torch.zeros(2, 3, dtype=torch.long), 30, temperature=0, eos_token=50256)
+    out = generate(m, torch.zeros(2, 3, dtype=torch.long), 30, temperature=0, eos_token=50256)
     assert out.shape[1] == 4 and (out[:, -1] == 50256).all()

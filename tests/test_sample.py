@@ -70,14 +70,14 @@ def test_seeds_reproduce(log_dir):
 
 
 def test_stream_equals_generate(model):
-    """The streamed text is the decoded output of GPT.generate with the same generator state."""
+    """The streamed text is the decoded output of GPT.generate_stream with the same generator state."""
     enc = tokenizer.get_tokenizer()
     tokens = [tokenizer.EOT_TOKEN]  # unconditional: the start token is not printed
     out = io.StringIO()
     new = sample.stream_sample(model, tokens, enc, out, "cpu", max_new_tokens=20, temperature=1.0,
                                generator=torch.Generator().manual_seed(3))
-    ref = model.generate(torch.tensor([tokens]), 20, temperature=1.0, generator=torch.Generator().manual_seed(3))
-    assert new == ref[0, 1:].tolist()
+    ref = model.generate_stream(torch.tensor([tokens]), 20, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert new == torch.cat(list(ref)).tolist()
     assert out.getvalue() == enc.decode(new)
 
 
