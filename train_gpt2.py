@@ -43,15 +43,14 @@ from model import GPT, GPTConfig, PRESETS
 
 def main(argv=None):
     """python train_gpt2.py (or under torchrun)."""
-    sys.exit(train(train_config.parse_args(argv, description=__doc__)))
+    sys.exit(train(argv))
 
 
-def train(args):
-    """Train with the flags of train_config.parse_args(); returns the exit status (0, or 3: a
-    non-finite loss). The settings are resolved first, a resumed run's own from its checkpoint (see
-    train_config.FIXED_ON_RESUME): before the process group forms, since its device and timeout are
-    among them."""
-    cfg, resume = train_config.resolve(args)
+def train(argv=None):
+    """Train with the command line argv; returns the exit status (0, or 3: a non-finite loss). The
+    settings are resolved first, a resumed run's own from its checkpoint (train_config.resolve):
+    before the process group forms, since its device and timeout are among them."""
+    cfg, resume = train_config.resolve(train_config.parse_args(argv, description=__doc__))
     owes_export = resume is not None and cfg.export_hf and checkpoint.export_pending(cfg.log_dir, resume.path)
     if resume is not None and resume.step == cfg.max_steps and not owes_export:
         common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "
@@ -218,7 +217,8 @@ def evaluations(cfg, ranks, log, fsdp, block_size):
         out["plotter"] = plot.PlotWriter(cfg.log_dir, True)
     if cfg.sample_every or "sample_prompt" in cfg.given:
         import sample
-                try:
+        from tokenizer import get_tokenizer
+        try:
             out["sample_prompt"] = sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, block_size)
         except UserError as e:
             raise UserError(f"--sample-prompt: {e}")

@@ -92,10 +92,9 @@ def in_this_process():
 def train(args):
     """train_gpt2.train on the command line args, in this process: its exit status, or the UserError
     of a bad input raised."""
-    import train_config
     import train_gpt2
     with in_this_process():
-        return train_gpt2.train(train_config.parse_args(args))
+        return train_gpt2.train(args)
 
 
 def run(args, check=True):
