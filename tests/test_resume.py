@@ -12,6 +12,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 
 import numpy as np
@@ -186,6 +187,8 @@ def test_one_trainer_per_log_dir(data_dir, tmp_path):
             if line.startswith("step     1 |"):
                 break
         first.send_signal(signal.SIGSTOP)  # holds its lock, writes nothing meanwhile
+        while open(f"/proc/{first.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)  # the signal is delivered, and the tracker thread stopped, before the snapshot
         before = snapshot(log_dir)
         for extra in (["--resume"] + tracked, []):
             p = run(args + ["--max-steps", "2"] + extra, check=False)
