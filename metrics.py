@@ -42,7 +42,7 @@ import socket
 import sys
 import time
 
-from common import UserError, to_devnull
+from common import UserError, out_of_space, to_devnull
 
 METRICS_FILE = "metrics.jsonl"
 TEXT_LOG_FILE = "log.txt"
@@ -98,7 +98,7 @@ class RunLog:
         """Append msg to log.txt and print it."""
         if self.active:
             self._open()
-            self.text.write(msg + "\n")
+            self._append(self.text, msg + "\n")
             if self.printing:
                 try:
                     print(msg, flush=True)
@@ -119,8 +119,7 @@ class RunLog:
         """Append {"kind": kind, **fields, "time": now} to metrics.jsonl."""
         if self.active:
             self._open()
-            self.metrics.write(json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
-            self.metrics.flush()
+            self._append(self.metrics, json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
             if self.trackers is not None:
                 self.trackers.send(kind, fields)
 
@@ -138,7 +137,20 @@ class RunLog:
                     os.remove(os.path.join(self.log_dir, LOCK_FILE))
         for f in (self.text, self.metrics, self.lock):
             if f is not None:
-                f.close()
+                try:
+                    f.close()
+                except OSError:  # what a failed write left in its buffer: that write was reported
+                    pass
+
+    def _append(self, f, text):
+        """Append text to f (log.txt or metrics.jsonl) and flush it; a write that fails is one line."""
+        try:
+            f.write(text)
+            f.flush()
+        except OSError as e:
+            why = "no space left on its disk" if out_of_space(e, self.log_dir) else (e.strerror or str(e))
+            raise UserError(f"could not write {f.name} ({why}); the run's checkpoints are intact: free space "
+                            "under --log-dir, then --resume")
 
 
 def _try_lock(f):

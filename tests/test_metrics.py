@@ -1,10 +1,15 @@
-"""metrics.py: what RunLog writes, read_metrics reads back, over a launch and a resume; the
-writer leaves no trace until it writes, and nothing at all on ranks other than 0."""
+"""metrics.py: what RunLog writes, read_metrics reads back, over a launch and a resume, and the
+lines it cannot use; the writer leaves no trace until it writes, and nothing at all on ranks other
+than 0; a disk that fills under it is one line."""
 
 import json
 import os
 
+import pytest
+
+import checkpoint
 import metrics
+from runs import run, tiny
 
 
 def write_launch(log_dir, start, last, tps=1024, resumed_from=None, end=None):
@@ -98,3 +103,24 @@ def test_a_launch_refused_by_the_lock_takes_nothing_of_the_holders(tmp_path):
     refused.close()
     assert sorted(os.listdir(old)) == ["notes.txt"]  # no trainer.lock left behind either
 
+
+def test_a_full_disk_under_the_logs_is_one_line_and_keeps_the_checkpoints(data_dir, tmp_path):
+    """A resumed run whose log.txt, then metrics.jsonl, is on a full disk (/dev/full: every write
+    fails with ENOSPC): the trainer ends with one line naming the file, exit status 2, and its
+    checkpoints are as they were."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    log_dir = tmp_path / "log"
+    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2))
+    kept = {p: open(p, "rb").read() for p in checkpoint.list_checkpoints(str(log_dir))}
+    for name in (metrics.TEXT_LOG_FILE, metrics.METRICS_FILE):
+        path = log_dir / name
+        path.rename(log_dir / "real")
+        path.symlink_to("/dev/full")
+        p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=4, resume=True), check=False)
+        path.unlink()
+        (log_dir / "real").rename(path)
+        assert p.returncode == 2 and p.stderr == (
+            f"error: could not write {path} (no space left on its disk); the run's checkpoints are intact: free "
+            "space under --log-dir, then --resume\n"), p.stderr
+        assert {p: open(p, "rb").read() for p in checkpoint.list_checkpoints(str(log_dir))} == kept
