@@ -3,7 +3,6 @@ file-system helpers and the connection probe asked before a download. Imports no
 
 import argparse
 import errno
-import glob
 import os
 import shutil
 import signal
@@ -160,35 +159,6 @@ def atomic_write(path, write_fn):
         if os.path.exists(tmp):
             os.remove(tmp)
     fsync_path(d)  # make the rename itself durable
-
-
-def atomic_directory(path, write_fn):
-    """write_fn(tmp) fills a new directory that then takes path's place: a failure or a kill leaves the older one,
-    never half of a new one. What a killed writer left (.NAME.tmp*, .NAME.old*) is cleared up first."""
-    path = os.path.abspath(path)
-    parent, name = os.path.split(path)
-    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp*")):
-        shutil.rmtree(stale, ignore_errors=True)
-    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old*")):
-        if os.path.exists(path):
-            shutil.rmtree(stale, ignore_errors=True)
-        else:  # killed between the two renames below: the older directory goes back
-            os.rename(stale, path)
-    tmp = os.path.join(parent, f".{name}.tmp{os.getpid()}")
-    old = os.path.join(parent, f".{name}.old{os.getpid()}")
-    try:
-        os.makedirs(tmp)
-        write_fn(tmp)
-        for root, _, files in os.walk(tmp):
-            for f in files:
-                fsync_path(os.path.join(root, f))
-        if os.path.exists(path):  # a directory cannot be renamed over one that holds files
-            os.rename(path, old)
-        os.rename(tmp, path)
-    finally:
-        for d in (tmp, old):
-            shutil.rmtree(d, ignore_errors=True)
-    fsync_path(parent)
 
 
 def fsync_path(path):
