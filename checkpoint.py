@@ -156,12 +156,11 @@ class Checkpointer:
         """Write ckpt_<step>.pt (step: steps completed) from rank 0."""
         self.last_step = step  # on every rank: whether to write another is decided collectively
         per_rank = parallel.gather({"train_loader": self.train_loader.state_dict(), "rng": rng_state()}, self.ranks)
-        states = None
         if self.ranks.is_master or self.fsdp:
-            states = parallel.model_state(self.model), parallel.optimizer_state(self.model, self.optimizer)
+            model_state = parallel.model_state(self.model)
+            optimizer_state = parallel.optimizer_state(self.model, self.optimizer)
         if not self.ranks.is_master:
             return
-        model_state, optimizer_state = states
         ckpt = {"step": step, "model_config": asdict(parallel.unwrap(self.model).config), "model": model_state,
                 "optimizer": optimizer_state, "scaler": self.scaler.state_dict(), "ranks": per_rank,
                 "world_size": self.ranks.world_size, "config": self.config}
@@ -344,7 +343,7 @@ def atomic_directory(path, write_fn):
 # Models for the other scripts
 
 
-def model_from_checkpoint(ckpt, path="the checkpoint"):
+def model_from_checkpoint(ckpt, path):
     """The GPT a checkpoint holds, on the CPU; one line if its model does not load."""
     try:
         model = GPT(GPTConfig(**ckpt["model_config"]))
@@ -377,9 +376,8 @@ def model_from_hub(name):
     """A GPT from a hub name: from Hugging Face's cache if it is there (no network), else downloaded."""
     try:
         return GPT.from_pretrained(name, local_files_only=True)
-    except OSError:
-        pass  # not cached
-    problem = hub_unreachable()
+    except OSError:  # not cached
+        problem = hub_unreachable()
     if problem:
         raise UserError(f"model {name!r} is not in the Hugging Face cache, and {problem}; download it once "
                         "on a machine with network access, or pass a local checkpoint / directory")
