@@ -56,12 +56,11 @@ def find_shards(data_dir, split, vocab_size):
                             "use a model with a larger vocab_size, or re-create the shards with python fineweb.py")
     if not entries:
         raise UserError(f"no {split} shards (*_{split}_*.npy) in {data_dir}: {fix}")
-    shards = []
-    for s in entries:
-        path = os.path.join(data_dir, s["name"])
-        shards.append(open_shard(path, fix))
-        if len(shards[-1]) != s.get("tokens", len(shards[-1])):
-            raise UserError(f"shard {path} has {len(shards[-1]):,} tokens, its manifest says {s['tokens']:,}: {fix}")
+    paths = [os.path.join(data_dir, s["name"]) for s in entries]
+    shards = [open_shard(path, fix) for path in paths]
+    for path, s, arr in zip(paths, entries, shards):
+        if "tokens" in s and len(arr) != s["tokens"]:
+            raise UserError(f"shard {path} has {len(arr):,} tokens, its manifest says {s['tokens']:,}: {fix}")
     return [s["name"] for s in entries], shards, manifest
 
 
