@@ -147,9 +147,9 @@ def compile_blocker(device):
     if not torch.version.hip:
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < TRITON_MIN_CAPABILITY:
-            need = ".".join(map(str, TRITON_MIN_CAPABILITY))
             return (f"the {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}, and Triton, "
-                    f"which torch.compile generates GPU code with, needs {need} or newer")
+                    f"which torch.compile generates GPU code with, needs {'.'.join(map(str, TRITON_MIN_CAPABILITY))} "
+                    "or newer")
     from torch.utils import _triton  # inductor's own question (Windows wheels, Linux without the triton package)
     if not _triton.has_triton():
         return ("Triton, which torch.compile generates GPU code with, is not installed with this PyTorch "
@@ -165,9 +165,8 @@ def muon_dtype(device):
 
 def pick_dtype(requested, device):
     """'auto': bf16 on GPUs that have it (Ampere+), fp16 on older GPUs (T4, V100), fp32 on CPU."""
-    cuda = device.startswith("cuda")
     if requested in (None, "auto"):
-        if cuda:
+        if device.startswith("cuda"):
             return "bfloat16" if bf16_supported(device) else "float16"
         return "float32"
     aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}

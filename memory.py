@@ -1,6 +1,7 @@
 """What a training step holds in memory on each GPU: the plan the run header prints, and --micro-batch-size
 auto, which finds the largest micro-batch that fits by trying it on the model as it trains."""
 
+import bisect
 import itertools
 import json
 
@@ -17,15 +18,9 @@ from parallel import SHARDINGS, grad_sync, is_fsdp, unwrap, zero_grad
 
 def largest_fitting(candidates, fits):
     """The largest of the ascending candidates for which fits(b) is true, or None; a binary search, as memory
-    grows with b."""
-    lo, hi, best = 0, len(candidates) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(candidates[mid]):
-            best, lo = candidates[mid], mid + 1
-        else:
-            hi = mid - 1
-    return best
+    grows with b: the first that does not fit is where True would be inserted among not fits(b)."""
+    first_too_large = bisect.bisect_left(candidates, True, key=lambda b: not fits(b))
+    return candidates[first_too_large - 1] if first_too_large else None
 
 
 def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
