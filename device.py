@@ -181,9 +181,8 @@ def pick_dtype(requested, device):
 
 
 def configure_backends(device, dtype, compile, compile_typed, deterministic):
-    """(the autocast dtype, whether to torch.compile) for the trainer's --dtype, --compile (None: the default)
-    and --deterministic; sets TF32 and the determinism switches. compile_typed: --compile was on the command
-    line, not a resumed run's stored setting, which gives way where the device cannot compile."""
+    """(autocast dtype, whether to compile) from --dtype, --compile (None: default) and --deterministic, whose
+    switches it sets with TF32. compile_typed: --compile was typed, not a resumed run's, which gives way."""
     dtype = pick_dtype(dtype, device)
     cuda = device.startswith("cuda")
     blocker = compile_blocker(device)

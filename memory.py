@@ -98,11 +98,10 @@ _votes = itertools.count()  # every rank votes in the same order: one set of sto
 
 
 def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10):
-    """fits(b): whether the training step at micro-batch b, tried on the model as it trains (wrap_model's),
-    stays under (1 - margin) of memory.capacity() with AdamW's two fp32 moments added; the same on every rank.
-    per_rank: sequences per rank in a step. Where a trial talks to the other ranks (FSDP, DDP's all-reducing
-    backward) the ranks first agree that each has the memory the step needs: one that still runs out half-way
-    leaves the collectives out of step, and then every rank stops with one line."""
+    """fits(b): whether the step at micro-batch b (per_rank sequences a step), tried on the model as it trains,
+    stays under (1 - margin) of memory.capacity() with AdamW's moments added; the same on every rank. Where a
+    trial talks to the other ranks the ranks first agree that each has the memory the step needs: one that
+    still runs out half-way leaves the collectives out of step, and then every rank stops with one line."""
     raw = unwrap(model)
     shards = [p.to_local() if hasattr(p, "to_local") else p for p in raw.parameters()]
     budget = (1 - margin) * memory.capacity() - 8 * sum(p.numel() for p in shards)
@@ -214,24 +213,21 @@ def block_params(n_embd):
 
 def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, n_layer, n_embd,
                 activation_checkpointing=False, vocab_size=PADDED_VOCAB_SIZE, muon_params=0):
-    """Estimated bytes each GPU holds at the peak of a training step, as a dict with params, grads,
-    optimizer, activations and total. An estimate to choose settings by, not a measurement: it leaves
-    out the CUDA context, allocator fragmentation and communication buffers (plan ~10% margin).
+    """Estimated bytes each GPU holds at the peak of a training step: params, grads, optimizer, activations and
+    total. An estimate to choose settings by: it leaves out the CUDA context, allocator fragmentation and
+    communication buffers (plan ~10% margin).
 
-    - params: fp32 weights, 1/world of them under FSDP; under FSDP also the unsharded copies in the
-      compute dtype of the root (embeddings, ln_f) and two blocks (the current one and the prefetched
-      next); under DDP with 16-bit autocast, autocast's cached 16-bit copy of every weight.
+    - params: fp32 weights, 1/world under FSDP, plus there the unsharded copies in the compute dtype of the
+      root (embeddings, ln_f) and two blocks (the current and the prefetched); under DDP with 16-bit
+      autocast, autocast's cached 16-bit copy of every weight.
     - grads: fp32, 1/world under FSDP (DDP's buckets are the gradients: gradient_as_bucket_view).
-    - optimizer: AdamW's two fp32 moments, 1/world under FSDP; Muon keeps one (its momentum) for
-      the muon_params it trains.
-    - activations, s = block_size, b = micro_batch, h = n_embd: per layer 34*s*b*h bytes for 16-bit
-      (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-      s*b*h*(34 + 5*a*s/h) without tensor parallelism; flash attention (SDPA is_causal) stores no
-      s x s scores, dropping the 5*a*s/h term; GPT-2 has no dropout masks, which leaves the 34 a little
-      generous), twice that in fp32. With activation checkpointing only each block's input is kept,
-      4*s*b*h bytes (the residual stream is fp32 under autocast), plus one block's full activations
-      recomputed in backward. Plus the logits: s*b*V*(2 for the 16-bit logits + 4 for their fp32 copy
-      in cross_entropy + 4 for log-softmax), s*b*V*8 in fp32."""
+    - optimizer: AdamW's two fp32 moments, Muon's one (momentum) for muon_params; 1/world under FSDP.
+    - activations, s = block_size, b = micro_batch, h = n_embd: per layer 34*s*b*h bytes in 16-bit, twice
+      that in fp32 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
+      s*b*h*(34 + 5*a*s/h), whose s x s scores flash attention does not store; GPT-2 has no dropout masks,
+      which leaves the 34 a little generous). With activation checkpointing each block's input, 4*s*b*h
+      (the residual stream is fp32 under autocast), plus one block recomputed in backward. Plus the logits:
+      s*b*V*(2 for 16-bit + 4 for cross_entropy's fp32 copy + 4 for log-softmax), s*b*V*8 in fp32."""
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, not {sharding!r}")
     cb = _dtype_bytes(dtype)
@@ -259,9 +255,8 @@ def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, 
 
 
 def format_memory_plan(plan, capacity=None, per="GPU"):
-    """One line: 'per GPU: params 3.1 GiB + grads 3.1 GiB + AdamW 6.2 GiB + activations ~9.0 GiB =
-    21.4 GiB of 24.0 GiB'. capacity: the GPU's bytes (torch.cuda.get_device_properties().total_memory).
-    Small models are shown in MiB, so that their figures are not all 0.0."""
+    """One line: 'per GPU: params 3.1 GiB + grads 3.1 GiB + AdamW 6.2 GiB + activations ~9.0 GiB = 21.4 GiB
+    of 24.0 GiB' (capacity: the GPU's bytes); in MiB for small models, whose figures would all be 0.0."""
     unit, scale = ("GiB", 2 ** 30) if max(plan["total"], capacity or 0) >= 2 ** 30 else ("MiB", 2 ** 20)
     size = lambda n: f"{n / scale:.1f} {unit}"  # noqa: E731
     text = (f"per {per}: params {size(plan['params'])} + grads {size(plan['grads'])} "

@@ -1,7 +1,6 @@
 """How the model is spread over processes: the process group (with or without torchrun), DDP or FSDP2
-(parameters, gradients and optimizer state sharded over the ranks), activation checkpointing, and the
-full state dicts of checkpoints. FSDP replaces the parameters with shards: build the optimizer after
-wrap_model."""
+(parameters, gradients and optimizer state sharded over the ranks), activation checkpointing, and the full
+state dicts of checkpoints."""
 
 import datetime
 import functools
@@ -109,13 +108,9 @@ def is_fsdp(model):
 
 def unwrap(model):
     """The GPT under DDP's .module and torch.compile's ._orig_mod (FSDP2 shards the GPT itself)."""
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-            model = model._orig_mod
-        else:
-            return model
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return getattr(model, "_orig_mod", model)
 
 
 def _set_block_forwards(raw_model, activation_checkpointing, compile_blocks):
@@ -123,8 +118,7 @@ def _set_block_forwards(raw_model, activation_checkpointing, compile_blocks):
     '_checkpoint_wrapped_module.' or '_orig_mod.' to the parameter names, and so to the checkpoints."""
     for block in raw_model.transformer.h:
         forward = block.forward
-        if activation_checkpointing:  # keep each block's input, recompute the rest in backward; non-reentrant
-            # works with keyword arguments, FSDP2's hooks and torch.compile
+        if activation_checkpointing:  # non-reentrant: works with keyword arguments, FSDP2's hooks and compile
             forward = functools.partial(checkpoint, forward, use_reentrant=False)
         if compile_blocks:
             forward = torch.compile(forward)  # compile sees the checkpoint (as torchtitan orders them)
@@ -222,8 +216,7 @@ def _to_cpu(state):
 
 
 def model_state(model):
-    """The full state dict of the GPT, CPU tensors. Under FSDP every rank calls it and rank 0 gets the dict,
-    the others {}."""
+    """The full state dict of the GPT, CPU tensors. Under FSDP every rank calls it; rank 0 gets the dict."""
     raw = unwrap(model)
     if not is_fsdp(raw):
         return _to_cpu(raw.state_dict())
@@ -242,9 +235,8 @@ def load_model_state(model, state):
 
 
 def optimizer_state(model, optimizer):
-    """The optimizer's full state dict as optimizer.state_dict() has it on the unsharded model (parameters
-    numbered in param-group order), CPU tensors, so that DDP and FSDP checkpoints are interchangeable. Under
-    FSDP every rank calls it and rank 0 gets the dict, the others {}."""
+    """The optimizer's full state dict as optimizer.state_dict() has it on the unsharded model, CPU tensors, so
+    that DDP and FSDP checkpoints are interchangeable. Under FSDP every rank calls it; rank 0 gets the dict."""
     raw = unwrap(model)
     if not is_fsdp(raw):
         return _to_cpu(optimizer.state_dict())
