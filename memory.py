@@ -120,9 +120,9 @@ def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10)
             activations; only a step of one micro-step all-reduces, as in training (grad_sync)."""
             nonlocal phase
             for sync in [True] if accumulation == 1 else [False, False]:
+                phase = "forward"
                 x = torch.randint(0, raw.config.vocab_size, (b, block_size), device=ranks.device)
                 with grad_sync(model, sync):
-                    phase = "forward"
                     with autocast(ranks.device, dtype):
                         _, loss = model(x, x)
                     phase = "backward"
