@@ -120,7 +120,8 @@ def pick_device(requested="auto"):
                         f"(torch {torch.__version__}); use --device cpu or install a CUDA build of PyTorch")
     if index:
         if not index.isdigit() or int(index) >= torch.cuda.device_count():
-            raise UserError(f"--device {requested}: the GPUs visible are cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+            raise UserError(f"--device {requested}: the GPUs visible are cuda:0 to "
+                            f"cuda:{torch.cuda.device_count() - 1}")
         # what asks for the current device (cuBLAS handles, CUDA events) must get this one, not cuda:0
         torch.cuda.set_device(requested)
     check_kernels(requested)
