@@ -1,12 +1,9 @@
 """
-Training checkpoints, their whole life in one place: the file (format tag, atomic write, one
-loader), where they live (ckpt_NNNNNN.pt in the log directory), what one holds and how it is
-put back (Checkpointer.save and Checkpointer.restore are mirror images), finding the one to
-resume from, and loading a model for the other scripts (sample.py, hellaswag.py, --init-from)
-from a checkpoint, a log directory or a Hugging Face name or directory.
+Training checkpoints, their whole life: the file, where it lives (LOG_DIR/ckpt_NNNNNN.pt), what it holds and how
+it is put back (Checkpointer.save and .restore are mirror images), finding the one to resume from, the final
+export to LOG_DIR/hf, and loading a model for the other scripts (a checkpoint, a log directory or a hub name).
 
-A checkpoint is one ordinary torch.save file holding the full, unsharded state, the same whether
-the run used DDP or FSDP:
+A checkpoint is one ordinary torch.save file holding the full, unsharded state, the same under DDP or FSDP:
     format        CHECKPOINT_FORMAT
     step          steps completed: a resume starts at this step
     model_config  GPTConfig's fields
@@ -23,6 +20,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import time
 import zipfile
 from dataclasses import asdict
@@ -32,13 +30,12 @@ import torch
 
 import metrics
 import parallel
-from common import UserError, atomic_directory, atomic_write, first_line, hub_unreachable, out_of_space
+from common import UserError, atomic_write, first_line, fsync_path, hub_unreachable, out_of_space
 from model import GPT, GPTConfig
 from tokenizer import gpt2_bpe_files
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
-# how a torch.save file begins: a zip archive (torch >= 1.6), or a pickle of protocol 2 or later (older)
-TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")
+TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # a torch.save zip (torch >= 1.6), or a pickle (older)
 CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 
 # ----------------------------------------------------------------------------------------------
@@ -46,7 +43,7 @@ CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 
 
 def checkpoint_path(log_dir, step):
-    """Where the checkpoint of `step` completed steps lives: LOG_DIR/ckpt_NNNNNN.pt."""
+    """Where the checkpoint of `step` completed steps lives."""
     return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
 
 
@@ -63,15 +60,14 @@ def list_checkpoints(log_dir):
 
 
 def latest_checkpoint(log_dir):
-    """The newest checkpoint file in log_dir by step, or None (whether it loads is not checked)."""
+    """The newest checkpoint file in log_dir by step, whether it loads or not; None if there is none."""
     ckpts = list_checkpoints(log_dir)
     return ckpts[-1] if ckpts else None
 
 
 def save_file(path, ckpt):
-    """Write a checkpoint dict atomically (a kill leaves the previous file or this one, never half).
-    A failed write (a full disk) raises the OSError, not the RuntimeError torch's zip writer turns
-    it into ("unexpected pos ...")."""
+    """Write a checkpoint dict atomically. A failed write (a full disk) raises the OSError, not the
+    RuntimeError torch's zip writer turns it into ("unexpected pos ...")."""
     ckpt = dict(ckpt, format=CHECKPOINT_FORMAT)
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
@@ -81,35 +77,28 @@ def save_file(path, ckpt):
         raise
 
 
-def load_file(path, map_location="cpu"):
-    """Read a checkpoint written by train_gpt2.py; UserError for anything else, and for one whose
-    zip CRCs say it was damaged."""
+def load_file(path):
+    """Read a checkpoint written by train_gpt2.py, on the CPU; UserError for anything else, and for one whose
+    zip CRCs say it was damaged (torch.load checks none; reading them costs ~0.04 s per 100 MB)."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     with open(path, "rb") as f:
         head = f.read(4)
-    # anything else (a text file, say) would be fed to the unpickler, whose complaints ("could not
-    # convert string to float") say nothing useful; an empty file is one cut short
-    if head and not head.startswith(TORCH_FILE_MAGIC):
+    if head and not head.startswith(TORCH_FILE_MAGIC):  # the unpickler's complaints would say nothing useful
         raise UserError(f"{path} is not a checkpoint: not a torch zip or pickle file (it begins {head!r}); pass a "
                         "ckpt_*.pt written by train_gpt2.py")
     try:
         if head == TORCH_FILE_MAGIC[0]:
-            # torch.load never checks the CRCs the zip holds: a damaged tensor would load (reading them
-            # costs ~0.04 s per 100 MB, a checksum of our own would cost that again at every save)
             with zipfile.ZipFile(path) as archive:
                 bad = archive.testzip()
             if bad is not None:
                 raise ValueError(f"{bad} fails its CRC check")
-        try:
-            # mmap: the ranks of a node that resume together share one copy of the file in the page
-            # cache instead of holding one each (8 x 18.7 GB at GPT-2 XL with AdamW)
-            ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=True)
+        try:  # mmap: the ranks of a node that resume together share one copy of the file in the page cache
+            ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         except Exception:  # a file system without mmap, or a damaged file: read it the plain way
-            ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:  # truncated zip, pickle garbage, ...
-        # the first sentence only: torch's messages run on for lines of advice
-        reason = first_line(e).split(". ")[0].rstrip(".")
+            ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # an empty or truncated file, pickle garbage, ...
+        reason = first_line(e).split(". ")[0].rstrip(".")  # torch's messages run on with advice
         raise UserError(f"{path} is not a readable checkpoint, truncated or corrupt ({reason}); use an "
                         "earlier ckpt_*.pt from the same directory")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
@@ -137,7 +126,7 @@ def newest_that_loads(folder):
 
 
 def rng_state():
-    """Every random generator a training step draws from, as one picklable dict."""
+    """Every random generator a training step draws from."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -154,12 +143,9 @@ def set_rng_state(state):
 
 
 class Checkpointer:
-    """The checkpoints of one run in log_dir: save(step) writes one (gathered on rank 0, atomically,
-    keeping the newest `keep`), restore(ckpt) puts one back into the same objects. It remembers the
-    last checkpoint written or resumed from (last_path, last_step).
-
-    model: the model as it trains (compiled, DDP or FSDP); every rank calls save() and restore(),
-    and with fsdp=True every rank takes part in gathering the full state."""
+    """The checkpoints of one run in log_dir, keeping the newest `keep`, and the last one written or resumed
+    from (last_path, last_step). model: as it trains (compiled, DDP or FSDP); every rank calls save() and
+    restore() (with fsdp, every rank takes part in gathering the full state)."""
 
     def __init__(self, log_dir, keep, ranks, log, *, model, optimizer, scaler, train_loader, config, fsdp):
         self.log_dir, self.keep, self.ranks, self.log = log_dir, keep, ranks, log
@@ -168,15 +154,14 @@ class Checkpointer:
         self.last_path = self.last_step = None
 
     def save(self, step):
-        """Write ckpt_<step>.pt; step = steps completed."""
+        """Write ckpt_<step>.pt (step: steps completed) from rank 0."""
         self.last_step = step  # on every rank: whether to write another is decided collectively
         per_rank = parallel.gather({"train_loader": self.train_loader.state_dict(), "rng": rng_state()}, self.ranks)
-        states = None
         if self.ranks.is_master or self.fsdp:
-            states = parallel.model_state(self.model), parallel.optimizer_state(self.model, self.optimizer)
+            model_state = parallel.model_state(self.model)
+            optimizer_state = parallel.optimizer_state(self.model, self.optimizer)
         if not self.ranks.is_master:
             return
-        model_state, optimizer_state = states
         ckpt = {"step": step, "model_config": asdict(parallel.unwrap(self.model).config), "model": model_state,
                 "optimizer": optimizer_state, "scaler": self.scaler.state_dict(), "ranks": per_rank,
                 "world_size": self.ranks.world_size, "config": self.config}
@@ -197,13 +182,10 @@ class Checkpointer:
         self.last_path = path
 
     def restore(self, ckpt, path):
-        """Put a checkpoint back: weights, optimizer, scaler, this rank's data position and random
-        state. Returns the step to continue from."""
+        """Put back weights, optimizer, scaler, this rank's data position and random state; returns the step."""
         parallel.load_model_state(self.model, ckpt["model"])
         parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"])
-        # the optimizer keeps a CPU tensor it is given as it is (all of a CPU run's state, a GPU run's
-        # step counts): a view of the memory-mapped file, whose space on disk it would hold after the
-        # rotation deletes the file
+        # a CPU tensor stays a view of the memory-mapped file, whose disk space it would hold after the rotation
         for opt in getattr(self.optimizer, "optimizers", [self.optimizer]):
             for state in opt.state.values():
                 for key, value in state.items():
@@ -337,17 +319,14 @@ def agree_on_resume(ckpt, ranks):
 
 
 def export_pending(log_dir, final_checkpoint):
-    """Whether a run at its last step still owes the export it was to write (one cut short by a full
-    disk, say): LOG_DIR/hf has no weights written after the final checkpoint."""
+    """Whether LOG_DIR/hf has no weights written after the final checkpoint (an export cut short by a full disk)."""
     weights = os.path.join(log_dir, "hf", "model.safetensors")
     return not (os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(final_checkpoint))
 
 
 def export_final(model, log_dir, last_checkpoint, resume_command):
-    """Write the GPT `model` (plain, on one process) to LOG_DIR/hf in Hugging Face's format, with the
-    GPT-2 tokenizer, and return the directory. It is written beside hf/ and replaces it once whole,
-    so a full disk leaves the earlier export, not half of one: then one line that says so and how to
-    export again (resume_command, once there is space)."""
+    """Write the GPT `model` (plain, on one process) and the GPT-2 tokenizer to LOG_DIR/hf in Hugging Face's
+    format; a full disk leaves the earlier export and says how to export again (resume_command)."""
     from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
     out = os.path.join(log_dir, "hf")
     try:
@@ -360,11 +339,37 @@ def export_final(model, log_dir, last_checkpoint, resume_command):
     return out
 
 
+def atomic_directory(path, write_fn):
+    """write_fn(tmp) fills a new directory beside path that then takes its place: a failure or a kill leaves the
+    older directory, never half of a new one. One writer at a time (the trainer's lock)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    tmp, old = os.path.join(parent, f".{name}.tmp"), os.path.join(parent, f".{name}.old")
+
+    def settle():  # a kill or a failure between the two renames below: the older directory goes back
+        if os.path.isdir(old) and not os.path.exists(path):
+            os.rename(old, path)
+        for d in (tmp, old):
+            shutil.rmtree(d, ignore_errors=True)
+    settle()
+    try:
+        os.makedirs(tmp)
+        write_fn(tmp)
+        for root, _, files in os.walk(tmp):
+            for f in files:
+                fsync_path(os.path.join(root, f))
+        if os.path.exists(path):  # a directory cannot be renamed over one that holds files
+            os.rename(path, old)
+        os.rename(tmp, path)
+    finally:
+        settle()
+    fsync_path(parent)
+
+
 # ----------------------------------------------------------------------------------------------
 # Models for the other scripts
 
 
-def model_from_checkpoint(ckpt, path="the checkpoint"):
+def model_from_checkpoint(ckpt, path):
     """The GPT a checkpoint holds, on the CPU; one line if its model does not load."""
     try:
         model = GPT(GPTConfig(**ckpt["model_config"]))
@@ -377,36 +382,28 @@ def model_from_checkpoint(ckpt, path="the checkpoint"):
 
 
 def check_weights_fit(model, weights, path):
-    """UserError naming the first weight (in the model's order) that is missing from `weights`, has
-    another shape there, or is not the model's: torch's own message starts with a line that names
-    none ("Error(s) in loading state_dict for GPT:"). model: the GPT the checkpoint's config makes."""
+    """UserError naming the first weight, in the model's order, that is missing from `weights`, has another shape
+    there or is not the model's (torch's own first line names none). model: the GPT the checkpoint's config makes."""
     expected = model.state_dict()
-    problem = None
+    problems = []
     for key, tensor in expected.items():
-        shape = tuple(getattr(weights.get(key), "shape", ()))
         if key not in weights:
-            problem = f"{key} {tuple(tensor.shape)} is missing"
-        elif shape != tuple(tensor.shape):
-            problem = f"{key} has shape {shape} there, {tuple(tensor.shape)} in the model its config describes"
-        if problem:
-            break
-    else:
-        extra = [k for k in weights if k not in expected]
-        if not extra:
-            return
-        problem = f"{extra[0]} is not a weight of the model its config describes"
-    raise UserError(f"{path} does not hold the model its config describes: {problem}; use an earlier ckpt_*.pt "
-                    "from the same directory")
+            problems.append(f"{key} {tuple(tensor.shape)} is missing")
+        elif weights[key].shape != tensor.shape:
+            problems.append(f"{key} has shape {tuple(weights[key].shape)} there, {tuple(tensor.shape)} in the model "
+                            "its config describes")
+    problems += [f"{key} is not a weight of the model its config describes" for key in weights if key not in expected]
+    if problems:
+        raise UserError(f"{path} does not hold the model its config describes: {problems[0]}; use an earlier "
+                        "ckpt_*.pt from the same directory")
 
 
 def model_from_hub(name):
-    """A GPT from a hub name: from Hugging Face's cache when it was downloaded before (no
-    network), else downloaded; one-line errors when the hub cannot be reached or has no such model."""
+    """A GPT from a hub name: from Hugging Face's cache if it is there (no network), else downloaded."""
     try:
         return GPT.from_pretrained(name, local_files_only=True)
-    except OSError:
-        pass  # not cached
-    problem = hub_unreachable()
+    except OSError:  # not cached
+        problem = hub_unreachable()
     if problem:
         raise UserError(f"model {name!r} is not in the Hugging Face cache, and {problem}; download it once "
                         "on a machine with network access, or pass a local checkpoint / directory")
@@ -418,18 +415,12 @@ def model_from_hub(name):
                         "or pass a local checkpoint / directory")
 
 
-def is_hf_dir(path):
-    """A directory that holds a Hugging Face model (its config.json)."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
-
-
 def load_model(spec, device="cpu"):
-    """Load a GPT from: a checkpoint file; a log directory (its newest checkpoint that loads); a
-    local Hugging Face directory; or a hub name such as gpt2, gpt2-medium, gpt2-large, gpt2-xl.
-    Returns (model in eval mode on device, a short description of where it came from)."""
+    """(GPT in eval mode on device, where it came from) from a checkpoint file, a log directory (its newest
+    checkpoint that loads), a Hugging Face directory, or a hub name such as gpt2."""
     if os.path.isfile(spec):
         model, what = model_from_checkpoint(load_file(spec), spec), f"checkpoint {spec}"
-    elif is_hf_dir(spec):
+    elif os.path.isfile(os.path.join(spec, "config.json")):
         try:
             model, what = GPT.from_pretrained(spec), f"Hugging Face directory {spec}"
         except (OSError, ValueError, KeyError) as e:

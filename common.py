@@ -1,13 +1,8 @@
-"""
-What every script shares, and nothing else: one-line user errors and the exit path (the command
-line's among them, and a closed stdout), stop requests, rank-0 printing, file-system helpers
-(output-directory checks, atomic writes, the words for a JSON line that will not parse) and the
-connection probe asked before a download. Imports nothing from the project.
-"""
+"""What every script shares: one-line errors and the exit path, stop requests, rank-0 printing,
+file-system helpers and the connection probe asked before a download. Imports nothing from the project."""
 
 import argparse
 import errno
-import glob
 import os
 import shutil
 import signal
@@ -31,9 +26,7 @@ def first_line(e, limit=300):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser, whose command-line errors (an unknown flag, a bad choice or value, a
-    missing argument) are one line, as every other bad input is: argparse's own message, which
-    names the flag and, for a bad choice, the valid ones, instead of the whole usage; exit status 2."""
+    """argparse's parser whose errors are one line (argparse's message, not the whole usage), exit status 2."""
 
     def error(self, message):
         self.exit(2, f"error: {' '.join(message.split())} (see --help)\n")
@@ -49,10 +42,8 @@ def mark_joined_process_group():
 
 
 def run_main(main):
-    """Call main(); turn a UserError into one line on stderr and exit status 2. A closed stdout
-    (python plot.py LOG | head) ends the script quietly with status 1, as Python's documentation
-    advises (its note on SIGPIPE). A process that joined a process group always ends through
-    exit_process (see there)."""
+    """Call main(); a UserError becomes one line on stderr and exit status 2, a closed stdout (`| head`) a
+    quiet status 1 (Python's note on SIGPIPE)."""
     try:
         result = main()
         sys.stdout.flush()  # here, where a closed pipe is caught, rather than at the interpreter's exit
@@ -78,12 +69,8 @@ def run_main(main):
 
 
 def exit_process(code):
-    """sys.exit(code); but a process that joined a process group flushes its output and leaves
-    with os._exit, without the interpreter's shutdown. Gloo's worker threads can still be dropping
-    the last collective's tensors then, and a thread that needs the GIL while the interpreter shuts
-    down aborts the whole process (SIGABRT, "terminate called without an active exception"), so a
-    finished run would end as a failed one (pytorch/pytorch#179291 describes the crash). Everything
-    the scripts write is closed by then (logs, checkpoints, plots)."""
+    """sys.exit(code); a process in a process group flushes and leaves by os._exit instead, because gloo's threads
+    can abort the interpreter's shutdown with SIGABRT, failing a finished run (pytorch/pytorch#179291)."""
     if not _joined_process_group:
         sys.exit(code)
     if code is not None and not isinstance(code, int):  # sys.exit("message") prints it, status 1
@@ -95,8 +82,7 @@ def exit_process(code):
 
 
 def to_devnull(stream):
-    """Point stream's file descriptor (sys.stdout's, say, once its reader went away) at /dev/null,
-    so that later writes to it, the interpreter's flush at exit among them, fail no more."""
+    """Point stream's file descriptor at /dev/null, so that writes after its reader went away fail no more."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, stream.fileno())
@@ -112,9 +98,8 @@ def print0(*args, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------
-# Stop requests: SIGTERM (Slurm, spot instances, torchrun), Ctrl-C and SIGUSR1 (the warning that
-# train_gpt2.sbatch passes on before Slurm's time limit) are noted, not obeyed at once, so that a
-# long job can end cleanly at its next safe point.
+# Stop requests (SIGTERM, Ctrl-C, and SIGUSR1: train_gpt2.sbatch's warning before Slurm's time limit)
+# are noted, not obeyed at once, so that a long job ends cleanly at its next safe point.
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
 
@@ -142,8 +127,7 @@ class StopFlag:
 
 
 def check_output_dir(path, flag):
-    """UserError unless `path` is, or can be made as, a directory this process may write in; made
-    only later, by whatever writes first, so that bad input leaves nothing behind."""
+    """UserError unless `path` is, or can be made as, a directory this process may write in (made later)."""
     if not path:
         raise UserError(f"{flag} is empty: pass a directory (it is made if missing)")
     if os.path.exists(path) and not os.path.isdir(path):
@@ -162,8 +146,7 @@ def check_output_dir(path, flag):
 
 
 def atomic_write(path, write_fn):
-    """write_fn(f) into a temporary file beside path, fsync, then rename over path: a kill at any
-    moment leaves either the old file or the new one, never half of one."""
+    """write_fn(f) into a temporary file beside path, then renamed over it: a kill leaves the old file or the new."""
     d = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
@@ -178,40 +161,8 @@ def atomic_write(path, write_fn):
     fsync_path(d)  # make the rename itself durable
 
 
-def atomic_directory(path, write_fn):
-    """write_fn(tmp) fills a new directory beside path, which then takes path's place; an older
-    directory at path is replaced only once the new one is whole, so a failure (a full disk) or a
-    kill while writing leaves the older one, or none, never half of a new one. One writer at a
-    time per path: what a killed writer left (.NAME.tmp*, .NAME.old*) is cleared up first."""
-    path = os.path.abspath(path)
-    parent, name = os.path.split(path)
-    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.tmp*")):
-        shutil.rmtree(stale, ignore_errors=True)
-    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old*")):
-        if os.path.exists(path):
-            shutil.rmtree(stale, ignore_errors=True)
-        else:  # killed between the two renames below: the older directory goes back
-            os.rename(stale, path)
-    tmp = os.path.join(parent, f".{name}.tmp{os.getpid()}")
-    old = os.path.join(parent, f".{name}.old{os.getpid()}")
-    try:
-        os.makedirs(tmp)
-        write_fn(tmp)
-        for root, _, files in os.walk(tmp):
-            for f in files:
-                fsync_path(os.path.join(root, f))
-        if os.path.exists(path):  # a directory cannot be renamed over one that holds files
-            os.rename(path, old)
-        os.rename(tmp, path)
-    finally:
-        for d in (tmp, old):
-            shutil.rmtree(d, ignore_errors=True)
-    fsync_path(parent)
-
-
 def fsync_path(path):
-    """fsync a file or a directory (a directory: so that a rename in it is durable), where the
-    file system allows it."""
+    """fsync a file, or a directory (so that a rename in it is durable), where the file system allows it."""
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -223,9 +174,8 @@ def fsync_path(path):
 
 
 def out_of_space(e, directory, needed=0):
-    """Whether the error e (an OSError, mostly), raised writing into directory, means the disk is
-    full. Not every writer says so with an errno: numpy reports a short write as "N requested and
-    M written", and safetensors raises its own SafetensorError, naming Rust's "os error 28"."""
+    """Whether e, raised writing into directory, means the disk is full. Not every writer says so with an
+    errno: numpy reports a short write, safetensors its own error naming Rust's "os error 28"."""
     if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
         return True
     if any(f"os error {code})" in str(e) for code in (errno.ENOSPC, errno.EDQUOT)):
@@ -237,22 +187,18 @@ def out_of_space(e, directory, needed=0):
 
 
 def json_line_problem(line, error):
-    """What is wrong with one line of a JSON-lines file that json.loads refused with `error`, in
-    words. A line that ends inside its value (a file cut short, an interrupted write) says so,
-    where json's own message names what it met there ("Invalid control character" for the newline)."""
+    """In words, what is wrong with a JSON line that json.loads refused with `error`; a line cut short says so."""
     if error.pos >= len(line.rstrip()) or error.msg.startswith("Unterminated string"):
         return "not complete JSON: the line ends before its value does (cut short?)"
     return f"not JSON ({error.msg})"
 
 
 # ----------------------------------------------------------------------------------------------
-# The network: asked before a download, so that an offline machine gets one line at once instead
-# of a minute of retries and warnings.
+# The network, asked before a download: an offline machine gets one line at once, not a minute of retries.
 
 
 def unreachable(url, timeout=5.0):
-    """Why url's host cannot be reached, or None when a connection opens (or when a proxy for its
-    scheme is configured, which a direct probe cannot judge)."""
+    """Why url's host cannot be reached; None when a connection opens or a proxy (no probe can judge it) is set."""
     from urllib.parse import urlparse
     parts = urlparse(url)
     proxies = ("HTTP_PROXY", "http_proxy") if parts.scheme == "http" else ("HTTPS_PROXY", "https_proxy")

@@ -1,12 +1,9 @@
-"""
-Devices and precision: which device to run on, which autocast dtype it supports, waiting for it,
-and its peak FLOP/s (what MFU divides by).
-"""
+"""Devices and precision: which device and autocast dtype to run on, waiting for the device, and its peak
+FLOP/s (what MFU divides by)."""
 
 import contextlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import warnings
@@ -15,96 +12,72 @@ import torch
 
 from common import UserError
 
-# The oldest PyTorch this project runs on, and what it needs from it: torch.optim.Muon (2.9), built on
-# every optimizer step. The test suite passes on 2.9.1 (README).
-MIN_TORCH = (2, 9)
+MIN_TORCH = (2, 9)  # torch.optim.Muon; the test suite passes on 2.9.1 (README)
 TORCH_FLOOR = ".".join(map(str, MIN_TORCH))
 
-
-# Which PyTorch builds have kernels for which GPUs (PyTorch's RELEASE.md, "PyTorch CUDA Support
-# Matrix", and pytorch/pytorch#157517, #172352): its CUDA 12.8 builds dropped Maxwell and Pascal
-# (sm_50, sm_60: the P100) in 2.8 and Volta (sm_70: the V100) in 2.11, and CUDA 13 builds start at
-# Turing (sm_75), so pip's default torch has no kernels for them; the CUDA 12.6 builds still carry
-# sm_50 to sm_90 (2.9 to 2.14; pytorch/pytorch#190385 proposes to end them in 2.15) and ask the least
-# of the driver. Blackwell (sm_100, sm_120) needs CUDA 12.8 or newer.
+# The wheels for GPUs that pip's default PyTorch has no kernels for (PyTorch's RELEASE.md support matrix):
+# the CUDA 12.6 builds carry sm_50 to sm_90 (the P100 and V100 included); Blackwell needs CUDA 12.8 or newer.
 LEGACY_WHEELS = "https://download.pytorch.org/whl/cu126"
 BLACKWELL_WHEELS = "https://download.pytorch.org/whl/cu130"
 
 
 def wheel_index(capability):
-    """The PyTorch wheel index whose builds run on a GPU of this compute capability (major, minor),
-    or None where no build of a PyTorch this project runs on does."""
+    """The wheel index with kernels for a GPU of this compute capability, or None where no PyTorch we run on has."""
     if capability < (5, 0):
         return None
     return LEGACY_WHEELS if capability < (10, 0) else BLACKWELL_WHEELS
 
 
+def reinstall(capability):
+    return f"pip uninstall -y torch && pip install 'torch>={TORCH_FLOOR}' --index-url {wheel_index(capability)}"
+
+
 def listed_gpu():
-    """(name, compute capability) of the first GPU nvidia-smi lists, or None (no nvidia-smi, no GPU,
-    or a driver too old to say)."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
+    """(name, compute capability) of the first GPU nvidia-smi lists, or None."""
     try:
-        out = subprocess.run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+        name, capability = out.splitlines()[0].rsplit(",", 1)
+        return name.strip(), tuple(int(n) for n in capability.split("."))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):  # no nvidia-smi, no GPU, an old driver
         return None
-    rows = [line.rsplit(",", 1) for line in out.stdout.splitlines()]
-    if out.returncode or not rows or len(rows[0]) != 2 or not re.fullmatch(r"\s*\d+\.\d+\s*", rows[0][1]):
-        return None
-    name, capability = rows[0]
-    return name.strip(), tuple(int(n) for n in capability.split("."))
 
 
-def torch_too_old(version, gpu=None):
-    """The one line to stop on when PyTorch `version` is older than MIN_TORCH, else None. gpu:
-    listed_gpu()'s answer, whose wheels the upgrade comes from."""
-    found = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", str(version)).groups())
-    if found >= MIN_TORCH:
+def torch_too_old(version):
+    """The line to stop on where PyTorch `version` is older than MIN_TORCH, else None."""
+    if tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups()) >= MIN_TORCH:
         return None
+    gpu = listed_gpu()
     index = wheel_index(gpu[1]) if gpu else None
     return (f"error: PyTorch {version} is older than {TORCH_FLOOR}, the oldest these scripts run on (they use "
             f"torch.optim.Muon); upgrade it: pip install -U 'torch>={TORCH_FLOOR}'"
             + (f" --index-url {index}" if index else ""))
 
 
-# checked when the scripts import this module, before model.py (which subclasses torch.optim.Muon)
-# fails with an AttributeError
-if torch_too_old(torch.__version__):
-    print(torch_too_old(torch.__version__, listed_gpu()), file=sys.stderr)
+if torch_too_old(torch.__version__):  # before model.py fails on the missing torch.optim.Muon
+    print(torch_too_old(torch.__version__), file=sys.stderr)
     raise SystemExit(2)
 
 
 def has_kernels(capability, arch_list):
-    """Whether a build for arch_list (torch.cuda.get_arch_list(): 'sm_75', 'compute_120', ...) runs
-    on a GPU of this capability. Machine code for sm_XY runs on X.Y and the later GPUs of the same
-    major version; PTX (compute_XY) is compiled by the driver for X.Y and every later GPU (NVIDIA's
-    compatibility rules, which torch.cuda's own start-up check follows for machine code)."""
+    """Whether a build for arch_list (torch.cuda.get_arch_list()) runs on a GPU of this capability: machine code
+    for sm_XY runs on X.Y and the later GPUs of major X, PTX (compute_XY) on X.Y and every later GPU."""
     for arch in arch_list:
         kind, _, number = arch.partition("_")
         number = number.rstrip("af")  # sm_90a, sm_100f: the same machine code, narrower or wider
-        if not number.isdigit():
-            continue
-        code = divmod(int(number), 10)
-        if code <= capability and (kind == "compute" or (kind == "sm" and code[0] == capability[0])):
-            return True
+        if number.isdigit() and divmod(int(number), 10) <= capability:
+            if kind == "compute" or int(number) // 10 == capability[0]:
+                return True
     return False
 
 
-def reinstall(capability):
-    """The commands that put a PyTorch with kernels for a GPU of this capability in place of this one."""
-    return f"pip uninstall -y torch && pip install 'torch>={TORCH_FLOOR}' --index-url {wheel_index(capability)}"
-
-
 def check_kernels(device):
-    """Stop with one line where this PyTorch has no kernels for the GPU(s) device names ('cuda': all
-    that are visible): its first CUDA operation would fail with "no kernel image is available"."""
+    """Stop with one line where this PyTorch has no kernels for the GPU(s) device names ('cuda': all visible)."""
     arch_list = torch.cuda.get_arch_list()
     if torch.version.cuda is None or not arch_list:  # ROCm, or a build that does not say
         return
-    indices = [int(device.split(":")[1])] if ":" in device else range(torch.cuda.device_count())
-    for i in indices:
+    index = torch.device(device).index
+    for i in range(torch.cuda.device_count()) if index is None else [index]:
         with warnings.catch_warnings():  # PyTorch's own, several lines, as CUDA starts: ours is one
             warnings.simplefilter("ignore")
             capability = tuple(torch.cuda.get_device_capability(i))
@@ -112,69 +85,57 @@ def check_kernels(device):
             continue
         gpu = f"the {torch.cuda.get_device_name(i)} (compute capability {capability[0]}.{capability[1]})"
         if wheel_index(capability) is None:
-            raise UserError(f"no PyTorch {TORCH_FLOOR} or newer has kernels for {gpu}: use another GPU or "
-                            "--device cpu")
+            raise UserError(f"no PyTorch {TORCH_FLOOR} or newer has kernels for {gpu}: use another GPU or --device cpu")
         raise UserError(f"PyTorch {torch.__version__} has no kernels for {gpu}: it was built for "
                         f"{' '.join(arch_list)}. Install a build that has: {reinstall(capability)}")
 
 
-def unusable_gpu():
-    """Why the GPU nvidia-smi lists cannot be used by this PyTorch, with the fix, as one line; None
-    where nvidia-smi lists none. Asked only when CUDA is unavailable."""
-    gpu = listed_gpu()
-    if gpu is None:
-        return None
-    name, capability = gpu
-    why = ("a CPU-only build" if torch.version.cuda is None else
-           f"its CUDA {torch.version.cuda} needs a newer driver, or CUDA_VISIBLE_DEVICES hides the GPU")
-    fix = f"install a build that can: {reinstall(capability)}" if wheel_index(capability) else "use another GPU"
-    return (f"nvidia-smi lists a GPU, the {name}, but PyTorch {torch.__version__} cannot use it ({why}): {fix}; "
-            "or pass --device cpu to run on the CPU")
-
-
 def pick_device(requested="auto"):
-    """'auto' prefers CUDA, then Apple MPS, then CPU, but refuses the CPU where nvidia-smi lists a
-    GPU this PyTorch cannot use. Anything else is checked and returned. A CUDA device is checked
-    against the kernels this PyTorch was built with (check_kernels)."""
+    """'auto' prefers CUDA, then Apple MPS, then the CPU, which it refuses where nvidia-smi lists a GPU this
+    PyTorch cannot use. A CUDA device is checked against the kernels this PyTorch was built with."""
     if requested in (None, "auto"):
         if torch.cuda.is_available():
-            check_kernels("cuda")
-            return "cuda"
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            requested = "cuda"
+        elif torch.backends.mps.is_available():
             return "mps"
-        unusable = unusable_gpu()
-        if unusable:
-            raise UserError(unusable)
-        return "cpu"
-    kind = requested.split(":")[0]
+        else:
+            gpu = listed_gpu()
+            if gpu is None:
+                return "cpu"
+            name, capability = gpu
+            why = ("a CPU-only build" if torch.version.cuda is None else
+                   f"its CUDA {torch.version.cuda} needs a newer driver, or CUDA_VISIBLE_DEVICES hides the GPU")
+            fix = f"install a build that can: {reinstall(capability)}" if wheel_index(capability) else "use another GPU"
+            raise UserError(f"nvidia-smi lists a GPU, the {name}, but PyTorch {torch.__version__} cannot use it "
+                            f"({why}): {fix}; or pass --device cpu to run on the CPU")
+    kind, _, index = requested.partition(":")
     if kind not in ("cpu", "cuda", "mps"):
         raise UserError(f"unknown device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
-    if kind == "cuda" and not torch.cuda.is_available():
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device mps but Apple MPS is not available here; use --device cpu")
+    if kind != "cuda":
+        return kind
+    if not torch.cuda.is_available():
         raise UserError(f"--device {requested} but PyTorch sees no CUDA GPU "
                         f"(torch {torch.__version__}); use --device cpu or install a CUDA build of PyTorch")
-    if kind == "cuda" and ":" in requested:
-        index = requested.split(":")[1]
+    if index:
         if not index.isdigit() or int(index) >= torch.cuda.device_count():
-            raise UserError(f"--device {requested}: the GPUs visible are cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-        # made current: what asks "the current device" (cuBLAS handles, CUDA events, kernels launched
-        # without a device) must ask this one, not cuda:0
+            raise UserError(f"--device {requested}: the GPUs visible are cuda:0 to "
+                            f"cuda:{torch.cuda.device_count() - 1}")
+        # what asks for the current device (cuBLAS handles, CUDA events) must get this one, not cuda:0
         torch.cuda.set_device(requested)
-    if kind == "cuda":
-        check_kernels(requested)
-    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise UserError("--device mps but Apple MPS is not available here; use --device cpu")
+    check_kernels(requested)
     return requested
 
 
 def bf16_supported(device):
     """Whether the device computes in bfloat16 natively (emulation on old GPUs does not count)."""
-    kind = device.split(":")[0]
-    if kind == "cuda":
-        if torch.version.hip:  # ROCm: every GPU it runs on has bf16
-            return torch.cuda.is_bf16_supported()
-        # asked of this device, by capability: torch.cuda.is_bf16_supported() asks the current one
-        return torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and newer
-    return kind in ("cpu", "mps")
+    if not device.startswith("cuda"):
+        return True  # the CPU and MPS
+    if torch.version.hip:  # ROCm: every GPU it runs on has bf16
+        return torch.cuda.is_bf16_supported()
+    # asked of this device: torch.cuda.is_bf16_supported() asks the current one
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 TRITON_MIN_CAPABILITY = (7, 0)  # Triton, which torch.compile's inductor writes GPU kernels in, needs Volta+
@@ -182,17 +143,15 @@ TRITON_MIN_CAPABILITY = (7, 0)  # Triton, which torch.compile's inductor writes 
 
 def compile_blocker(device):
     """Why torch.compile cannot run on this device, as a phrase, or None where it can."""
-    if device.split(":")[0] != "cuda":
+    if not device.startswith("cuda"):
         return None
     if not torch.version.hip:
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < TRITON_MIN_CAPABILITY:
-            need = ".".join(map(str, TRITON_MIN_CAPABILITY))
             return (f"the {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}, and Triton, "
-                    f"which torch.compile generates GPU code with, needs {need} or newer")
-    # the question inductor itself asks before it writes GPU code (raising TritonMissing at the first
-    # step where the answer is no): Windows wheels, and Linux installs without the triton package
-    from torch.utils import _triton
+                    f"which torch.compile generates GPU code with, needs {'.'.join(map(str, TRITON_MIN_CAPABILITY))} "
+                    "or newer")
+    from torch.utils import _triton  # inductor's own question (Windows wheels, Linux without the triton package)
     if not _triton.has_triton():
         return ("Triton, which torch.compile generates GPU code with, is not installed with this PyTorch "
                 "(pip install triton on Linux; Windows wheels come without it)")
@@ -200,16 +159,15 @@ def compile_blocker(device):
 
 
 def muon_dtype(device):
-    """What Muon's Newton-Schulz iteration runs in: bfloat16 (torch.optim.Muon's) where the device
-    has it, float16 on GPUs without it (T4, V100, P100), whose tensor cores compute in fp16."""
+    """What Muon's Newton-Schulz iteration runs in: bfloat16 (torch.optim.Muon's) where the device has it,
+    float16 on GPUs without it (T4, V100, P100), whose tensor cores compute in fp16."""
     return torch.bfloat16 if bf16_supported(device) else torch.float16
 
 
 def pick_dtype(requested, device):
     """'auto': bf16 on GPUs that have it (Ampere+), fp16 on older GPUs (T4, V100), fp32 on CPU."""
-    kind = device.split(":")[0]
     if requested in (None, "auto"):
-        if kind == "cuda":
+        if device.startswith("cuda"):
             return "bfloat16" if bf16_supported(device) else "float16"
         return "float32"
     aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
@@ -217,25 +175,22 @@ def pick_dtype(requested, device):
     if dtype not in ("bfloat16", "float16", "float32"):
         raise UserError(f"unknown dtype {requested!r}: use auto, bfloat16, float16 or float32")
     if dtype == "bfloat16" and not bf16_supported(device):
-        name = torch.cuda.get_device_name(device) if kind == "cuda" else device
-        raise UserError(f"{name} has no bfloat16 support: use --dtype float16 (or auto)")
-    if dtype == "float16" and kind == "cpu":
+        raise UserError(f"{device_name(device)} has no bfloat16 support: use --dtype float16 (or auto)")
+    if dtype == "float16" and device == "cpu":
         raise UserError("float16 autocast is not supported on CPU: use --dtype bfloat16 or float32")
     return dtype
 
 
 def configure_backends(device, dtype, compile, compile_typed, deterministic):
-    """(the autocast dtype, whether to torch.compile) for the trainer on device, from its --dtype,
-    --compile (None: the default) and --deterministic; sets TF32 and the determinism switches.
-    compile_typed: --compile was on the command line, not a resumed run's stored setting, which
-    gives way where the device cannot compile (the run header says why)."""
+    """(autocast dtype, whether to compile) from --dtype, --compile (None: default) and --deterministic, whose
+    switches it sets with TF32. compile_typed: --compile was typed, not a resumed run's, which gives way."""
     dtype = pick_dtype(dtype, device)
-    kind = device.split(":")[0]
+    cuda = device.startswith("cuda")
     blocker = compile_blocker(device)
     if compile and blocker and compile_typed:
         raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")
-    compile_on = (kind == "cuda" if compile is None else compile) and blocker is None
-    if kind == "cuda":
+    compile_on = (cuda if compile is None else compile) and blocker is None
+    if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True
     if deterministic:
@@ -249,30 +204,25 @@ def autocast(device, dtype):
     """Mixed-precision context for forward passes; a no-op for float32."""
     if dtype == "float32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.split(":")[0], dtype=getattr(torch, dtype))
+    return torch.autocast(device_type=torch.device(device).type, dtype=getattr(torch, dtype))
 
 
 def device_name(device):
-    """The GPU's name (what peak_flops looks up), or the device kind ('cpu', 'mps')."""
-    kind = device.split(":")[0]
-    if kind == "cuda":
-        return torch.cuda.get_device_name(device)
-    return kind
+    """The GPU's name (what peak_flops looks up), or the device ('cpu', 'mps')."""
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else device
 
 
 def synchronize(device):
-    """Wait for the work queued on device: timings of GPU work are meaningless without it.
-    CPU work is synchronous, so nothing to wait for there."""
-    kind = device.split(":")[0]
-    if kind == "cuda":
+    """Wait for the work queued on device (CPU work is synchronous): GPU timings are meaningless without it."""
+    if device.startswith("cuda"):
         torch.cuda.synchronize(device)
-    elif kind == "mps":
+    elif device == "mps":
         torch.mps.synchronize()
 
 
-# Dense (no sparsity) tensor-core peak FLOP/s from the vendors' datasheets, as (bf16, fp16); None
-# where the chip has no bf16. A row matches a GPU when all its words are words of the GPU's name
-# (gpu_words()), whole words only: "RTX A1000" is not an A100. More specific rows come first.
+# Dense (no sparsity) tensor-core peak FLOP/s from the vendors' datasheets, as (bf16, fp16); None where the chip
+# has no bf16. A row matches a GPU when all its words are words of the GPU's name, whole words only ("RTX A1000"
+# is not an A100); more specific rows come first.
 PEAK_FLOPS = [
     (("H100", "PCIE"), 756e12, 756e12),
     (("H100", "NVL"), 835e12, 835e12),
@@ -300,19 +250,12 @@ PEAK_FLOPS = [
 ]
 
 
-def gpu_words(device_name):
-    """The words of a GPU's name, upper-case, without the vendor and family words:
-    "NVIDIA A100-SXM4-80GB" -> {"A100", "SXM4", "80GB"}, "Tesla V100-PCIE-16GB" -> {"V100", "PCIE", "16GB"}."""
-    words = re.split(r"[\s\-_/]+", device_name.upper())
-    return {w for w in words if w and w not in ("NVIDIA", "TESLA", "GEFORCE", "QUADRO")}
-
-
 def peak_flops(device_name, dtype):
-    """Peak dense FLOP/s for a GPU name (device_name()) and a dtype ('bfloat16'/'float16'), or
-    None if unknown: what GPT.estimate_mfu divides by."""
+    """Peak dense FLOP/s of a GPU by name (device_name()) in 'bfloat16' or 'float16', or None where unknown
+    (fp32 and CPUs have no honest single number): what GPT.estimate_mfu divides by."""
     if not device_name or dtype not in ("bfloat16", "float16"):
-        return None  # fp32 and CPUs: no honest single number, so MFU is reported as unknown
-    words = gpu_words(device_name)
+        return None
+    words = set(re.split(r"[\s\-_/]+", device_name.upper()))  # "Tesla V100-PCIE-16GB": TESLA, V100, PCIE, 16GB
     for model, bf16, fp16 in PEAK_FLOPS:
         if words.issuperset(model):
             return bf16 if dtype == "bfloat16" else fp16
@@ -321,13 +264,12 @@ def peak_flops(device_name, dtype):
 
 def slow_settings(device, dtype, compile_on, deterministic, micro_batch_tokens):
     """The settings that make training slow on this device, each as one line of advice."""
-    kind = device.split(":")[0]
     warn = []
-    if kind == "cpu" and torch.cuda.is_available():
+    if device == "cpu" and torch.cuda.is_available():
         warn.append("training on the CPU although a CUDA GPU is present: drop --device cpu")
     if deterministic:
         warn.append("--deterministic is on: slower kernels; use it for reproducibility studies only")
-    if kind == "cuda":
+    if device.startswith("cuda"):
         if dtype == "float32" and bf16_supported(device):
             warn.append("float32 on a GPU with bfloat16: several times slower; use --dtype auto")
         if not compile_on and compile_blocker(device) is None:

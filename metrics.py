@@ -31,8 +31,10 @@ metrics.jsonl: one JSON object per line, appended, flushed after each record. Ev
               still running
 
 read_metrics skips the kinds it does not use (timing, and any a newer trainer adds), so kinds
-can be added without breaking readers; a kind it uses without one of its REQUIRED keys is an
-error.
+can be added without breaking readers. A line that holds no readable record (a write cut short by a
+kill, damage, a record of a kind it uses without one of its REQUIRED keys or with a value of another
+type) is skipped with one warning naming it, wherever it is; a file in which no line is a record is
+an error.
 """
 
 import json
@@ -42,20 +44,22 @@ import socket
 import sys
 import time
 
-from common import UserError, to_devnull
+from common import UserError, json_line_problem, out_of_space, to_devnull
 
 METRICS_FILE = "metrics.jsonl"
 TEXT_LOG_FILE = "log.txt"
 LOCK_FILE = "trainer.lock"  # held by the writing trainer for its whole run; says who holds it
 
-# the keys a reader relies on, per kind; the other keys above are optional for a reader
-REQUIRED = {"run": ("step",),
-            "train": ("step", "loss", "tokens", "tok_per_s", "dt_ms"),
-            "val": ("step", "val_loss", "tokens"),
-            "hellaswag": ("step", "acc_norm", "tokens"),
-            "core": ("step", "core", "tokens"),
-            "checkpoint": ("step", "path"),
-            "end": ("step", "reason")}
+# the keys a reader relies on, per kind, and their types; the other keys above are optional for a reader
+REQUIRED = {"run": {"step": int},
+            "train": {"step": int, "loss": float, "tokens": int, "tok_per_s": float, "dt_ms": float},
+            "val": {"step": int, "val_loss": float, "tokens": int},
+            "hellaswag": {"step": int, "acc_norm": float, "tokens": int},
+            "core": {"step": int, "core": float, "tokens": int},
+            "checkpoint": {"step": int, "path": str},
+            "end": {"step": int, "reason": str}}
+NUMBERS = ("time", "mfu", "max_steps", "tokens_per_step", "world_size", "per_node")  # optional: a number or null
+TYPE_WORDS = {int: "an integer", float: "a number", str: "text"}
 STEP_KINDS = ("train", "val", "hellaswag", "core", "checkpoint")  # read_metrics keeps one record per step
 
 # ----------------------------------------------------------------------------------------------
@@ -98,7 +102,7 @@ class RunLog:
         """Append msg to log.txt and print it."""
         if self.active:
             self._open()
-            self.text.write(msg + "\n")
+            self._append(self.text, msg + "\n")
             if self.printing:
                 try:
                     print(msg, flush=True)
@@ -119,8 +123,7 @@ class RunLog:
         """Append {"kind": kind, **fields, "time": now} to metrics.jsonl."""
         if self.active:
             self._open()
-            self.metrics.write(json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
-            self.metrics.flush()
+            self._append(self.metrics, json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
             if self.trackers is not None:
                 self.trackers.send(kind, fields)
 
@@ -138,7 +141,20 @@ class RunLog:
                     os.remove(os.path.join(self.log_dir, LOCK_FILE))
         for f in (self.text, self.metrics, self.lock):
             if f is not None:
-                f.close()
+                try:
+                    f.close()
+                except OSError:  # what a failed write left in its buffer: that write was reported
+                    pass
+
+    def _append(self, f, text):
+        """Append text to f (log.txt or metrics.jsonl) and flush it; a write that fails is one line."""
+        try:
+            f.write(text)
+            f.flush()
+        except OSError as e:
+            why = "no space left on its disk" if out_of_space(e, self.log_dir) else (e.strerror or str(e))
+            raise UserError(f"could not write {f.name} ({why}); the run's checkpoints are intact: free space "
+                            "under --log-dir, then --resume")
 
 
 def _try_lock(f):
@@ -211,50 +227,68 @@ _warned = set()  # metrics files already warned about: once per file per process
 
 
 def _decode(line):
-    """(record, recovered) for one line, or (None, False). A write cut by a kill leaves a partial
-    line, and the next launch appends its first record right after it: then the complete record
-    at the end of the line is returned, with recovered=True."""
+    """(record, None) for a line that holds a record a reader can use, else (None, what is wrong with
+    it). A write cut by a kill leaves a partial line, and the next launch appends its first record
+    right after it: that record is returned, with the cut named."""
     try:
-        rec = json.loads(line)
-        return (rec, False) if isinstance(rec, dict) and isinstance(rec.get("kind"), str) else (None, False)
-    except ValueError:
-        pass
-    decoder = json.JSONDecoder()
-    for start in [i for i, c in enumerate(line) if c == "{" and i > 0]:
-        try:
-            rec, end = decoder.raw_decode(line, start)
-        except ValueError:
-            continue
-        if not line[end:].strip() and isinstance(rec, dict) and isinstance(rec.get("kind"), str):
-            return rec, True
-    return None, False
+        rec, why = json.loads(line), None
+    except ValueError as e:
+        rec, why = None, json_line_problem(line, e)
+        decoder = json.JSONDecoder()
+        for start in [i for i, c in enumerate(line) if c == "{" and i > 0]:
+            try:
+                found, end = decoder.raw_decode(line, start)
+            except ValueError:
+                continue
+            if not line[end:].strip():
+                rec, why = found, "a write cut short by a kill, then a record"
+                break
+    if rec is None:
+        return None, why
+    if not (isinstance(rec, dict) and isinstance(rec.get("kind"), str)):
+        return None, 'not a record (a JSON object with a "kind")'
+    problem = _problem(rec)
+    return (None, problem) if problem else (rec, why)
+
+
+def _problem(rec):
+    """What keeps a reader from using a record: a REQUIRED key missing, or a value of another type."""
+    kind = rec["kind"]
+    if kind not in REQUIRED:
+        return None
+    wanted = dict(REQUIRED[kind], **{key: float for key in NUMBERS if rec.get(key) is not None})
+    for key, want in wanted.items():
+        value = rec.get(key)
+        if value is None:
+            return f"a {kind!r} record without {key!r}"
+        if isinstance(value, bool) or not isinstance(value, (int, float) if want is float else want):
+            return f"{key!r} is {value!r}, not {TYPE_WORDS[want]}"
+    return None
 
 
 def read_records(path):
-    """(line number, record) pairs of a metrics file, every kind, in file order. Unreadable lines
-    at the end (a write cut by a kill, or the zeros a power loss leaves) are skipped with one
-    warning; anywhere else they are an error."""
+    """(line number, record) pairs of a metrics file, every kind, in file order. A line that holds no
+    record a reader can use is skipped with one warning naming it (its record, where a cut write
+    precedes it on the line, is read); a file in which no line is a record is an error."""
     with open(path, "rb") as f:
         lines = f.read().decode("utf-8", errors="replace").split("\n")
-    records, bad, cut = [], [], []
+    records, skipped = [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        rec, recovered = _decode(line)
-        if rec is None:
-            bad.append(n)
-            continue
-        if bad:
-            raise UserError(f"{path}:{bad[0]} is not a metrics record (a JSON object with a \"kind\"), "
-                            "and records follow it: the file is damaged or is not train_gpt2.py's")
-        if recovered:
-            cut.append(n)
-        records.append((n, rec))
-    if (bad or cut) and path not in _warned:
+        rec, why = _decode(line)
+        if why is not None:
+            skipped.append(f"line {n}: {why}")
+        if rec is not None:
+            records.append((n, rec))
+    if skipped and not records:
+        raise UserError(f"{path} is not JSON records of a run ({skipped[0]}): pass the --log-dir of a "
+                        "train_gpt2.py run")
+    if skipped and path not in _warned:
         _warned.add(path)
-        where = ", ".join(map(str, cut + bad))
-        print(f"warning: {path}: skipped {len(cut) + len(bad)} record(s) cut short by a kill "
-              f"(line {where})", file=sys.stderr, flush=True)
+        more = f", and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        print(f"warning: {path}: skipped what no reader can use: {'; '.join(skipped[:3])}{more}",
+              file=sys.stderr, flush=True)
     return records
 
 
@@ -279,18 +313,25 @@ def read_metrics(log_dir):
         raise UserError(f"{log_dir} is not a directory: pass the --log-dir of a train_gpt2.py run")
     if not os.path.isfile(path):
         raise UserError(f"{log_dir} has no {METRICS_FILE}: is it a log directory written by train_gpt2.py?")
+    metrics = _read(path)
+    if not metrics["launches"]:
+        raise UserError(f"{path} has no records: the run has not logged anything yet")
+    return metrics
+
+
+def read_launches(log_dir):
+    """read_metrics(log_dir)["launches"], or [] where the trainer has written no record there yet."""
+    path = os.path.join(os.fspath(log_dir), METRICS_FILE)
+    return _read(path)["launches"] if os.path.isfile(path) else []
+
+
+def _read(path):
     by_step = {kind: {} for kind in STEP_KINDS}
     launches = []
-    for n, rec in read_records(path):
+    for _, rec in read_records(path):
         kind = rec["kind"]
         if kind not in REQUIRED:
             continue
-        for field in REQUIRED[kind]:
-            if rec.get(field) is None:
-                raise UserError(f"{path}:{n}: a {kind!r} record without {field!r}: the file is damaged "
-                                "or was written by another program")
-        if not isinstance(rec["step"], int):
-            raise UserError(f"{path}:{n}: step {rec['step']!r} is not an integer")
         if kind == "run" or not launches:
             launches.append({"run": rec if kind == "run" else None, "start": rec.get("time"),
                              "last_time": None, "first_train_step": None, "end": None})
@@ -307,7 +348,5 @@ def read_metrics(log_dir):
             launch["first_train_step"] = rec["step"]
         if kind == "end":
             launch["end"] = rec
-    if not launches:
-        raise UserError(f"{path} has no records: the run has not logged anything yet")
     metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
     return dict(metrics, path=path, launches=launches)

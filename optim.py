@@ -1,24 +1,14 @@
-"""
-The optimizers: AdamW for GPT-2's recipe, or Muon for the matrices inside the blocks beside AdamW
-for the rest (--optimizer muon), and the settings a resume may change in them.
-
-    optimizer = configure(raw_model, weight_decay, lr, betas, eps, device_type, muon_lr=...)
-    apply_settings(optimizer, weight_decay, betas, eps, muon_momentum)   # after a checkpoint's state
-
-Build them after the model is wrapped (parallel.wrap_model): FSDP replaces the parameters with shards.
-"""
+"""The optimizers: AdamW for GPT-2's recipe, or Muon for the matrices inside the blocks beside AdamW for the
+rest (--optimizer muon). Build them after parallel.wrap_model: FSDP replaces the parameters with shards."""
 
 import torch
 
 
 def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, device_type="cpu", fused=None,
               muon_lr=None, muon_momentum=0.95, muon_dtype=torch.bfloat16):
-    """The optimizer of a GPT: AdamW, with weight decay on 2-D weights (matmuls, embeddings) only,
-    not biases or norms; fused on CUDA. With muon_lr: the 2-D weights inside the blocks (attention
-    and MLP projections) are trained by Muon instead, at muon_lr with Nesterov momentum
-    muon_momentum and no weight decay (as Keller Jordan's Muon and the modded-nanogpt speedrun train
-    them), and AdamW keeps the embeddings (the tied head with them), the LayerNorm gains and every
-    bias: an Optimizers pair. muon_dtype: what Muon orthogonalises in (see Muon)."""
+    """AdamW for a GPT, with weight decay on 2-D weights (matmuls, embeddings) only; fused on CUDA. With
+    muon_lr, an Optimizers pair: Muon with Nesterov momentum and no weight decay for the attention and MLP
+    matrices (as Keller Jordan's Muon and the modded-nanogpt speedrun train them), AdamW for the rest."""
     params = [p for p in model.parameters() if p.requires_grad]
     matrices = []
     if muon_lr is not None:
@@ -33,17 +23,14 @@ def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, d
     adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
     if not matrices:
         return adamw
-    # the learning rate is scaled by sqrt(max(1, rows / columns)) per matrix (torch's "original",
-    # Keller Jordan's rule), so that wide and tall matrices take updates of the same RMS
     muon = Muon(matrices, lr=muon_lr, momentum=muon_momentum, nesterov=True, weight_decay=0.0,
                 ortho_dtype=muon_dtype)
     return Optimizers(muon, adamw)
 
 
 def apply_settings(optimizer, weight_decay, betas, eps, muon_momentum=None):
-    """Put these settings into an optimizer from configure(), over what a loaded state dict brought
-    back (load_state_dict restores each group's own values): a resume that changes them must train
-    with the new ones. AdamW's first group is the decayed one."""
+    """Put these settings into an optimizer from configure() over what a loaded state dict brought back: a
+    resume that changes them trains with the new ones. AdamW's first group is the decayed one."""
     for opt in getattr(optimizer, "optimizers", [optimizer]):
         if isinstance(opt, torch.optim.AdamW):
             for i, group in enumerate(opt.param_groups):
@@ -53,17 +40,12 @@ def apply_settings(optimizer, weight_decay, betas, eps, muon_momentum=None):
                 group["momentum"] = muon_momentum
 
 
-# torch.optim.Muon came in PyTorch 2.9; on an older one this module still imports, and device.py
-# stops the scripts that train with one line
-class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
-    """torch.optim.Muon's step, with the choice of the dtype its Newton-Schulz iteration runs in:
-    bfloat16 (torch's own iteration), or for GPUs without bf16 (T4, V100, P100) float16 (their tensor
-    cores' type; the iteration keeps every entry within [-1, 1], far inside fp16's range) or float32.
-    Under FSDP each matrix's update is gathered once and orthogonalised whole, and this rank keeps its
-    rows. The state and its checkpoints are torch's either way."""
+class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # before 2.9, device.py stops with one line
+    """torch.optim.Muon's step, its Newton-Schulz iteration in bfloat16 (torch's own) or, for GPUs without
+    bf16, float16 (the iteration keeps every entry within [-1, 1]) or float32. Under FSDP each matrix's update
+    is gathered and orthogonalised whole, and this rank keeps its rows. The state is torch's either way."""
 
-    # GradScaler.step passes found_inf (and grad_scale, if not unscaled yet): an overflow skips the
-    # step on the device, without reading found_inf on the host
+    # GradScaler.step passes found_inf (and grad_scale): an overflow skips the step without a host sync
     _step_supports_amp_scaling = True
 
     def __init__(self, params, ortho_dtype=torch.bfloat16, **kwargs):
@@ -72,7 +54,6 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
 
     @torch.no_grad()
     def step(self, closure=None):
-        assert closure is None, "the trainer passes no closure"
         found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         for group in self.param_groups:
             momentum, lr = group["momentum"], group["lr"]
@@ -97,9 +78,8 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):
         return None
 
     def _orthogonalize(self, update, group):
-        """Newton-Schulz on the whole matrix: a shard of one (FSDP's DTensor) is gathered first, and
-        this rank's rows of the result come back as a DTensor of the same placement. Orthogonalising
-        the shards instead would make DTensor redistribute at every product of every iteration."""
+        """Newton-Schulz on the whole matrix, a shard (FSDP's DTensor) gathered first and this rank's rows kept:
+        on the shards DTensor would redistribute at every product of every iteration."""
         from torch.distributed.tensor import DTensor, Replicate
         whole = update.full_tensor() if isinstance(update, DTensor) else update
         args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
@@ -119,8 +99,8 @@ def _local(t):
 
 
 def orthogonalize(g, coefficients, steps, eps, dtype):
-    """The quintic Newton-Schulz iteration of Keller Jordan's Muon, as torch.optim.Muon runs it,
-    in `dtype`: g (2-D) mapped to roughly U V^T of its SVD (singular values pushed into ~[0.5, 1.5])."""
+    """The quintic Newton-Schulz iteration of Keller Jordan's Muon, as torch.optim.Muon runs it, in `dtype`:
+    g (2-D) mapped to roughly U V^T of its SVD (singular values pushed into ~[0.5, 1.5])."""
     a, b, c = coefficients
     # normalised before the cast (spectral norm <= Frobenius norm <= 1): fp16's range ends at 6e-8,
     # where small momentum entries would flush to zero; bf16 (torch's) has fp32's range either way
@@ -136,9 +116,8 @@ def orthogonalize(g, coefficients, steps, eps, dtype):
 
 
 class Optimizers:
-    """Several optimizers stepped as one, in order (Muon for the block matrices, then AdamW for the
-    rest): the part of torch.optim.Optimizer that the trainer, torch.amp.GradScaler and the
-    checkpoints use."""
+    """Several optimizers stepped as one, in order: the part of torch.optim.Optimizer that the trainer,
+    torch.amp.GradScaler and the checkpoints use."""
 
     def __init__(self, *optimizers):
         self.optimizers = optimizers
@@ -158,9 +137,6 @@ class Optimizers:
     def state_dict(self):
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
-    def load_state_dict(self, state):
-        if len(state.get("optimizers", ())) != len(self.optimizers):
-            raise ValueError(f"the state holds {len(state.get('optimizers', ()))} optimizer(s), "
-                             f"this has {len(self.optimizers)}")
+    def load_state_dict(self, state):  # --optimizer is fixed on resume: the state holds these optimizers
         for opt, s in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(s)

@@ -1,11 +1,9 @@
 """
-The token-shard directory's format, said once for both sides: fineweb.py writes it, dataloader.py
-reads it (for the trainer). Names, the manifest, the token dtype, and what to do about a directory
-that is missing, damaged or unfinished.
+The token-shard directory's format, said once for its writer (fineweb.py) and its reader (dataloader.py).
 
-A directory holds <prefix>_val_000000.npy, then <prefix>_train_000001.npy, ... (plain uint16
-.npy files, as in build-nanogpt) and manifest.json, which lists each shard with its token count,
-largest token id, sha256 and where in the source it ends, and the command that made them.
+A directory holds <prefix>_val_000000.npy, then <prefix>_train_000001.npy, ... (plain uint16 .npy files, as in
+build-nanogpt) and manifest.json, which lists each shard with its token count, largest token id, sha256 and where
+in the source it ends, and the command that made them.
 """
 
 import json
@@ -44,8 +42,8 @@ def read_manifest(out_dir):
 
 
 def remedy(data_dir, manifest):
-    """What to do about a missing, damaged or unfinished shard directory. The directory may be a
-    copy of the one fineweb.py wrote: its manifest names the original, and the command that made it."""
+    """What to do about a missing, damaged or unfinished shard directory, which may be a copy of the one the
+    manifest's command made."""
     if manifest is None or not manifest.get("command"):
         return f"prepare it with: python fineweb.py --out-dir {shlex.quote(data_dir)}"
     origin = manifest.get("out_dir")

@@ -98,9 +98,9 @@ def test_wraps_to_next_epoch_and_reset(tmp_path):
     ld = TokenLoader(d, "train", 2, 5)
     first = [ld.next_batch() for _ in range(ld.batches_per_epoch)]
     again = ld.next_batch()  # sequential order: epoch 1 repeats epoch 0
-    assert ld.epoch == 1 and torch.equal(again[0], first[0][0])
+    assert ld.position // ld.num_sequences == 1 and torch.equal(again[0], first[0][0])
     ld.reset()
-    assert ld.epoch == 0 and torch.equal(ld.next_batch()[1], first[0][1])
+    assert ld.position == 0 and torch.equal(ld.next_batch()[1], first[0][1])
     sh = TokenLoader(d, "train", 2, 5, shuffle_seed=1)
     e0 = [sh.next_batch()[0] for _ in range(sh.batches_per_epoch)]
     e1 = [sh.next_batch()[0] for _ in range(sh.batches_per_epoch)]
@@ -192,27 +192,6 @@ def test_a_smaller_batch_takes_the_next_sequences_on_every_rank(tmp_path, prefet
         return rows
     first_ten = taken([5], 5)
     assert taken([2, 2, 1], 2) == taken([1] * 5, 1) == first_ten and len(first_ten) == 10
-
-
-def test_state_of_the_batch_counting_loader_continues_the_first_epoch(tmp_path):
-    """Checkpoints written before positions were counted in sequences: batches of the saved size."""
-    d = make_shards(tmp_path)
-    ref = TokenLoader(d, "train", 2, 3, world_size=2)
-    for _ in range(4):
-        ref.next_batch()
-    want = ref.next_batch()
-    old = dict(ref.state_dict(), format="token-loader-v1", batches=4)
-    del old["sequences"]
-    ld = TokenLoader(d, "train", 2, 3, world_size=2)
-    ld.load_state_dict(old)
-    assert all(torch.equal(a, b) for a, b in zip(ld.next_batch(), want))
-    with pytest.raises(UserError, match="older version"):
-        TokenLoader(d, "train", 2, 3, world_size=2, shuffle_seed=1).load_state_dict(dict(old, shuffle_seed=1))
-    # 190 tokens: 63 sequences of 3, and the batch counter's first epoch was 15 batches of 2 x 2 (60):
-    # at batch 15 it had wrapped to sequence 0, where the sequence counter would read sequence 60
-    assert ld.num_sequences == 63
-    with pytest.raises(UserError, match="older version"):
-        TokenLoader(d, "train", 2, 3, world_size=2).load_state_dict(dict(old, batches=15))
 
 
 def test_reads_fineweb_output(tmp_path):

@@ -1,10 +1,15 @@
-"""metrics.py: what RunLog writes, read_metrics reads back, over a launch and a resume; the
-writer leaves no trace until it writes, and nothing at all on ranks other than 0."""
+"""metrics.py: what RunLog writes, read_metrics reads back, over a launch and a resume, and the
+lines it cannot use; the writer leaves no trace until it writes, and nothing at all on ranks other
+than 0; a disk that fills under it is one line."""
 
 import json
 import os
 
+import pytest
+
+import checkpoint
 import metrics
+from runs import run, tiny
 
 
 def write_launch(log_dir, start, last, tps=1024, resumed_from=None, end=None):
@@ -98,3 +103,53 @@ def test_a_launch_refused_by_the_lock_takes_nothing_of_the_holders(tmp_path):
     refused.close()
     assert sorted(os.listdir(old)) == ["notes.txt"]  # no trainer.lock left behind either
 
+
+
+def test_lines_no_reader_can_use_are_skipped_wherever_they_are(tmp_path, capsys):
+    """The zeros a power loss leaves between two launches, a step that is not an integer and the
+    start of a write cut by a kill: each is skipped, named in one warning, and the records around
+    them are read; a file with no record in it is not a run's."""
+    write_launch(tmp_path, 0, 7)
+    with open(tmp_path / metrics.METRICS_FILE, "a") as f:
+        f.write("\0" * 30 + "\n" + json.dumps({"kind": "train", "step": "8", "loss": 1.0}) + "\n" + '{"kind": "tr')
+    write_launch(tmp_path, 4, 9, end="finished")
+    lines = (tmp_path / metrics.METRICS_FILE).read_text().splitlines()
+    zeros = lines.index("\0" * 30) + 1
+    metrics._warned.clear()
+    m = metrics.read_metrics(tmp_path)
+    assert [r["step"] for r in m["train"]] == list(range(10)) and len(m["launches"]) == 2
+    assert m["launches"][1]["end"]["reason"] == "finished" and m["launches"][1]["run"]["step"] == 4
+    assert metrics.read_launches(tmp_path) == m["launches"]
+    assert capsys.readouterr().err == (
+        f"warning: {m['path']}: skipped what no reader can use: line {zeros}: not JSON (Expecting value); "
+        f"line {zeros + 1}: 'step' is '8', not an integer; line {zeros + 2}: a write cut short by a kill, then a "
+        "record\n")
+    (tmp_path / metrics.METRICS_FILE).write_text("\0" * 30 + "\n")
+    try:
+        metrics.read_launches(tmp_path)
+        raise AssertionError("a file of zeros was read as a run's records")
+    except metrics.UserError as e:
+        assert "metrics.jsonl is not JSON records of a run (line 1: not JSON (Expecting value))" in str(e)
+    assert metrics.read_launches(tmp_path / "new") == []
+
+
+def test_a_full_disk_under_the_logs_is_one_line_and_keeps_the_checkpoints(data_dir, tmp_path):
+    """A resumed run whose log.txt, then metrics.jsonl, is on a full disk (/dev/full: every write
+    fails with ENOSPC): the trainer ends with one line naming the file, exit status 2, and its
+    checkpoints are as they were."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    log_dir = tmp_path / "log"
+    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2))
+    kept = {p: open(p, "rb").read() for p in checkpoint.list_checkpoints(str(log_dir))}
+    for name in (metrics.TEXT_LOG_FILE, metrics.METRICS_FILE):
+        path = log_dir / name
+        path.rename(log_dir / "real")
+        path.symlink_to("/dev/full")
+        p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=4, resume=True), check=False)
+        path.unlink()
+        (log_dir / "real").rename(path)
+        assert p.returncode == 2 and p.stderr == (
+            f"error: could not write {path} (no space left on its disk); the run's checkpoints are intact: free "
+            "space under --log-dir, then --resume\n"), p.stderr
+        assert {p: open(p, "rb").read() for p in checkpoint.list_checkpoints(str(log_dir))} == kept

@@ -262,16 +262,15 @@ def test_without_matplotlib_the_summary_still_prints(logs, monkeypatch, capsys):
     ("no_metrics", "has no metrics.jsonl"),
     ("empty", "has no records"),
     ("only_unknown_kinds", "has no records"),
-    ("garbage", "is not a metrics record"),
-    ("not_an_object", "is not a metrics record"),
-    ("missing_field", "without 'tokens'"),
+    ("garbage", "metrics.jsonl is not JSON records of a run (line 1: not JSON (Expecting value))"),
+    ("not_an_object", 'is not JSON records of a run (line 1: not a record (a JSON object with a "kind"))'),
+    ("missing_field", "is not JSON records of a run (line 1: a 'val' record without 'tokens')"),
     ("labels", "--labels has 1 name(s) for 2"),
 ])
 def test_errors_in_process(tmp_path, capsys, case, needle):
-    good = "".join(json.dumps(r) + "\n" for r in launch(0, 3, 0.0, seed=7))
     lines = {"empty": "\n", "only_unknown_kinds": '{"kind": "from_a_newer_trainer", "step": 0}\n',
-             "garbage": good + "this is not json\n" + good,
-             "not_an_object": "[1, 2]\n" + json.dumps(launch(0, 1, 0.0, seed=8)[0]) + "\n",
+             "garbage": "this is not json\nnor is this\n",
+             "not_an_object": "[1, 2]\n",
              "missing_field": json.dumps({"kind": "val", "step": 0, "val_loss": 3.0}) + "\n"}
     tmp_path.joinpath("run").mkdir()
     if case in lines:
@@ -364,3 +363,17 @@ def test_launches_that_trained_nothing_are_no_resumes(tmp_path):
     killed = write_log(tmp_path / "killed", launch(0, -1, 0.0, seed=4))
     text = plot.format_summary(plot.summarize(killed))
     assert "status      stopped before its first step (no end record" in text and "None" not in text
+
+
+def test_a_record_of_the_wrong_type_is_one_line_naming_it(tmp_path, capsys):
+    """A loss written as text in the middle of a run: plot.py says which line of which file in one
+    warning and summarises and draws the other steps."""
+    recs = launch(0, 9, 0.0, seed=7, end="finished")
+    bad = recs.index(of(recs, "train")[6])
+    recs[bad] = dict(recs[bad], loss="nan-ish")
+    log = write_log(tmp_path / "log", recs)
+    common.run_main(lambda: plot.main([log, "--out", str(tmp_path / "plot.png")]))
+    err = capsys.readouterr().err
+    assert err == (f"warning: {os.path.join(log, 'metrics.jsonl')}: skipped what no reader can use: line {bad + 1}: "
+                   "'loss' is 'nan-ish', not a number\n")
+    assert [r["step"] for r in metrics.read_metrics(log)["train"]] == [0, 1, 2, 3, 4, 5, 7, 8, 9]
