@@ -169,7 +169,7 @@ class TokenLoader:
 
     def next_batch(self, size=None, timer=None):
         """The next `size` sequences of this rank (default B; validation's last batch may hold fewer) as (x, y)
-        on the loader's device. timer: a train_gpt2.PhaseTimer, marked "data" once the batch is in host
+        on the loader's device. timer: a profiling.PhaseTimer, marked "data" once the batch is in host
         memory and "copy" once it is on the device (--timing-breakdown), or None."""
         key = (self.position, size or self.B)
         if self._ahead is not None and self._ahead[0] == key:

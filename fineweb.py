@@ -28,7 +28,7 @@ import numpy as np
 
 from common import ArgumentParser, UserError, atomic_write, check_output_dir, out_of_space, run_main
 from fineweb_source import check_utf8, describe, describe_source, load_source, read_tasks, text_bytes
-from provenance import versions
+from metrics import versions
 from shard_format import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, read_manifest, remedy, shard_name
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, get_tokenizer
 

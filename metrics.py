@@ -1,7 +1,8 @@
 """
 The metrics.jsonl format in one place: RunLog writes it (train_gpt2.py, rank 0), read_metrics
 reads it (plot.py and whatever else summarises a run). RunLog also holds the log directory's lock
-(one trainer per directory) and hands every record to the experiment trackers (trackers.py).
+(one trainer per directory) and hands every record to the experiment trackers (trackers.py); and
+what produced a run or a data set (versions, git commit), as run headers and manifests record it.
 
 A log directory holds log.txt (the lines printed during the run, for people and grep) and
 metrics.jsonl: one JSON object per line, appended, flushed after each record. Every record has
@@ -37,10 +38,14 @@ type) is skipped with one warning naming it, wherever it is; a file in which no 
 an error.
 """
 
+import importlib.util
 import json
 import os
+import platform
+import runpy
 import shutil
 import socket
+import subprocess
 import sys
 import time
 
@@ -350,3 +355,45 @@ def _read(path):
             launch["end"] = rec
     metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
     return dict(metrics, path=path, launches=launches)
+
+
+# ----------------------------------------------------------------------------------------------
+# What produced a run or a data set, as its run header and fineweb.py's manifest record it
+
+
+def versions(*extra):
+    """Versions of Python, torch (and its CUDA), numpy, tiktoken and the `extra` modules that import."""
+    out = {"python": platform.python_version()}
+    out["torch"], out["cuda"] = torch_versions()
+    for name in ("numpy", "tiktoken") + extra:
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except ImportError:
+            pass
+    return out
+
+
+def torch_versions():
+    """torch.__version__ and torch.version.cuda, read from torch/version.py where torch is not imported:
+    fineweb.py records them but runs no torch, whose import is a second of its start-up."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.__version__, torch.version.cuda
+    spec = importlib.util.find_spec("torch")  # finds the package without running it
+    if spec is None:
+        return None, None
+    version = runpy.run_path(os.path.join(spec.submodule_search_locations[0], "version.py"))
+    return version["__version__"], version["cuda"]
+
+
+def git_commit():
+    """The short commit of this checkout ('-dirty' with uncommitted changes), or None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (rev + ("-dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None

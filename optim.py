@@ -1,5 +1,9 @@
 """The optimizers: AdamW for GPT-2's recipe, or Muon for the matrices inside the blocks beside AdamW for the
-rest (--optimizer muon). Build them after parallel.wrap_model: FSDP replaces the parameters with shards."""
+rest (--optimizer muon), and the learning-rate schedule they follow. Build them after parallel.wrap_model:
+FSDP replaces the parameters with shards."""
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -140,3 +144,49 @@ class Optimizers:
     def load_state_dict(self, state):  # --optimizer is fixed on resume: the state holds these optimizers
         for opt, s in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(s)
+
+
+# ----------------------------------------------------------------------------------------------
+# The learning rate at each step
+
+
+def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
+    """Every parameter group's learning rate at step: the schedule of its optimizer's peak (muon_lr
+    for Muon's matrices, max_lr for AdamW's groups). Returns AdamW's, the rate the log shows."""
+    for opt in getattr(optimizer, "optimizers", [optimizer]):
+        peak = muon_lr if isinstance(opt, torch.optim.Muon) else max_lr
+        for group in opt.param_groups:
+            group["lr"] = schedule.lr(step, peak)
+    return schedule.lr(step, max_lr)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The learning rate at each step for a group whose peak rate is `peak`: linear warm-up, then to
+    min_lr_ratio * peak at max_steps by cosine decay (GPT-3 paper, appendix B) or, with shape "wsd",
+    by holding the peak and decaying linearly over the last WSD_DECAY of the run (Hägele et al. 2024,
+    "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations", whose cool-down is 20%)."""
+    warmup_steps: int
+    max_steps: int
+    min_lr_ratio: float
+    shape: str = "cosine"
+
+    WSD_DECAY = 0.2
+
+    def lr(self, step, peak):
+        min_lr = peak * self.min_lr_ratio
+        if step < self.warmup_steps:  # warmup_steps > 0 here
+            return peak * (step + 1) / self.warmup_steps
+        if step >= self.max_steps:
+            return min_lr
+        if self.shape == "wsd":
+            decay_start = max(self.warmup_steps, self.max_steps - round(self.WSD_DECAY * self.max_steps))
+            if step < decay_start:
+                return peak
+            return peak - (step - decay_start) / max(1, self.max_steps - decay_start) * (peak - min_lr)
+        ratio = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - min_lr)
+
+
+def schedule_of(cfg):
+    return Schedule(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.lr_schedule)

@@ -8,12 +8,10 @@ Train GPT-2 from scratch (or fine-tune it) on pre-tokenized shards written by fi
 The defaults reproduce GPT-2 124M on FineWeb-Edu 10B: 524,288 tokens per step, 19,073 steps.
 Pass --resume always: it continues the run in --log-dir if there is one, else starts it.
 
-This file reads top to bottom as a run goes: main and train (the settings, resolved once by
-train_config.py), setup (everything the loop needs, on a Run), the loop, one optimizer step
-(train_step), and the evaluation at the top of a step.
+This file reads top to bottom as a run goes: main and train, setup (everything the loop needs, on
+a Run), the loop, one optimizer step (train_step), and the evaluation at the top of a step.
 """
 
-import contextlib
 import functools
 import itertools
 import math
@@ -34,28 +32,26 @@ import device
 import memory
 import optim
 import parallel
-import provenance
 import train_config
 from common import UserError
-from metrics import RunLog
+from metrics import RunLog, git_commit, versions
 from model import GPT, GPTConfig, PRESETS
+from profiling import PhaseTimer, StepProfiler
 
 
 def main(argv=None):
-    """python train_gpt2.py (or under torchrun)."""
     sys.exit(train(argv))
 
 
 def train(argv=None):
     """Train with the command line argv; returns the exit status (0, or 3: a non-finite loss). The
-    settings are resolved first, a resumed run's own from its checkpoint (train_config.resolve):
-    before the process group forms, since its device and timeout are among them."""
+    settings are resolved before the process group forms, since its device and timeout are among them."""
     cfg, resume = train_config.resolve(train_config.parse_args(argv, description=__doc__))
     owes_export = resume is not None and cfg.export_hf and checkpoint.export_pending(cfg.log_dir, resume.path)
     if resume is not None and resume.step == cfg.max_steps and not owes_export:
         common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "
                       "pass a larger --max-steps to train on")
-        return 0  # nothing to do, and nothing written
+        return 0
     ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
     log = RunLog(cfg.log_dir, ranks.is_master)
     try:
@@ -64,9 +60,8 @@ def train(argv=None):
         status = loop(run)
     finally:
         log.close()
-    # not after an error: there a rank's destroy_process_group can wait, in NCCL's finalize, for the
-    # ranks that wait for it, until the timeout; leaving without it, the group ends when torchrun
-    # stops the others
+    # not after an error: a rank's destroy_process_group can wait there, in NCCL's finalize, for the
+    # ranks that wait for it; without it the group ends when torchrun stops the others
     parallel.teardown_distributed()
     return status
 
@@ -77,8 +72,6 @@ def train(argv=None):
 
 @dataclass
 class Run:
-    """One launch of the trainer, as setup() built it: the settings, what set-up decided from them
-    on this device, the model and its optimizer, the data, the checkpoints and the evaluations."""
     cfg: train_config.Settings   # every setting, resolved once and read-only
     ranks: parallel.Ranks
     log: RunLog
@@ -89,24 +82,20 @@ class Run:
     grad_accum: int              # micro-batches per optimizer step
     raw_model: GPT               # the GPT itself: checkpoints, samples, HellaSwag (sharded in place under FSDP)
     model: torch.nn.Module       # what trains: compiled, DDP-wrapped or FSDP-sharded
-    eval_model: torch.nn.Module  # validation: compiled, without DDP's gradient hooks
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    schedule: "Schedule"
     train_loader: dataloader.TokenLoader
     val_loader: Optional[dataloader.TokenLoader]
     val_sequences: int           # sequences each rank validates on (the same tokens whatever the micro-batch)
     checkpoints: checkpoint.Checkpointer
     start_step: int              # steps already done when this launch began
-    peak_flops: Optional[float]  # the device's peak FLOP/s in dtype, for MFU (None: unknown)
     hellaswag: object            # the evaluations that are on (evaluations()), None where off
     core: object
     plotter: object              # plot.PlotWriter, on rank 0 with --plot
-    sample_prompt: list          # the token ids the samples continue (--sample-prompt, checked at start)
+    sample_prompt: list          # the token ids the samples continue
     per_node: int                # processes per node (torchrun's LOCAL_WORLD_SIZE): how to launch a resume
 
     def resume_command(self):
-        """What continues this run: a resume needs as many processes as the run has."""
         return checkpoint.resume_command(self.cfg.log_dir, self.ranks.world_size, self.per_node)
 
 
@@ -116,8 +105,8 @@ class Run:
 
 def setup(cfg, ranks, log, resume):
     """The Run of this launch, new or continuing `resume` (a train_config.Resume). Every check that
-    can refuse the launch (a loader state of other data, an unreachable W&B, ...) comes before its
-    first write into the log directory, and before an old branch's later checkpoints are set aside."""
+    can refuse the launch comes before its first write into the log directory, and before an old
+    branch's later checkpoints are set aside."""
     ckpt = resume.checkpoint if resume is not None else None
     if resume is not None:
         checkpoint.check_world_size(ckpt, resume.path, ranks)
@@ -140,10 +129,16 @@ def setup(cfg, ranks, log, resume):
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
                                 cfg.activation_checkpointing, compile_on)
-    micro_batch, grad_accum = batch_geometry(cfg, ranks, model, dtype)
+    if cfg.micro_batch_size == "auto":  # the largest that fits, tried on the model as it trains
+        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size)
+    else:
+        micro_batch = cfg.micro_batch_size
+    tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
+    if cfg.total_batch_size % tokens_per_micro:
+        raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
+                        f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
     train_loader, val_loader, val_sequences = build_data(cfg, ranks, micro_batch, raw_model.config.vocab_size)
-    # AdamW (fused on CUDA), or Muon and AdamW; fp16 needs loss scaling to keep small gradients from
-    # flushing to zero, bf16 and fp32 do not
+    # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not
     optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
                                 ranks.device_type, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
                                 muon_dtype=device.muon_dtype(ranks.device))
@@ -161,12 +156,16 @@ def setup(cfg, ranks, log, resume):
         log.trackers = trackers.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
     if resume is not None:
         parallel.gather(None, ranks)  # every rank got this far: only then may rank 0 set a branch aside
-        note_resume(cfg, ranks, log, resume)
+        for problem in resume.skipped:
+            log.line(f"resume: skipped {problem}")
+        dest, moved = checkpoint.set_aside_later(cfg.log_dir, resume.path, resume.step) if ranks.is_master else (0, 0)
+        if moved:
+            log.line(f"resume: a new branch from step {resume.step}: moved the old branch's later "
+                     f"{', '.join(moved)} to {dest}")
     run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, micro_batch=micro_batch,
-              grad_accum=grad_accum, raw_model=raw_model, model=model, eval_model=getattr(model, "module", model),
-              optimizer=optimizer, scaler=scaler, schedule=schedule_of(cfg), train_loader=train_loader,
-              val_loader=val_loader, val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
-              peak_flops=device.peak_flops(device.device_name(ranks.device), dtype),
+              grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
+              optimizer=optimizer, scaler=scaler, train_loader=train_loader, val_loader=val_loader,
+              val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
               per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)), **evals)
     write_header(run, origin, resume)
     return run
@@ -175,7 +174,7 @@ def setup(cfg, ranks, log, resume):
 def build_model(cfg, resume):
     """The GPT on the CPU and where it came from: the shape of the checkpoint it resumes (whose
     weights Checkpointer.restore puts back), pretrained weights (--init-from, cut to --block-size)
-    or a preset. Its context is cfg.block_size in every case."""
+    or a preset."""
     if resume is not None:
         model = GPT(GPTConfig(**resume.checkpoint["model_config"]))
         checkpoint.check_weights_fit(model, resume.checkpoint["model"], resume.path)
@@ -190,9 +189,7 @@ def build_model(cfg, resume):
             model.crop_block_size(cfg.block_size)
         return model.train(), what
     shape = dict(PRESETS[cfg.model])
-    for k in ("n_layer", "n_head", "n_embd"):
-        if getattr(cfg, k) is not None:
-            shape[k] = getattr(cfg, k)
+    shape.update({k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k) is not None})
     try:
         config = GPTConfig(block_size=cfg.block_size, **shape)
     except ValueError as e:
@@ -202,9 +199,8 @@ def build_model(cfg, resume):
 
 def evaluations(cfg, ranks, log, fsdp, block_size):
     """What the run evaluates besides the validation loss, each built only where it is on (else None):
-    HellaSwag's and CORE's hooks, the plot writer (rank 0), and the token ids the samples continue,
-    --sample-prompt checked now as sample.py checks its prompt (it must fit the context), so that a
-    prompt that cannot be sampled from is refused at start, not at the first samples."""
+    HellaSwag's and CORE's hooks, the plot writer, and the token ids the samples continue, the prompt
+    checked now as sample.py checks it, so that one that cannot be sampled from is refused at start."""
     out = dict(hellaswag=None, core=None, plotter=None, sample_prompt=None)
     if cfg.hellaswag_every:
         import hellaswag
@@ -225,20 +221,6 @@ def evaluations(cfg, ranks, log, fsdp, block_size):
     return out
 
 
-def batch_geometry(cfg, ranks, model, dtype):
-    """(micro-batch, accumulation steps): --micro-batch-size, or with auto the largest that fits,
-    tried on the model as it trains (memory.choose_micro_batch); the accumulation covers the rest."""
-    if cfg.micro_batch_size == "auto":
-        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size)
-    else:
-        micro_batch = cfg.micro_batch_size
-    tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
-    if cfg.total_batch_size % tokens_per_micro:
-        raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
-                        f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
-    return micro_batch, cfg.total_batch_size // tokens_per_micro
-
-
 def build_data(cfg, ranks, micro_batch, vocab_size):
     """The train loader, the val loader (None without validation) and the sequences each rank
     validates on: --val-tokens counted in sequences, so that a resume with another micro-batch
@@ -254,23 +236,10 @@ def build_data(cfg, ranks, micro_batch, vocab_size):
     return train_loader, val_loader, max(1, sequences)
 
 
-def note_resume(cfg, ranks, log, resume):
-    """The resume's first lines: the newer checkpoints passed over, and, for a resume from an older
-    checkpoint of this directory, the old branch's later checkpoints set aside (rank 0)."""
-    for problem in resume.skipped:
-        log.line(f"resume: skipped {problem}")
-    if ranks.is_master:
-        dest, moved = checkpoint.set_aside_later(cfg.log_dir, resume.path, resume.step)
-        if moved:
-            log.line(f"resume: a new branch from step {resume.step}: moved the old branch's later "
-                     f"{', '.join(moved)} to {dest}")
-
-
 def write_header(run, origin, resume):
     """The run record and the lines that say what produced this run and how it is laid out."""
     cfg, ranks, log, model = run.cfg, run.ranks, run.log, run.raw_model
-    name = device.device_name(ranks.device)
-    commit = provenance.git_commit()
+    name, commit, cuda = device.device_name(ranks.device), git_commit(), ranks.device_type == "cuda"
     restart = parallel.torchrun_restart()
     resume_path, changes = (resume.path, resume.changes) if resume is not None else (None, [])
     muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if cfg.muon_lr else 0  # the block matrices
@@ -279,9 +248,9 @@ def write_header(run, origin, resume):
                               cfg.activation_checkpointing, muon_params=muon_params)
     log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
-               compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum,
-               versions=provenance.versions(), git=commit, config=train_config.stored(cfg, run.micro_batch),
-               changes=changes, restart=restart, per_node=run.per_node)
+               compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum, versions=versions(),
+               git=commit, config=train_config.stored(cfg, run.micro_batch), changes=changes, restart=restart,
+               per_node=run.per_node)
     start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
     if restart:
         start += f" | torchrun restart {restart} (after a worker failed)"
@@ -297,10 +266,9 @@ def write_header(run, origin, resume):
         whole = run.val_sequences == run.val_loader.num_sequences // ranks.world_size
         tokens = run.val_sequences * cfg.block_size * ranks.world_size
         val_note = f" | val: {tokens:,} tokens{' (the whole split)' if whole else ''}"
-    fitted = cfg.micro_batch_size == "auto"
     log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {run.micro_batch} x {cfg.block_size} "
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
-             f"{' (auto-fit)' if fitted else ''}{val_note}")
+             f"{' (auto-fit)' if cfg.micro_batch_size == 'auto' else ''}{val_note}")
     auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < train_config.DEFAULT_WARMUP
     muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if cfg.muon_lr else ""
     if muon and device.muon_dtype(ranks.device) != torch.bfloat16:
@@ -309,10 +277,10 @@ def write_header(run, origin, resume):
              f"{' (10% of --max-steps; --warmup-steps sets it)' if auto_warmup else ''}"
              f", {'cosine' if cfg.lr_schedule == 'cosine' else 'stable, then linear'} to "
              f"{cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
-    capacity = torch.cuda.get_device_properties(ranks.device).total_memory if ranks.device_type == "cuda" else None
+    capacity = torch.cuda.get_device_properties(ranks.device).total_memory if cuda else None
     log.line(f"memory ({cfg.sharding if run.fsdp else 'DDP' if ranks.multi else 'one process'}"
              f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): "
-             + memory.format_memory_plan(plan, capacity, "GPU" if ranks.device_type == "cuda" else "process"))
+             + memory.format_memory_plan(plan, capacity, "GPU" if cuda else "process"))
     log.record("memory", step=run.start_step, **plan)
     for w in device.slow_settings(ranks.device, run.dtype, run.compile, cfg.deterministic,
                                   run.micro_batch * cfg.block_size):
@@ -324,14 +292,15 @@ def write_header(run, origin, resume):
 
 
 def loop(run):
-    """The training loop: evaluation at the top of each step (so step 0 shows the untrained model),
-    one optimizer step, its log line, checkpoints; then the final checkpoint and the export. Returns
-    the exit status."""
-    cfg = run.cfg
+    """Evaluation at the top of each step (so step 0 shows the untrained model), one optimizer step,
+    its log line, checkpoints; then the export. Returns the exit status."""
+    cfg, ranks = run.cfg, run.ranks
     stop = common.StopFlag()
-    timer = PhaseTimer(run.ranks.device, cfg.timing_breakdown > 0)
-    profiler = StepProfiler(cfg.profile_steps, run.ranks.device, os.path.join(cfg.log_dir, "profile"),
-                            f"rank{run.ranks.rank}", run.log.line, cfg.memory_snapshot)
+    timer = PhaseTimer(ranks.device, cfg.timing_breakdown)
+    profiler = StepProfiler(cfg.profile_steps, ranks.device, os.path.join(cfg.log_dir, "profile"),
+                            f"rank{ranks.rank}", run.log.line, cfg.memory_snapshot)
+    schedule = optim.schedule_of(cfg)
+    peak_flops = device.peak_flops(device.device_name(ranks.device), run.dtype)
     done = run.start_step  # optimizer steps completed
     for step in range(run.start_step, cfg.max_steps):
         with profiler.step(step):
@@ -343,15 +312,14 @@ def loop(run):
 
             # ---- one optimizer step over grad_accum micro-batches
             t0 = time.perf_counter()
-            lr = set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, cfg.muon_lr)
+            lr = optim.set_lrs(run.optimizer, schedule, step, cfg.max_lr, cfg.muon_lr)
             loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
-                                                      run.grad_accum, run.ranks, run.dtype, cfg.grad_clip, stop,
-                                                      timer)
+                                                      run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
             if diverged(run, loss, finite) and cfg.on_nonfinite == "stop":
                 return stop_on_nonfinite(run, step, loss, norm)
             done = step + 1
-            log_step(run, step, loss, lr, norm, time.perf_counter() - t0, finite)
-            report_timing(run, timer, step)
+            log_step(run, step, loss, lr, norm, time.perf_counter() - t0, finite, peak_flops)
+            timer.step_done(run.log, step)
 
             # ---- checkpoint: on schedule, at the end, and when a stop was asked for
             if stopping:
@@ -364,9 +332,8 @@ def loop(run):
 
 
 def diverged(run, loss, finite):
-    """Whether the step diverged. Under fp16 the gradient scaler skips a step whose gradients
-    overflowed and lowers its scale, which is normal; a loss that is not finite in the forward pass
-    is divergence in any dtype."""
+    """Under fp16 the gradient scaler skips a step whose gradients overflowed, which is normal; a loss
+    that is not finite in the forward pass is divergence in any dtype."""
     return not math.isfinite(loss) or (not finite and run.dtype != "float16")
 
 
@@ -383,11 +350,10 @@ def stop_on_nonfinite(run, step, loss, norm):
     return 3
 
 
-def log_step(run, step, loss, lr, norm, dt, finite):
-    """The step's line in the log and its train record: loss, learning rate, gradient norm, time,
-    tokens/s over all ranks and MFU."""
+def log_step(run, step, loss, lr, norm, dt, finite, peak_flops):
+    """The step's line and train record: tokens/s over all ranks, and MFU over the device's peak."""
     tok_per_s = run.cfg.total_batch_size / dt
-    mfu = run.raw_model.estimate_mfu(tok_per_s / run.ranks.world_size, run.peak_flops)
+    mfu = run.raw_model.estimate_mfu(tok_per_s / run.ranks.world_size, peak_flops)
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
     skipped = ("" if finite else " | skipped (non-finite)" if diverged(run, loss, finite) else
                " | skipped (float16 gradient overflow: the loss scale is lowered)")
@@ -397,20 +363,9 @@ def log_step(run, step, loss, lr, norm, dt, finite):
                    mfu=mfu, tokens=(step + 1) * run.cfg.total_batch_size, skipped=not finite)
 
 
-def report_timing(run, timer, step):
-    """--timing-breakdown N: every N steps, the mean time per step of each phase."""
-    timer.steps += 1
-    if run.cfg.timing_breakdown and timer.steps >= run.cfg.timing_breakdown:
-        ms = timer.report()
-        total = sum(ms.values())
-        run.log.line("timing | " + " | ".join(f"{k}_ms {v:.1f} ({100 * v / max(total, 1e-9):.0f}%)"
-                                              for k, v in ms.items()))
-        run.log.record("timing", step=step, **{f"{k}_ms": v for k, v in ms.items()})
-
-
 def stopped(run, done, stop):
-    """A stop request (SIGTERM, Ctrl-C) ended the run after `done` steps: keep them in a checkpoint,
-    unless the last one has them already, and say how to continue."""
+    """A stop request ended the run after `done` steps: keep them in a checkpoint, unless the last one
+    has them already, and say how to continue."""
     if run.checkpoints.last_step != done or not checkpoint.in_log_dir(run.checkpoints.last_path, run.cfg.log_dir):
         run.checkpoints.save(done)  # (resumed from another directory's checkpoint: this one needs its own)
     run.log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
@@ -442,26 +397,24 @@ def export_hf(run):
 
 
 # ----------------------------------------------------------------------------------------------
-# One optimizer step, and the learning rate it runs at. train_step is called by the loop and by
-# bench/ladder.py, so that a speed-up the ladder measures is a speed-up of training.
+# One optimizer step. train_step is called by the loop and by bench/ladder.py, so that a speed-up
+# the ladder measures is a speed-up of training.
 
 
 def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=None,
                timer=None):
-    """One optimizer step: forward and backward over grad_accum micro-batches (DDP all-reduces the
-    gradients on the last one only, FSDP reduce-scatters each one: parallel.grad_sync), unscale,
-    clip, and the update itself unless the loss or the gradient norm is not finite (with fp16 the
-    gradient scaler decides). The step's one host-device sync also carries this rank's stop request
-    (stop: a common.StopFlag, read there, after the backward passes) to the others, so a request
-    that came during the step ends the run after it. timer: a PhaseTimer, or None.
+    """Forward and backward over grad_accum micro-batches (DDP all-reduces the gradients on the last
+    one only, FSDP reduce-scatters each one: parallel.grad_sync), unscale, clip, and the update unless
+    the loss or the gradient norm is not finite (with fp16 the gradient scaler decides). The step's
+    one host-device sync also carries this rank's stop request (a common.StopFlag, read after the
+    backward passes) to the others, so a request that came during the step ends the run after it.
     Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
-    timer = timer or PhaseTimer(ranks.device, False)
+    timer = timer or PhaseTimer(ranks.device)
     model.train()
     loss_accum = torch.zeros((), device=ranks.device)
     for micro_step in range(grad_accum):
         x, y = loader.next_batch(timer=timer)  # marks the "data" and "copy" phases
-        last = micro_step == grad_accum - 1
-        with parallel.grad_sync(model, last):
+        with parallel.grad_sync(model, micro_step == grad_accum - 1):
             with device.autocast(ranks.device, dtype):
                 _, loss = model(x, y)
             loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
@@ -495,50 +448,6 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     return loss_val, norm_val, stopping, finite
 
 
-def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
-    """Every parameter group's learning rate at step: the schedule of its optimizer's peak (muon_lr
-    for Muon's matrices, max_lr for AdamW's groups). Returns AdamW's, the rate the log shows."""
-    for opt in getattr(optimizer, "optimizers", [optimizer]):
-        peak = muon_lr if isinstance(opt, torch.optim.Muon) else max_lr
-        for group in opt.param_groups:
-            group["lr"] = schedule.lr(step, peak)
-    return schedule.lr(step, max_lr)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The learning rate at each step, for a group whose peak rate is `peak`: linear warm-up over
-    warmup_steps, then to min_lr_ratio * peak at max_steps either by cosine decay (GPT-3 paper,
-    appendix B) or, with shape "wsd" (warm-up, stable, decay), by holding the peak and decaying
-    linearly over the last WSD_DECAY of the run (Hägele et al. 2024, "Scaling Laws and
-    Compute-Optimal Training Beyond Fixed Training Durations", whose cool-down is 20%)."""
-    warmup_steps: int
-    max_steps: int
-    min_lr_ratio: float
-    shape: str = "cosine"
-
-    WSD_DECAY = 0.2
-
-    def lr(self, step, peak):
-        min_lr = peak * self.min_lr_ratio
-        if step < self.warmup_steps:  # warmup_steps > 0 here
-            return peak * (step + 1) / self.warmup_steps
-        if step >= self.max_steps:
-            return min_lr
-        if self.shape == "wsd":
-            decay_start = max(self.warmup_steps, self.max_steps - round(self.WSD_DECAY * self.max_steps))
-            if step < decay_start:
-                return peak
-            return peak - (step - decay_start) / max(1, self.max_steps - decay_start) * (peak - min_lr)
-        ratio = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
-        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - min_lr)
-
-
-def schedule_of(cfg):
-    """The run's learning-rate schedule."""
-    return Schedule(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.lr_schedule)
-
-
 # ----------------------------------------------------------------------------------------------
 # Evaluation at the top of a step: validation loss, HellaSwag, CORE and samples, each stoppable
 # between batches
@@ -552,8 +461,8 @@ def evaluate(run, step, stop):
     due = lambda every: every and (step % every == 0 or last_step)  # noqa: E731
     evaluated = False
     if run.val_loader is not None and due(cfg.eval_every):
-        val_loss = validation_loss(run.eval_model, run.val_loader, run.val_sequences, ranks, run.dtype,
-                                   stop_check(stop, ranks))
+        model = getattr(run.model, "module", run.model)  # compiled, without DDP's gradient hooks
+        val_loss = validation_loss(model, run.val_loader, run.val_sequences, ranks, run.dtype, stop_check(stop, ranks))
         if val_loss is None:
             return False
         evaluated = True
@@ -645,102 +554,6 @@ def log_samples(run, step, stop):
     for i, text in enumerate(texts):
         run.log.line(f"sample {i} | {text}")
         run.log.record("sample", step=step, index=i, text=text)
-
-
-# ----------------------------------------------------------------------------------------------
-# Where a step's time goes (--timing-breakdown)
-
-
-class PhaseTimer:
-    """Wall time per phase of a step, synchronising the GPU at each boundary (so only when asked
-    for: it costs the overlap of host and device)."""
-
-    PHASES = ("data", "copy", "forward", "backward", "optimizer", "eval")  # copy: host to device
-
-    def __init__(self, device_str, enabled):
-        self.enabled, self.device = enabled, device_str
-        self.totals = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
-        self._t = None
-
-    def start(self):
-        if self.enabled:
-            device.synchronize(self.device)
-            self._t = time.perf_counter()
-
-    def mark(self, phase):
-        if self.enabled:
-            device.synchronize(self.device)
-            now = time.perf_counter()
-            self.totals[phase] += now - self._t
-            self._t = now
-
-    def report(self):
-        """Mean ms per step for each phase since the last report, then reset."""
-        n = max(1, self.steps)
-        out = {k: 1000 * v / n for k, v in self.totals.items()}
-        self.totals = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
-        return out
-
-
-class StepProfiler:
-    """--profile-steps A:B: torch.profiler over steps A to B (CPU, and CUDA where the run is, with
-    shapes and memory), each marked ProfilerStep#N; after B a gzipped Chrome trace (Perfetto,
-    TensorBoard) in out_dir and the operations with the most self time, as lines to `write`. --memory-snapshot:
-    CUDA's allocations recorded from the first step, and a snapshot written at an out-of-memory
-    error, which then ends the run as before."""
-
-    TOP = 8  # operations in the table
-
-    def __init__(self, window, device_str, out_dir, name, write, memory_snapshot=False):
-        self.window, self.out_dir, self.name, self.write = window, out_dir, name, write
-        self.cuda, self.memory_snapshot, self.prof = device_str.startswith("cuda"), memory_snapshot, None
-        if memory_snapshot:  # the last 100,000 allocations and frees, PyTorch's own example's bound
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-
-    @contextlib.contextmanager
-    def step(self, step):
-        profiled = self.window is not None and self.window[0] <= step <= self.window[1]
-        if profiled and self.prof is None:
-            from torch.profiler import ProfilerActivity
-            self.prof = torch.profiler.profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * self.cuda,
-                                               record_shapes=True, profile_memory=True)
-            self.prof.start()
-        try:
-            with torch.profiler.record_function(f"ProfilerStep#{step}") if profiled else contextlib.nullcontext():
-                yield
-        except Exception as e:
-            if self.memory_snapshot and memory.is_allocation_failure(e):
-                path = self.path("memory_snapshot", "pickle")
-                torch.cuda.memory._dump_snapshot(path)
-                print(f"out of memory at step {step}: memory snapshot in {path} (drop it on pytorch.org/memory_viz "
-                      "to see what held the memory)", file=sys.stderr, flush=True)
-            raise
-        if profiled and step == self.window[1]:
-            self.report()
-
-    def report(self):
-        """Stop the profiler, write the trace and the table of the operations with the most self time."""
-        self.prof.stop()
-        first, last = self.window
-        path = self.path(f"steps{first}-{last}", "pt.trace.json.gz")  # Perfetto and TensorBoard read it gzipped
-        self.prof.export_chrome_trace(path)
-        key, where = ("self_device_time_total", "CUDA") if self.cuda else ("self_cpu_time_total", "CPU")
-        ops = sorted(self.prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-        total = max(sum(getattr(e, key) for e in ops), 1e-9)
-        self.write(f"profile | steps {first}-{last} | trace {path} (ui.perfetto.dev or TensorBoard) | "
-                   f"the operations with the most self {where} time:")
-        for e in ops[:self.TOP]:
-            t = getattr(e, key)
-            self.write(f"profile | {t / 1e3 / (last - first + 1):10.2f} ms/step {100 * t / total:5.1f}% "
-                       f"{e.count:7d} calls  {e.key}")
-        self.prof = None
-
-    def path(self, what, ext):
-        """A new file in out_dir, named for this process, what it holds and the time."""
-        os.makedirs(self.out_dir, exist_ok=True)
-        return os.path.join(self.out_dir, f"{self.name}.{what}.{time.strftime('%Y%m%d-%H%M%S')}.{ext}")
 
 
 if __name__ == "__main__":

@@ -56,10 +56,11 @@ import measure  # noqa: E402
 import common  # noqa: E402
 from device import (autocast, compile_blocker, device_name, muon_dtype, peak_flops, pick_device,  # noqa: E402
                     pick_dtype)
-from provenance import git_commit, versions  # noqa: E402
+from metrics import git_commit, versions  # noqa: E402
 from parallel import Ranks  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
+import profiling  # noqa: E402
 import train_config  # noqa: E402
 import train_gpt2  # noqa: E402
 from common import UserError, first_line  # noqa: E402
@@ -352,14 +353,14 @@ def run_rung(spec):
         moved = raw_model.transformer.h[0].attn.c_attn.weight
         start_weights = moved.detach().float().clone()
 
-        schedule = train_gpt2.schedule_of(TRAIN)
+        schedule = optim.schedule_of(TRAIN)
 
         def step(i):  # as train_gpt2.py's loop calls it
-            train_gpt2.set_lrs(optimizer, schedule, i, TRAIN.max_lr, TRAIN.muon_lr)
+            optim.set_lrs(optimizer, schedule, i, TRAIN.max_lr, TRAIN.muon_lr)
             return train_gpt2.train_step(model, optimizer, scaler, loader, accum, ranks, dtype, TRAIN.grad_clip)
 
         warmup, steps, window = spec["warmup_steps"], spec["steps"], spec["profile_steps"]
-        profiler = train_gpt2.StepProfiler(window, device, spec["profile_dir"], spec["name"], result["profile"].append)
+        profiler = profiling.StepProfiler(window, device, spec["profile_dir"], spec["name"], result["profile"].append)
         if window and window[1] >= warmup:
             notes.append(f"steps {window[0]}-{window[1]} profiled: the profiler's cost is in their times")
         with attention_context(s["attention"]):

@@ -142,7 +142,7 @@ def test_ladder_times_the_trainers_step(tmp_path, monkeypatch):
     monkeypatch.setattr(ladder.train_gpt2, "train_step", counted)
     rc, _, r = run(tmp_path, "--in-process", "--rungs", "fp32")
     assert rc == 0 and r["fp32"]["status"] == "ok", r["fp32"].get("reason")
-    schedule = ladder.train_gpt2.schedule_of(ladder.TRAIN)
+    schedule = ladder.optim.schedule_of(ladder.TRAIN)
     assert calls == [schedule.lr(i, ladder.TRAIN.max_lr) for i in range(3)]  # 1 warm-up + 2 timed
 
 
@@ -346,7 +346,7 @@ def test_profile_steps_trace_those_steps_and_no_other(data_dir, tmp_path):
     assert not outside, outside[:5]
     lines = (log_dir / "log.txt").read_text().splitlines()
     table = [i for i, line in enumerate(lines) if line.startswith("profile |")]
-    assert len(table) == 1 + ladder.train_gpt2.StepProfiler.TOP and str(trace) in lines[table[0]]
+    assert len(table) == 1 + ladder.profiling.StepProfiler.TOP and str(trace) in lines[table[0]]
     assert "self CPU time" in lines[table[0]] and any(lines[i].endswith("aten::mm") for i in table)
     step_line = lambda n: next(i for i, line in enumerate(lines) if line.startswith(f"step {n:5d} |"))  # noqa: E731
     assert step_line(3) < table[0] and table[-1] < step_line(4)  # written once step 3 is done

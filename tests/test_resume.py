@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import checkpoint
+import optim
 import common
 import train_config
 import train_gpt2
@@ -265,7 +266,7 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     # the branch's own command again (a requeued job, torchrun --max-restarts) continues the branch
     p = run(branch)
     assert f"resuming {log_dir}/ckpt_000004.pt at step 4" in p.stdout and "new branch" not in p.stdout, p.stdout
-    schedule = train_gpt2.Schedule(warmup_steps=2, max_steps=6, min_lr_ratio=0.1)
+    schedule = optim.Schedule(warmup_steps=2, max_steps=6, min_lr_ratio=0.1)
     assert [r["lr"] for r in records(log_dir, "train")] == pytest.approx(
         [schedule.lr(s, 3e-3) for s in range(2)] + [schedule.lr(s, 1e-3) for s in range(2, 6)])
     assert records(log_dir, "run")[-1]["config"]["max_lr"] == 1e-3 and os.path.isdir(os.path.join(log_dir, "hf"))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import optim
 import train_config
 from core_bundle import TASKS, write_bundle
 from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, tiny, torchrun
@@ -579,11 +580,11 @@ def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_sch
     if muon:
         ref_opts.append(torch.optim.Muon(matrices, momentum=0.95, nesterov=True, weight_decay=0.0))
         peaks.append(muon_peak)
-    schedule = train_gpt2.Schedule(warmup_steps=2, max_steps=5, min_lr_ratio=0.1)
+    schedule = optim.Schedule(warmup_steps=2, max_steps=5, min_lr_ratio=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for step in (0, 3):  # in the warm-up, then on the cosine
         micro = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(2)]
-        train_gpt2.set_lrs(opt, schedule, step, peak, muon)
+        optim.set_lrs(opt, schedule, step, peak, muon)
         loss, norm, _, finite = train_gpt2.train_step(model, opt, scaler, FixedBatches(micro), 2, parallel.Ranks(),
                                                       "float32", grad_clip=clip)
 
@@ -629,7 +630,7 @@ def test_lr_schedule():
     import train_gpt2
     args = train_config.parse_args([])
     assert args.max_steps == 19073 and args.warmup_steps == 715 and args.total_batch_size == 524288
-    schedule = train_gpt2.schedule_of(args)
+    schedule = optim.schedule_of(args)
     lrs = [schedule.lr(s, args.max_lr) for s in range(args.max_steps)]
     assert lrs[0] == pytest.approx(6e-4 / 715) and lrs[714] == pytest.approx(6e-4)
     assert max(lrs) == pytest.approx(6e-4)
@@ -639,7 +640,7 @@ def test_lr_schedule():
 
 def test_wsd_schedule_holds_the_peak_then_decays_linearly():
     import train_gpt2
-    schedule = train_gpt2.Schedule(warmup_steps=10, max_steps=100, min_lr_ratio=0.1, shape="wsd")
+    schedule = optim.Schedule(warmup_steps=10, max_steps=100, min_lr_ratio=0.1, shape="wsd")
     lrs = [schedule.lr(s, 2.0) for s in range(101)]
     assert lrs[:10] == [2.0 * (s + 1) / 10 for s in range(10)]  # the same warm-up as cosine
     assert set(lrs[9:81]) == {2.0}  # stable until the last 20% of the run
@@ -663,7 +664,7 @@ def test_short_run_leaves_warmup():
     import train_gpt2
     args = train_config.parse_args(["--max-steps", "50"])
     assert args.warmup_steps == 5  # 10% of the run, not 715 steps the run never reaches
-    assert train_gpt2.schedule_of(args).lr(5, args.max_lr) == pytest.approx(6e-4)
+    assert optim.schedule_of(args).lr(5, args.max_lr) == pytest.approx(6e-4)
     assert train_config.parse_args(["--max-steps", "50", "--warmup-steps", "40"]).warmup_steps == 40  # as asked
 
 

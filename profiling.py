@@ -1,0 +1,112 @@
+"""
+Where a training step's time goes: the phase timer of --timing-breakdown (wall time per phase,
+the GPU synchronised at each boundary) and --profile-steps's torch.profiler trace, with
+--memory-snapshot's record of CUDA's allocations for a step that runs out of memory.
+"""
+
+import contextlib
+import os
+import sys
+import time
+
+import torch
+
+import device
+import memory
+
+
+class PhaseTimer:
+    """Wall time per phase of a step, the GPU synchronised at each boundary: only when asked for
+    (every > 0), since that costs the overlap of host and device."""
+
+    PHASES = ("data", "copy", "forward", "backward", "optimizer", "eval")  # copy: host to device
+
+    def __init__(self, device_str, every=0):
+        self.every, self.device = every, device_str
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        self._t = None
+
+    def start(self):
+        if self.every:
+            device.synchronize(self.device)
+            self._t = time.perf_counter()
+
+    def mark(self, phase):
+        if self.every:
+            device.synchronize(self.device)
+            now = time.perf_counter()
+            self.totals[phase] += now - self._t
+            self._t = now
+
+    def step_done(self, log, step):
+        """Every `every` steps, the mean ms per step of each phase since the last report: a log line
+        and a timing record."""
+        self.steps += 1
+        if not self.every or self.steps < self.every:
+            return
+        ms = {k: 1000 * v / self.steps for k, v in self.totals.items()}
+        total = max(sum(ms.values()), 1e-9)
+        log.line("timing | " + " | ".join(f"{k}_ms {v:.1f} ({100 * v / total:.0f}%)" for k, v in ms.items()))
+        log.record("timing", step=step, **{f"{k}_ms": v for k, v in ms.items()})
+        self.totals = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+
+class StepProfiler:
+    """--profile-steps A:B: torch.profiler over steps A to B (CPU, and CUDA where the run is, with
+    shapes and memory), each marked ProfilerStep#N; after B a gzipped Chrome trace (Perfetto,
+    TensorBoard) in out_dir and the operations with the most self time, as lines to `write`. --memory-snapshot:
+    CUDA's allocations recorded from the first step, and a snapshot written at an out-of-memory
+    error, which then ends the run as before."""
+
+    TOP = 8  # operations in the table
+
+    def __init__(self, window, device_str, out_dir, name, write, memory_snapshot=False):
+        self.window, self.out_dir, self.name, self.write = window, out_dir, name, write
+        self.cuda, self.memory_snapshot, self.prof = device_str.startswith("cuda"), memory_snapshot, None
+        if memory_snapshot:  # the last 100,000 allocations and frees, PyTorch's own example's bound
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    @contextlib.contextmanager
+    def step(self, step):
+        profiled = self.window is not None and self.window[0] <= step <= self.window[1]
+        if profiled and self.prof is None:
+            from torch.profiler import ProfilerActivity
+            self.prof = torch.profiler.profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * self.cuda,
+                                               record_shapes=True, profile_memory=True)
+            self.prof.start()
+        try:
+            with torch.profiler.record_function(f"ProfilerStep#{step}") if profiled else contextlib.nullcontext():
+                yield
+        except Exception as e:
+            if self.memory_snapshot and memory.is_allocation_failure(e):
+                path = self.path("memory_snapshot", "pickle")
+                torch.cuda.memory._dump_snapshot(path)
+                print(f"out of memory at step {step}: memory snapshot in {path} (drop it on pytorch.org/memory_viz "
+                      "to see what held the memory)", file=sys.stderr, flush=True)
+            raise
+        if profiled and step == self.window[1]:
+            self.report()
+
+    def report(self):
+        """Stop the profiler, write the trace and the table of the operations with the most self time."""
+        self.prof.stop()
+        first, last = self.window
+        path = self.path(f"steps{first}-{last}", "pt.trace.json.gz")  # Perfetto and TensorBoard read it gzipped
+        self.prof.export_chrome_trace(path)
+        key, where = ("self_device_time_total", "CUDA") if self.cuda else ("self_cpu_time_total", "CPU")
+        ops = sorted(self.prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+        total = max(sum(getattr(e, key) for e in ops), 1e-9)
+        self.write(f"profile | steps {first}-{last} | trace {path} (ui.perfetto.dev or TensorBoard) | "
+                   f"the operations with the most self {where} time:")
+        for e in ops[:self.TOP]:
+            t = getattr(e, key)
+            self.write(f"profile | {t / 1e3 / (last - first + 1):10.2f} ms/step {100 * t / total:5.1f}% "
+                       f"{e.count:7d} calls  {e.key}")
+        self.prof = None
+
+    def path(self, what, ext):
+        """A new file in out_dir, named for this process, what it holds and the time."""
+        os.makedirs(self.out_dir, exist_ok=True)
+        return os.path.join(self.out_dir, f"{self.name}.{what}.{time.strftime('%Y%m%d-%H%M%S')}.{ext}")
