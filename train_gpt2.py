@@ -13,7 +13,6 @@ a Run), the loop, one optimizer step (train_step), and the evaluation at the top
 """
 
 import functools
-import itertools
 import math
 import os
 import random
@@ -29,6 +28,7 @@ import checkpoint
 import common
 import dataloader
 import device
+import evaluation
 import memory
 import optim
 import parallel
@@ -89,7 +89,7 @@ class Run:
     val_sequences: int           # sequences each rank validates on (the same tokens whatever the micro-batch)
     checkpoints: checkpoint.Checkpointer
     start_step: int              # steps already done when this launch began
-    hellaswag: object            # the evaluations that are on (evaluations()), None where off
+    hellaswag: object            # the evaluations that are on (evaluation.build), None where off
     core: object
     plotter: object              # plot.PlotWriter, on rank 0 with --plot
     sample_prompt: list          # the token ids the samples continue
@@ -124,7 +124,7 @@ def setup(cfg, ranks, log, resume):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     raw_model, origin = build_model(cfg, resume)
-    evals = evaluations(cfg, ranks, log, fsdp, raw_model.config.block_size)
+    evals = evaluation.build(cfg, ranks, log, fsdp, raw_model.config.block_size)
     raw_model.to(ranks.device)
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
@@ -195,30 +195,6 @@ def build_model(cfg, resume):
     except ValueError as e:
         raise UserError(str(e))
     return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
-
-
-def evaluations(cfg, ranks, log, fsdp, block_size):
-    """What the run evaluates besides the validation loss, each built only where it is on (else None):
-    HellaSwag's and CORE's hooks, the plot writer, and the token ids the samples continue, the prompt
-    checked now as sample.py checks it, so that one that cannot be sampled from is refused at start."""
-    out = dict(hellaswag=None, core=None, plotter=None, sample_prompt=None)
-    if cfg.hellaswag_every:
-        import hellaswag
-        out["hellaswag"] = hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, fsdp)
-    if cfg.core_every:
-        import core
-        out["core"] = core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, fsdp)
-    if cfg.plot and ranks.is_master:
-        import plot
-        out["plotter"] = plot.PlotWriter(cfg.log_dir, True)
-    if cfg.sample_every or "sample_prompt" in cfg.given:
-        import sample
-        from tokenizer import get_tokenizer
-        try:
-            out["sample_prompt"] = sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, block_size)
-        except UserError as e:
-            raise UserError(f"--sample-prompt: {e}")
-    return out
 
 
 def build_data(cfg, ranks, micro_batch, vocab_size):
@@ -306,7 +282,7 @@ def loop(run):
         with profiler.step(step):
             # ---- evaluation: validation loss, HellaSwag, CORE and samples, when due
             timer.start()
-            if not evaluate(run, step, stop):
+            if not evaluation.evaluate(run, step, stop):
                 return stopped(run, done, stop)
             timer.mark("eval")
 
@@ -446,114 +422,6 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     # one process needs no agreement: a request that came during the update counts for this step too
     stopping = stop_any > 0 or (not ranks.multi and stop is not None and stop.signal is not None)
     return loss_val, norm_val, stopping, finite
-
-
-# ----------------------------------------------------------------------------------------------
-# Evaluation at the top of a step: validation loss, HellaSwag, CORE and samples, each stoppable
-# between batches
-
-
-def evaluate(run, step, stop):
-    """Validation, HellaSwag, CORE and samples due at the top of this step. False if a stop request
-    cut it short (then nothing of it is logged)."""
-    cfg, ranks, log = run.cfg, run.ranks, run.log
-    last_step = step == cfg.max_steps - 1
-    due = lambda every: every and (step % every == 0 or last_step)  # noqa: E731
-    evaluated = False
-    if run.val_loader is not None and due(cfg.eval_every):
-        model = getattr(run.model, "module", run.model)  # compiled, without DDP's gradient hooks
-        val_loss = validation_loss(model, run.val_loader, run.val_sequences, ranks, run.dtype, stop_check(stop, ranks))
-        if val_loss is None:
-            return False
-        evaluated = True
-        log.line(f"step {step} | val_loss {val_loss:.4f}")
-        log.record("val", step=step, val_loss=val_loss, tokens=step * cfg.total_batch_size)
-    for hook, every in ((run.hellaswag, cfg.hellaswag_every), (run.core, cfg.core_every)):
-        if hook is None or not due(every):
-            continue
-        with parallel.uncompiled(run.raw_model):
-            result = hook(run.raw_model, run.dtype, stop_check(stop, ranks))
-        if result is None and parallel.any_rank(stop.signal is not None, ranks):
-            return False
-        if result is not None:
-            evaluated = True
-            text, fields = hook.report(result)
-            log.line(f"step {step} | {hook.name} {text}")
-            log.record(hook.name, step=step, tokens=step * cfg.total_batch_size, **fields)
-    if (ranks.is_master or run.fsdp) and step > 0 and due(cfg.sample_every):
-        log_samples(run, step, stop)
-    if evaluated and run.plotter:
-        run.plotter.kick()
-    return True
-
-
-STOP_CHECK_EVERY = 8  # evaluation batches between two questions to the ranks about a stop request
-
-
-def stop_check(stop, ranks):
-    """What an evaluation (validation, HellaSwag, CORE) calls before each batch: whether any rank was
-    asked to stop, asked of the ranks before its first batch and every STOP_CHECK_EVERY batches after
-    (each question is a collective and a host-device sync; every rank calls it as often)."""
-    calls = itertools.count()
-    return lambda: next(calls) % STOP_CHECK_EVERY == 0 and parallel.any_rank(stop.signal is not None, ranks)
-
-
-@torch.no_grad()
-def validation_loss(model, loader, sequences, ranks, dtype, should_stop):
-    """Mean loss per token over the val split's first `sequences` sequences on each rank; None if
-    a stop request came. Batches of the micro-batch; the last one, when fewer sequences are left,
-    is filled up with rows whose targets are -1 (the loss ignores them), so every forward has the
-    same shape (a compiled model compiles no second graph for it)."""
-    model.eval()
-    loader.reset()
-    total = torch.zeros((), device=ranks.device)
-    for done in range(0, sequences, loader.B):
-        if should_stop():
-            model.train()
-            return None
-        n = min(loader.B, sequences - done)
-        x_val, y_val = loader.next_batch(n)
-        if n < loader.B:  # in the loader's layout (rows of T+1 tokens), so its strides are the full batches'
-            x_val, y_val = padded(x_val, y_val, loader.B)
-        with device.autocast(ranks.device, dtype):
-            _, loss_val = model(x_val, y_val)
-        total += loss_val.float() * n  # the batch's mean, weighted by its real sequences
-    if ranks.multi:
-        torch.distributed.all_reduce(total)  # SUM: gloo has no AVG
-    model.train()
-    return total.item() / (sequences * ranks.world_size)
-
-
-def padded(x, y, size):
-    """x and y (n, T) with rows added up to `size` (inputs 0, targets -1, which the loss ignores), as
-    views of (size, T+1) tensors as the loader's batches are: a compiled model sees the same strides
-    and storage offsets, and compiles no graph for them."""
-    xs, ys = x.new_zeros(size, x.size(1) + 1), y.new_full((size, y.size(1) + 1), -1)
-    xs[:len(x), :-1] = x
-    ys[:len(y), 1:] = y
-    return xs[:, :-1], ys[:, 1:]
-
-
-def log_samples(run, step, stop):
-    """The samples of this step, each a log line and a record. Under FSDP every forward is a
-    collective, so every rank samples and a stop request must not end one rank's loop early. A
-    failure is one line: samples are a glimpse of the model, never a reason to end the run (but
-    under FSDP, where the ranks would no longer meet in the same collectives, it ends it)."""
-    import sample
-    cfg = run.cfg
-    try:
-        with parallel.uncompiled(run.raw_model):
-            texts = sample.training_samples(run.raw_model, run.sample_prompt, cfg.num_samples, cfg.sample_tokens,
-                                            cfg.seed + step, run.ranks.device, run.dtype,
-                                            None if run.fsdp else stop)
-    except Exception as e:  # noqa: BLE001
-        if run.fsdp:  # the other ranks may be inside a collective forward: this rank cannot go on alone
-            raise
-        run.log.line(f"step {step} | samples failed, training goes on ({type(e).__name__}: {common.first_line(e)})")
-        return
-    for i, text in enumerate(texts):
-        run.log.line(f"sample {i} | {text}")
-        run.log.record("sample", step=step, index=i, text=text)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import evaluation  # noqa: E402
 import parallel  # noqa: E402
 import train_gpt2  # noqa: E402
 
@@ -69,7 +70,7 @@ def count_compiles(backend, log_path):
     torch.compile = functools.partial(torch.compile, backend=counting)
     if not log_path:
         return
-    real_evaluate = train_gpt2.evaluate
+    real_evaluate = evaluation.evaluate
 
     def evaluate(run, step, stop):
         before = graphs[0]
@@ -77,7 +78,7 @@ def count_compiles(backend, log_path):
         with open(f"{log_path}.rank{run.ranks.rank}", "a") as f:
             f.write(json.dumps({"step": step, "graphs": graphs[0] - before}) + "\n")
         return result
-    train_gpt2.evaluate = evaluate
+    evaluation.evaluate = evaluate
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 import checkpoint
 import optim
 import common
+import evaluation
 import train_config
 import train_gpt2
 from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, tiny
@@ -246,8 +247,8 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     run(base + ["--max-steps", "6", "--keep-checkpoints", "3", "--export-hf"])
     old = {s: checkpoint.load_file(checkpoint.checkpoint_path(log_dir, s))["model"] for s in (4, 6)}
     branch = ["--log-dir", log_dir, "--resume", checkpoint.checkpoint_path(log_dir, 2), "--max-lr", "1e-3"]
-    evaluate = train_gpt2.evaluate
-    monkeypatch.setattr(train_gpt2, "evaluate", lambda run, step, stop: step < 4 and evaluate(run, step, stop))
+    evaluate = evaluation.evaluate
+    monkeypatch.setattr(evaluation, "evaluate", lambda run, step, stop: step < 4 and evaluate(run, step, stop))
     p = run(branch)  # a stop request at the top of step 4: it stops after step 3
     monkeypatch.undo()
     moved = [line for line in p.stdout.splitlines() if "a new branch from step 2" in line]
@@ -352,7 +353,7 @@ def test_a_stop_before_the_first_step_of_a_moved_run_keeps_a_checkpoint_in_its_d
     printed command continues, not left in the other directory, where that command finds none."""
     import train_gpt2
     moved = str(tmp_path / "moved")
-    monkeypatch.setattr(train_gpt2, "evaluate", lambda run, step, stop: False)  # a stop request there
+    monkeypatch.setattr(evaluation, "evaluate", lambda run, step, stop: False)  # a stop request there
     p = run(["--log-dir", moved, "--resume", checkpoint.checkpoint_path(reference_run, 9)])
     assert "stopped by a signal on another rank after 9 steps" in p.stdout
     assert [os.path.basename(c) for c in checkpoint.list_checkpoints(moved)] == ["ckpt_000009.pt"]
@@ -561,13 +562,13 @@ def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_
     hs.write_text("".join(json.dumps(dict(item, label=i % 4)) + "\n" for i in range(16)))
     log_dir = str(tmp_path / "log")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3)
-    validation_loss = train_gpt2.validation_loss
+    validation_loss = evaluation.validation_loss
 
     def then_sigterm(*args):
         loss = validation_loss(*args)
         os.kill(os.getpid(), signal.SIGTERM)
         return loss
-    monkeypatch.setattr(train_gpt2, "validation_loss", then_sigterm)
+    monkeypatch.setattr(evaluation, "validation_loss", then_sigterm)
     p = run(args + ["--hellaswag-every", "5", "--hellaswag-file", str(hs)])
     monkeypatch.undo()
     assert "hellaswag: scoring 16 items" in p.stdout and "stopped by SIGTERM after 0 steps" in p.stdout, p.stdout

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import evaluation
 import optim
 import train_config
 from core_bundle import TASKS, write_bundle
@@ -682,7 +683,6 @@ def test_a_padded_validation_batch_compiles_no_graph_of_its_own(data_dir):
     two interleave (Dynamo would compile again for new strides, then mark them dynamic)."""
     import dataloader
     import parallel
-    import train_gpt2
     from model import GPT, GPTConfig
     torch._dynamo.reset()
     graphs = []
@@ -700,7 +700,7 @@ def test_a_padded_validation_batch_compiles_no_graph_of_its_own(data_dir):
     for _ in range(2):
         compiled.train()
         compiled(*train.next_batch())[1].backward()
-        loss = train_gpt2.validation_loss(compiled, val, 3, ranks, "float32", no_stop)  # batches of 2, then 1 + 1
+        loss = evaluation.validation_loss(compiled, val, 3, ranks, "float32", no_stop)  # batches of 2, then 1 + 1
         assert math.isfinite(loss)
     assert len(graphs) == 2
     torch._dynamo.reset()
@@ -715,7 +715,6 @@ def test_validation_asks_the_ranks_about_a_stop_every_few_batches(data_dir, monk
     from torch.testing._internal.distributed.fake_pg import FakeStore
     import dataloader
     import parallel
-    import train_gpt2
     from model import GPT, GPTConfig
     tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -726,11 +725,11 @@ def test_validation_asks_the_ranks_about_a_stop_every_few_batches(data_dir, monk
         model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32))
         val = dataloader.TokenLoader(data_dir, "val", batch_size=2, seq_len=32, rank=0, world_size=2)
         ranks, stop = parallel.Ranks(rank=0, world_size=2), types.SimpleNamespace(signal=None)
-        loss = train_gpt2.validation_loss(model, val, 20, ranks, "float32", train_gpt2.stop_check(stop, ranks))
+        loss = evaluation.validation_loss(model, val, 20, ranks, "float32", evaluation.stop_check(stop, ranks))
         assert math.isfinite(loss)
-        asks = -(-10 // train_gpt2.STOP_CHECK_EVERY)
-        assert train_gpt2.STOP_CHECK_EVERY > 1 and len(collectives) == asks + 1  # + the loss's own sum
+        asks = -(-10 // evaluation.STOP_CHECK_EVERY)
+        assert evaluation.STOP_CHECK_EVERY > 1 and len(collectives) == asks + 1  # + the loss's own sum
         stop.signal = "SIGTERM"
-        assert train_gpt2.validation_loss(model, val, 20, ranks, "float32", train_gpt2.stop_check(stop, ranks)) is None
+        assert evaluation.validation_loss(model, val, 20, ranks, "float32", evaluation.stop_check(stop, ranks)) is None
     finally:
         tdist.destroy_process_group()
