@@ -54,11 +54,9 @@ class PhaseTimer:
 
 
 class StepProfiler:
-    """--profile-steps A:B: torch.profiler over steps A to B (CPU, and CUDA where the run is, with
-    shapes and memory), each marked ProfilerStep#N; after B a gzipped Chrome trace (Perfetto,
-    TensorBoard) in out_dir and the operations with the most self time, as lines to `write`. --memory-snapshot:
-    CUDA's allocations recorded from the first step, and a snapshot written at an out-of-memory
-    error, which then ends the run as before."""
+    """--profile-steps A:B: torch.profiler over steps A to B, each marked ProfilerStep#N, then a gzipped
+    Chrome trace in out_dir and the operations with the most self time, as lines to `write`.
+    --memory-snapshot: CUDA's allocations recorded, and a snapshot written at an out-of-memory error."""
 
     TOP = 8  # operations in the table
 

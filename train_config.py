@@ -1,14 +1,8 @@
 """
-The trainer's settings: every flag of train_gpt2.py with its unit and default, the range each
-numeric flag must lie in, the checks between flags, and which settings a resumed run may change.
-They are resolved once, here, in this order, and then only read:
-
-    args = parse_args(argv)         # the flags, checked, with the defaults that scale with the run
-    cfg, resume = resolve(args)     # with --resume, the run's own settings from its checkpoint, the
-                                    # flags the command line names over them; read-only Settings
-
-What set-up then decides from them on the device (the fitted micro-batch, the dtype, ...) lives on
-train_gpt2.Run; stored() is what checkpoints and the run header keep of both.
+The trainer's settings: every flag with its unit and default, the range each numeric flag must lie in,
+the checks between flags, and which settings a resumed run may change. They are resolved once and then
+only read: parse_args(argv), then resolve(args), which puts a resumed run's own settings under the
+flags the command line names. stored() is what checkpoints and the run header keep.
 """
 
 import argparse
@@ -27,7 +21,7 @@ DEFAULT_MUON_LR = 0.02  # Keller Jordan's Muon and nanochat's matrix learning ra
 
 
 def build_parser(description=None):
-    """Every flag of the trainer, with its unit and default; description: what --help says first."""
+    """Every flag of the trainer, with its unit and default."""
     p = common.ArgumentParser(prog="train_gpt2.py", description=description,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
@@ -37,34 +31,27 @@ def build_parser(description=None):
     a("--n-head", type=int, help="override the preset's number of attention heads")
     a("--n-embd", type=int, help="override the preset's embedding width")
     a("--block-size", type=int, default=1024, help="context length T in tokens (default: 1024)")
-    a("--init-from", help="start from pretrained weights: a Hugging Face name (gpt2, ...) or directory, "
-                          "a checkpoint file or a log directory; the architecture comes from it")
+    a("--init-from", help="start from pretrained weights (a Hugging Face name or directory, a checkpoint or a log "
+                          "directory), whose architecture it takes")
     # data and logs
     a("--data-dir", default="edu_fineweb10B", help="token shards from fineweb.py (default: edu_fineweb10B)")
-    a("--shuffle-seed", type=int, help="shuffle shard and window order per epoch with this seed "
-                                       "(default: off, shards in order)")
+    a("--shuffle-seed", type=int, help="shuffle shard and sequence order per epoch with this seed (default: off)")
     a("--log-dir", default="log", help="logs, metrics.jsonl, checkpoints and the exported model (default: log)")
     # batch
-    a("--total-batch-size", type=int, default=524288,
-      help="tokens per optimizer step, over all GPUs and accumulation steps (default: 524288 = 2**19)")
-    a("--micro-batch-size", default="auto",
-      help="sequences per forward pass per GPU, or 'auto' (default): on CUDA the largest that fits in "
-           "memory and divides the batch; 8 or fewer elsewhere")
+    a("--total-batch-size", type=int, default=524288, help="tokens per optimizer step over all GPUs (default: 2**19)")
+    a("--micro-batch-size", default="auto", help="sequences per forward pass per GPU, or auto (default): on CUDA the "
+                                                 "largest that fits and divides the batch, 8 or fewer elsewhere")
     # optimizer and schedule
     a("--max-steps", type=int, default=19073, help="optimizer steps (default: 19073 = 10B tokens / 2**19)")
     a("--max-lr", type=float, default=6e-4, help="peak learning rate (default: 6e-4)")
     a("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --max-lr (default: 0.1)")
     a("--lr-schedule", choices=["cosine", "wsd"], default="cosine",
-      help="after warm-up: cosine decay to the final LR (default, GPT-2/3's), or wsd: hold the peak, then "
-           "decay linearly over the last 20%% of --max-steps")
-    a("--warmup-steps", type=int, help=f"linear LR warm-up steps (default: {DEFAULT_WARMUP}, or 10%% of "
-                                       "--max-steps when that is fewer, so a short run leaves warm-up)")
+      help="after warm-up: cosine decay (default), or wsd: hold the peak, then decay over the last 20%% of the run")
+    a("--warmup-steps", type=int, help=f"linear warm-up steps (default: {DEFAULT_WARMUP}, or 10%% of --max-steps "
+                                       "when that is fewer)")
     a("--optimizer", choices=["adamw", "muon"], default="adamw",
-      help="adamw (default, GPT-2's recipe); muon: Muon (momentum orthogonalised by Newton-Schulz) for the "
-           "attention and MLP matrices, AdamW as above for the embeddings, gains and biases: the optimizer "
-           "of today's GPT-2 speed records, reported to reach the same loss in ~1.3x fewer tokens")
-    a("--muon-lr", type=float, default=DEFAULT_MUON_LR,
-      help=f"Muon's peak learning rate, on the same warm-up and decay as --max-lr (default: {DEFAULT_MUON_LR})")
+      help="adamw (default, GPT-2's recipe), or muon: Muon for the attention and MLP matrices, AdamW for the rest")
+    a("--muon-lr", type=float, default=DEFAULT_MUON_LR, help=f"Muon's peak learning rate (default: {DEFAULT_MUON_LR})")
     a("--muon-momentum", type=float, default=0.95, help="Muon's Nesterov momentum (default: 0.95)")
     a("--weight-decay", type=float, default=0.1, help="AdamW weight decay on 2-D weights (default: 0.1)")
     a("--beta1", type=float, default=0.9, help="AdamW beta1 (default: 0.9)")
@@ -75,73 +62,58 @@ def build_parser(description=None):
       help="a NaN/inf loss or gradient norm: stop the run (default) or skip that step")
     # evaluation, sampling, checkpoints
     a("--eval-every", type=int, default=250, help="validation loss every N steps; 0 = off (default: 250)")
-    a("--val-tokens", type=int, help=f"tokens per validation, never more than the whole val split (default: "
-                                     f"{DEFAULT_VAL_TOKENS} = 20 x 2**19, or a quarter of the tokens trained "
-                                     "between two validations when that is fewer)")
+    a("--val-tokens", type=int, help=f"tokens per validation, at most the whole val split (default: "
+                                     f"{DEFAULT_VAL_TOKENS}, or a quarter of those trained between validations)")
     a("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps; 0 = off (default: 250)")
     a("--hellaswag-file", help="local hellaswag_val.jsonl (default: download once to the cache)")
     a("--hellaswag-limit", type=int, help="score only the first N HellaSwag items (default: all 10,042)")
-    a("--core-every", type=int, default=0,
-      help="CORE (core.py: 22 in-context tasks, nanochat's yardstick) every N steps; 0 = off (default: 0)")
+    a("--core-every", type=int, default=0, help="CORE (core.py) every N steps; 0 = off (default: 0)")
     a("--core-bundle", help="the unzipped DCLM eval_bundle for CORE (default: download it once to the cache)")
-    a("--core-limit", type=int, default=500,
-      help="items per CORE task (default: 500, as nanochat scores it during training)")
+    a("--core-limit", type=int, default=500, help="items per CORE task (default: 500, as nanochat's training)")
     a("--sample-every", type=int, default=250, help="print samples every N steps; 0 = off (default: 250)")
     a("--sample-prompt", default="Hello, I'm a language model,", help="prompt for the samples")
     a("--num-samples", type=int, default=4, help="samples each time (default: 4)")
     a("--sample-tokens", type=int, default=32, help="new tokens per sample (default: 32)")
-    a("--checkpoint-every", type=int, default=5000, help="checkpoint every N steps, and always at the end (default: 5000)")
+    a("--checkpoint-every", type=int, default=5000, help="checkpoint every N steps and at the end (default: 5000)")
     a("--keep-checkpoints", type=int, default=2, help="keep the last K checkpoints (default: 2)")
     a("--resume", nargs="?", const="latest",
       help="continue from a checkpoint: a path, or no value for the latest in --log-dir (starts fresh if none)")
     a("--export-hf", action=argparse.BooleanOptionalAction, default=True,
       help="export the final model in Hugging Face format to LOG_DIR/hf (default: on)")
-    a("--wandb", metavar="PROJECT", help="also send every record to this Weights & Biases project, from rank 0 "
-                                         "(pip install wandb; WANDB_MODE=offline logs to LOG_DIR/wandb, no account)")
+    a("--wandb", metavar="PROJECT", help="also send every record to this W&B project (pip install wandb)")
     a("--wandb-run", metavar="NAME", help="the W&B run's name (default: the log directory's name)")
-    a("--wandb-id", metavar="ID", help="the W&B run to continue (default: a new one; --resume continues the run's "
-                                       "own, stored in its checkpoints)")
-    a("--no-wandb", dest="wandb", action="store_const", const=None,
-      help="send nothing to W&B: with --resume, turns off the project the run was started with")
+    a("--wandb-id", metavar="ID", help="the W&B run to continue (default: a new one, or a resumed run's own)")
+    a("--no-wandb", dest="wandb", action="store_const", const=None, help="send nothing to W&B (on a resume too)")
     a("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
-      help="also write every record as TensorBoard events to LOG_DIR/tb (pip install tensorboard); "
-           "--no-tensorboard turns it off in a resumed run that had it")
+      help="also write every record as TensorBoard events to LOG_DIR/tb (pip install tensorboard)")
     a("--plot", action=argparse.BooleanOptionalAction, default=True,
       help="redraw LOG_DIR/plot.png at each evaluation when matplotlib is installed (default: on)")
     # hardware
     a("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps")
-    a("--dtype", default="auto", help="auto (bf16 on Ampere+, fp16 on T4/V100, fp32 on CPU), "
-                                      "bfloat16, float16 or float32")
+    a("--dtype", default="auto", help="auto (bf16 on Ampere+, fp16 on T4/V100, fp32 on CPU), bfloat16, float16 "
+                                      "or float32")
     a("--compile", action=argparse.BooleanOptionalAction, default=None,
       help="torch.compile the model (default: on for CUDA, off elsewhere)")
     a("--sharding", choices=["none", "fsdp"], default="none",
-      help="none (default): DDP, every GPU holds the whole model and optimizer; fsdp: FSDP2 shards "
-           "parameters, gradients and AdamW state over the GPUs (GPT-2 XL on 16-24 GB cards)")
+      help="none (default): DDP; fsdp: FSDP2 shards parameters, gradients and AdamW state over the GPUs")
     a("--fsdp", dest="sharding", action="store_const", const="fsdp", help="the same as --sharding fsdp")
     a("--activation-checkpointing", action="store_true",
       help="recompute each block's activations in backward: ~30%% more compute, far less memory")
-    a("--dist-timeout", type=float, default=15.0,
-      help="minutes a collective may wait for the other ranks before the group fails, so that a dead or "
-           "hung rank ends the run (and torchrun --max-restarts starts it again) instead of hanging it "
-           "(default: 15; raise it if a checkpoint takes longer to write)")
-    a("--deterministic", action="store_true",
-      help="deterministic kernels for reproducibility studies (slower; data order never depends on it)")
+    a("--dist-timeout", type=float, default=15.0, help="minutes a collective waits for the other ranks before the "
+                                                       "group fails (default: 15; more if checkpoints take longer)")
+    a("--deterministic", action="store_true", help="deterministic kernels, for reproducibility studies (slower)")
     a("--seed", type=int, default=1337, help="seed for initialisation and sampling (default: 1337)")
     a("--timing-breakdown", type=int, default=0, metavar="N",
-      help="every N steps print where the time went (batch preparation, host-to-device copy, forward, "
-           "backward, optimizer, evaluation); "
-           "adds synchronisation, so off (0) by default")
+      help="every N steps, the time per phase of a step (adds synchronisation, so off by default)")
     a("--profile-steps", type=step_window, metavar="A:B",
-      help="torch.profiler over steps A to B (both included): a gzipped Chrome trace in LOG_DIR/profile/ (open it in "
-           "ui.perfetto.dev or TensorBoard) and the operations that took the most time in the log (default: off)")
+      help="torch.profiler over steps A to B: a trace in LOG_DIR/profile/ and the costliest operations in the log")
     a("--memory-snapshot", action="store_true",
-      help="CUDA: record every allocation from the first step, and at an out-of-memory error write a snapshot "
-           "to LOG_DIR/profile/ (open it in pytorch.org/memory_viz)")
+      help="CUDA: record allocations, and at an out-of-memory error write a snapshot to LOG_DIR/profile/")
     return p
 
 
 def step_window(text):
-    """'A:B' -> (A, B), the steps A to B, both included (argparse's type for --profile-steps)."""
+    """'A:B' -> (A, B), both steps included."""
     first, _, last = text.partition(":")
     if not (first.isdecimal() and last.isdecimal()):
         raise argparse.ArgumentTypeError(f"{text!r} is not A:B, two steps (whole numbers, 0 or more)")
@@ -154,8 +126,8 @@ def step_window(text):
 RANGES = [
     (("n_layer", "n_head", "n_embd", "block_size", "total_batch_size", "max_steps", "keep_checkpoints",
       "val_tokens", "hellaswag_limit", "core_limit", "num_samples", "sample_tokens"), lambda v: v >= 1, "at least 1"),
-    (("warmup_steps", "eval_every", "hellaswag_every", "core_every", "sample_every", "checkpoint_every", "timing_breakdown",
-      "shuffle_seed", "weight_decay", "grad_clip"), lambda v: v >= 0, "0 or more"),
+    (("warmup_steps", "eval_every", "hellaswag_every", "core_every", "sample_every", "checkpoint_every",
+      "timing_breakdown", "shuffle_seed", "weight_decay", "grad_clip"), lambda v: v >= 0, "0 or more"),
     (("max_lr", "eps", "dist_timeout", "muon_lr"), lambda v: v > 0, "a positive number"),
     (("beta1", "beta2", "muon_momentum"), lambda v: 0 <= v < 1, "at least 0 and below 1"),
     (("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1"),
@@ -178,8 +150,7 @@ PATH_FLAGS = ("data_dir", "init_from", "hellaswag_file", "core_bundle", "resume"
 
 
 def parse_args(argv=None, description=None):
-    """The command line, checked (one-line errors), with the defaults that scale with the run
-    resolved; .given holds the flags the command line named (their dest names)."""
+    """The command line, checked, with the defaults that scale with the run; .given: the flags it named."""
     parser = build_parser(description)
     args = parser.parse_args(argv)
     for action in parser._actions:
@@ -238,8 +209,7 @@ def check_relations(cfg):
 
 
 class Settings(argparse.Namespace):
-    """A launch's settings, resolved (resolve()) and read-only from then on: every flag by its
-    name (cfg.max_lr), and .given, the flags the command line named."""
+    """A launch's settings, read-only once resolved: every flag by its name, and .given."""
 
     def __init__(self, values):
         self.__dict__.update(values)
@@ -250,8 +220,8 @@ class Settings(argparse.Namespace):
 
 @dataclass(frozen=True)
 class Resume:
-    """The run a launch continues: the checkpoint (path, and its contents, loaded), why each newer
-    checkpoint was passed over, and the settings the command line changed (one line each)."""
+    """The run a launch continues: its checkpoint, why each newer one was passed over, and the settings the
+    command line changed (one line each)."""
     path: str
     checkpoint: dict
     skipped: list
@@ -259,16 +229,13 @@ class Resume:
 
     @property
     def step(self):
-        """Steps the run had done: the launch starts at this step."""
         return self.checkpoint["step"]
 
 
 def resolve(args):
-    """The launch's Settings and the run it continues (a Resume; None for a new run). args: the
-    flags of parse_args(). With --resume the run's own settings come first, from its checkpoint,
-    and each flag the command line names goes over them or is refused (stored_run); then the checks
-    between them, the trackers' packages, the evaluation files read as far as the run will read
-    them, and a new W&B run's id. Nothing is written: a launch refused here changes nothing."""
+    """The launch's Settings and the run it continues (a Resume, or None): with --resume the run's own
+    settings, the flags the command line names over them or refused (stored_run); then every check
+    between them. Nothing is written: a launch refused here changes nothing."""
     path, ckpt, skipped = checkpoint.resume_point(args.resume, args.log_dir)
     values = dict(vars(args))
     changes = stored_run(values, args.given, ckpt, path) if ckpt is not None else []
@@ -291,11 +258,9 @@ def resolve(args):
 
 
 def stored_run(values, given, ckpt, path):
-    """--resume: the run's settings, from its checkpoint into values (the parsed flags, by name;
-    given: the flags the command line named). A named flag whose value differs from the run's is
-    refused when it is one of FIXED_ON_RESUME (it would change the math in the middle of the run)
-    and applied otherwise; returns the applied changes, one line each. LAUNCH_ONLY flags stay as
-    given. Settings a checkpoint does not hold (from an older trainer) keep their defaults."""
+    """The run's settings from its checkpoint into values; a flag the command line named that differs is
+    refused where it is FIXED_ON_RESUME, else applied and returned as a line. Settings an older checkpoint
+    does not hold keep their defaults."""
     stored, changes = ckpt["config"], []
     for key, now in sorted(values.items()):
         if key in LAUNCH_ONLY or key not in stored:
@@ -319,24 +284,19 @@ def stored_run(values, given, ckpt, path):
 
 
 def check_evaluation_files(cfg):
-    """--hellaswag-file and --core-bundle, read now as far as the run will read them (its limits): a
-    file that cannot be scored is bad input, not a HellaSwag or CORE "skipped" found hours into the
-    run, or a run ended by it. One a resumed run stored but that is gone (a copied run, another
-    machine) is no reason to refuse the resume: that evaluation says it is skipped, as a download
-    that fails does."""
+    """--hellaswag-file and --core-bundle, read now as far as the run will read them: one that cannot be
+    scored is bad input, not a "skipped" found hours into the run. One a resumed run stored but that is
+    gone (a copied run) is no reason to refuse the resume: that evaluation says it is skipped."""
     def named(flag, every):
         path = getattr(cfg, flag)
         return path is not None and (flag in cfg.given or (getattr(cfg, every) and os.path.exists(path)))
     if named("hellaswag_file", "hellaswag_every"):
-        if not os.path.isfile(cfg.hellaswag_file):
-            raise UserError(f"--hellaswag-file {cfg.hellaswag_file} does not exist; give the path of a "
-                            f"hellaswag_val.jsonl, or leave it out to download the file once")
         import hellaswag
         try:
             hellaswag.load_items(cfg.hellaswag_file, limit=cfg.hellaswag_limit, flag="--hellaswag-file")
         except UserError as e:
             raise UserError(f"--hellaswag-file: {e}")
-    if named("core_bundle", "core_every"):  # the same for a bundle: its tasks and the items the run will score
+    if named("core_bundle", "core_every"):
         import core
         try:
             core.load_tasks(cfg.core_bundle, None, cfg.core_limit, "--core-bundle")
@@ -345,8 +305,7 @@ def check_evaluation_files(cfg):
 
 
 def stored(cfg, micro_batch):
-    """The settings as checkpoints and the run header keep them: every flag, resolved, with the
-    micro-batch the run trains with and whether it was fitted (then a resume fits it again)."""
+    """The settings as checkpoints keep them, with the micro-batch trained with and whether it was fitted."""
     out = {k: v for k, v in vars(cfg).items() if k != "given"}
     out.update(micro_batch_size=micro_batch, micro_batch_auto=cfg.micro_batch_size == "auto")
     return out
