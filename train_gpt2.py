@@ -84,6 +84,8 @@ class Run:
     model: torch.nn.Module       # what trains: compiled, DDP-wrapped or FSDP-sharded
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
+    schedule: optim.Schedule
+    peak_flops: Optional[float]  # the device's peak FLOP/s in dtype, for MFU (None: unknown)
     train_loader: dataloader.TokenLoader
     val_loader: Optional[dataloader.TokenLoader]
     val_sequences: int           # sequences each rank validates on (the same tokens whatever the micro-batch)
@@ -113,6 +115,7 @@ def setup(cfg, ranks, log, resume):
     checkpoint.agree_on_resume(ckpt, ranks)
     dtype, compile_on = device.configure_backends(ranks.device, cfg.dtype, cfg.compile, "compile" in cfg.given,
                                                    cfg.deterministic)
+    peak_flops = device.peak_flops(device.device_name(ranks.device), dtype)  # what MFU divides by
     fsdp = cfg.sharding == "fsdp"
     if fsdp and not ranks.multi:
         raise UserError("--sharding fsdp shards the model over several processes: launch it with "
@@ -150,6 +153,7 @@ def setup(cfg, ranks, log, resume):
     start_step = checkpoints.restore(ckpt, resume.path) if resume is not None else 0
     # the settings of this launch, over the param groups the checkpoint brought back
     optim.apply_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
+    schedule = optim.schedule_of(cfg)
     if ranks.is_master and (cfg.wandb or cfg.tensorboard):  # W&B and TensorBoard, fed by the log's records
         import trackers
         name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
@@ -164,7 +168,8 @@ def setup(cfg, ranks, log, resume):
                      f"{', '.join(moved)} to {dest}")
     run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, micro_batch=micro_batch,
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
-              optimizer=optimizer, scaler=scaler, train_loader=train_loader, val_loader=val_loader,
+              optimizer=optimizer, scaler=scaler, schedule=schedule, peak_flops=peak_flops, train_loader=train_loader,
+              val_loader=val_loader,
               val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
               per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)), **evals)
     write_header(run, origin, resume)
@@ -213,15 +218,25 @@ def build_data(cfg, ranks, micro_batch, vocab_size):
 
 
 def write_header(run, origin, resume):
-    """The run record and the lines that say what produced this run and how it is laid out."""
+    """The run record and the lines that say what produced this run and how it is laid out: what they
+    say is gathered first (the device, the processes, the model, the memory plan), then written."""
     cfg, ranks, log, model = run.cfg, run.ranks, run.log, run.raw_model
-    name, commit, cuda = device.device_name(ranks.device), git_commit(), ranks.device_type == "cuda"
+    cuda = ranks.device_type == "cuda"
+    name = device.device_name(ranks.device)
+    blocker = None if run.compile else device.compile_blocker(ranks.device)
+    fp16_muon = cfg.muon_lr and device.muon_dtype(ranks.device) != torch.bfloat16
+    warnings = device.slow_settings(ranks.device, run.dtype, run.compile, cfg.deterministic,
+                                    run.micro_batch * cfg.block_size)
     restart = parallel.torchrun_restart()
-    resume_path, changes = (resume.path, resume.changes) if resume is not None else (None, [])
+    params = model.num_params(non_embedding=False)
     muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if cfg.muon_lr else 0  # the block matrices
-    plan = memory.memory_plan(model.num_params(non_embedding=False), ranks.world_size, cfg.sharding, run.dtype,
-                              run.micro_batch, cfg.block_size, model.config.n_layer, model.config.n_embd,
-                              cfg.activation_checkpointing, muon_params=muon_params)
+    plan = memory.memory_plan(params, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,
+                              model.config.n_layer, model.config.n_embd, cfg.activation_checkpointing,
+                              muon_params=muon_params)
+    capacity = torch.cuda.get_device_properties(ranks.device).total_memory if cuda else None
+    memory_line = memory.format_memory_plan(plan, capacity, "GPU" if cuda else "process")
+    commit = git_commit()
+    resume_path, changes = (resume.path, resume.changes) if resume is not None else (None, [])
     log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
                compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum, versions=versions(),
@@ -233,7 +248,6 @@ def write_header(run, origin, resume):
     log.line(f"run: {start} | model {origin}, {model.num_params() / 1e6:.1f}M parameters")
     for change in changes:
         log.line(f"resume: {change}")
-    blocker = None if run.compile else device.compile_blocker(ranks.device)
     log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | world size {ranks.world_size} | "
              f"compile {'on' if run.compile else 'off'}{f' ({blocker})' if blocker else ''} | git {commit} | "
              f"torch {torch.__version__}")
@@ -247,19 +261,16 @@ def write_header(run, origin, resume):
              f"{' (auto-fit)' if cfg.micro_batch_size == 'auto' else ''}{val_note}")
     auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < train_config.DEFAULT_WARMUP
     muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if cfg.muon_lr else ""
-    if muon and device.muon_dtype(ranks.device) != torch.bfloat16:
+    if fp16_muon:
         muon += " (Newton-Schulz in float16: no bfloat16 on this GPU)"
     log.line(f"lr {cfg.max_lr:g}{muon}: {cfg.warmup_steps} warm-up steps"
              f"{' (10% of --max-steps; --warmup-steps sets it)' if auto_warmup else ''}"
              f", {'cosine' if cfg.lr_schedule == 'cosine' else 'stable, then linear'} to "
              f"{cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
-    capacity = torch.cuda.get_device_properties(ranks.device).total_memory if cuda else None
     log.line(f"memory ({cfg.sharding if run.fsdp else 'DDP' if ranks.multi else 'one process'}"
-             f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): "
-             + memory.format_memory_plan(plan, capacity, "GPU" if cuda else "process"))
+             f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): {memory_line}")
     log.record("memory", step=run.start_step, **plan)
-    for w in device.slow_settings(ranks.device, run.dtype, run.compile, cfg.deterministic,
-                                  run.micro_batch * cfg.block_size):
+    for w in warnings:
         log.line(f"warning: {w}")
 
 
@@ -275,8 +286,6 @@ def loop(run):
     timer = PhaseTimer(ranks.device, cfg.timing_breakdown)
     profiler = StepProfiler(cfg.profile_steps, ranks.device, os.path.join(cfg.log_dir, "profile"),
                             f"rank{ranks.rank}", run.log.line, cfg.memory_snapshot)
-    schedule = optim.schedule_of(cfg)
-    peak_flops = device.peak_flops(device.device_name(ranks.device), run.dtype)
     done = run.start_step  # optimizer steps completed
     for step in range(run.start_step, cfg.max_steps):
         with profiler.step(step):
@@ -288,13 +297,13 @@ def loop(run):
 
             # ---- one optimizer step over grad_accum micro-batches
             t0 = time.perf_counter()
-            lr = optim.set_lrs(run.optimizer, schedule, step, cfg.max_lr, cfg.muon_lr)
+            lr = optim.set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, cfg.muon_lr)
             loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
                                                       run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
             if diverged(run, loss, finite) and cfg.on_nonfinite == "stop":
                 return stop_on_nonfinite(run, step, loss, norm)
             done = step + 1
-            log_step(run, step, loss, lr, norm, time.perf_counter() - t0, finite, peak_flops)
+            log_step(run, step, loss, lr, norm, time.perf_counter() - t0, finite)
             timer.step_done(run.log, step)
 
             # ---- checkpoint: on schedule, at the end, and when a stop was asked for
@@ -326,10 +335,10 @@ def stop_on_nonfinite(run, step, loss, norm):
     return 3
 
 
-def log_step(run, step, loss, lr, norm, dt, finite, peak_flops):
+def log_step(run, step, loss, lr, norm, dt, finite):
     """The step's line and train record: tokens/s over all ranks, and MFU over the device's peak."""
     tok_per_s = run.cfg.total_batch_size / dt
-    mfu = run.raw_model.estimate_mfu(tok_per_s / run.ranks.world_size, peak_flops)
+    mfu = run.raw_model.estimate_mfu(tok_per_s / run.ranks.world_size, run.peak_flops)
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
     skipped = ("" if finite else " | skipped (non-finite)" if diverged(run, loss, finite) else
                " | skipped (float16 gradient overflow: the loss scale is lowered)")
