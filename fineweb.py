@@ -8,8 +8,7 @@ Every document is preceded by <|endoftext|>. The stream's first --val-tokens are
 a corpus under ten times that), the rest train shards of --shard-size (format: shard_format.py). Shards and then the
 manifest are written atomically, so a re-run after a kill goes on from the last whole shard to the bytes of an
 uninterrupted run. Bad input leaves nothing behind: the output directory is made once the source has been read.
-Worker processes tokenize batches of documents, taken back in order, while a thread writes finished shards.
-"""
+Worker processes tokenize batches of documents, taken back in order, while a thread writes finished shards."""
 
 import contextlib
 import hashlib
