@@ -30,10 +30,9 @@ from metrics import versions
 from shard_format import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, read_manifest, remedy, shard_name
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, get_tokenizer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
 DEFAULT_NAME = "sample-10BT"
-DEFAULT_OUT_DIR = os.path.join(HERE, "edu_fineweb10B")
+DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "edu_fineweb10B")
 DEFAULT_PREFIX = "edufineweb"  # build-nanogpt's shard names, so its scripts find ours
 TASKS_PER_WORKER = 4  # in flight per worker (fineweb_source.TASK_BYTES each): hides a slow read, bounded memory
 VAL_SHARE = 10  # a corpus under VAL_SHARE * val_tokens gives 1/VAL_SHARE of its tokens to validation
@@ -43,15 +42,13 @@ MIN_MAX_TOKENS = VAL_SHARE * SMALLEST_BATCH_TOKENS
 
 
 def cpu_count():
-    """The CPU cores this process may use (its affinity)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def parse_args(argv=None):
     p = ArgumentParser(description="Tokenize a text corpus into uint16 GPT-2 token shards.")
     a = p.add_argument_group("source (a Hugging Face dataset, or local files)").add_argument
-    a("--dataset", default=DEFAULT_DATASET, help="Hugging Face dataset name or local dataset directory "
-                                                 "(default: %(default)s)")
+    a("--dataset", default=DEFAULT_DATASET, help="Hugging Face dataset name or local directory (default: %(default)s)")
     a("--name", help=f"dataset config (default: {DEFAULT_NAME} for {DEFAULT_DATASET}, none otherwise)")
     a("--split", default="train", help="dataset split to read, also with --data-files (default: train)")
     a("--text-column", default="text", help="column holding the documents (default: text)")
@@ -66,8 +63,7 @@ def parse_args(argv=None):
                                                "(less disk; a resume re-reads the skipped documents)")
     a("--cache-dir", help="datasets cache (default: HF_DATASETS_CACHE)")
     a = p.add_argument_group("output").add_argument
-    a("--out-dir", help="where shards go (default: edu_fineweb10B/ next to fineweb.py for the default dataset; "
-                        "required otherwise)")
+    a("--out-dir", help="where shards go (required, except for the default dataset: edu_fineweb10B/ beside fineweb.py)")
     a("--prefix", help=f"shard name prefix (default: {DEFAULT_PREFIX} for the default dataset, data otherwise)")
     a("--shard-size", type=int, default=10**8, help="tokens per train shard (default: %(default)s)")
     a("--val-tokens", type=int, default=10**7,
@@ -121,8 +117,7 @@ def _init_worker(encoding):
 
 
 def encode_documents(task):
-    """[EOT] + tokens of each text, concatenated; each document's length; the bytes. A null text (None) is no
-    document (length 0, no <|endoftext|>) but keeps its place."""
+    """[EOT] + tokens of each text, concatenated, and each one's length (0 for a null text: no document, no EOT)."""
     texts, nbytes = task
     enc = _worker_encoding or get_tokenizer()
     # no special tokens allowed: a literal "<|endoftext|>" in the text is ordinary text, as in encode_ordinary
@@ -150,8 +145,7 @@ def ordered_map(fn, tasks, pool, depth):
 
 
 def write_manifest(out_dir, manifest):
-    data = json.dumps(manifest, indent=1).encode()
-    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(data))
+    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 
 def sha256_file(path):
@@ -193,7 +187,7 @@ class ShardWriter:
         self.out_dir, self.manifest, self.log = out_dir, manifest, log
         self.size, self.val_tokens = manifest["shard_size"], manifest["val_tokens"]
         self.index = len(manifest["shards"])
-        self.val = self.val_tokens if self.index else None  # a kept val shard has val_tokens (plan_resume)
+        self.val = self.val_tokens if self.index else None  # a kept val shard has val_tokens (previous_run)
         self.held, self.held_tokens = [], 0  # (tokens, end_at) while self.val is None
         self.buf, self.fill = None, 0
         self.thread = ThreadPoolExecutor(1)
@@ -260,26 +254,20 @@ class ShardWriter:
         self.pending.result()
 
 
-def check_out_dir(out_dir, settings):
-    """Check the output directory without creating it. Return its manifest if it holds our shards of the same
-    source and settings (to continue them), None if it is new or empty."""
+def previous_run(out_dir, settings, max_tokens):
+    """The manifest of our shards of the same source and settings in out_dir (None if new or empty; not made here),
+    and those to keep: a val shard of --val-tokens and the leading full train shards (others end where that run did)."""
     check_output_dir(out_dir, "--out-dir")
     manifest = read_manifest(out_dir)
     if manifest is None:
         if os.path.isdir(out_dir) and [f for f in os.listdir(out_dir) if not f.startswith(".")]:
             raise UserError(f"--out-dir {out_dir} is not empty and holds no {MANIFEST} from fineweb.py; "
                             "choose an empty or new directory")
-        return None
+        return None, []
     for key, want in settings.items():
         if manifest.get(key) != want:
             raise UserError(f"{out_dir} holds shards made with another {key} ({manifest.get(key)!r}, "
                             f"now {want!r}): use another --out-dir, or delete {out_dir} to start again")
-    return manifest
-
-
-def plan_resume(out_dir, manifest, max_tokens):
-    """Shards of an earlier run to keep: a val shard of --val-tokens, then the leading full train shards. A smaller
-    val shard and a partial last one were cut where that run's stream ended, so they are made again."""
     keep = []
     for s in manifest["shards"]:
         full = manifest["val_tokens"] if s["split"] == "val" else manifest["shard_size"]
@@ -290,7 +278,7 @@ def plan_resume(out_dir, manifest, max_tokens):
     if max_tokens is not None and done > max_tokens:
         raise UserError(f"{out_dir} already holds {done:,} tokens, more than --max-tokens {max_tokens:,}: "
                         "use another --out-dir")
-    return keep
+    return manifest, keep
 
 
 def remove_stale(out_dir, prefix, keep):
@@ -323,8 +311,7 @@ def position_after(n, first_doc, ends, skip):
 
 
 def tokenize_into_shards(args, ds, pool, manifest):
-    """Go on from the manifest's last shard to the end of the source (or --max-tokens); returns the tokens in
-    shards, the null texts skipped and this run's tokens per second. The bar's total is estimated from the text."""
+    """From the manifest's last shard to the end of the source or --max-tokens: (tokens, null texts, tokens/s)."""
     from tqdm import tqdm
     doc, skip = manifest["shards"][-1]["end"] if manifest["shards"] else (0, 0)
     done = before = sum(s["tokens"] for s in manifest["shards"])
@@ -368,13 +355,12 @@ def prepare(args):
     settings = {"source": source, "tokenizer": "gpt2", "vocab_size": VOCAB_SIZE, "eot_token": EOT_TOKEN,
                 "dtype": np.dtype(TOKEN_DTYPE).name, "shard_size": args.shard_size, "val_tokens": args.val_tokens,
                 "prefix": args.prefix}
-    previous = check_out_dir(out_dir, settings)
+    previous, keep = previous_run(out_dir, settings, args.max_tokens)
     if (previous is not None and previous.get("complete") and previous.get("max_tokens") == args.max_tokens
             and all(intact(out_dir, s) for s in previous["shards"])):
         print(f"{out_dir} is complete ({previous['total_tokens']:,} tokens in {len(previous['shards'])} shards); "
               "nothing to do")
         return previous
-    keep = plan_resume(out_dir, previous, args.max_tokens) if previous else []
     if source.get("encoding_errors") == "strict":
         check_utf8(source["data_files"])
 
@@ -429,9 +415,7 @@ def prepare(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.verify:
-        return verify(args.out_dir)
-    return prepare(args)
+    return verify(args.out_dir) if args.verify else prepare(args)
 
 
 if __name__ == "__main__":

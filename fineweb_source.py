@@ -72,17 +72,15 @@ def resolve_data_files(patterns):
 
 def describe_source(args):
     """What the shards are made of; a re-run must describe the same source to continue them."""
-    if args.data_files:
-        files, kind = resolve_data_files(args.data_files)
-        source = {"data_files": files, "bytes": [os.path.getsize(f) for f in files], "kind": kind,
-                  "split": args.split}
-        if kind == "text":
-            source["sample_by"] = args.sample_by
-        if kind in ("text", "json"):
-            source["encoding_errors"] = args.encoding_errors
-    else:
-        source = {"dataset": args.dataset, "name": args.name, "split": args.split}
-    source["text_column"] = args.text_column
+    source = {"split": args.split, "text_column": args.text_column}
+    if not args.data_files:
+        return dict(source, dataset=args.dataset, name=args.name)
+    files, kind = resolve_data_files(args.data_files)
+    source.update(data_files=files, bytes=[os.path.getsize(f) for f in files], kind=kind)
+    if kind == "text":
+        source["sample_by"] = args.sample_by
+    if kind in ("text", "json"):
+        source["encoding_errors"] = args.encoding_errors
     return source
 
 
