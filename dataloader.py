@@ -1,8 +1,6 @@
-"""
-TokenLoader: (x, y) batches of a token-shard directory (format: shard_format.py) for every rank of a DDP
-run, resumable to the exact sequence. Shards from build-nanogpt (no manifest) load too. The trainer
-imports this file, so it needs only numpy and torch: no writer, no `datasets`, no tokenizer.
-"""
+"""TokenLoader: (x, y) batches of a token-shard directory (format: shard_format.py) for every rank of a DDP run,
+resumable to the exact sequence. Shards from build-nanogpt (no manifest) load too. The trainer imports this file,
+so it needs only numpy and torch: no writer, no `datasets`, no tokenizer."""
 
 import bisect
 import hashlib
@@ -56,16 +54,12 @@ def find_shards(data_dir, split, vocab_size):
                             "use a model with a larger vocab_size, or re-create the shards with python fineweb.py")
     if not entries:
         raise UserError(f"no {split} shards (*_{split}_*.npy) in {data_dir}: {fix}")
-    paths = [os.path.join(data_dir, s["name"]) for s in entries]
-    shards = [open_shard(path, fix) for path in paths]
-    for path, s, arr in zip(paths, entries, shards):
-        if "tokens" in s and len(arr) != s["tokens"]:
-            raise UserError(f"shard {path} has {len(arr):,} tokens, its manifest says {s['tokens']:,}: {fix}")
+    shards = [open_shard(os.path.join(data_dir, s["name"]), s.get("tokens"), fix) for s in entries]
     return [s["name"] for s in entries], shards, manifest
 
 
-def open_shard(path, fix):
-    """A read-only memory map of one shard: pages are read on use, so data may exceed RAM."""
+def open_shard(path, tokens, fix):
+    """A read-only memory map of one shard (pages are read on use, so data may exceed RAM), of `tokens` if known."""
     if not os.path.isfile(path):
         raise UserError(f"shard {path} is missing: {fix}")
     with open(path, "rb") as f:
@@ -79,21 +73,20 @@ def open_shard(path, fix):
     if arr.dtype != TOKEN_DTYPE or arr.ndim != 1:
         raise UserError(f"shard {path} holds a {arr.dtype} array of shape {arr.shape}, expected 1-D uint16 "
                         f"tokens as fineweb.py writes them: {fix}")
+    if tokens is not None and len(arr) != tokens:
+        raise UserError(f"shard {path} has {len(arr):,} tokens, its manifest says {tokens:,}: {fix}")
     return arr
 
 
 class TokenLoader:
-    """(x, y) batches of B×T int64 next-token pairs from one split's shards.
-
-    The shards form one token stream (in name order, or permuted per epoch with shuffle_seed), cut into
-    sequences of T tokens: sequence s is x = stream[s*T : s*T+T], y one token further on, so nothing is
-    skipped or repeated at shard ends. An epoch is all (num_tokens - 1) // T sequences, in order or
-    permuted with rng(seed, epoch); the next epoch follows on, also inside a batch. All ranks draw from
-    one counter, `position`: each next_batch() takes the next world_size * size sequences, `size`
-    consecutive ones for each rank, rank 0's first. That counter is the resume state, so any rank's
-    restores every rank, with any batch size. With prefetch (default on CUDA) the next batch is made
-    by a background thread into pinned memory and copied with non_blocking=True.
-    """
+    """(x, y) batches of B×T int64 next-token pairs from one split's shards. The shards form one token stream (in
+    name order, or permuted per epoch with shuffle_seed), cut into sequences of T tokens: sequence s is
+    x = stream[s*T : s*T+T], y one token further on, so nothing is skipped or repeated at shard ends. An epoch is
+    all (num_tokens - 1) // T sequences, in order or permuted with rng(seed, epoch); the next epoch follows on, also
+    inside a batch. All ranks draw from one counter, `position`: each next_batch() takes the next world_size * size
+    sequences, `size` consecutive ones for each rank, rank 0's first. That counter is the resume state, so any
+    rank's restores every rank, with any batch size. With prefetch (default on CUDA) the next batch is made by a
+    background thread into pinned memory and copied with non_blocking=True."""
 
     def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1,
                  vocab_size=GPT2_VOCAB_SIZE, shuffle_seed=None, device="cpu", prefetch=None):
@@ -141,8 +134,7 @@ class TokenLoader:
         return self._layout_cache[1:]
 
     def _make(self, position, size):
-        """This rank's `size` sequences when `position` have been handed out, as one CPU int64 tensor of
-        `size` rows of T+1 tokens (pinned for CUDA with prefetch)."""
+        """This rank's `size` rows of T+1 tokens when `position` sequences have been handed out, on the CPU."""
         buf = torch.empty(size, self.T + 1, dtype=torch.int64, pin_memory=self._pin)
         rows = buf.numpy()
         for r in range(size):
@@ -168,9 +160,8 @@ class TokenLoader:
         return buf
 
     def next_batch(self, size=None, timer=None):
-        """The next `size` sequences of this rank (default B; validation's last batch may hold fewer) as (x, y)
-        on the loader's device. timer: a profiling.PhaseTimer, marked "data" once the batch is in host
-        memory and "copy" once it is on the device (--timing-breakdown), or None."""
+        """The next `size` sequences of this rank (default B; validation's last batch may hold fewer) on the loader's
+        device. timer: a profiling.PhaseTimer, marked "data" once the batch is in host memory, "copy" on the device."""
         key = (self.position, size or self.B)
         if self._ahead is not None and self._ahead[0] == key:
             buf = self._ahead[1].result()

@@ -1,5 +1,4 @@
-"""
-Data preparation: text in, uint16 GPT-2 token shards out (dataloader.py reads them back for training).
+"""Data preparation: text in, uint16 GPT-2 token shards out (dataloader.py reads them back for training).
 
     python fineweb.py                       # FineWeb-Edu sample-10BT -> edu_fineweb10B/ (~10B tokens)
     python fineweb.py --data-files 'corpus/*.jsonl' --out-dir data/corpus   # works offline
@@ -9,8 +8,7 @@ Every document is preceded by <|endoftext|>. The stream's first --val-tokens are
 a corpus under ten times that), the rest train shards of --shard-size (format: shard_format.py). Shards and then the
 manifest are written atomically, so a re-run after a kill goes on from the last whole shard to the bytes of an
 uninterrupted run. Bad input leaves nothing behind: the output directory is made once the source has been read.
-Worker processes tokenize batches of documents, taken back in order, while a thread writes finished shards.
-"""
+Worker processes tokenize batches of documents, taken back in order, while a thread writes finished shards."""
 
 import contextlib
 import hashlib
@@ -32,66 +30,52 @@ from metrics import versions
 from shard_format import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, read_manifest, remedy, shard_name
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, get_tokenizer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
 DEFAULT_NAME = "sample-10BT"
-DEFAULT_OUT_DIR = os.path.join(HERE, "edu_fineweb10B")
+DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "edu_fineweb10B")
 DEFAULT_PREFIX = "edufineweb"  # build-nanogpt's shard names, so its scripts find ours
 TASKS_PER_WORKER = 4  # in flight per worker (fineweb_source.TASK_BYTES each): hides a slow read, bounded memory
 VAL_SHARE = 10  # a corpus under VAL_SHARE * val_tokens gives 1/VAL_SHARE of its tokens to validation
-# The least --max-tokens gives each split one trainer batch of a 64-token context and batch 1, which takes
-# 64 + 1 tokens (the targets are the inputs shifted by one), validation getting a tenth of a stream this short.
+# the least --max-tokens gives each split a batch of one 64-token context (plus the last target), val a tenth
 SMALLEST_BATCH_TOKENS = 64 * 1 + 1
 MIN_MAX_TOKENS = VAL_SHARE * SMALLEST_BATCH_TOKENS
 
 
 def cpu_count():
-    """The CPU cores this process may use (its affinity), the default --workers."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def parse_args(argv=None):
-    """The command line, checked."""
     p = ArgumentParser(description="Tokenize a text corpus into uint16 GPT-2 token shards.")
-    src = p.add_argument_group("source (a Hugging Face dataset, or local files)")
-    src.add_argument("--dataset", default=DEFAULT_DATASET,
-                     help="Hugging Face dataset name or local dataset directory (default: %(default)s)")
-    src.add_argument("--name", default=None,
-                     help=f"dataset config (default: {DEFAULT_NAME} for {DEFAULT_DATASET}, none otherwise)")
-    src.add_argument("--split", default="train", help="dataset split to read, also with --data-files (default: train)")
-    src.add_argument("--text-column", default="text", help="column holding the documents (default: text)")
-    src.add_argument("--data-files", nargs="+", metavar="GLOB",
-                     help="local parquet / json / jsonl / txt files (globs, read in sorted order) "
-                          "instead of --dataset; works offline")
-    src.add_argument("--sample-by", default="document", choices=("document", "paragraph", "line"),
-                     help="for .txt files: what one document is (default: document)")
-    src.add_argument("--encoding-errors", default="strict", choices=("strict", "replace"),
-                     help="for .txt / .json / .jsonl files, bytes that are not UTF-8: strict (the default) stops "
-                          "before any work, naming the file and byte offset; replace reads them as U+FFFD")
-    src.add_argument("--streaming", action="store_true",
-                     help="read the dataset as it downloads instead of caching it first "
-                          "(less disk; a resume re-reads the skipped documents)")
-    src.add_argument("--cache-dir", default=None, help="datasets cache (default: HF_DATASETS_CACHE)")
-    out = p.add_argument_group("output")
-    out.add_argument("--out-dir", default=None,
-                     help="where shards go (default: edu_fineweb10B/ next to fineweb.py for the default "
-                          "dataset; required otherwise)")
-    out.add_argument("--prefix", default=None,
-                     help=f"shard name prefix (default: {DEFAULT_PREFIX} for the default dataset, data otherwise)")
-    out.add_argument("--shard-size", type=int, default=10**8, help="tokens per train shard (default: %(default)s)")
-    out.add_argument("--val-tokens", type=int, default=10**7,
-                     help=f"tokens of the validation split, the stream's first ones (default: %(default)s); a "
-                          f"corpus with fewer than {VAL_SHARE}x this many gives a tenth of its tokens instead")
-    out.add_argument("--max-tokens", type=int, default=None,
-                     help=f"stop after this many tokens, validation included (quick experiments); at least "
-                          f"{MIN_MAX_TOKENS}, so that each split holds a batch of a 64-token context")
-    out.add_argument("--workers", type=int, default=cpu_count(),
-                     help="tokenizer processes, at most the CPU cores this process may use (default: all of them; "
-                          "1: no subprocesses)")
-    out.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
-                     help="multiprocessing start method (default: the platform's)")
-    out.add_argument("--verify", action="store_true",
-                     help="check the shards in --out-dir against the manifest's checksums, then exit")
+    a = p.add_argument_group("source (a Hugging Face dataset, or local files)").add_argument
+    a("--dataset", default=DEFAULT_DATASET, help="Hugging Face dataset name or local directory (default: %(default)s)")
+    a("--name", help=f"dataset config (default: {DEFAULT_NAME} for {DEFAULT_DATASET}, none otherwise)")
+    a("--split", default="train", help="dataset split to read, also with --data-files (default: train)")
+    a("--text-column", default="text", help="column holding the documents (default: text)")
+    a("--data-files", nargs="+", metavar="GLOB", help="local parquet / json / jsonl / txt files (globs, read in "
+                                                      "sorted order) instead of --dataset; works offline")
+    a("--sample-by", default="document", choices=("document", "paragraph", "line"),
+      help="for .txt files: what one document is (default: document)")
+    a("--encoding-errors", default="strict", choices=("strict", "replace"),
+      help="for .txt / .json / .jsonl files, bytes that are not UTF-8: strict (the default) stops before any "
+           "work, naming the file and byte offset; replace reads them as U+FFFD")
+    a("--streaming", action="store_true", help="read the dataset as it downloads instead of caching it first "
+                                               "(less disk; a resume re-reads the skipped documents)")
+    a("--cache-dir", help="datasets cache (default: HF_DATASETS_CACHE)")
+    a = p.add_argument_group("output").add_argument
+    a("--out-dir", help="where shards go (required, except for the default dataset: edu_fineweb10B/ beside fineweb.py)")
+    a("--prefix", help=f"shard name prefix (default: {DEFAULT_PREFIX} for the default dataset, data otherwise)")
+    a("--shard-size", type=int, default=10**8, help="tokens per train shard (default: %(default)s)")
+    a("--val-tokens", type=int, default=10**7,
+      help=f"tokens of the validation split, the stream's first ones (default: %(default)s); a corpus with fewer "
+           f"than {VAL_SHARE}x this many gives a tenth of its tokens instead")
+    a("--max-tokens", type=int, help=f"stop after this many tokens, validation included (quick experiments); at "
+                                     f"least {MIN_MAX_TOKENS}, so that each split holds a batch of a 64-token context")
+    a("--workers", type=int, default=cpu_count(), help="tokenizer processes, at most the CPU cores this process "
+                                                       "may use (default: all of them; 1: no subprocesses)")
+    a("--start-method", choices=("fork", "spawn", "forkserver"),
+      help="multiprocessing start method (default: the platform's)")
+    a("--verify", action="store_true", help="check the shards in --out-dir against the manifest's checksums, then exit")
     args = p.parse_args(argv)
 
     default_source = args.dataset == DEFAULT_DATASET and not args.data_files
@@ -113,8 +97,7 @@ def parse_args(argv=None):
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     cores = cpu_count()
     if args.workers > cores:  # more processes than cores only add switching and memory
-        print(f"--workers {args.workers} is more than the {cores} CPU cores this process may use: using {cores}",
-              flush=True)
+        print(f"--workers {args.workers} is more than the {cores} CPU cores this process may use: using {cores}")
         args.workers = cores
     if args.max_tokens is not None and args.max_tokens < MIN_MAX_TOKENS:
         raise UserError(f"--max-tokens {args.max_tokens} is too few: each split needs one training batch, "
@@ -122,10 +105,6 @@ def parse_args(argv=None):
                         f"validation gets a tenth of a stream this short, so pass at least {MIN_MAX_TOKENS}")
     args.command = "python fineweb.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     return args
-
-
-# ----------------------------------------------------------------------------------------------
-# Tokenizing, in worker processes
 
 
 _worker_encoding = None
@@ -138,8 +117,7 @@ def _init_worker(encoding):
 
 
 def encode_documents(task):
-    """For a task of (texts, their bytes): [EOT] + tokens of each text, concatenated, as uint16; each document's
-    length; the bytes. A null text (None) is no document (length 0, no <|endoftext|>) but keeps its place."""
+    """[EOT] + tokens of each text, concatenated, and each one's length (0 for a null text: no document, no EOT)."""
     texts, nbytes = task
     enc = _worker_encoding or get_tokenizer()
     # no special tokens allowed: a literal "<|endoftext|>" in the text is ordinary text, as in encode_ordinary
@@ -153,8 +131,7 @@ def encode_documents(task):
 
 
 def ordered_map(fn, tasks, pool, depth):
-    """fn over tasks, results in task order, at most `depth` in flight (Pool.imap would read the whole input
-    ahead of the workers)."""
+    """fn over tasks in order, at most `depth` in flight (Pool.imap would read the whole input ahead)."""
     if pool is None:
         yield from map(fn, tasks)
         return
@@ -167,13 +144,8 @@ def ordered_map(fn, tasks, pool, depth):
         yield pending.popleft().get()
 
 
-# ----------------------------------------------------------------------------------------------
-# Writing shards and the manifest
-
-
 def write_manifest(out_dir, manifest):
-    data = json.dumps(manifest, indent=1).encode()
-    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(data))
+    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
 
 
 def sha256_file(path):
@@ -193,7 +165,6 @@ def intact(out_dir, entry):
 
 
 def verify(out_dir):
-    """Check every listed shard against its sha256."""
     manifest = read_manifest(out_dir)
     if manifest is None:
         raise UserError(f"{out_dir} has no {MANIFEST}: nothing to verify (prepare it with python fineweb.py)")
@@ -216,11 +187,11 @@ class ShardWriter:
         self.out_dir, self.manifest, self.log = out_dir, manifest, log
         self.size, self.val_tokens = manifest["shard_size"], manifest["val_tokens"]
         self.index = len(manifest["shards"])
-        self.val = self.val_tokens if self.index else None  # a kept val shard has val_tokens (plan_resume)
+        self.val = self.val_tokens if self.index else None  # a kept val shard has val_tokens (previous_run)
         self.held, self.held_tokens = [], 0  # (tokens, end_at) while self.val is None
         self.buf, self.fill = None, 0
         self.thread = ThreadPoolExecutor(1)
-        self.pending = None
+        self.pending = self.thread.submit(lambda: None)  # the last shard's write, awaited before the next one
 
     def add(self, tokens, end_at):
         """Append tokens; end_at(n) -> [document, offset] just after the first n of them."""
@@ -248,7 +219,6 @@ class ShardWriter:
             self.add(tokens, end_at)
 
     def finish(self, end):
-        """The end of the stream: cut what is held, write the last, partial shard."""
         if self.val is None:
             self.release(min(self.val_tokens, max(1, self.held_tokens // VAL_SHARE)))
         self.flush(end)
@@ -256,7 +226,7 @@ class ShardWriter:
     def flush(self, end):
         if self.fill == 0:
             return
-        self.wait()
+        self.pending.result()  # re-raises the writer's error here
         buf, n, index = self.buf, self.fill, self.index
         self.pending = self.thread.submit(self._write, buf, n, index, end)
         self.buf, self.fill, self.index = None, 0, index + 1  # the thread owns the old buffer now
@@ -279,38 +249,25 @@ class ShardWriter:
                             "to go on from there")
         self.log(f"wrote {name} ({n:,} tokens)")
 
-    def wait(self):
-        if self.pending is not None:
-            self.pending.result()  # re-raises the writer's error here
-            self.pending = None
-
     def close(self):
-        self.wait()
         self.thread.shutdown()
+        self.pending.result()
 
 
-def check_out_dir(out_dir, settings):
-    """Check the output directory without creating it. Return its manifest if it holds our shards of the same
-    source and settings (to continue them), None if it is new or empty."""
+def previous_run(out_dir, settings, max_tokens):
+    """The manifest of our shards of the same source and settings in out_dir (None if new or empty; not made here),
+    and those to keep: a val shard of --val-tokens and the leading full train shards (others end where that run did)."""
     check_output_dir(out_dir, "--out-dir")
-    if not os.path.isdir(out_dir):
-        return None
     manifest = read_manifest(out_dir)
     if manifest is None:
-        if [f for f in os.listdir(out_dir) if not f.startswith(".")]:
+        if os.path.isdir(out_dir) and [f for f in os.listdir(out_dir) if not f.startswith(".")]:
             raise UserError(f"--out-dir {out_dir} is not empty and holds no {MANIFEST} from fineweb.py; "
                             "choose an empty or new directory")
-        return None
+        return None, []
     for key, want in settings.items():
         if manifest.get(key) != want:
             raise UserError(f"{out_dir} holds shards made with another {key} ({manifest.get(key)!r}, "
                             f"now {want!r}): use another --out-dir, or delete {out_dir} to start again")
-    return manifest
-
-
-def plan_resume(out_dir, manifest, max_tokens):
-    """Shards of an earlier run to keep: a val shard of --val-tokens, then the leading full train shards. A smaller
-    val shard and a partial last one were cut where that run's stream ended, so they are made again."""
     keep = []
     for s in manifest["shards"]:
         full = manifest["val_tokens"] if s["split"] == "val" else manifest["shard_size"]
@@ -321,7 +278,7 @@ def plan_resume(out_dir, manifest, max_tokens):
     if max_tokens is not None and done > max_tokens:
         raise UserError(f"{out_dir} already holds {done:,} tokens, more than --max-tokens {max_tokens:,}: "
                         "use another --out-dir")
-    return keep
+    return manifest, keep
 
 
 def remove_stale(out_dir, prefix, keep):
@@ -335,18 +292,13 @@ def remove_stale(out_dir, prefix, keep):
 
 
 def discard(out_dir, prefix, created):
-    """Undo a run that leaves nothing worth keeping: its shards, the manifest, and the directory if this run
-    made it, so that the next try starts clean."""
+    """Undo a run that leaves nothing worth keeping (its shards, the manifest, the directory if it made it)."""
     remove_stale(out_dir, prefix, [])
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(out_dir, MANIFEST))
     if created:
         with contextlib.suppress(OSError):  # not empty after all: leave it, and the error that brought us here
             os.rmdir(out_dir)
-
-
-# ----------------------------------------------------------------------------------------------
-# Preparation
 
 
 def position_after(n, first_doc, ends, skip):
@@ -359,61 +311,56 @@ def position_after(n, first_doc, ends, skip):
 
 
 def tokenize_into_shards(args, ds, pool, manifest):
-    """Go on from the manifest's last shard to the end of the source (or --max-tokens); returns the tokens in
-    shards, the null texts skipped and this run's tokens per second. The bar's total is estimated from the text."""
+    """From the manifest's last shard to the end of the source or --max-tokens: (tokens, null texts, tokens/s)."""
     from tqdm import tqdm
     doc, skip = manifest["shards"][-1]["end"] if manifest["shards"] else (0, 0)
     done = before = sum(s["tokens"] for s in manifest["shards"])
     left = text_bytes(ds.data.column(args.text_column).slice(doc)) if hasattr(ds, "data") else None
-    bar = tqdm(initial=done, total=args.max_tokens, unit="tok", unit_scale=True, dynamic_ncols=True,
-               smoothing=0.05, desc="tokenizing")
-    writer = ShardWriter(args.out_dir, manifest, bar.write)
     end, nulls, read, t0 = [doc, skip], 0, 0, time.perf_counter()
-    try:
-        tasks = read_tasks(ds, doc, manifest["source"])
-        for tokens, lens, nbytes in ordered_map(encode_documents, tasks, pool, TASKS_PER_WORKER * args.workers):
-            if skip:  # the document where the last kept shard ended: drop what that shard has
-                tokens, lens = tokens[skip:], lens.copy()
-                lens[0] -= skip
-            if args.max_tokens is not None:
-                tokens = tokens[:args.max_tokens - done]
-            ends = np.cumsum(lens)
-            writer.add(tokens, lambda n, doc=doc, ends=ends, skip=skip: position_after(n, doc, ends, skip))
-            end = position_after(len(tokens), doc, ends, skip)
-            nulls += int(np.count_nonzero(lens[:end[0] - doc] == 0))  # null texts (encode_documents)
-            done += len(tokens)
-            doc += len(lens)
-            skip = 0
-            read += nbytes
-            bar.update(len(tokens))
-            if left is not None:
-                estimate = done + int((left - read) * (done - before) / max(read, 1))
-                bar.total = estimate if args.max_tokens is None else min(estimate, args.max_tokens)
-            if args.max_tokens is not None and done >= args.max_tokens:
-                break
-        writer.finish(end)
-    finally:
+    # the bar closes on an error too, so that the error starts a line of its own
+    with tqdm(initial=done, total=args.max_tokens, unit="tok", unit_scale=True, dynamic_ncols=True, smoothing=0.05,
+              desc="tokenizing") as bar:
+        writer = ShardWriter(args.out_dir, manifest, bar.write)
         try:
-            writer.close()  # on an error too: let a shard being written finish, with its manifest entry
+            tasks = read_tasks(ds, doc, manifest["source"])
+            for tokens, lens, nbytes in ordered_map(encode_documents, tasks, pool, TASKS_PER_WORKER * args.workers):
+                if skip:  # the document where the last kept shard ended: drop what that shard has
+                    tokens, lens = tokens[skip:], lens.copy()
+                    lens[0] -= skip
+                if args.max_tokens is not None:
+                    tokens = tokens[:args.max_tokens - done]
+                ends = np.cumsum(lens)
+                writer.add(tokens, lambda n, doc=doc, ends=ends, skip=skip: position_after(n, doc, ends, skip))
+                end = position_after(len(tokens), doc, ends, skip)
+                nulls += int(np.count_nonzero(lens[:end[0] - doc] == 0))  # null texts (encode_documents)
+                done += len(tokens)
+                doc += len(lens)
+                skip = 0
+                read += nbytes
+                bar.update(len(tokens))
+                if left is not None:
+                    estimate = done + int((left - read) * (done - before) / max(read, 1))
+                    bar.total = estimate if args.max_tokens is None else min(estimate, args.max_tokens)
+                if args.max_tokens is not None and done >= args.max_tokens:
+                    break
+            writer.finish(end)
         finally:
-            bar.close()  # so that an error starts a line of its own
+            writer.close()  # on an error too: let a shard being written finish, with its manifest entry
     return done, nulls, (done - before) / max(time.perf_counter() - t0, 1e-9)
 
 
 def prepare(args):
-    """Tokenize args' source into shards in args.out_dir; returns the manifest."""
     out_dir = args.out_dir
     source = describe_source(args)
     settings = {"source": source, "tokenizer": "gpt2", "vocab_size": VOCAB_SIZE, "eot_token": EOT_TOKEN,
                 "dtype": np.dtype(TOKEN_DTYPE).name, "shard_size": args.shard_size, "val_tokens": args.val_tokens,
                 "prefix": args.prefix}
-    previous = check_out_dir(out_dir, settings)
+    previous, keep = previous_run(out_dir, settings, args.max_tokens)
     if (previous is not None and previous.get("complete") and previous.get("max_tokens") == args.max_tokens
             and all(intact(out_dir, s) for s in previous["shards"])):
         print(f"{out_dir} is complete ({previous['total_tokens']:,} tokens in {len(previous['shards'])} shards); "
               "nothing to do")
         return previous
-    keep = plan_resume(out_dir, previous, args.max_tokens) if previous else []
     if source.get("encoding_errors") == "strict":
         check_utf8(source["data_files"])
 
@@ -467,11 +414,8 @@ def prepare(args):
 
 
 def main(argv=None):
-    """python fineweb.py: prepare the shards."""
     args = parse_args(argv)
-    if args.verify:
-        return verify(args.out_dir)
-    return prepare(args)
+    return verify(args.out_dir) if args.verify else prepare(args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
-"""
-fineweb.py's source: the documents it tokenizes, from a Hugging Face dataset (the hub, or the datasets cache
-offline) or local --data-files, read through `datasets` as Arrow tables and cut into worker tasks. An input that
-cannot be read gets one line naming the file and what to do. `datasets` and pyarrow are imported only where a
-source is read, so that --verify and bad flags answer without them.
-"""
+"""fineweb.py's source: the documents of a Hugging Face dataset (the hub, or the datasets cache offline) or local
+--data-files, read through `datasets` as Arrow tables and cut into worker tasks. An input that cannot be read gets
+one line naming the file and what to do. `datasets` and pyarrow are imported only where a source is read."""
 
 import codecs
 import contextlib
@@ -11,8 +8,6 @@ import glob
 import os
 import re
 from collections import Counter
-
-import numpy as np
 
 from common import UserError, first_line, hub_unreachable, json_line_problem
 
@@ -24,10 +19,6 @@ OFFLINE_HINT = ("to work offline, prepare local files instead: "
                 "python fineweb.py --data-files 'corpus/*.parquet' --out-dir data/corpus")
 READ_DOCS = 256  # documents per Arrow read
 TASK_BYTES = 1 << 20  # text per worker task: ~250k tokens, ~0.1 s of tiktoken, IPC cost < 1%
-
-
-# ----------------------------------------------------------------------------------------------
-# What the source is: --data-files resolved, or a hub dataset's name
 
 
 def data_suffix(path):
@@ -81,30 +72,23 @@ def resolve_data_files(patterns):
 
 def describe_source(args):
     """What the shards are made of; a re-run must describe the same source to continue them."""
-    if args.data_files:
-        files, kind = resolve_data_files(args.data_files)
-        source = {"data_files": files, "bytes": [os.path.getsize(f) for f in files], "kind": kind,
-                  "split": args.split}
-        if kind == "text":
-            source["sample_by"] = args.sample_by
-        if kind in ("text", "json"):
-            source["encoding_errors"] = args.encoding_errors
-    else:
-        source = {"dataset": args.dataset, "name": args.name, "split": args.split}
-    source["text_column"] = args.text_column
+    source = {"split": args.split, "text_column": args.text_column}
+    if not args.data_files:
+        return dict(source, dataset=args.dataset, name=args.name)
+    files, kind = resolve_data_files(args.data_files)
+    source.update(data_files=files, bytes=[os.path.getsize(f) for f in files], kind=kind)
+    if kind == "text":
+        source["sample_by"] = args.sample_by
+    if kind in ("text", "json"):
+        source["encoding_errors"] = args.encoding_errors
     return source
 
 
 def describe(source):
-    """The source in a few words, for messages."""
     if "data_files" in source:
         return f"--data-files ({len(source['data_files'])} {source['kind']} files)"
     config = f" (config {source['name']!r})" if source["name"] else ""
     return f"dataset {source['dataset']!r}{config} split {source['split']!r}"
-
-
-# ----------------------------------------------------------------------------------------------
-# The one-line errors for a source that cannot be read
 
 
 def first_bad_utf8(path, chunk=1 << 23):
@@ -208,10 +192,6 @@ def read_failure(source, cause):
                      "(an empty or malformed file?)")
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading
-
-
 def load_cached(args, kwargs):
     """A hub dataset from the datasets cache without the network, or None if it is not there.
     `datasets` and huggingface_hub read HF_HUB_OFFLINE at import, so their copies are set."""
@@ -231,21 +211,15 @@ def load_cached(args, kwargs):
         dconf.HF_HUB_OFFLINE, hconf.HF_HUB_OFFLINE = saved
 
 
-def hub_problem(dataset):
-    """Why the hub cannot be reached for a hub dataset, or None: a quick probe, so that an offline machine is told
-    at once instead of after a minute of retries."""
-    if os.path.exists(dataset) or not HUB_NAME.fullmatch(dataset):
-        return None
-    return hub_unreachable()
-
-
 def load_source(args, source):
     """The documents as a datasets.Dataset (or IterableDataset with --streaming), with at least two tokens where
     that is known before tokenizing; a hub dataset from the datasets cache where the hub cannot be reached."""
     import datasets
     from datasets.exceptions import DatasetGenerationError
     what = describe(source)
-    offline = None if "data_files" in source else hub_problem(args.dataset)
+    offline = None  # a quick probe of the hub: an offline machine is told at once, not after a minute of retries
+    if "data_files" not in source and not os.path.exists(args.dataset) and HUB_NAME.fullmatch(args.dataset):
+        offline = hub_unreachable()
     kwargs = dict(split=args.split, streaming=args.streaming, cache_dir=args.cache_dir)
     try:
         with datasets_errors_held():
@@ -285,8 +259,7 @@ def load_source(args, source):
         # <|endoftext|>: too little text for a val and a train split (a token each) is known before tokenizing
         column = ds.data.column(args.text_column)
         if text_bytes(column) + len(ds) - column.null_count < 2:
-            raise UserError(f"{what} makes at most 1 token, too few for a validation and a train "
-                            "split: add text")
+            raise UserError(f"{what} makes at most 1 token, too few for a validation and a train split: add text")
     return ds
 
 
@@ -328,11 +301,9 @@ def read_tasks(ds, start_doc, source):
                 raise read_failure(source, e)
             texts = [None if b is None else b.decode("utf-8", "replace")
                      for b in col.cast(pa.large_binary()).to_pylist()]
-        sizes = np.cumsum(pc.fill_null(pc.binary_length(col), 0).to_numpy())
-        # cut where the running byte count crosses each multiple of TASK_BYTES
-        cuts = np.searchsorted(sizes, np.arange(TASK_BYTES, sizes[-1], TASK_BYTES), side="left") + 1
-        prev = 0
-        for cut in list(np.unique(cuts)) + [len(texts)]:
-            if cut > prev:
-                yield texts[prev:cut], int(sizes[cut - 1] - (sizes[prev - 1] if prev else 0))
-                prev = cut
+        start, nbytes = 0, 0
+        for i, size in enumerate(pc.fill_null(pc.binary_length(col), 0).to_pylist()):
+            nbytes += size
+            if nbytes >= TASK_BYTES or i == len(texts) - 1:
+                yield texts[start:i + 1], nbytes
+                start, nbytes = i + 1, 0

@@ -1,10 +1,8 @@
-"""
-The token-shard directory's format, said once for its writer (fineweb.py) and its reader (dataloader.py).
+"""The token-shard directory's format, said once for its writer (fineweb.py) and its reader (dataloader.py).
 
 A directory holds <prefix>_val_000000.npy, then <prefix>_train_000001.npy, ... (plain uint16 .npy files, as in
 build-nanogpt) and manifest.json, which lists each shard with its token count, largest token id, sha256 and where
-in the source it ends, and the command that made them.
-"""
+in the source it ends, and the command that made them."""
 
 import json
 import os
@@ -22,12 +20,10 @@ SHARD_RE = re.compile(r"^(?P<prefix>.+)_(?P<split>val|train)_(?P<index>\d{6})\.n
 
 
 def shard_name(prefix, index):
-    """The file name of shard `index` (0 is the val split, the rest train)."""
     return f"{prefix}_{'val' if index == 0 else 'train'}_{index:06d}.npy"
 
 
 def read_manifest(out_dir):
-    """The manifest.json of a shard directory as a dict, or None where there is none."""
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         return None
@@ -42,8 +38,7 @@ def read_manifest(out_dir):
 
 
 def remedy(data_dir, manifest):
-    """What to do about a missing, damaged or unfinished shard directory, which may be a copy of the one the
-    manifest's command made."""
+    """What to do about a missing, damaged or unfinished shard directory (which may be a copy of the one made)."""
     if manifest is None or not manifest.get("command"):
         return f"prepare it with: python fineweb.py --out-dir {shlex.quote(data_dir)}"
     origin = manifest.get("out_dir")

@@ -1,7 +1,4 @@
-"""
-The GPT-2 tokenizer, built from local copies of OpenAI's files: no network, ever.
-get_tokenizer() is identical to tiktoken.get_encoding("gpt2").
-"""
+"""The GPT-2 tokenizer, identical to tiktoken.get_encoding("gpt2"), built offline from copies of OpenAI's files."""
 
 import functools
 import hashlib
@@ -37,7 +34,6 @@ def gpt2_bpe_files():
 
 @functools.lru_cache(maxsize=None)
 def get_tokenizer():
-    """The tiktoken 'gpt2' encoding, built offline."""
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str

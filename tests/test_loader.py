@@ -215,7 +215,7 @@ def test_reads_fineweb_output(tmp_path):
 def test_trainer_imports_no_writer():
     """The trainer reads shards through dataloader.py, which holds no writing code: the writer
     (fineweb.py), its source and `datasets` stay out of the trainer's imports."""
-    assert [name for name in ("ShardWriter", "write_manifest", "plan_resume", "verify", "sha256_file", "intact",
+    assert [name for name in ("ShardWriter", "write_manifest", "previous_run", "verify", "sha256_file", "intact",
                               "val_size", "VAL_SHARE") if hasattr(dataloader, name)] == []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import sys, train_gpt2, dataloader; "
