@@ -325,7 +325,6 @@ def atomic_directory(path, write_fn):
 
 # Models for the other scripts
 def model_from_checkpoint(ckpt, path):
-    """The GPT a checkpoint holds, on the CPU; one line if its model does not load."""
     try:
         model = GPT(GPTConfig(**ckpt["model_config"]))
         check_weights_fit(model, ckpt["model"], path)
@@ -353,7 +352,6 @@ def check_weights_fit(model, weights, path):
 
 
 def model_from_hub(name):
-    """A GPT from a hub name: from Hugging Face's cache if it is there (no network), else downloaded."""
     try:
         return GPT.from_pretrained(name, local_files_only=True)
     except OSError:  # not cached

@@ -98,7 +98,6 @@ class RunLog:
             self.metrics = open(os.path.join(self.log_dir, METRICS_FILE), "a", buffering=1)
 
     def line(self, msg):
-        """Append msg to log.txt and print it."""
         if self.active:
             self._open()
             self._append(self.text, msg + "\n")
@@ -115,7 +114,6 @@ class RunLog:
                         to_devnull(sys.stderr)
 
     def record(self, kind, **fields):
-        """Append {"kind": kind, **fields, "time": now} to metrics.jsonl."""
         if self.active:
             self._open()
             self._append(self.metrics, json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
