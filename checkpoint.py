@@ -1,9 +1,6 @@
-"""
-Training checkpoints, their whole life: the file, where it lives (LOG_DIR/ckpt_NNNNNN.pt), what it holds and how
-it is put back (Checkpointer.save and .restore are mirror images), finding the one to resume from, the final
-export to LOG_DIR/hf, and loading a model for the other scripts (a checkpoint, a log directory or a hub name).
-
-A checkpoint is one ordinary torch.save file holding the full, unsharded state, the same under DDP or FSDP:
+"""Training checkpoints (LOG_DIR/ckpt_NNNNNN.pt): writing and restoring them, finding the one to resume from, the
+final export to LOG_DIR/hf, and loading a model for the other scripts. A checkpoint is one torch.save file holding
+the full, unsharded state, the same under DDP or FSDP:
     format        CHECKPOINT_FORMAT
     step          steps completed: a resume starts at this step
     model_config  GPTConfig's fields
@@ -38,22 +35,17 @@ CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
 TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # a torch.save zip (torch >= 1.6), or a pickle (older)
 CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 
-# ----------------------------------------------------------------------------------------------
+
 # Files
-
-
 def checkpoint_path(log_dir, step):
-    """Where the checkpoint of `step` completed steps lives."""
     return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
 
 
 def step_of(path):
-    """The step in a checkpoint's file name (ckpt_000250.pt -> 250)."""
     return int(CHECKPOINT_RE.match(os.path.basename(path)).group(1))
 
 
 def list_checkpoints(log_dir):
-    """Checkpoint files in log_dir, oldest step first."""
     found = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt"))
              if CHECKPOINT_RE.match(os.path.basename(p))]
     return sorted(found, key=step_of)
@@ -66,22 +58,17 @@ def latest_checkpoint(log_dir):
 
 
 def save_file(path, ckpt):
-    """Write a checkpoint dict atomically. A failed write (a full disk) raises the OSError, not the
-    RuntimeError torch's zip writer turns it into ("unexpected pos ...")."""
     ckpt = dict(ckpt, format=CHECKPOINT_FORMAT)
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
-    except RuntimeError as e:
+    except RuntimeError as e:  # torch's zip writer turns a failed write (a full disk) into "unexpected pos ..."
         if isinstance(e.__context__, OSError):
             raise e.__context__ from None
         raise
 
 
 def load_file(path):
-    """Read a checkpoint written by train_gpt2.py, on the CPU; UserError for anything else, and for one whose
-    zip CRCs say it was damaged (torch.load checks none; reading them costs ~0.04 s per 100 MB)."""
-    if not os.path.isfile(path):
-        raise UserError(f"checkpoint {path} does not exist")
+    """A checkpoint written by train_gpt2.py, on the CPU; UserError for anything else or damaged (its zip CRCs)."""
     with open(path, "rb") as f:
         head = f.read(4)
     if head and not head.startswith(TORCH_FILE_MAGIC):  # the unpickler's complaints would say nothing useful
@@ -107,8 +94,7 @@ def load_file(path):
 
 
 def newest_that_loads(folder):
-    """(path, checkpoint, [why each newer one was skipped]) for the newest checkpoint in folder that
-    loads; (None, None, []) when there is none; UserError when there are some and none loads."""
+    """(path, checkpoint, [why each newer one was skipped]) of the newest checkpoint in folder that loads."""
     found = list_checkpoints(folder)
     problems = []
     for path in reversed(found):
@@ -121,12 +107,8 @@ def newest_that_loads(folder):
     return None, None, []
 
 
-# ----------------------------------------------------------------------------------------------
 # What a checkpoint holds, and putting it back
-
-
 def rng_state():
-    """Every random generator a training step draws from."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -134,7 +116,6 @@ def rng_state():
 
 
 def set_rng_state(state):
-    """Put back what rng_state() captured (CUDA's only on a machine with as many GPUs)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -143,9 +124,8 @@ def set_rng_state(state):
 
 
 class Checkpointer:
-    """The checkpoints of one run in log_dir, keeping the newest `keep`, and the last one written or resumed
-    from (last_path, last_step). model: as it trains (compiled, DDP or FSDP); every rank calls save() and
-    restore() (with fsdp, every rank takes part in gathering the full state)."""
+    """The checkpoints of one run in log_dir, keeping the newest `keep`; model as it trains (compiled, DDP or
+    FSDP). Every rank calls save() and restore()."""
 
     def __init__(self, log_dir, keep, ranks, log, *, model, optimizer, scaler, train_loader, config, fsdp):
         self.log_dir, self.keep, self.ranks, self.log = log_dir, keep, ranks, log
@@ -202,17 +182,11 @@ class Checkpointer:
         return ckpt["step"]
 
 
-# ----------------------------------------------------------------------------------------------
 # Resuming: which checkpoint
-
-
 def resume_point(resume, log_dir):
-    """Which checkpoint a launch continues, as find_resume() says it, decided once for the whole launch:
-    a new run (resume None) refused where log_dir holds one or a trainer holds its lock; the
-    --resume PATH an earlier launch into log_dir was given, given again (a requeued job, torchrun
-    --max-restarts), going on from log_dir's own newest checkpoint, since log_dir continues the
-    branch or the other run PATH started already; another directory's checkpoint refused where
-    log_dir holds a run of its own (the two runs' checkpoints, export and metrics would mix)."""
+    """Which checkpoint a launch continues, as find_resume() says it. A --resume PATH given again (a requeued
+    job) goes on from log_dir's own newest checkpoint; another run's checkpoint is refused where log_dir holds
+    a run of its own (their checkpoints, export and metrics would mix)."""
     holds_run = bool(list_checkpoints(log_dir)) or metrics.steps_logged(log_dir)
     if resume is None:  # never silently write over an earlier run
         metrics.check_not_running(log_dir)
@@ -232,12 +206,8 @@ def resume_point(resume, log_dir):
 
 
 def find_resume(resume, log_dir):
-    """(path, checkpoint, [why each newer one was skipped]) to resume from, or (None, None, []) to
-    start fresh. resume: None (a new run), "latest" (the newest checkpoint in log_dir that loads,
-    passing over files cut short by a full disk or damaged, say), a log directory, or a checkpoint
-    file (which must load)."""
-    if resume is None:
-        return None, None, []
+    """(path, checkpoint, [why each newer one was skipped]) to resume from; resume: "latest" (the newest in
+    log_dir that loads), a log directory, or a checkpoint file (which must load)."""
     if resume != "latest" and not os.path.isdir(resume):
         if not os.path.exists(resume):
             raise UserError(f"--resume {resume}: no such file; pass a ckpt_*.pt file, a log directory, "
@@ -254,18 +224,14 @@ def find_resume(resume, log_dir):
 
 
 def in_log_dir(path, log_dir):
-    """Whether the checkpoint file at path lies in log_dir itself (not another run's directory, nor a
-    folder inside log_dir such as superseded/)."""
+    """Whether path lies in log_dir itself (not in another run's directory, nor in superseded/)."""
     return (path is not None and os.path.isdir(log_dir)
             and os.path.samefile(os.path.dirname(os.path.abspath(path)), log_dir))
 
 
 def set_aside_later(log_dir, path, step):
-    """Resuming log_dir from its own checkpoint `path` of `step` while later checkpoints exist starts
-    a new branch: the later ones (and the export of the old branch's end, LOG_DIR/hf) are moved to
-    LOG_DIR/superseded/after_step_<step>_<time>/, so that every reader (--resume, sample.py,
-    hellaswag.py, plot.py, the checkpoint rotation) sees the new branch only. Nothing is deleted.
-    Returns (the folder, the names moved), or (None, []) where nothing was later."""
+    """Resuming log_dir from its own checkpoint of `step` starts a new branch: later checkpoints (and LOG_DIR/hf)
+    move to LOG_DIR/superseded/after_step_<step>_<time>/, out of every reader's sight. (folder, names moved)."""
     if not in_log_dir(path, log_dir):
         return None, []
     later = [p for p in list_checkpoints(log_dir) if step_of(p) > step]
@@ -281,10 +247,8 @@ def set_aside_later(log_dir, path, step):
 
 
 def resume_command(log_dir, world_size=1, per_node=None):
-    """The command that continues the run in log_dir, quoted for the shell (a path with spaces): a
-    resume needs the run's process count (check_world_size), so a run of world_size processes,
-    per_node on each node, gets the torchrun that starts as many, on every node where it spans
-    several (N, each node's rank, and HOST:PORT, the first node's address, are the user's to fill in)."""
+    """The shell command that continues the run in log_dir with as many processes (check_world_size); on several
+    nodes, N (each node's rank) and HOST:PORT (the first node's address) are the user's to fill in."""
     args = f"train_gpt2.py --log-dir {shlex.quote(log_dir)} --resume"
     if world_size <= 1:
         return f"python {args}"
@@ -296,8 +260,7 @@ def resume_command(log_dir, world_size=1, per_node=None):
 
 
 def check_world_size(ckpt, path, ranks):
-    """The data position is counted in the run's world size: it must not change. Every rank refuses
-    alike; rank 0 says why, the others leave with the same status quietly."""
+    """The data position counts in the run's process count, which must not change: rank 0 says why, the rest exit."""
     saved = ckpt.get("world_size", ckpt["config"].get("world_size"))  # older checkpoints: in the config
     if saved != ranks.world_size:
         if not ranks.is_master:
@@ -314,10 +277,7 @@ def agree_on_resume(ckpt, ranks):
                         "must see the same --log-dir (a shared file system)")
 
 
-# ----------------------------------------------------------------------------------------------
 # The final model, exported for other tools: LOG_DIR/hf
-
-
 def export_pending(log_dir, final_checkpoint):
     """Whether LOG_DIR/hf has no weights written after the final checkpoint (an export cut short by a full disk)."""
     weights = os.path.join(log_dir, "hf", "model.safetensors")
@@ -325,8 +285,7 @@ def export_pending(log_dir, final_checkpoint):
 
 
 def export_final(model, log_dir, last_checkpoint, resume_command):
-    """Write the GPT `model` (plain, on one process) and the GPT-2 tokenizer to LOG_DIR/hf in Hugging Face's
-    format; a full disk leaves the earlier export and says how to export again (resume_command)."""
+    """Write the plain GPT `model` and the GPT-2 tokenizer to LOG_DIR/hf in Hugging Face's format."""
     from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
     out = os.path.join(log_dir, "hf")
     try:
@@ -340,8 +299,7 @@ def export_final(model, log_dir, last_checkpoint, resume_command):
 
 
 def atomic_directory(path, write_fn):
-    """write_fn(tmp) fills a new directory beside path that then takes its place: a failure or a kill leaves the
-    older directory, never half of a new one. One writer at a time (the trainer's lock)."""
+    """write_fn(tmp) fills a new directory that then takes path's place: a failure or a kill leaves the older one."""
     parent, name = os.path.split(os.path.abspath(path))
     tmp, old = os.path.join(parent, f".{name}.tmp"), os.path.join(parent, f".{name}.old")
 
@@ -365,12 +323,8 @@ def atomic_directory(path, write_fn):
     fsync_path(parent)
 
 
-# ----------------------------------------------------------------------------------------------
 # Models for the other scripts
-
-
 def model_from_checkpoint(ckpt, path):
-    """The GPT a checkpoint holds, on the CPU; one line if its model does not load."""
     try:
         model = GPT(GPTConfig(**ckpt["model_config"]))
         check_weights_fit(model, ckpt["model"], path)
@@ -382,8 +336,7 @@ def model_from_checkpoint(ckpt, path):
 
 
 def check_weights_fit(model, weights, path):
-    """UserError naming the first weight, in the model's order, that is missing from `weights`, has another shape
-    there or is not the model's (torch's own first line names none). model: the GPT the checkpoint's config makes."""
+    """UserError naming the first weight missing from `weights`, of another shape there, or not the model's."""
     expected = model.state_dict()
     problems = []
     for key, tensor in expected.items():
@@ -399,7 +352,6 @@ def check_weights_fit(model, weights, path):
 
 
 def model_from_hub(name):
-    """A GPT from a hub name: from Hugging Face's cache if it is there (no network), else downloaded."""
     try:
         return GPT.from_pretrained(name, local_files_only=True)
     except OSError:  # not cached

@@ -11,10 +11,8 @@ import sys
 import tempfile
 import traceback
 
-# ----------------------------------------------------------------------------------------------
+
 # Errors and the exit path: bad input gets one line, a non-zero exit and no traceback.
-
-
 class UserError(Exception):
     """A problem the user can fix; its message says what is wrong and what to do."""
 
@@ -36,7 +34,6 @@ _joined_process_group = False  # set by mark_joined_process_group(); decides how
 
 
 def mark_joined_process_group():
-    """Called once this process is in a torch.distributed process group (parallel.setup_distributed)."""
     global _joined_process_group
     _joined_process_group = True
 
@@ -97,10 +94,8 @@ def print0(*args, **kwargs):
         print(*args, **kwargs)
 
 
-# ----------------------------------------------------------------------------------------------
 # Stop requests (SIGTERM, Ctrl-C, and SIGUSR1: train_gpt2.sbatch's warning before Slurm's time limit)
 # are noted, not obeyed at once, so that a long job ends cleanly at its next safe point.
-
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name))
 
 
@@ -118,14 +113,10 @@ class StopFlag:
     def _handler(self, signum, frame):
         if self.signal is None:  # the first request is the one the run reports
             self.signal = signal.Signals(signum).name
-        # a second Ctrl-C stops at once
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
 
 
-# ----------------------------------------------------------------------------------------------
 # Files
-
-
 def check_output_dir(path, flag):
     """UserError unless `path` is, or can be made as, a directory this process may write in (made later)."""
     if not path:
@@ -193,10 +184,7 @@ def json_line_problem(line, error):
     return f"not JSON ({error.msg})"
 
 
-# ----------------------------------------------------------------------------------------------
 # The network, asked before a download: an offline machine gets one line at once, not a minute of retries.
-
-
 def unreachable(url, timeout=5.0):
     """Why url's host cannot be reached; None when a connection opens or a proxy (no probe can judge it) is set."""
     from urllib.parse import urlparse

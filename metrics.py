@@ -1,41 +1,32 @@
 """
-The metrics.jsonl format in one place: RunLog writes it (train_gpt2.py, rank 0), read_metrics
-reads it (plot.py and whatever else summarises a run). RunLog also holds the log directory's lock
-(one trainer per directory) and hands every record to the experiment trackers (trackers.py); and
-what produced a run or a data set (versions, git commit), as run headers and manifests record it.
+metrics.jsonl and log.txt: RunLog writes them (train_gpt2.py, rank 0; it also holds the log directory's lock and feeds
+the trackers), read_metrics reads them (plot.py); and what produced a run or a data set (versions, git commit).
 
-A log directory holds log.txt (the lines printed during the run, for people and grep) and
-metrics.jsonl: one JSON object per line, appended, flushed after each record. Every record has
-"kind" and "time" (Unix seconds when written). The kinds and their other keys:
-
-  run         one per launch of the trainer, first: step (the step it starts at: 0, or the
-              resumed checkpoint's), max_steps, tokens_per_step, resumed_from (checkpoint path
-              or null), device, device_name, dtype, compile, world_size, grad_accum, versions
-              ({python, torch, ...}), git (commit, "-dirty" if changed, or null), config (every
-              resolved setting, as checkpoints store it), changes (the settings a resume's command
-              line changed, one line each), restart (how many times torchrun --max-restarts had
-              started the group again), per_node (processes per node: what a resume launches)
-  memory      one per launch, after run: step, params, grads, optimizer, activations, total:
-              the bytes each GPU (or process) is planned to hold (memory.memory_plan)
-  train       one per optimizer step: step, loss, lr, grad_norm, dt_ms, tok_per_s (all ranks),
-              mfu (a fraction, null where the device's peak is unknown), tokens (seen after the
-              step: (step + 1) * tokens_per_step), skipped (true: a non-finite step not applied)
+log.txt holds the lines printed during the run. metrics.jsonl holds one JSON object per line, appended and flushed
+per record, each with "kind" and "time" (Unix seconds). The kinds and their other keys:
+  run         one per launch, first: step (where it starts: 0 or the resumed checkpoint's), max_steps,
+              tokens_per_step, resumed_from (checkpoint path or null), device, device_name, dtype, compile,
+              world_size, grad_accum, versions, git (commit, "-dirty" if changed, or null), config (every resolved
+              setting), changes (the settings a resume's command line changed), restart (torchrun's restart count),
+              per_node (processes per node: what a resume launches)
+  memory      one per launch, after run: step, params, grads, optimizer, activations, total: the bytes each GPU
+              (or process) is planned to hold (memory.memory_plan)
+  train       one per optimizer step: step, loss, lr, grad_norm, dt_ms, tok_per_s (all ranks), mfu (a fraction,
+              null where the device's peak is unknown), tokens (seen after the step: (step + 1) * tokens_per_step),
+              skipped (true: a non-finite step not applied)
   val         step, val_loss, tokens (seen before the step: step * tokens_per_step)
   hellaswag   step, acc, acc_norm, n (items scored), tokens (as for val)
   core        step, core (the mean centred accuracy), centered ({task: centred accuracy}), tokens
   checkpoint  step (steps completed: a resume starts there), path
   sample      step, index, text: one of the samples printed at that step
-  timing      step, data_ms, copy_ms, forward_ms, backward_ms, optimizer_ms, eval_ms: mean ms
-              per step of each phase since the last timing record (--timing-breakdown)
-  end         step (finished: max_steps; otherwise the last step that ran, -1 for none),
-              reason: finished, signal or nonfinite; absent when the process was killed or is
-              still running
+  timing      step, data_ms, copy_ms, forward_ms, backward_ms, optimizer_ms, eval_ms: mean ms per step of each
+              phase since the last timing record (--timing-breakdown)
+  end         step (max_steps when finished, else the last step that ran, -1 for none), reason: finished, signal
+              or nonfinite; absent when the process was killed or is still running
 
-read_metrics skips the kinds it does not use (timing, and any a newer trainer adds), so kinds
-can be added without breaking readers. A line that holds no readable record (a write cut short by a
-kill, damage, a record of a kind it uses without one of its REQUIRED keys or with a value of another
-type) is skipped with one warning naming it, wherever it is; a file in which no line is a record is
-an error.
+Readers skip the kinds they do not use, so kinds can be added. A line that holds no usable record (a write cut
+short by a kill, damage, a used kind without one of its REQUIRED keys or with a value of another type) is skipped
+with one warning naming it; a file in which no line is a record is an error.
 """
 
 import importlib.util
@@ -67,16 +58,12 @@ NUMBERS = ("time", "mfu", "max_steps", "tokens_per_step", "world_size", "per_nod
 TYPE_WORDS = {int: "an integer", float: "a number", str: "text"}
 STEP_KINDS = ("train", "val", "hellaswag", "core", "checkpoint")  # read_metrics keeps one record per step
 
-# ----------------------------------------------------------------------------------------------
+
 # Writing
-
-
 class RunLog:
-    """log.txt and metrics.jsonl of one run. Rank 0 writes; other ranks hold a RunLog that does
-    nothing, so the training loop calls it without asking which rank it is. hold(), or else the
-    first write, takes the log directory's lock (one trainer per directory) until close(). With
-    trackers (a Trackers), every record goes to them too. A stdout whose reader went away (a pipe
-    into head) ends the printing, not the run: log.txt keeps every line."""
+    """log.txt and metrics.jsonl of one run: rank 0 writes, the other ranks' RunLog does nothing. hold(), or else
+    the first write, takes the directory's lock until close(). A stdout whose reader went away ends the printing,
+    not the run."""
 
     def __init__(self, log_dir, active):
         self.active = active
@@ -87,13 +74,20 @@ class RunLog:
         self.made = None  # what hold() made ("dir", "lock"): a launch refused before its first line removes it
 
     def hold(self):
-        """Take the log directory's lock now (rank 0), before anything of this launch touches the
-        directory (trackers, checkpoints set aside): a launch refused by the lock leaves it as it was."""
+        """Take the lock before anything of this launch touches the directory: a launch it refuses changes nothing."""
         if self.active and self.lock is None:
             made_dir = not os.path.isdir(self.log_dir)
             os.makedirs(self.log_dir, exist_ok=True)
-            made_lock = not os.path.exists(os.path.join(self.log_dir, LOCK_FILE))
-            self.lock = take_lock(self.log_dir)
+            path = os.path.join(self.log_dir, LOCK_FILE)
+            made_lock = not os.path.exists(path)
+            f = open(path, "a+")  # its lock ends with the file or the process: a kill -9 leaves nothing to clean up
+            if not _try_lock(f):
+                raise _in_use(self.log_dir, f)
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.flush()
+            self.lock = f
             self.made = "dir" if made_dir else "lock" if made_lock else None
 
     def _open(self):
@@ -104,7 +98,6 @@ class RunLog:
             self.metrics = open(os.path.join(self.log_dir, METRICS_FILE), "a", buffering=1)
 
     def line(self, msg):
-        """Append msg to log.txt and print it."""
         if self.active:
             self._open()
             self._append(self.text, msg + "\n")
@@ -112,20 +105,15 @@ class RunLog:
                 try:
                     print(msg, flush=True)
                 except BrokenPipeError:
-                    self._stdout_gone()
-
-    def _stdout_gone(self):
-        self.printing = False
-        to_devnull(sys.stdout)
-        path = os.path.join(self.log_dir, TEXT_LOG_FILE)
-        try:
-            print(f"note: stdout was closed; training goes on, its lines only in {path}", file=sys.stderr,
-                  flush=True)
-        except BrokenPipeError:  # stderr went into the same pipe (2>&1)
-            to_devnull(sys.stderr)
+                    self.printing = False
+                    to_devnull(sys.stdout)
+                    try:
+                        print(f"note: stdout was closed; training goes on, its lines only in {self.text.name}",
+                              file=sys.stderr, flush=True)
+                    except BrokenPipeError:  # stderr went into the same pipe (2>&1)
+                        to_devnull(sys.stderr)
 
     def record(self, kind, **fields):
-        """Append {"kind": kind, **fields, "time": now} to metrics.jsonl."""
         if self.active:
             self._open()
             self._append(self.metrics, json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
@@ -152,7 +140,6 @@ class RunLog:
                     pass
 
     def _append(self, f, text):
-        """Append text to f (log.txt or metrics.jsonl) and flush it; a write that fails is one line."""
         try:
             f.write(text)
             f.flush()
@@ -163,8 +150,7 @@ class RunLog:
 
 
 def _try_lock(f):
-    """True when this process now holds f's exclusive lock; False when another process does. A file
-    system without locks (some network mounts) or a platform without fcntl counts as free."""
+    """Whether this process now holds f's lock; a file system or platform without locks counts as free."""
     try:
         import fcntl
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -181,19 +167,6 @@ def _in_use(log_dir, f):
     f.close()
     return UserError(f"{log_dir} is in use by a trainer that is still running ({holder}): wait for it to end or "
                      "stop it (it checkpoints on SIGTERM), or use another --log-dir")
-
-
-def take_lock(log_dir):
-    """Lock log_dir for this trainer (an open file: the lock ends when it is closed or the process
-    dies, so a kill -9 leaves nothing to clean up); UserError naming the holder when it is taken."""
-    f = open(os.path.join(log_dir, LOCK_FILE), "a+")
-    if not _try_lock(f):
-        raise _in_use(log_dir, f)
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    return f
 
 
 def check_not_running(log_dir):
@@ -216,8 +189,7 @@ def resumed_before(log_dir):
 
 
 def steps_logged(log_dir):
-    """Whether log_dir's metrics.jsonl holds a finished training step: a launch that failed
-    before its first step leaves only its header, and must not block a new run."""
+    """Whether log_dir's metrics.jsonl holds a finished step (a launch that failed before one blocks no new run)."""
     path = os.path.join(log_dir, METRICS_FILE)
     if not os.path.isfile(path):
         return False
@@ -225,56 +197,41 @@ def steps_logged(log_dir):
         return any(b'"kind": "train"' in line for line in f)
 
 
-# ----------------------------------------------------------------------------------------------
 # Reading
-
 _warned = set()  # metrics files already warned about: once per file per process
 
 
 def _decode(line):
-    """(record, None) for a line that holds a record a reader can use, else (None, what is wrong with
-    it). A write cut by a kill leaves a partial line, and the next launch appends its first record
-    right after it: that record is returned, with the cut named."""
+    """(record or None, what is wrong with the line or None). A write cut by a kill leaves a partial line that the
+    next launch's first record follows: that record is read, with the cut named."""
     try:
         rec, why = json.loads(line), None
     except ValueError as e:
         rec, why = None, json_line_problem(line, e)
-        decoder = json.JSONDecoder()
         for start in [i for i, c in enumerate(line) if c == "{" and i > 0]:
             try:
-                found, end = decoder.raw_decode(line, start)
-            except ValueError:
-                continue
-            if not line[end:].strip():
-                rec, why = found, "a write cut short by a kill, then a record"
+                rec, why = json.loads(line[start:]), "a write cut short by a kill, then a record"
                 break
+            except ValueError:
+                pass
     if rec is None:
         return None, why
     if not (isinstance(rec, dict) and isinstance(rec.get("kind"), str)):
         return None, 'not a record (a JSON object with a "kind")'
-    problem = _problem(rec)
-    return (None, problem) if problem else (rec, why)
-
-
-def _problem(rec):
-    """What keeps a reader from using a record: a REQUIRED key missing, or a value of another type."""
     kind = rec["kind"]
     if kind not in REQUIRED:
-        return None
-    wanted = dict(REQUIRED[kind], **{key: float for key in NUMBERS if rec.get(key) is not None})
-    for key, want in wanted.items():
+        return rec, why
+    for key, want in dict(REQUIRED[kind], **{k: float for k in NUMBERS if rec.get(k) is not None}).items():
         value = rec.get(key)
         if value is None:
-            return f"a {kind!r} record without {key!r}"
+            return None, f"a {kind!r} record without {key!r}"
         if isinstance(value, bool) or not isinstance(value, (int, float) if want is float else want):
-            return f"{key!r} is {value!r}, not {TYPE_WORDS[want]}"
-    return None
+            return None, f"{key!r} is {value!r}, not {TYPE_WORDS[want]}"
+    return rec, why
 
 
 def read_records(path):
-    """(line number, record) pairs of a metrics file, every kind, in file order. A line that holds no
-    record a reader can use is skipped with one warning naming it (its record, where a cut write
-    precedes it on the line, is read); a file in which no line is a record is an error."""
+    """The records of a metrics file, every kind, in file order; what no reader can use is skipped with a warning."""
     with open(path, "rb") as f:
         lines = f.read().decode("utf-8", errors="replace").split("\n")
     records, skipped = [], []
@@ -285,7 +242,7 @@ def read_records(path):
         if why is not None:
             skipped.append(f"line {n}: {why}")
         if rec is not None:
-            records.append((n, rec))
+            records.append(rec)
     if skipped and not records:
         raise UserError(f"{path} is not JSON records of a run ({skipped[0]}): pass the --log-dir of a "
                         "train_gpt2.py run")
@@ -297,22 +254,10 @@ def read_records(path):
     return records
 
 
-def _state(kind, step):
-    """How many steps the model had taken when this record was written."""
-    return step + 1 if kind == "train" else step
-
-
 def read_metrics(log_dir):
-    """Parse log_dir/metrics.jsonl into {"path", "launches", "train", "val", "hellaswag",
-    "checkpoint"}: the step kinds are lists sorted by step, one record per step; "launches" has
-    one dict per launch, in order: {"run": its run record, "start": its time, "last_time": time
-    of its last record, "first_train_step": step of its first train record, "end": its end
-    record or None}.
-    A resumed run appends a new "run" record that starts at step s, then logs steps from s on
-    again. The later record for a step wins; what the earlier launch logged past s (up to its
-    crash) belongs to an abandoned branch and is dropped, even where the new launch has not
-    reached it yet."""
-    log_dir = os.fspath(log_dir)
+    """{"path", "launches", and per STEP_KINDS a list sorted by step}; a launch is {"run", "start", "last_time",
+    "first_train_step", "end" (its end record or None)}. Where a resumed launch starts at step s, the later record
+    for a step wins, and what the earlier launch logged past s (an abandoned branch) is dropped."""
     path = os.path.join(log_dir, METRICS_FILE)
     if not os.path.isdir(log_dir):
         raise UserError(f"{log_dir} is not a directory: pass the --log-dir of a train_gpt2.py run")
@@ -326,14 +271,14 @@ def read_metrics(log_dir):
 
 def read_launches(log_dir):
     """read_metrics(log_dir)["launches"], or [] where the trainer has written no record there yet."""
-    path = os.path.join(os.fspath(log_dir), METRICS_FILE)
+    path = os.path.join(log_dir, METRICS_FILE)
     return _read(path)["launches"] if os.path.isfile(path) else []
 
 
 def _read(path):
     by_step = {kind: {} for kind in STEP_KINDS}
     launches = []
-    for _, rec in read_records(path):
+    for rec in read_records(path):
         kind = rec["kind"]
         if kind not in REQUIRED:
             continue
@@ -342,7 +287,7 @@ def _read(path):
                              "last_time": None, "first_train_step": None, "end": None})
         if kind == "run":
             for k, recs in by_step.items():  # drop the abandoned branch
-                for step in [s for s in recs if _state(k, s) > rec["step"]]:
+                for step in [s for s in recs if s + (k == "train") > rec["step"]]:  # train: after its step
                     del recs[step]
         launch = launches[-1]
         if rec.get("time") is not None:
@@ -357,33 +302,20 @@ def _read(path):
     return dict(metrics, path=path, launches=launches)
 
 
-# ----------------------------------------------------------------------------------------------
 # What produced a run or a data set, as its run header and fineweb.py's manifest record it
-
-
 def versions(*extra):
     """Versions of Python, torch (and its CUDA), numpy, tiktoken and the `extra` modules that import."""
-    out = {"python": platform.python_version()}
-    out["torch"], out["cuda"] = torch_versions()
+    out = {"python": platform.python_version(), "torch": None, "cuda": None}
+    spec = importlib.util.find_spec("torch")  # read, not imported: fineweb.py runs no torch, a second to import
+    if spec is not None:
+        torch_version = runpy.run_path(os.path.join(spec.submodule_search_locations[0], "version.py"))
+        out["torch"], out["cuda"] = torch_version["__version__"], torch_version["cuda"]
     for name in ("numpy", "tiktoken") + extra:
         try:
             out[name] = importlib.import_module(name).__version__
         except ImportError:
             pass
     return out
-
-
-def torch_versions():
-    """torch.__version__ and torch.version.cuda, read from torch/version.py where torch is not imported:
-    fineweb.py records them but runs no torch, whose import is a second of its start-up."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return torch.__version__, torch.version.cuda
-    spec = importlib.util.find_spec("torch")  # finds the package without running it
-    if spec is None:
-        return None, None
-    version = runpy.run_path(os.path.join(spec.submodule_search_locations[0], "version.py"))
-    return version["__version__"], version["cuda"]
 
 
 def git_commit():

@@ -1,7 +1,4 @@
-"""
-Experiment trackers, both optional: Weights & Biases (--wandb) and TensorBoard (--tensorboard), fed
-every record of metrics.jsonl by the trainer's RunLog (rank 0).
-"""
+"""The optional experiment trackers, W&B (--wandb) and TensorBoard (--tensorboard), fed every record by RunLog."""
 
 import importlib.util
 import json
@@ -22,10 +19,9 @@ def check_tracker_installed(package):
 
 
 class Trackers:
-    """Records sent from a background thread to W&B and/or TensorBoard (LOG_DIR/tb) with their
-    steps: numbers as scalars named KIND/FIELD, text as text, the run header as configuration.
-    No step is sent twice: TensorBoard hides what earlier launches logged from start_step on
-    (purge_step), and W&B gets no step below the last one its run holds (run.step)."""
+    """Records sent from a background thread to W&B and/or TensorBoard (LOG_DIR/tb): numbers as scalars named
+    KIND/FIELD, text as text, the run header as configuration. No step is sent twice: TensorBoard hides what earlier
+    launches logged from start_step on (purge_step), and W&B gets no step below the last one its run holds."""
 
     CONFIG_KINDS = ("run", "memory")  # what the run is, not something that changes with the steps
     REPLAYED_KINDS = ("val", "hellaswag", "core", "train")  # in the trainer's order within a step
@@ -100,7 +96,6 @@ class Trackers:
             self.wandb.log(values, step=step)
 
     def close(self):
-        """Send what is queued, then end the W&B run and close the TensorBoard files."""
         self.queue.put(None)
         self.thread.join()
         if self.writer is not None:
