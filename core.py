@@ -189,8 +189,6 @@ def fewer_shots(tasks, flag="--limit"):
 
 def fewshot(items, index, shots):
     """The examples shown before item `index`: drawn with its own seed, never the item itself."""
-    if shots == 0:
-        return []
     others = [i for i in range(len(items)) if i != index]
     return [items[i] for i in random.Random(FEWSHOT_SEED + index).sample(others, min(shots, len(others)))]
 
