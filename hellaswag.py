@@ -41,7 +41,7 @@ ITEM_CHECKS = (
 
 
 def parse_item(line, where):
-    """One line of the official jsonl -> {ctx, endings, label}; UserError naming the line otherwise."""
+    """One line of the official jsonl -> {ctx, endings, label}."""
     fix = f"each line must be a JSON object with ctx (a string), endings ({N_ENDINGS} strings) and label (0-3)"
     try:
         d = json.loads(line)
@@ -55,18 +55,16 @@ def parse_item(line, where):
         value = d.get(field)
         if field not in d:
             problem = f"no {field!r}"
-        elif not ok(value):
-            problem = problem.format(v=value, n=len(value) if isinstance(value, list) else None)
-        else:
+        elif ok(value):
             continue
-        raise common.UserError(f"{where}: malformed HellaSwag line ({problem}); {fix}")
+        n = len(value) if isinstance(value, list) else None
+        raise common.UserError(f"{where}: malformed HellaSwag line ({problem.format(v=value, n=n)}); {fix}")
     return {"ctx": d["ctx"], "endings": d["endings"], "label": d["label"]}
 
 
 def load_items(data_file=None, cache_dir=None, limit=None, flag="--data-file"):
-    """HellaSwag validation items (dicts with ctx, endings, label), the first `limit` if given, from
-    data_file (plain or compressed), else from the official file, downloaded once into cache_dir.
-    flag: the option an error names for a local copy (the trainer's is --hellaswag-file)."""
+    """The first `limit` validation items, from data_file (plain or compressed), else from the official file,
+    downloaded once into cache_dir; flag: the option an error names for a local copy."""
     path = data_file
     if path is None:
         path = scoring.download(HELLASWAG_URL, os.path.join(scoring.cache_dir(cache_dir, *CACHE), HELLASWAG_FILE),

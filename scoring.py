@@ -1,24 +1,22 @@
 """
-Scoring continuations with a GPT: the evaluation HellaSwag (hellaswag.py) and CORE (core.py) share,
-their trainer hook, their command line and the download of their data.
+Scoring continuations with a GPT, for HellaSwag (hellaswag.py) and CORE (core.py): the evaluation, the
+trainer's hook, the scripts' command line and the download of their data.
 
-A benchmark (hellaswag.HellaSwag, core.Core) brings its own pieces: name (the progress bar's and the
-log's word), items (shared out over the ranks, rank::world_size), rows(item, block_size) (the item
-as rows, its options in order), tallies = (slots, marks per item), marks(item, sums, counts, exact)
--> (slot, marks) (from its options' scores), result(tally) (from the tallies summed over ranks, per
-slot each mark's count and then the items') and report(result) (the trainer's log text and record).
+A benchmark (hellaswag.HellaSwag, core.Core) has: name; items (rank r scores items[r::world_size]);
+rows(item, block_size), the item as rows, its options in order; tallies = (slots, marks per item);
+marks(item, sums, counts, exact) -> (slot, marks) from its options' scores; result(tally) from each slot's
+mark counts and item count, summed over ranks; report(result) -> the trainer's log text and record.
 
-A row is a prefix its options share, then each option as its own sequence (its own context, if
-any, and the continuation that is scored), side by side:
+A row is a prefix its options share, then each option as its own sequence (its own context, if any, and the
+scored continuation), side by side:
 
     multiple choice   prefix = the question, options = ([], each answer)       (HellaSwag too)
     schema            prefix = nothing,      options = (each context, the one continuation)
     language model    prefix = the context,  options = ([], the continuation)
 
-An attention mask lets each option see the prefix and itself only, and positions restart where
-the prefix ends, so every option is scored exactly as in its own sequence while the prefix is
-computed once. Per option comes out the summed loss of its continuation tokens, their count, and
-whether each of them was the model's greedy prediction.
+An attention mask lets each option see the prefix and itself only, and positions restart where the prefix
+ends, so every option is scored as in its own sequence while the prefix is computed once. Per option come
+out the summed loss of its continuation tokens, their count, and whether each was the greedy prediction.
 """
 
 import json
@@ -49,11 +47,10 @@ READ_TIMEOUT = 60  # seconds of silence from the server before a download is giv
 
 def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
              should_stop=None, lockstep=False, share=None):
-    """bench.result() of the tallies summed over ranks, or None when should_stop() said True. Every
-    rank calls it and scores its share (share: this rank's share_of(bench), if rendered before).
-    model: the GPT itself (compiled or not, not a DDP wrapper); its train/eval state is restored.
-    should_stop may be a collective: every rank calls it as often, before each batch. lockstep: every
-    rank makes as many forward passes too (under FSDP each one gathers the parameters)."""
+    """bench.result() of the tallies summed over ranks, or None when should_stop() said True; every rank calls it
+    (share: this rank's share_of(bench), if rendered before). model: the GPT itself, not a DDP wrapper.
+    should_stop may be a collective: every rank calls it before each batch. lockstep: every rank makes as many
+    forward passes too (under FSDP each one gathers the parameters)."""
     batch_size = batch_size or (16 if device.startswith("cuda") else 4)  # CPU: larger measured slower
     share = share or share_of(bench, model.config.block_size, rank, world_size)
     distributed = world_size > 1 and tdist.is_available() and tdist.is_initialized()
@@ -123,12 +120,10 @@ def idle_forward(model, device, dtype):
 
 @torch.no_grad()
 def scored_batches(model, rows, device, dtype="float32", batch_size=4):
-    """Scores rows ([(prefix, [(own context, continuation)])], each fitting the model's block_size)
-    batch by batch, yielding after each forward pass; the last yield holds every option's (sums,
-    counts, exact): float64, float64, bool. An empty continuation is not scored: sum 0, count 0 (a
-    NaN mean) and exact. An option the same as one before it is scored once and shares its scores:
-    elsewhere, the same tokens can round differently in the last bits, and a pick between equal
-    options must not follow the batching."""
+    """Scores rows ([(prefix, [(own context, continuation)])], each within block_size), yielding after each
+    forward pass; the last yield holds every option's (sums, counts, exact). An empty continuation is not scored
+    (sum 0, count 0, exact). An option like one before it shares its scores: scored elsewhere, the same tokens
+    can round differently in the last bits, and a pick between equal options must not follow the batching."""
     total = n_options(rows)
     stand_in = list(range(total))  # each option's scores come from this one: itself, or the first one like it
     todo, first_of = [], {}  # todo: the rows to pack, [(prefix, [(option index, own, continuation)])]
@@ -184,7 +179,6 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
 
 
 def n_options(rows):
-    """How many options the rows hold in all."""
     return sum(len(options) for _, options in rows)
 
 
@@ -264,8 +258,7 @@ class TrainingHook:
 
 
 def parse_args(p, argv, json_holds, cache):
-    """A scoring script's command line, checked: p holds its data flags, and the rest are added here
-    (cache: cache_dir's env and name)."""
+    """A scoring script's command line, checked: p holds its data flags; cache: cache_dir's env and name."""
     env, name = cache
     p.add_argument("--cache-dir", default=None, help=f"where the download is kept (default ${env} or ~/.cache/{name})")
     p.add_argument("--model", required=True, help="a checkpoint written by train_gpt2.py, a log directory (its "
@@ -286,9 +279,8 @@ def parse_args(p, argv, json_holds, cache):
 
 
 def run_script(args, load, describe_data, show):
-    """A scoring script's main, under torchrun too: load() -> the benchmark; describe_data(bench) ->
-    what the first line says of its items; show(result, seconds) -> the summary. The summary goes to
-    stdout, or to stderr with --json, where stdout holds only the JSON line."""
+    """A scoring script's main, under torchrun too: describe_data(bench) -> what the first line says of its items;
+    show(result, seconds) -> the summary, on stdout, or on stderr with --json (stdout: the JSON line alone)."""
     ranks = parallel.setup_distributed(args.device)
     summary = sys.stderr if args.json else sys.stdout
     try:
@@ -313,15 +305,13 @@ def run_script(args, load, describe_data, show):
 
 
 def cache_dir(given, env, name):
-    """Where a download is kept: given, else $env, else ~/.cache/name."""
     return given or os.environ.get(env) or os.path.join(os.path.expanduser("~"), ".cache", name)
 
 
 def download(url, path, what, hint, unpack=None, present=os.path.isfile):
-    """path, downloaded from url the first time (then no network is asked): the response saved in a
-    new directory beside path, unpack(saved file, that directory) -> what is to be at path (default:
-    the saved file), renamed into place, so path is whole or absent, also when every rank downloads
-    at once. what: the data's name in the one-line errors; hint: what to do instead."""
+    """path, downloaded from url the first time: saved in a new directory beside path, unpack(saved file, that
+    directory) -> what is to be at path (default: the saved file), renamed into place, so path is whole or
+    absent, also when every rank downloads at once. what: the data's name in errors; hint: what to do instead."""
     if present(path):
         return path
     # probed first: offline, urllib alone can wait out a dropped connection for the whole read timeout
