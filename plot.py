@@ -2,9 +2,7 @@
 Plots and a text summary of training runs, from the metrics.jsonl that train_gpt2.py writes (metrics.py).
 The PNG's panels, against tokens seen: loss (train per step and smoothed, validation dashed), HellaSwag,
 tokens/s, MFU and, when a run scored it, CORE, with GPT-2's values; several runs overlay, one colour each.
-
 How the numbers are defined:
-- A resumed run: the later record for a step wins; an abandoned branch is dropped (metrics.read_metrics).
 - wall time: the sum over launches of (time of its last record - time of its "run" record).
 - mean tokens/s: all logged steps weighted by their step time, so warm-up counts for what it cost.
 - steady-state tokens/s and MFU: medians past warm-up (the first 10% of the steps, and the first step of
@@ -63,8 +61,8 @@ def _median(values):
 
 
 def summarize(log_dir):
-    """The numbers of one run, as a dict (None where the log has nothing to say; definitions: see the
-    module docstring). status is the last launch's end reason, or "stopped" without one (killed, or running)."""
+    """The numbers of one run (None where the log has nothing to say); status is the last launch's end reason, or
+    "stopped" without one (killed, or running)."""
     m = read_metrics(log_dir)
     train = m["train"]
     runs = [launch["run"] for launch in m["launches"] if launch["run"]]
@@ -205,7 +203,6 @@ def _curve(ax, records, values, color, label, span):
 
 
 def _points(ax, records, field, color, label, style="-o"):
-    """One marker per evaluation, joined."""
     if records:
         ax.plot([r["tokens"] for r in records], [r[field] for r in records], style, color=color, markersize=3,
                 linewidth=1.2, label=label)
@@ -217,8 +214,7 @@ def _late(values):
 
 
 def write_plot(log_dirs, out_png, labels=None, smooth=None):
-    """Plot one or more runs into out_png, written atomically (a viewer never sees half a file); see
-    build_figure for labels and smooth. Returns False, writing nothing, when matplotlib is not installed."""
+    """Plot runs into out_png, written atomically; False, writing nothing, when matplotlib is not installed."""
     fig = build_figure(log_dirs, labels, smooth)
     if fig is None:
         return False
@@ -230,8 +226,8 @@ def write_plot(log_dirs, out_png, labels=None, smooth=None):
 
 
 def build_figure(log_dirs, labels=None, smooth=None):
-    """The panels of a list of runs as a matplotlib Figure (None without matplotlib); smooth: the EMA span in
-    steps. No pyplot: headless, no global state, so it can run beside a training loop."""
+    """The runs' panels as a matplotlib Figure (None without matplotlib), without pyplot's global state, so that it
+    can run beside a training loop; smooth: the EMA span in steps."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -343,7 +339,6 @@ class PlotWriter:
 
 
 def parse_args(argv=None):
-    """The command line, checked: one-line errors for bad values."""
     p = common.ArgumentParser(description="Summarise training runs and plot them against GPT-2's baselines.")
     p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR",
                    help="log directories of train_gpt2.py (its --log-dir); several overlay in one plot")
@@ -361,7 +356,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """python plot.py LOG_DIR...: print each run's summary and write the plot."""
     args = parse_args(argv)
     out = args.out or (os.path.join(args.log_dirs[0], "plot.png") if len(args.log_dirs) == 1 else "runs.png")
     summaries = [summarize(d) for d in args.log_dirs]  # every directory checked before anything prints
