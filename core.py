@@ -50,7 +50,6 @@ GPT2_CORE = {"124M": 0.1139, "355M": 0.1849, "774M": 0.2146, "1.5B": 0.2565}
 SHUFFLE_SEED = 1337  # each task's items are shuffled with this before --limit (nanochat's base_eval)
 FEWSHOT_SEED = 1234  # item i's few-shot examples: random.Random(FEWSHOT_SEED + i)
 CACHE = ("CORE_CACHE", "gpt2-core")  # where the download is kept: $CORE_CACHE, else ~/.cache/gpt2-core
-# an item's fields and their types, per task type
 FIELDS = {"multiple_choice": {"query": str, "choices": list, "gold": int},
           "schema": {"context_options": list, "continuation": str, "gold": int},
           "language_modeling": {"context": str, "continuation": str}}

@@ -238,7 +238,6 @@ def build_figure(log_dirs, labels=None, smooth=None):
     span = smooth or max(1, min(100, max(len(m["train"]) for m in runs) // 25))
     smoothing = f"EMA over {span} steps" if span > 1 else "per step"
     scored_core = any(m["core"] for m in runs)  # a fifth panel, for CORE, when a run scored it
-    # wider than the panels need: each panel's legend sits to its right (see below)
     fig = Figure(figsize=(17, 13 if scored_core else 9), dpi=100, layout="constrained")
     ax = fig.subplot_mosaic([["loss", "hellaswag"], ["tps", "mfu"]] + ([["core", "."]] if scored_core else []))
     loss_late, loss_all = [GPT2_VAL_LOSS], [GPT2_VAL_LOSS]
@@ -270,8 +269,7 @@ def build_figure(log_dirs, labels=None, smooth=None):
     for name, lines in references.items():
         for value, text, color in lines:
             ax[name].axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
-    # from the lowest loss up to where the curves are past their first drop from ~11: where runs
-    # differ and the GPT-2 line sits
+    # from the lowest loss up to where the curves are past their first drop: where runs differ and GPT-2 sits
     low, high = min(loss_all), max(loss_late)
     ax["loss"].set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
     scores = [r["acc_norm"] for m in runs for r in m["hellaswag"]]
@@ -300,14 +298,12 @@ def build_figure(log_dirs, labels=None, smooth=None):
     scale, unit = next((s, u) for s, u in ((1e9, " (billions)"), (1e6, " (millions)"), (1e3, " (thousands)"), (1, ""))
                        if max_tokens >= s)
     for panel in ax.values():
-        # the same range on every panel, empty ones too
         panel.set(xlim=(-0.02 * max_tokens, 1.02 * max_tokens), xlabel=f"tokens seen{unit}")
         panel.xaxis.set_major_formatter(lambda v, _: f"{v / scale:g}")
         panel.grid(alpha=0.3)
         handles, texts = panel.get_legend_handles_labels()
         if handles:
-            # to the panel's right: any corner inside covers some run's curves (a short run's loss starts
-            # top left, a long one's ends bottom right); constrained layout makes room for it
+            # right of the panel, which the figure's width leaves room for: any corner inside covers some curve
             panel.legend(handles, [textwrap.fill(t, LEGEND_WIDTH) for t in texts], fontsize=8,
                          loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.suptitle("GPT-2 training: " + ", ".join(labels))

@@ -10,7 +10,6 @@ The samples go to stdout (and nothing else does); where the model came from goes
 """
 
 import codecs
-import itertools
 import math
 import os
 import sys
@@ -55,30 +54,27 @@ def encode_prompt(enc, prompt, block_size):
 
 
 def print_stream(enc, tokens, out):
-    """Write token ids to out as text the moment each arrives. A GPT-2 token can end inside a UTF-8
-    character (emoji, CJK): its bytes wait until the character is whole."""
+    """Write token ids to out as text the moment each arrives, and return them. A GPT-2 token can end inside a
+    UTF-8 character (emoji, CJK): its bytes wait until the character is whole."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    written = []
     for t in tokens:
+        written.append(t)
         out.write(decoder.decode(enc.decode_single_token_bytes(t)))
         out.flush()
     out.write(decoder.decode(b"", final=True))
+    return written
 
 
 def stream_sample(model, tokens, enc, out, device, dtype="float32", max_new_tokens=200, temperature=1.0,
                   top_k=None, top_p=None, generator=None):
-    """Print the prompt (not a lone <|endoftext|>), then each new token as it is generated; return
-    the new token ids."""
+    """Print the prompt (not a lone <|endoftext|>), then each new token as it is generated; return the new ones."""
     idx = torch.tensor([tokens], dtype=torch.long, device=device)
-    new = []
-
-    def generated():
-        for nxt in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                         top_p=top_p, generator=generator):
-            new.append(int(nxt[0]))
-            yield new[-1]
+    new = model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                generator=generator)
     with autocast(device, dtype):
-        print_stream(enc, itertools.chain([] if tokens == [EOT_TOKEN] else tokens, generated()), out)
-    return new
+        print_stream(enc, [] if tokens == [EOT_TOKEN] else tokens, out)
+        return print_stream(enc, (int(t[0]) for t in new), out)
 
 
 def training_samples(model, tokens, num_samples, max_new_tokens, seed, device, dtype="float32", stop=None):

@@ -54,8 +54,7 @@ def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, wor
     batch_size = batch_size or (16 if device.startswith("cuda") else 4)  # CPU: larger measured slower
     share = share or share_of(bench, model.config.block_size, rank, world_size)
     distributed = world_size > 1 and tdist.is_available() and tdist.is_initialized()
-    # as many batches on every rank, at least the longest share's: every item is a row or more,
-    # and where the rows per item vary (CORE), the ranks ask each other
+    # every rank runs as many batches as the longest share needs; CORE's rows per item vary, so the ranks ask
     longest = -(-len(bench.items) // world_size)  # the items in the longest share, rank 0's
     batches = torch.tensor([-(-max(len(share.rows), longest) // batch_size)], device=device)
     if distributed:
