@@ -38,7 +38,6 @@ ITEM_CHECKS = (
 
 
 def parse_item(line, where):
-    """One line of the official jsonl -> {ctx, endings, label}."""
     fix = f"each line must be a JSON object with ctx (a string), endings ({N_ENDINGS} strings) and label (0-3)"
     try:
         d = json.loads(line)
@@ -105,8 +104,7 @@ def render(item, enc, block_size):
 
 
 class HellaSwag:
-    """HellaSwag's pieces of an evaluation (scoring.py): an item is one row, its context once and its
-    endings side by side; its marks are acc and acc_norm."""
+    """HellaSwag's pieces of an evaluation (scoring.py): one row per item, marked acc and acc_norm."""
     name = "hellaswag"
     tallies = (1, 2)
 

@@ -119,7 +119,6 @@ STATUS_WORDS = {"finished": "finished", "signal": "stopped by a signal", "nonfin
 
 
 def format_summary(s):
-    """The lines printed for one run, from summarize()'s dict."""
     def na(value, fmt):
         return "n/a" if value is None else fmt.format(value)
 
@@ -358,8 +357,6 @@ def main(argv=None):
     if os.path.isdir(out):
         raise UserError(f"cannot write {out}: it is a directory; give --out the path of a .png file, "
                         f"such as {os.path.join(out, 'runs.png')}")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise UserError(f"cannot write {out}: directory {os.path.dirname(os.path.abspath(out))} does not exist")
     for s in summaries:
         print(format_summary(s) + "\n", flush=True)
     if write_plot(args.log_dirs, out, args.labels, args.smooth):
