@@ -318,24 +318,21 @@ def download(url, path, what, hint, unpack=None, present=os.path.isfile):
     if problem:
         raise UserError(f"{what} is not in the cache ({path}) and {problem}; {hint}")
     directory = os.path.dirname(path)
-    tmp = None
     try:
         os.makedirs(directory, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", dir=directory)
-        saved = os.path.join(tmp, "download")
-        with urllib.request.urlopen(url, timeout=READ_TIMEOUT) as response, open(saved, "wb") as f:
-            shutil.copyfileobj(response, f)
-        made = unpack(saved, tmp) if unpack else saved
-        common.fsync_path(made)
-        try:
-            os.replace(made, path)
-        except OSError:
-            if not present(path):  # else another rank (or process) put a whole one there first
-                raise
+        with tempfile.TemporaryDirectory(prefix=f".{os.path.basename(path)}.", dir=directory,
+                                         ignore_cleanup_errors=True) as tmp:
+            saved = os.path.join(tmp, "download")
+            with urllib.request.urlopen(url, timeout=READ_TIMEOUT) as response, open(saved, "wb") as f:
+                shutil.copyfileobj(response, f)
+            made = unpack(saved, tmp) if unpack else saved
+            common.fsync_path(made)
+            try:
+                os.replace(made, path)
+            except OSError:
+                if not present(path):  # else another rank (or process) put a whole one there first
+                    raise
         common.fsync_path(directory)  # the rename too
     except (urllib.error.URLError, OSError, zipfile.BadZipFile) as e:
         raise UserError(f"could not download {what} from {url} ({getattr(e, 'reason', None) or e}); {hint}")
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
