@@ -262,7 +262,6 @@ def build_figure(log_dirs, labels=None, smooth=None):
         _curve(ax["mfu"], steps, [100 * r["mfu"] for r in steps], color, label, span)
         loss_late += _late(smoothed) + _late([r["val_loss"] for r in val])
         loss_all += [v for v in loss + [r["val_loss"] for r in val] if math.isfinite(v)]
-
     comparable = [comparable_core(core_tasks(m["core"])) for m in runs if m["core"]]
     references = dict(REFERENCES, core=REFERENCES["core"] if any(comparable) else [])  # GPT-2's: over all 22 tasks
     for name, lines in references.items():
@@ -292,7 +291,6 @@ def build_figure(log_dirs, labels=None, smooth=None):
     if not ax["mfu"].lines:
         ax["mfu"].text(0.5, 0.5, "MFU not measured (peak FLOPs of the device unknown, e.g. CPU)",
                        transform=ax["mfu"].transAxes, ha="center", color="gray")
-
     max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m[k]])
     scale, unit = next((s, u) for s, u in ((1e9, " (billions)"), (1e6, " (millions)"), (1e3, " (thousands)"), (1, ""))
                        if max_tokens >= s)

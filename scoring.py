@@ -92,8 +92,7 @@ def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, wor
 
 @dataclass
 class Share:
-    """What one rank scores of a benchmark, the same at every evaluation of a run: its items, their
-    rows, and where each item's options start among the rows' options (and where the last ends)."""
+    """What one rank scores: its items, their rows, and where each item's options start (and the last ends)."""
     items: list
     rows: list
     option_start: list
