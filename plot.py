@@ -44,15 +44,12 @@ def warmed_up(metrics):
     return [r for r in metrics["train"] if r["step"] not in firsts]
 
 
-def core_tasks(records):
-    """How many tasks a run's CORE averages (its last record's `centered`), None where it does not say."""
+def custom_core_tasks(records):
+    """How many tasks a run's CORE averages where they are not the 22 of GPT-2's (a custom bundle), else None."""
     centered = records[-1].get("centered") if records else None
-    return len(centered) if isinstance(centered, dict) else None
-
-
-def comparable_core(n_tasks):
-    """Whether a CORE over n_tasks tasks can stand beside GPT-2's, measured over all 22."""
-    return n_tasks in (None, N_CORE_TASKS)
+    if isinstance(centered, dict) and len(centered) != N_CORE_TASKS:
+        return len(centered)
+    return None
 
 
 def _median(values):
@@ -82,7 +79,7 @@ def summarize(log_dir):
         "tok_per_s_mean": sum(r["tok_per_s"] * r["dt_ms"] for r in train) / step_time if step_time > 0 else None,
         "tok_per_s_steady": _median([r["tok_per_s"] for r in steady]),
         "mfu": _median([r.get("mfu") for r in steady]),
-        "core_tasks": core_tasks(m["core"]),
+        "custom_core_tasks": custom_core_tasks(m["core"]),
         "status": end["reason"] if end else "stopped",
         "stop_step": end["step"] if end else (train[-1]["step"] if train else None),
     }
@@ -135,8 +132,8 @@ def format_summary(s):
                  f"steady {na(s['tok_per_s_steady'], '{:,.0f}')} (median past warm-up)")
     lines.append("  MFU         " + (f"{s['mfu']:.1%} (steady median)" if s["mfu"] is not None
                                       else "n/a (peak FLOPs of this device unknown)"))
-    core_references = (f"GPT-2 124M: {GPT2_CORE_124M}, 1.5B: {GPT2_CORE_XL}" if comparable_core(s["core_tasks"])
-                       else f"over {s['core_tasks']} tasks: not comparable with GPT-2's, over {N_CORE_TASKS}")
+    core_references = (f"GPT-2 124M: {GPT2_CORE_124M}, 1.5B: {GPT2_CORE_XL}" if s["custom_core_tasks"] is None
+                       else f"over {s['custom_core_tasks']} tasks: not comparable with GPT-2's, over {N_CORE_TASKS}")
     for name, key, references, missing in (
             ("val loss", "val_loss", f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}", "no evaluation logged"),
             ("HellaSwag", "hellaswag", f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}", "not evaluated"),
@@ -253,8 +250,8 @@ def build_figure(log_dirs, labels=None, smooth=None):
             ax["loss"].axvline(tokens, color=color, linestyle=(0, (1, 3)),
                                label=None if j else f"{label}: resumed at step {', '.join(map(str, resumes))}")
         _points(ax["hellaswag"], m["hellaswag"], "acc_norm", color, label)
-        n_tasks = core_tasks(m["core"])
-        _points(ax.get("core"), m["core"], "core", color, label if comparable_core(n_tasks)
+        n_tasks = custom_core_tasks(m["core"])
+        _points(ax.get("core"), m["core"], "core", color, label if n_tasks is None
                 else f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)")
         steps = warmed_up(m)
         _curve(ax["tps"], steps, [r["tok_per_s"] for r in steps], color, label, span)
@@ -262,7 +259,7 @@ def build_figure(log_dirs, labels=None, smooth=None):
         _curve(ax["mfu"], steps, [100 * r["mfu"] for r in steps], color, label, span)
         loss_late += _late(smoothed) + _late([r["val_loss"] for r in val])
         loss_all += [v for v in loss + [r["val_loss"] for r in val] if math.isfinite(v)]
-    comparable = [comparable_core(core_tasks(m["core"])) for m in runs if m["core"]]
+    comparable = [custom_core_tasks(m["core"]) is None for m in runs if m["core"]]
     references = dict(REFERENCES, core=REFERENCES["core"] if any(comparable) else [])  # GPT-2's: over all 22 tasks
     for name, lines in references.items():
         for value, text, color in lines:
