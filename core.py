@@ -4,10 +4,8 @@ centred on its random baseline, (acc - baseline) / (1 - baseline), and their mea
 time-to-GPT-2 leaderboard. As nanochat measures it (full data, bf16, 1024-token context): OpenAI's GPT-2 124M
 0.1139, 355M 0.1849, 774M 0.2146, 1.5B 0.2565.
 
-    python core.py --model gpt2                          # a Hugging Face name or directory
-    python core.py --model log/ --limit 500              # the newest checkpoint of a run, 500 items a task
-    python core.py --model log/hf --tasks arc_easy,piqa --json
-    torchrun --nproc_per_node=8 core.py --model log/ckpt_019073.pt
+    python core.py --model log/ --limit 500 --tasks arc_easy,piqa   # a run's newest checkpoint, 500 items a task
+    torchrun --nproc_per_node=8 core.py --model gpt2 --json         # a Hugging Face name or directory
 
 The tasks come from nanochat's DCLM eval bundle, downloaded once into a cache or read from --bundle-dir:
 core.yaml lists them (type, few-shot count, the delimiter between question and answer), eval_meta_data.csv

@@ -4,9 +4,8 @@ HellaSwag (Zellers et al. 2019) in the completion style used for GPT-2: the cont
 OpenAI's GPT-2 124M gets acc 0.2859, acc_norm 0.2955 on the 10,042 validation items (GPT-3 124M: 0.337, from
 the GPT-3 paper). Follows build-nanogpt's hellaswag.py, batched (scoring.py).
 
-    python hellaswag.py --model gpt2                  # Hugging Face name or directory
-    python hellaswag.py --model log/ --limit 500      # latest checkpoint written by train_gpt2.py
-    torchrun --nproc_per_node=8 hellaswag.py --model log/ckpt_019073.pt --json
+    python hellaswag.py --model log/ --limit 500                    # latest checkpoint written by train_gpt2.py
+    torchrun --nproc_per_node=8 hellaswag.py --model gpt2 --json    # a Hugging Face name or directory
 
 Offline: --data-file path/to/hellaswag_val.jsonl (or a gzip/xz/bz2 copy), or the copy an earlier download cached.
 """

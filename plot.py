@@ -222,8 +222,7 @@ def write_plot(log_dirs, out_png, labels=None, smooth=None):
 
 
 def build_figure(log_dirs, labels=None, smooth=None):
-    """The runs' panels as a matplotlib Figure (None without matplotlib), without pyplot's global state, so that it
-    can run beside a training loop; smooth: the EMA span in steps."""
+    """The runs' panels as a matplotlib Figure (None without matplotlib), made without pyplot to run beside training."""
     try:
         from matplotlib.figure import Figure
     except ImportError:

@@ -118,10 +118,9 @@ def idle_forward(model, device, dtype):
 
 @torch.no_grad()
 def scored_batches(model, rows, device, dtype="float32", batch_size=4):
-    """Scores rows ([(prefix, [(own context, continuation)])], each within block_size), yielding after each
-    forward pass; the last yield holds every option's (sums, counts, exact). An empty continuation is not scored
-    (sum 0, count 0, exact). An option like one before it shares its scores: scored elsewhere, the same tokens
-    can round differently in the last bits, and a pick between equal options must not follow the batching."""
+    """Scores rows, yielding after each forward pass: the last yield holds every option's (sums, counts, exact), an
+    empty continuation's 0, 0, True. An option like one before it shares its scores: scored elsewhere, the same
+    tokens can round differently in the last bits, and a pick between equal options must not follow the batching."""
     total = n_options(rows)
     stand_in = list(range(total))  # each option's scores come from this one: itself, or the first one like it
     todo, first_of = [], {}  # todo: the rows to pack, [(prefix, [(option index, own, continuation)])]
