@@ -186,8 +186,8 @@ def fewer_shots(tasks, flag="--limit"):
 
 def fewshot(items, index, shots):
     """The examples shown before item `index`: drawn with its own seed, never the item itself."""
-    others = [i for i in range(len(items)) if i != index]
-    return [items[i] for i in random.Random(FEWSHOT_SEED + index).sample(others, min(shots, len(others)))]
+    drawn = random.Random(FEWSHOT_SEED + index).sample(range(len(items) - 1), min(shots, len(items) - 1))
+    return [items[j + (j >= index)] for j in drawn]  # position j among the others, the item itself left out
 
 
 def prompts(task, item, examples):
