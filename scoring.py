@@ -105,7 +105,7 @@ def share_of(bench, block_size, rank=0, world_size=1):
     for item in mine:
         these = bench.rows(item, block_size)
         rows += these
-        option_start.append(option_start[-1] + n_options(these))
+        option_start.append(option_start[-1] + sum(len(options) for _, options in these))
     return Share(mine, rows, option_start)
 
 
@@ -121,7 +121,7 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
     """Scores rows, yielding after each forward pass: the last yield holds every option's (sums, counts, exact), an
     empty continuation's 0, 0, True. An option like one before it shares its scores: scored elsewhere, the same
     tokens can round differently in the last bits, and a pick between equal options must not follow the batching."""
-    total = n_options(rows)
+    total = sum(len(options) for _, options in rows)
     stand_in = list(range(total))  # each option's scores come from this one: itself, or the first one like it
     todo, first_of = [], {}  # todo: the rows to pack, [(prefix, [(option index, own, continuation)])]
     k = 0
@@ -173,10 +173,6 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
     if rows and not todo:  # nothing to score: a forward pass all the same, as the other ranks make theirs
         idle_forward(model, device, dtype)
         yield sums[stand_in], counts, exact[stand_in]
-
-
-def n_options(rows):
-    return sum(len(options) for _, options in rows)
 
 
 def pack(prefix, options):
