@@ -181,13 +181,12 @@ def pack(prefix, options):
     token, option by option. options: [(own context, continuation)]."""
     tokens, pos, seg, where = list(prefix), list(range(len(prefix))), [0] * len(prefix), []
     for j, (own, continuation) in enumerate(options):
-        start = len(tokens)
+        first = len(tokens) + len(own)  # the continuation's first token
+        before = first - 1 if own else len(prefix) - 1
+        where += [before] + list(range(first, first + len(continuation) - 1))
         tokens += own + continuation
         pos += range(len(prefix), len(prefix) + len(own) + len(continuation))
         seg += [j + 1] * (len(own) + len(continuation))
-        first = start + len(own)  # the continuation's first token
-        before = first - 1 if own else len(prefix) - 1
-        where += [before] + list(range(first, first + len(continuation) - 1))
     return tokens, pos, seg, where
 
 
@@ -222,24 +221,22 @@ class TrainingHook:
     def __init__(self, name, load, ranks, log, lockstep):
         self.name, self.load, self.ranks, self.log, self.lockstep = name, load, ranks, log, lockstep
         self.bench = self.share = None
-        self.failed = False
 
     def __call__(self, raw_model, dtype, should_stop):
-        if self.failed:
-            return None
         ranks = self.ranks
-        if self.bench is None:
-            bench, error = None, None
+        if self.load is not None:  # the first call
+            error = None
             try:
-                bench = self.load()
+                self.bench = self.load()
             except UserError as e:
                 error = str(e)
-            if not all(parallel.gather(bench is not None, ranks)):  # agreed first: a lone rank would hang the rest
-                self.failed = True
+            self.load = None
+            if all(parallel.gather(self.bench is not None, ranks)):  # agreed first: a lone rank would hang the rest
+                self.share = share_of(self.bench, raw_model.config.block_size, ranks.rank, ranks.world_size)
+            else:
                 self.log.line(f"{self.name}: skipped for this run ({error or 'data missing on another rank'})")
-                return None
-            self.bench = bench
-            self.share = share_of(bench, raw_model.config.block_size, ranks.rank, ranks.world_size)
+        if self.share is None:
+            return None
         bar = ranks.is_master and sys.stdout.isatty()
         if ranks.is_master and not bar:
             self.log.line(f"{self.name}: scoring {len(self.bench.items):,} items on {ranks.world_size} rank(s)...")
