@@ -121,8 +121,8 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
     """Scores rows, yielding after each forward pass: the last yield holds every option's (sums, counts, exact), an
     empty continuation's 0, 0, True. An option like one before it shares its scores: scored elsewhere, the same
     tokens can round differently in the last bits, and a pick between equal options must not follow the batching."""
-    total = sum(len(options) for _, options in rows)
-    stand_in = list(range(total))  # each option's scores come from this one: itself, or the first one like it
+    counts = torch.tensor([len(c) for _, options in rows for _, c in options], dtype=torch.float64)
+    stand_in = list(range(len(counts)))  # each option's scores come from this one: itself, or the first one like it
     todo, first_of = [], {}  # todo: the rows to pack, [(prefix, [(option index, own, continuation)])]
     k = 0
     for prefix, options in rows:
@@ -141,9 +141,8 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
     compiled = hasattr(model, "_orig_mod")  # torch.compile'd: recompiles for every new shape
     bucket = SEQ_BUCKET if compiled else 8  # eager: just enough rounding for tensor-core shapes
     order = sorted(range(len(todo)), key=lambda i: -len(packed[i][0]))  # longest first: an OOM shows at once
-    counts = torch.tensor([len(c) for _, options in rows for _, c in options], dtype=torch.float64)
-    sums = torch.zeros(total, dtype=torch.float64)
-    exact = torch.ones(total, dtype=torch.bool)
+    sums = torch.zeros(len(counts), dtype=torch.float64)
+    exact = torch.ones(len(counts), dtype=torch.bool)
     stand_in = torch.tensor(stand_in, dtype=torch.long)
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
