@@ -300,12 +300,10 @@ def training_hook(bundle_dir, limit, ranks, log, lockstep):
 
 def main(argv=None):
     p = common.ArgumentParser(description="CORE (22 in-context tasks, DCLM) of a GPT-2 model.")
-    p.add_argument("--bundle-dir", default=None,
-                   help="the unzipped DCLM eval_bundle (core.yaml, eval_meta_data.csv, eval_data/); "
-                        "default: download it once into the cache")
+    p.add_argument("--bundle-dir", help="the unzipped DCLM eval_bundle (core.yaml, eval_meta_data.csv, eval_data/); "
+                                        "default: download it once into the cache")
     p.add_argument("--tasks", default=None, help="comma-separated task labels to score (default: all 22)")
-    p.add_argument("--limit", type=int, default=None,
-                   help="score N items per task, the first N after a fixed shuffle (default: all)")
+    p.add_argument("--limit", type=int, help="score the first N items per task after a fixed shuffle (default: all)")
     args = scoring.parse_args(p, argv, "core, and each task's acc, centred acc and items", CACHE)
     only = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
 

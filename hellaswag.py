@@ -134,8 +134,7 @@ def training_hook(data_file, limit, ranks, log, lockstep):
 
 def parse_args(argv=None):
     p = common.ArgumentParser(description="HellaSwag accuracy of a GPT-2 model (completion style).")
-    p.add_argument("--data-file", default=None,
-                   help=f"local copy of {HELLASWAG_FILE} (offline use); default: download it once")
+    p.add_argument("--data-file", help=f"local copy of {HELLASWAG_FILE} (offline use); default: download it once")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N items (default: all)")
     return scoring.parse_args(p, argv, "acc, acc_norm, n", CACHE)
 

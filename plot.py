@@ -329,11 +329,9 @@ class PlotWriter:
 
 def parse_args(argv=None):
     p = common.ArgumentParser(description="Summarise training runs and plot them against GPT-2's baselines.")
-    p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR",
-                   help="log directories of train_gpt2.py (its --log-dir); several overlay in one plot")
+    p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="train_gpt2.py log directories, overlaid in one plot")
     p.add_argument("--out", help="PNG to write (default: LOG_DIR/plot.png for one run, runs.png for several)")
-    p.add_argument("--labels", nargs="+", metavar="NAME",
-                   help="legend names, one per LOG_DIR (default: the directory names)")
+    p.add_argument("--labels", nargs="+", metavar="NAME", help="legend names, one per LOG_DIR (default: dir names)")
     p.add_argument("--smooth", type=int, metavar="N",
                    help="EMA span in steps for the per-step curves (default: 4%% of the run, at most 100; 1: none)")
     args = p.parse_args(argv)

@@ -105,19 +105,15 @@ def parse_args(argv=None):
                    help="checkpoint written by train_gpt2.py, a log directory (its latest checkpoint), or a "
                         "Hugging Face name or directory such as gpt2 (default: log)")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default=None, help="text to continue (default: stdin if piped, "
-                                                       "else unconditional from <|endoftext|>)")
-    prompt.add_argument("--prompt-file", default=None, help="read the prompt from this file (- for stdin)")
+    prompt.add_argument("--prompt", help="text to continue (default: piped stdin, else none: from <|endoftext|>)")
+    prompt.add_argument("--prompt-file", help="read the prompt from this file (- for stdin)")
     p.add_argument("--num-samples", type=int, default=1, help="samples to draw, one after another (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample (default 200)")
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="softmax temperature; 0 = greedy, < 1 = more conservative (default 0.8)")
-    p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = off "
-                                                          "(default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, < 1 = more conservative (default 0.8)")
+    p.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens; 0 = off (default 200)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: the smallest set of tokens with this much mass; 1 = off (default 1)")
-    p.add_argument("--seed", type=int, default=1337, help="random seed; the same seed gives the same samples "
-                                                          "on the same device (default 1337)")
+    p.add_argument("--seed", type=int, default=1337, help="same seed, same samples on one device (default 1337)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     p.add_argument("--dtype", default="auto", help="autocast dtype: auto, bfloat16, float16, float32 "
                                                    "(default auto: bf16 on recent GPUs, fp32 on CPU)")

@@ -252,14 +252,12 @@ def parse_args(p, argv, json_holds, cache):
     p.add_argument("--cache-dir", default=None, help=f"where the download is kept (default ${env} or ~/.cache/{name})")
     p.add_argument("--model", required=True, help="a checkpoint written by train_gpt2.py, a log directory (its "
                                                   "latest checkpoint), or a Hugging Face name or directory (gpt2, ...)")
-    p.add_argument("--batch-size", type=int, default=None, help="items per forward pass (default: 16 on a GPU, 4 on "
-                                                                "CPU, where larger measured slower: BENCHMARKS.md)")
+    p.add_argument("--batch-size", type=int, help="items per forward pass (default: 16 on a GPU, 4 on CPU)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     p.add_argument("--dtype", default="auto", help="autocast dtype: auto, bfloat16, float16, float32 (default auto: "
                                                    "bf16 on recent GPUs, fp32 on CPU); losses are always in float32")
     p.add_argument("--compile", action="store_true", help="torch.compile the model first")
-    p.add_argument("--json", action="store_true",
-                   help=f"print one JSON line ({json_holds}) on stdout; the summary goes to stderr")
+    p.add_argument("--json", action="store_true", help=f"one JSON line ({json_holds}) on stdout, the summary on stderr")
     args = p.parse_args(argv)
     for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
