@@ -84,8 +84,7 @@ def read_tasks(bundle_dir, only=None, flag="--bundle-dir"):
     """The bundle's tasks in core.yaml's order (only: the labels to keep); flag: the option that named bundle_dir."""
     import yaml
     if not is_bundle(bundle_dir):
-        raise UserError(f"{bundle_dir} is not a directory with core.yaml in it: pass the unzipped eval_bundle "
-                        f"to {flag}")
+        raise UserError(f"{bundle_dir} is not a directory with core.yaml: pass the unzipped eval_bundle to {flag}")
     spec_path = os.path.join(bundle_dir, "core.yaml")
     meta_path = os.path.join(bundle_dir, "eval_meta_data.csv")
     try:

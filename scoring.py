@@ -47,10 +47,9 @@ READ_TIMEOUT = 60  # seconds of silence from the server before a download is giv
 
 def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
              should_stop=None, lockstep=False, share=None):
-    """bench.result() of the tallies summed over ranks, or None when should_stop() said True; every rank calls it
-    (share: this rank's share_of(bench), if rendered before). model: the GPT itself, not a DDP wrapper.
-    should_stop may be a collective: every rank calls it before each batch. lockstep: every rank makes as many
-    forward passes too (under FSDP each one gathers the parameters)."""
+    """bench.result() of the tallies summed over ranks, or None when should_stop() said True; every rank calls it with
+    the GPT itself, not a DDP wrapper. should_stop may be a collective, called by every rank before each batch;
+    lockstep: every rank makes as many forward passes too (under FSDP each one gathers the parameters)."""
     batch_size = batch_size or (16 if device.startswith("cuda") else 4)  # CPU: larger measured slower
     share = share or share_of(bench, model.config.block_size, rank, world_size)
     distributed = world_size > 1 and tdist.is_available() and tdist.is_initialized()
@@ -163,8 +162,7 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
         idx, pos, seg = idx.to(device), pos.to(device), seg.to(device)
         with autocast(device, dtype):
             logits, _ = model(idx, pos=pos, mask=attention_mask(seg))
-        losses, greedy = target_scores(logits, torch.tensor(where, device=device),
-                                       torch.tensor(targets, device=device))
+        losses, greedy = target_scores(logits, torch.tensor(where, device=device), torch.tensor(targets, device=device))
         option_of = torch.tensor(option_of)
         sums.index_add_(0, option_of, losses.double().cpu())
         exact[option_of[~greedy.cpu()]] = False
@@ -213,9 +211,8 @@ def target_scores(logits, where, targets):
 
 
 class TrainingHook:
-    """An evaluation inside train_gpt2.py: hook(raw_model, dtype, should_stop) -> the result, or None.
-    load() -> the benchmark, at the first call, which also renders this rank's share for the run;
-    where any rank cannot load it (a UserError), the log says so once and the hook stays off."""
+    """An evaluation in train_gpt2.py: hook(raw_model, dtype, should_stop) -> the result, or None. load() runs at the
+    first call; where any rank cannot load (a UserError), the log says so once and the hook stays off."""
 
     def __init__(self, name, load, ranks, log, lockstep):
         self.name, self.load, self.ranks, self.log, self.lockstep = name, load, ranks, log, lockstep
