@@ -288,11 +288,9 @@ def build_figure(log_dirs, labels=None, smooth=None):
         ax["mfu"].text(0.5, 0.5, "MFU not measured (peak FLOPs of the device unknown, e.g. CPU)",
                        transform=ax["mfu"].transAxes, ha="center", color="gray")
     max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m[k]])
-    scale, unit = next((s, u) for s, u in ((1e9, " (billions)"), (1e6, " (millions)"), (1e3, " (thousands)"), (1, ""))
-                       if max_tokens >= s)
     for panel in ax.values():
-        panel.set(xlim=(-0.02 * max_tokens, 1.02 * max_tokens), xlabel=f"tokens seen{unit}")
-        panel.xaxis.set_major_formatter(lambda v, _: f"{v / scale:g}")
+        panel.set(xlim=(-0.02 * max_tokens, 1.02 * max_tokens), xlabel="tokens seen")
+        panel.xaxis.set_major_formatter(lambda v, _: human(v))
         panel.grid(alpha=0.3)
         handles, texts = panel.get_legend_handles_labels()
         if handles:
