@@ -1,35 +1,27 @@
 """
-CORE (Li et al. 2024, "DataComp-LM", section 3.5 and appendix G): 22 in-context tasks, each task's
-accuracy centred on its random baseline, (acc - baseline) / (1 - baseline), and their mean. It is
-the yardstick of nanochat's time-to-GPT-2 leaderboard. As nanochat measures it (full data, bf16,
-1024-token context): OpenAI's GPT-2 124M 0.1139, 355M 0.1849, 774M 0.2146, 1.5B 0.2565.
+CORE (Li et al. 2024, "DataComp-LM", section 3.5 and appendix G): 22 in-context tasks, each task's accuracy
+centred on its random baseline, (acc - baseline) / (1 - baseline), and their mean: the yardstick of nanochat's
+time-to-GPT-2 leaderboard, where OpenAI's GPT-2 scores GPT2_CORE (below).
 
-    python core.py --model gpt2                          # a Hugging Face name or directory
-    python core.py --model log/ --limit 500              # the newest checkpoint of a run, 500 items a task
-    python core.py --model log/hf --tasks arc_easy,piqa --json
-    torchrun --nproc_per_node=8 core.py --model log/ckpt_019073.pt
+    python core.py --model log/ --limit 500 --tasks arc_easy,piqa   # a run's newest checkpoint, 500 items a task
+    torchrun --nproc_per_node=8 core.py --model gpt2 --json         # a Hugging Face name or directory
 
-The tasks come from the DCLM eval bundle (the one nanochat uses), downloaded once into a cache or
-read from --bundle-dir: core.yaml lists them (type, few-shot count, the delimiter between question
-and answer), eval_meta_data.csv holds their random baselines (in percent), eval_data/ one JSONL per
-task. Three kinds of task:
+The tasks come from nanochat's DCLM eval bundle, downloaded once into a cache or read from --bundle-dir:
+core.yaml lists them (type, few-shot count, the delimiter between question and answer), eval_meta_data.csv
+holds their random baselines in percent, eval_data/ one JSONL per task. Three kinds of task:
     multiple_choice    one question, several answers: the lowest mean loss per answer token wins
-    schema             several contexts, one continuation: the context under which the
-                       continuation has the lowest mean loss wins
-    language_modeling  a context and its continuation: right if every continuation token is the
-                       model's greedy prediction
-Prompts are rendered as nanochat renders them, so the numbers compare: few-shot examples drawn per
-item with random.Random(1234 + index), never the item itself, each followed by a blank line; every
-sequence starts with <|endoftext|> and keeps its last block_size tokens; the scored tokens are
-where the answers' token sequences part (multiple choice), what the contexts' sequences share at
-the end (schema), or what the continuation adds (language modelling). Each task's items are
-shuffled with random.Random(1337) before --limit takes the first N (a --limit at or below a
-task's few-shot count leaves it fewer examples to show: a note says so).
-Degenerate items are judged as nanochat judges them too. Where a multiple-choice answer's tokens
-begin every other answer's, its scored span is empty and its mean loss NaN; nanochat picks with
-min() and list.index, which takes such an answer when it comes first and never otherwise. Schema
-options with identical contexts are all empty, so the first is picked. Identical options get
-identical scores, and the first of equal means is picked.
+    schema             several contexts, one continuation: the context giving it the lowest mean loss wins
+    language_modeling  right if every continuation token is the model's greedy prediction
+Prompts are rendered as nanochat renders them, so the numbers compare: few-shot examples drawn per item with
+random.Random(1234 + index), never the item itself, each followed by a blank line; every sequence starts with
+<|endoftext|> and keeps its last block_size tokens; the scored tokens are where the answers' sequences part
+(multiple choice), what the contexts' sequences share at the end (schema), or what the continuation adds
+(language modelling). Each task's items are shuffled with random.Random(1337) before --limit takes the first N
+(at or below a task's few-shot count, fewer examples are left to show: a note says so). Degenerate items are
+judged as nanochat judges them: a multiple-choice answer whose tokens begin every other answer's has nothing
+scored and a NaN mean, which nanochat's min() and list.index pick when it comes first and never otherwise;
+schema options with identical contexts all have nothing scored, so the first is picked; of equal means the
+first is picked.
 """
 
 import csv
@@ -50,12 +42,11 @@ from tokenizer import EOT_TOKEN, get_tokenizer
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # ~162 MB, nanochat's
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 N_CORE_TASKS = 22
-# CORE of OpenAI's GPT-2, as nanochat measured it (dev/estimate_gpt3_core.ipynb; README: 1.5B 0.256525)
+# OpenAI's GPT-2 as nanochat measured it: full data, bf16, 1024 tokens (dev/estimate_gpt3_core.ipynb; README)
 GPT2_CORE = {"124M": 0.1139, "355M": 0.1849, "774M": 0.2146, "1.5B": 0.2565}
 SHUFFLE_SEED = 1337  # each task's items are shuffled with this before --limit (nanochat's base_eval)
 FEWSHOT_SEED = 1234  # item i's few-shot examples: random.Random(FEWSHOT_SEED + i)
 CACHE = ("CORE_CACHE", "gpt2-core")  # where the download is kept: $CORE_CACHE, else ~/.cache/gpt2-core
-# an item's fields and their types, per task type
 FIELDS = {"multiple_choice": {"query": str, "choices": list, "gold": int},
           "schema": {"context_options": list, "continuation": str, "gold": int},
           "language_modeling": {"context": str, "continuation": str}}
@@ -66,7 +57,6 @@ def is_bundle(path):
 
 
 def download(cache_dir=None, flag="--bundle-dir"):
-    """The cached bundle's directory, downloaded and unzipped once (scoring.download)."""
     hint = f"download {BUNDLE_URL} on a machine with network access, unzip it and pass {flag} path/to/eval_bundle"
 
     def unzip(archive, tmp):
@@ -91,12 +81,10 @@ class Task:
 
 
 def read_tasks(bundle_dir, only=None, flag="--bundle-dir"):
-    """The bundle's tasks in core.yaml's order (only: the labels to keep), baselines from
-    eval_meta_data.csv. flag: the option that named bundle_dir (the trainer's is --core-bundle)."""
+    """The bundle's tasks in core.yaml's order (only: the labels to keep); flag: the option that named bundle_dir."""
     import yaml
     if not is_bundle(bundle_dir):
-        raise UserError(f"{bundle_dir} is not a directory with core.yaml in it: pass the unzipped eval_bundle "
-                        f"to {flag}")
+        raise UserError(f"{bundle_dir} is not a directory with core.yaml: pass the unzipped eval_bundle to {flag}")
     spec_path = os.path.join(bundle_dir, "core.yaml")
     meta_path = os.path.join(bundle_dir, "eval_meta_data.csv")
     try:
@@ -136,8 +124,7 @@ def read_tasks(bundle_dir, only=None, flag="--bundle-dir"):
 
 
 def read_text(path, where=""):
-    """A bundle file's text, without the byte-order mark Excel's "CSV UTF-8" puts first; one line
-    naming the line that is not UTF-8 (where: what to say first)."""
+    """A bundle file's text, without the byte-order mark Excel's "CSV UTF-8" puts first."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -151,7 +138,6 @@ def read_text(path, where=""):
 
 
 def parse_item(line, kind, where):
-    """One JSONL line of a task of this kind, checked against FIELDS; UserError naming the line."""
     fix = f"a {kind} item is a JSON object with " + ", ".join(f"{k} ({t.__name__})" for k, t in FIELDS[kind].items())
     try:
         item = json.loads(line)
@@ -165,8 +151,7 @@ def parse_item(line, kind, where):
 
 
 def load_items(task, limit=None):
-    """A task's items, shuffled with SHUFFLE_SEED, the first `limit` of them (None: all), each
-    checked: its fields, and that its prompts leave something to score."""
+    """A task's items, shuffled with SHUFFLE_SEED, the first `limit` of them, each checked."""
     where = f"task {task.label}: "
     lines = enumerate(io.StringIO(read_text(task.path, where), newline=None), 1)
     numbered = [(n, parse_item(line, task.kind, f"{where}{task.path} line {n}")) for n, line in lines if line.strip()]
@@ -191,8 +176,7 @@ def load_tasks(bundle_dir, only, limit, flag="--bundle-dir", cache_dir=None):
 
 
 def fewer_shots(tasks, flag="--limit"):
-    """A note for each task that scores no more items than its few-shot count: each item can then
-    show only the others as examples (nanochat's sampling would stop there with an error)."""
+    """A note for each task with no more items than its few-shot count (nanochat's sampling fails there)."""
     return [f"note: task {t.label} is {t.shots}-shot, but with {len(t.items)} items each shows only the "
             f"{len(t.items) - 1} others: fewer shots than the benchmark's (a {flag} above {t.shots} gives them all)"
             for t in tasks if t.shots and t.shots >= len(t.items)]
@@ -200,16 +184,13 @@ def fewer_shots(tasks, flag="--limit"):
 
 def fewshot(items, index, shots):
     """The examples shown before item `index`: drawn with its own seed, never the item itself."""
-    if shots == 0:
-        return []
-    others = [i for i in range(len(items)) if i != index]
-    return [items[i] for i in random.Random(FEWSHOT_SEED + index).sample(others, min(shots, len(others)))]
+    drawn = random.Random(FEWSHOT_SEED + index).sample(range(len(items) - 1), min(shots, len(items) - 1))
+    return [items[j + (j >= index)] for j in drawn]  # position j among the others, the item itself left out
 
 
 def prompts(task, item, examples):
-    """The full prompt of each option, as text. Language modelling has one option and returns
-    (prompt without the continuation, prompt with it), contexts stripped, and the first of the two
-    too (which drops the delimiter's trailing space: the continuation's first token carries it)."""
+    """The full prompt of each option; language modelling's are (without the continuation, with it), contexts and
+    the first prompt stripped (the continuation's first token carries the delimiter's space)."""
     d = task.delimiter
     if task.kind == "multiple_choice":
         shown = "".join(f"{ex['query']}{d}{ex['choices'][ex['gold']]}\n\n" for ex in examples)
@@ -227,8 +208,7 @@ def common_prefix(seqs):
 
 
 def spans(task, seqs):
-    """Token sequences (each starting with <|endoftext|>) -> [(sequence, start of the scored tokens)],
-    one per option, the scored tokens found as nanochat finds them (none: start = the length)."""
+    """[(sequence, start of its scored tokens)] per option, as nanochat finds them (none: start = the length)."""
     if task.kind == "language_modeling":
         return [(seqs[1], common_prefix(seqs))]  # len(without), unless the continuation re-merged its last tokens
     if task.kind == "multiple_choice":
@@ -251,9 +231,8 @@ def nothing_to_score(task, item, enc):
 
 
 def rows_of(task, item, examples, enc, block_size):
-    """The item as rows for scoring.scored_batches, its options in order: one row when they fit side
-    by side in block_size tokens (what they share before their scored tokens computed once), else a
-    row per option. Each sequence keeps its last block_size tokens."""
+    """The item as rows for scoring.scored_batches: one row when its options fit side by side in block_size
+    tokens, else a row per option."""
     seqs = [[EOT_TOKEN] + enc.encode_ordinary(p) for p in prompts(task, item, examples)]
     options = []
     for seq, start in spans(task, seqs):
@@ -266,25 +245,19 @@ def rows_of(task, item, examples, enc, block_size):
 
 
 def judge(task, item, sums, counts, exact):
-    """Whether the model got the item right, from its options' scores, by nanochat's rules: min()
-    then list.index over the mean losses, where a NaN first is picked and a NaN later never."""
     if task.kind == "language_modeling":
         return bool(exact[0])
     means = (sums / counts).tolist()
-    if math.isnan(means[0]):
-        return item["gold"] == 0
-    pick = min(range(len(means)), key=lambda j: math.inf if math.isnan(means[j]) else means[j])
-    return pick == item["gold"]
+    # nanochat's pick: min() compares with <, so a NaN first wins and a NaN later never; index() takes the first
+    return means.index(min(means)) == item["gold"]
 
 
 def centered(acc, baseline):
-    """Accuracy centred on random guessing: 0 at chance, 1 at perfect (negative below chance)."""
     return (acc - baseline) / (1 - baseline)
 
 
 class Core:
-    """CORE's pieces of an evaluation (scoring.py): the items of all tasks, each named by (task
-    index, item index), rendered with its few-shot examples, tallied per task."""
+    """CORE's pieces of an evaluation (scoring.py): every task's items, each named (task index, item index)."""
     name = "core"
 
     def __init__(self, tasks):
@@ -302,7 +275,6 @@ class Core:
         return t, (judge(self.tasks[t], self.tasks[t].items[i], sums, counts, exact),)
 
     def result(self, tally):
-        """{"core", "tasks": {label: {"acc", "centered", "n"}}}."""
         results = {}
         for task, (right, n) in zip(self.tasks, tally):
             acc = right / n if n else 0.0
@@ -327,12 +299,10 @@ def training_hook(bundle_dir, limit, ranks, log, lockstep):
 
 def main(argv=None):
     p = common.ArgumentParser(description="CORE (22 in-context tasks, DCLM) of a GPT-2 model.")
-    p.add_argument("--bundle-dir", default=None,
-                   help="the unzipped DCLM eval_bundle (core.yaml, eval_meta_data.csv, eval_data/); "
-                        "default: download it once into the cache")
+    p.add_argument("--bundle-dir", help="the unzipped DCLM eval_bundle (core.yaml, eval_meta_data.csv, eval_data/); "
+                                        "default: download it once into the cache")
     p.add_argument("--tasks", default=None, help="comma-separated task labels to score (default: all 22)")
-    p.add_argument("--limit", type=int, default=None,
-                   help="score N items per task, the first N after a fixed shuffle (default: all)")
+    p.add_argument("--limit", type=int, help="score the first N items per task after a fixed shuffle (default: all)")
     args = scoring.parse_args(p, argv, "core, and each task's acc, centred acc and items", CACHE)
     only = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
 

@@ -1,17 +1,13 @@
 """
-HellaSwag (Zellers et al. 2019) in the completion style used for GPT-2: the context followed by
-each of the 4 endings; the model's loss over the ending tokens picks the answer.
-  acc       the ending with the lowest summed loss
-  acc_norm  the ending with the lowest mean loss per ending token
-For OpenAI's GPT-2 124M this gives acc 0.2859, acc_norm 0.2955 on the 10,042 validation items
-(GPT-3 124M: 0.337, from the GPT-3 paper). Follows build-nanogpt's hellaswag.py, batched (scoring.py).
+HellaSwag (Zellers et al. 2019) in the completion style used for GPT-2: the context followed by each of the
+4 endings; acc picks the ending with the lowest summed loss, acc_norm the lowest mean loss per ending token.
+OpenAI's GPT-2 124M gets acc 0.2859, acc_norm 0.2955 on the 10,042 validation items (GPT-3 124M: 0.337, from
+the GPT-3 paper). Follows build-nanogpt's hellaswag.py, batched (scoring.py).
 
-    python hellaswag.py --model gpt2                  # Hugging Face name or directory
-    python hellaswag.py --model log/ --limit 500      # latest checkpoint written by train_gpt2.py
-    torchrun --nproc_per_node=8 hellaswag.py --model log/ckpt_019073.pt --json
+    python hellaswag.py --model log/ --limit 500                    # latest checkpoint written by train_gpt2.py
+    torchrun --nproc_per_node=8 hellaswag.py --model gpt2 --json    # a Hugging Face name or directory
 
-Offline: --data-file path/to/hellaswag_val.jsonl (or a gzip/xz/bz2 copy), or the copy cached by an
-earlier download.
+Offline: --data-file path/to/hellaswag_val.jsonl (or a gzip/xz/bz2 copy), or the copy an earlier download cached.
 """
 
 import bz2
@@ -41,7 +37,6 @@ ITEM_CHECKS = (
 
 
 def parse_item(line, where):
-    """One line of the official jsonl -> {ctx, endings, label}; UserError naming the line otherwise."""
     fix = f"each line must be a JSON object with ctx (a string), endings ({N_ENDINGS} strings) and label (0-3)"
     try:
         d = json.loads(line)
@@ -55,18 +50,16 @@ def parse_item(line, where):
         value = d.get(field)
         if field not in d:
             problem = f"no {field!r}"
-        elif not ok(value):
-            problem = problem.format(v=value, n=len(value) if isinstance(value, list) else None)
-        else:
+        elif ok(value):
             continue
-        raise common.UserError(f"{where}: malformed HellaSwag line ({problem}); {fix}")
+        n = len(value) if isinstance(value, list) else None
+        raise common.UserError(f"{where}: malformed HellaSwag line ({problem.format(v=value, n=n)}); {fix}")
     return {"ctx": d["ctx"], "endings": d["endings"], "label": d["label"]}
 
 
 def load_items(data_file=None, cache_dir=None, limit=None, flag="--data-file"):
-    """HellaSwag validation items (dicts with ctx, endings, label), the first `limit` if given, from
-    data_file (plain or compressed), else from the official file, downloaded once into cache_dir.
-    flag: the option an error names for a local copy (the trainer's is --hellaswag-file)."""
+    """The first `limit` validation items, from data_file (plain or compressed), else from the official file,
+    downloaded once into cache_dir; flag: the option an error names for a local copy."""
     path = data_file
     if path is None:
         path = scoring.download(HELLASWAG_URL, os.path.join(scoring.cache_dir(cache_dir, *CACHE), HELLASWAG_FILE),
@@ -110,8 +103,7 @@ def render(item, enc, block_size):
 
 
 class HellaSwag:
-    """HellaSwag's pieces of an evaluation (scoring.py): an item is one row, its context once and its
-    endings side by side; its marks are acc and acc_norm."""
+    """HellaSwag's pieces of an evaluation (scoring.py): one row per item, marked acc and acc_norm."""
     name = "hellaswag"
     tallies = (1, 2)
 
@@ -142,8 +134,7 @@ def training_hook(data_file, limit, ranks, log, lockstep):
 
 def parse_args(argv=None):
     p = common.ArgumentParser(description="HellaSwag accuracy of a GPT-2 model (completion style).")
-    p.add_argument("--data-file", default=None,
-                   help=f"local copy of {HELLASWAG_FILE} (offline use); default: download it once")
+    p.add_argument("--data-file", help=f"local copy of {HELLASWAG_FILE} (offline use); default: download it once")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N items (default: all)")
     return scoring.parse_args(p, argv, "acc, acc_norm, n", CACHE)
 

@@ -2,9 +2,7 @@
 Plots and a text summary of training runs, from the metrics.jsonl that train_gpt2.py writes (metrics.py).
 The PNG's panels, against tokens seen: loss (train per step and smoothed, validation dashed), HellaSwag,
 tokens/s, MFU and, when a run scored it, CORE, with GPT-2's values; several runs overlay, one colour each.
-
 How the numbers are defined:
-- A resumed run: the later record for a step wins; an abandoned branch is dropped (metrics.read_metrics).
 - wall time: the sum over launches of (time of its last record - time of its "run" record).
 - mean tokens/s: all logged steps weighted by their step time, so warm-up counts for what it cost.
 - steady-state tokens/s and MFU: medians past warm-up (the first 10% of the steps, and the first step of
@@ -46,15 +44,12 @@ def warmed_up(metrics):
     return [r for r in metrics["train"] if r["step"] not in firsts]
 
 
-def core_tasks(records):
-    """How many tasks a run's CORE averages (its last record's `centered`), None where it does not say."""
+def custom_core_tasks(records):
+    """How many tasks a run's CORE averages where they are not the 22 of GPT-2's (a custom bundle), else None."""
     centered = records[-1].get("centered") if records else None
-    return len(centered) if isinstance(centered, dict) else None
-
-
-def comparable_core(n_tasks):
-    """Whether a CORE over n_tasks tasks can stand beside GPT-2's, measured over all 22."""
-    return n_tasks in (None, N_CORE_TASKS)
+    if isinstance(centered, dict) and len(centered) != N_CORE_TASKS:
+        return len(centered)
+    return None
 
 
 def _median(values):
@@ -63,8 +58,8 @@ def _median(values):
 
 
 def summarize(log_dir):
-    """The numbers of one run, as a dict (None where the log has nothing to say; definitions: see the
-    module docstring). status is the last launch's end reason, or "stopped" without one (killed, or running)."""
+    """The numbers of one run (None where the log has nothing to say); status is the last launch's end reason, or
+    "stopped" without one (killed, or running)."""
     m = read_metrics(log_dir)
     train = m["train"]
     runs = [launch["run"] for launch in m["launches"] if launch["run"]]
@@ -84,7 +79,7 @@ def summarize(log_dir):
         "tok_per_s_mean": sum(r["tok_per_s"] * r["dt_ms"] for r in train) / step_time if step_time > 0 else None,
         "tok_per_s_steady": _median([r["tok_per_s"] for r in steady]),
         "mfu": _median([r.get("mfu") for r in steady]),
-        "core_tasks": core_tasks(m["core"]),
+        "custom_core_tasks": custom_core_tasks(m["core"]),
         "status": end["reason"] if end else "stopped",
         "stop_step": end["step"] if end else (train[-1]["step"] if train else None),
     }
@@ -121,7 +116,6 @@ STATUS_WORDS = {"finished": "finished", "signal": "stopped by a signal", "nonfin
 
 
 def format_summary(s):
-    """The lines printed for one run, from summarize()'s dict."""
     def na(value, fmt):
         return "n/a" if value is None else fmt.format(value)
 
@@ -138,8 +132,8 @@ def format_summary(s):
                  f"steady {na(s['tok_per_s_steady'], '{:,.0f}')} (median past warm-up)")
     lines.append("  MFU         " + (f"{s['mfu']:.1%} (steady median)" if s["mfu"] is not None
                                       else "n/a (peak FLOPs of this device unknown)"))
-    core_references = (f"GPT-2 124M: {GPT2_CORE_124M}, 1.5B: {GPT2_CORE_XL}" if comparable_core(s["core_tasks"])
-                       else f"over {s['core_tasks']} tasks: not comparable with GPT-2's, over {N_CORE_TASKS}")
+    core_references = (f"GPT-2 124M: {GPT2_CORE_124M}, 1.5B: {GPT2_CORE_XL}" if s["custom_core_tasks"] is None
+                       else f"over {s['custom_core_tasks']} tasks: not comparable with GPT-2's, over {N_CORE_TASKS}")
     for name, key, references, missing in (
             ("val loss", "val_loss", f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}", "no evaluation logged"),
             ("HellaSwag", "hellaswag", f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}", "not evaluated"),
@@ -205,7 +199,6 @@ def _curve(ax, records, values, color, label, span):
 
 
 def _points(ax, records, field, color, label, style="-o"):
-    """One marker per evaluation, joined."""
     if records:
         ax.plot([r["tokens"] for r in records], [r[field] for r in records], style, color=color, markersize=3,
                 linewidth=1.2, label=label)
@@ -217,8 +210,7 @@ def _late(values):
 
 
 def write_plot(log_dirs, out_png, labels=None, smooth=None):
-    """Plot one or more runs into out_png, written atomically (a viewer never sees half a file); see
-    build_figure for labels and smooth. Returns False, writing nothing, when matplotlib is not installed."""
+    """Plot runs into out_png, written atomically; False, writing nothing, when matplotlib is not installed."""
     fig = build_figure(log_dirs, labels, smooth)
     if fig is None:
         return False
@@ -230,8 +222,7 @@ def write_plot(log_dirs, out_png, labels=None, smooth=None):
 
 
 def build_figure(log_dirs, labels=None, smooth=None):
-    """The panels of a list of runs as a matplotlib Figure (None without matplotlib); smooth: the EMA span in
-    steps. No pyplot: headless, no global state, so it can run beside a training loop."""
+    """The runs' panels as a matplotlib Figure (None without matplotlib), made without pyplot to run beside training."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -242,7 +233,6 @@ def build_figure(log_dirs, labels=None, smooth=None):
     span = smooth or max(1, min(100, max(len(m["train"]) for m in runs) // 25))
     smoothing = f"EMA over {span} steps" if span > 1 else "per step"
     scored_core = any(m["core"] for m in runs)  # a fifth panel, for CORE, when a run scored it
-    # wider than the panels need: each panel's legend sits to its right (see below)
     fig = Figure(figsize=(17, 13 if scored_core else 9), dpi=100, layout="constrained")
     ax = fig.subplot_mosaic([["loss", "hellaswag"], ["tps", "mfu"]] + ([["core", "."]] if scored_core else []))
     loss_late, loss_all = [GPT2_VAL_LOSS], [GPT2_VAL_LOSS]
@@ -259,8 +249,8 @@ def build_figure(log_dirs, labels=None, smooth=None):
             ax["loss"].axvline(tokens, color=color, linestyle=(0, (1, 3)),
                                label=None if j else f"{label}: resumed at step {', '.join(map(str, resumes))}")
         _points(ax["hellaswag"], m["hellaswag"], "acc_norm", color, label)
-        n_tasks = core_tasks(m["core"])
-        _points(ax.get("core"), m["core"], "core", color, label if comparable_core(n_tasks)
+        n_tasks = custom_core_tasks(m["core"])
+        _points(ax.get("core"), m["core"], "core", color, label if n_tasks is None
                 else f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)")
         steps = warmed_up(m)
         _curve(ax["tps"], steps, [r["tok_per_s"] for r in steps], color, label, span)
@@ -268,14 +258,12 @@ def build_figure(log_dirs, labels=None, smooth=None):
         _curve(ax["mfu"], steps, [100 * r["mfu"] for r in steps], color, label, span)
         loss_late += _late(smoothed) + _late([r["val_loss"] for r in val])
         loss_all += [v for v in loss + [r["val_loss"] for r in val] if math.isfinite(v)]
-
-    comparable = [comparable_core(core_tasks(m["core"])) for m in runs if m["core"]]
+    comparable = [custom_core_tasks(m["core"]) is None for m in runs if m["core"]]
     references = dict(REFERENCES, core=REFERENCES["core"] if any(comparable) else [])  # GPT-2's: over all 22 tasks
     for name, lines in references.items():
         for value, text, color in lines:
             ax[name].axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
-    # from the lowest loss up to where the curves are past their first drop from ~11: where runs
-    # differ and the GPT-2 line sits
+    # from the lowest loss up to where the curves are past their first drop: where runs differ and GPT-2 sits
     low, high = min(loss_all), max(loss_late)
     ax["loss"].set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
     scores = [r["acc_norm"] for m in runs for r in m["hellaswag"]]
@@ -299,19 +287,14 @@ def build_figure(log_dirs, labels=None, smooth=None):
     if not ax["mfu"].lines:
         ax["mfu"].text(0.5, 0.5, "MFU not measured (peak FLOPs of the device unknown, e.g. CPU)",
                        transform=ax["mfu"].transAxes, ha="center", color="gray")
-
     max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m[k]])
-    scale, unit = next((s, u) for s, u in ((1e9, " (billions)"), (1e6, " (millions)"), (1e3, " (thousands)"), (1, ""))
-                       if max_tokens >= s)
     for panel in ax.values():
-        # the same range on every panel, empty ones too
-        panel.set(xlim=(-0.02 * max_tokens, 1.02 * max_tokens), xlabel=f"tokens seen{unit}")
-        panel.xaxis.set_major_formatter(lambda v, _: f"{v / scale:g}")
+        panel.set(xlim=(-0.02 * max_tokens, 1.02 * max_tokens), xlabel="tokens seen")
+        panel.xaxis.set_major_formatter(lambda v, _: human(v))
         panel.grid(alpha=0.3)
         handles, texts = panel.get_legend_handles_labels()
         if handles:
-            # to the panel's right: any corner inside covers some run's curves (a short run's loss starts
-            # top left, a long one's ends bottom right); constrained layout makes room for it
+            # right of the panel, which the figure's width leaves room for: any corner inside covers some curve
             panel.legend(handles, [textwrap.fill(t, LEGEND_WIDTH) for t in texts], fontsize=8,
                          loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.suptitle("GPT-2 training: " + ", ".join(labels))
@@ -343,13 +326,10 @@ class PlotWriter:
 
 
 def parse_args(argv=None):
-    """The command line, checked: one-line errors for bad values."""
     p = common.ArgumentParser(description="Summarise training runs and plot them against GPT-2's baselines.")
-    p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR",
-                   help="log directories of train_gpt2.py (its --log-dir); several overlay in one plot")
+    p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="train_gpt2.py log directories, overlaid in one plot")
     p.add_argument("--out", help="PNG to write (default: LOG_DIR/plot.png for one run, runs.png for several)")
-    p.add_argument("--labels", nargs="+", metavar="NAME",
-                   help="legend names, one per LOG_DIR (default: the directory names)")
+    p.add_argument("--labels", nargs="+", metavar="NAME", help="legend names, one per LOG_DIR (default: dir names)")
     p.add_argument("--smooth", type=int, metavar="N",
                    help="EMA span in steps for the per-step curves (default: 4%% of the run, at most 100; 1: none)")
     args = p.parse_args(argv)
@@ -361,15 +341,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """python plot.py LOG_DIR...: print each run's summary and write the plot."""
     args = parse_args(argv)
     out = args.out or (os.path.join(args.log_dirs[0], "plot.png") if len(args.log_dirs) == 1 else "runs.png")
     summaries = [summarize(d) for d in args.log_dirs]  # every directory checked before anything prints
     if os.path.isdir(out):
         raise UserError(f"cannot write {out}: it is a directory; give --out the path of a .png file, "
                         f"such as {os.path.join(out, 'runs.png')}")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
-        raise UserError(f"cannot write {out}: directory {os.path.dirname(os.path.abspath(out))} does not exist")
     for s in summaries:
         print(format_summary(s) + "\n", flush=True)
     if write_plot(args.log_dirs, out, args.labels, args.smooth):

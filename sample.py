@@ -10,7 +10,6 @@ The samples go to stdout (and nothing else does); where the model came from goes
 """
 
 import codecs
-import itertools
 import math
 import os
 import sys
@@ -55,30 +54,27 @@ def encode_prompt(enc, prompt, block_size):
 
 
 def print_stream(enc, tokens, out):
-    """Write token ids to out as text the moment each arrives. A GPT-2 token can end inside a UTF-8
-    character (emoji, CJK): its bytes wait until the character is whole."""
+    """Write token ids to out as text the moment each arrives, and return them. A GPT-2 token can end inside a
+    UTF-8 character (emoji, CJK): its bytes wait until the character is whole."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    written = []
     for t in tokens:
+        written.append(t)
         out.write(decoder.decode(enc.decode_single_token_bytes(t)))
         out.flush()
     out.write(decoder.decode(b"", final=True))
+    return written
 
 
 def stream_sample(model, tokens, enc, out, device, dtype="float32", max_new_tokens=200, temperature=1.0,
                   top_k=None, top_p=None, generator=None):
-    """Print the prompt (not a lone <|endoftext|>), then each new token as it is generated; return
-    the new token ids."""
+    """Print the prompt (not a lone <|endoftext|>), then each new token as it is generated; return the new ones."""
     idx = torch.tensor([tokens], dtype=torch.long, device=device)
-    new = []
-
-    def generated():
-        for nxt in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                         top_p=top_p, generator=generator):
-            new.append(int(nxt[0]))
-            yield new[-1]
+    new = model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                generator=generator)
     with autocast(device, dtype):
-        print_stream(enc, itertools.chain([] if tokens == [EOT_TOKEN] else tokens, generated()), out)
-    return new
+        print_stream(enc, [] if tokens == [EOT_TOKEN] else tokens, out)
+        return print_stream(enc, (int(t[0]) for t in new), out)
 
 
 def training_samples(model, tokens, num_samples, max_new_tokens, seed, device, dtype="float32", stop=None):
@@ -109,19 +105,15 @@ def parse_args(argv=None):
                    help="checkpoint written by train_gpt2.py, a log directory (its latest checkpoint), or a "
                         "Hugging Face name or directory such as gpt2 (default: log)")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default=None, help="text to continue (default: stdin if piped, "
-                                                       "else unconditional from <|endoftext|>)")
-    prompt.add_argument("--prompt-file", default=None, help="read the prompt from this file (- for stdin)")
+    prompt.add_argument("--prompt", help="text to continue (default: piped stdin, else none: from <|endoftext|>)")
+    prompt.add_argument("--prompt-file", help="read the prompt from this file (- for stdin)")
     p.add_argument("--num-samples", type=int, default=1, help="samples to draw, one after another (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample (default 200)")
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="softmax temperature; 0 = greedy, < 1 = more conservative (default 0.8)")
-    p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = off "
-                                                          "(default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, < 1 = more conservative (default 0.8)")
+    p.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens; 0 = off (default 200)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: the smallest set of tokens with this much mass; 1 = off (default 1)")
-    p.add_argument("--seed", type=int, default=1337, help="random seed; the same seed gives the same samples "
-                                                          "on the same device (default 1337)")
+    p.add_argument("--seed", type=int, default=1337, help="same seed, same samples on one device (default 1337)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     p.add_argument("--dtype", default="auto", help="autocast dtype: auto, bfloat16, float16, float32 "
                                                    "(default auto: bf16 on recent GPUs, fp32 on CPU)")

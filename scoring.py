@@ -1,24 +1,22 @@
 """
-Scoring continuations with a GPT: the evaluation HellaSwag (hellaswag.py) and CORE (core.py) share,
-their trainer hook, their command line and the download of their data.
+Scoring continuations with a GPT, for HellaSwag (hellaswag.py) and CORE (core.py): the evaluation, the
+trainer's hook, the scripts' command line and the download of their data.
 
-A benchmark (hellaswag.HellaSwag, core.Core) brings its own pieces: name (the progress bar's and the
-log's word), items (shared out over the ranks, rank::world_size), rows(item, block_size) (the item
-as rows, its options in order), tallies = (slots, marks per item), marks(item, sums, counts, exact)
--> (slot, marks) (from its options' scores), result(tally) (from the tallies summed over ranks, per
-slot each mark's count and then the items') and report(result) (the trainer's log text and record).
+A benchmark (hellaswag.HellaSwag, core.Core) has: name; items (rank r scores items[r::world_size]);
+rows(item, block_size), the item as rows, its options in order; tallies = (slots, marks per item);
+marks(item, sums, counts, exact) -> (slot, marks) from its options' scores; result(tally) from each slot's
+mark counts and item count, summed over ranks; report(result) -> the trainer's log text and record.
 
-A row is a prefix its options share, then each option as its own sequence (its own context, if
-any, and the continuation that is scored), side by side:
+A row is a prefix its options share, then each option as its own sequence (its own context, if any, and the
+scored continuation), side by side:
 
     multiple choice   prefix = the question, options = ([], each answer)       (HellaSwag too)
     schema            prefix = nothing,      options = (each context, the one continuation)
     language model    prefix = the context,  options = ([], the continuation)
 
-An attention mask lets each option see the prefix and itself only, and positions restart where
-the prefix ends, so every option is scored exactly as in its own sequence while the prefix is
-computed once. Per option comes out the summed loss of its continuation tokens, their count, and
-whether each of them was the model's greedy prediction.
+An attention mask lets each option see the prefix and itself only, and positions restart where the prefix
+ends, so every option is scored as in its own sequence while the prefix is computed once. Per option come
+out the summed loss of its continuation tokens, their count, and whether each was the greedy prediction.
 """
 
 import json
@@ -49,16 +47,13 @@ READ_TIMEOUT = 60  # seconds of silence from the server before a download is giv
 
 def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
              should_stop=None, lockstep=False, share=None):
-    """bench.result() of the tallies summed over ranks, or None when should_stop() said True. Every
-    rank calls it and scores its share (share: this rank's share_of(bench), if rendered before).
-    model: the GPT itself (compiled or not, not a DDP wrapper); its train/eval state is restored.
-    should_stop may be a collective: every rank calls it as often, before each batch. lockstep: every
-    rank makes as many forward passes too (under FSDP each one gathers the parameters)."""
+    """bench.result() of the tallies summed over ranks, or None when should_stop() said True; every rank calls it with
+    the GPT itself, not a DDP wrapper. should_stop may be a collective, called by every rank before each batch;
+    lockstep: every rank makes as many forward passes too (under FSDP each one gathers the parameters)."""
     batch_size = batch_size or (16 if device.startswith("cuda") else 4)  # CPU: larger measured slower
     share = share or share_of(bench, model.config.block_size, rank, world_size)
     distributed = world_size > 1 and tdist.is_available() and tdist.is_initialized()
-    # as many batches on every rank, at least the longest share's: every item is a row or more,
-    # and where the rows per item vary (CORE), the ranks ask each other
+    # every rank runs as many batches as the longest share needs; CORE's rows per item vary, so the ranks ask
     longest = -(-len(bench.items) // world_size)  # the items in the longest share, rank 0's
     batches = torch.tensor([-(-max(len(share.rows), longest) // batch_size)], device=device)
     if distributed:
@@ -96,8 +91,7 @@ def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, wor
 
 @dataclass
 class Share:
-    """What one rank scores of a benchmark, the same at every evaluation of a run: its items, their
-    rows, and where each item's options start among the rows' options (and where the last ends)."""
+    """What one rank scores: its items, their rows, and where each item's options start (and the last ends)."""
     items: list
     rows: list
     option_start: list
@@ -110,7 +104,7 @@ def share_of(bench, block_size, rank=0, world_size=1):
     for item in mine:
         these = bench.rows(item, block_size)
         rows += these
-        option_start.append(option_start[-1] + n_options(these))
+        option_start.append(option_start[-1] + sum(len(options) for _, options in these))
     return Share(mine, rows, option_start)
 
 
@@ -123,14 +117,11 @@ def idle_forward(model, device, dtype):
 
 @torch.no_grad()
 def scored_batches(model, rows, device, dtype="float32", batch_size=4):
-    """Scores rows ([(prefix, [(own context, continuation)])], each fitting the model's block_size)
-    batch by batch, yielding after each forward pass; the last yield holds every option's (sums,
-    counts, exact): float64, float64, bool. An empty continuation is not scored: sum 0, count 0 (a
-    NaN mean) and exact. An option the same as one before it is scored once and shares its scores:
-    elsewhere, the same tokens can round differently in the last bits, and a pick between equal
-    options must not follow the batching."""
-    total = n_options(rows)
-    stand_in = list(range(total))  # each option's scores come from this one: itself, or the first one like it
+    """Scores rows, yielding after each forward pass: the last yield holds every option's (sums, counts, exact), an
+    empty continuation's 0, 0, True. An option like one before it shares its scores: scored elsewhere, the same
+    tokens can round differently in the last bits, and a pick between equal options must not follow the batching."""
+    counts = torch.tensor([len(c) for _, options in rows for _, c in options], dtype=torch.float64)
+    stand_in = list(range(len(counts)))  # each option's scores come from this one: itself, or the first one like it
     todo, first_of = [], {}  # todo: the rows to pack, [(prefix, [(option index, own, continuation)])]
     k = 0
     for prefix, options in rows:
@@ -149,9 +140,8 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
     compiled = hasattr(model, "_orig_mod")  # torch.compile'd: recompiles for every new shape
     bucket = SEQ_BUCKET if compiled else 8  # eager: just enough rounding for tensor-core shapes
     order = sorted(range(len(todo)), key=lambda i: -len(packed[i][0]))  # longest first: an OOM shows at once
-    counts = torch.tensor([len(c) for _, options in rows for _, c in options], dtype=torch.float64)
-    sums = torch.zeros(total, dtype=torch.float64)
-    exact = torch.ones(total, dtype=torch.bool)
+    sums = torch.zeros(len(counts), dtype=torch.float64)
+    exact = torch.ones(len(counts), dtype=torch.bool)
     stand_in = torch.tensor(stand_in, dtype=torch.long)
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
@@ -172,8 +162,7 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
         idx, pos, seg = idx.to(device), pos.to(device), seg.to(device)
         with autocast(device, dtype):
             logits, _ = model(idx, pos=pos, mask=attention_mask(seg))
-        losses, greedy = target_scores(logits, torch.tensor(where, device=device),
-                                       torch.tensor(targets, device=device))
+        losses, greedy = target_scores(logits, torch.tensor(where, device=device), torch.tensor(targets, device=device))
         option_of = torch.tensor(option_of)
         sums.index_add_(0, option_of, losses.double().cpu())
         exact[option_of[~greedy.cpu()]] = False
@@ -183,24 +172,18 @@ def scored_batches(model, rows, device, dtype="float32", batch_size=4):
         yield sums[stand_in], counts, exact[stand_in]
 
 
-def n_options(rows):
-    """How many options the rows hold in all."""
-    return sum(len(options) for _, options in rows)
-
-
 def pack(prefix, options):
     """One row as lists: tokens; pos, each token's position in its own sequence; seg, 0 for the
     prefix and j + 1 for option j; where, the index of the token that predicts each continuation
     token, option by option. options: [(own context, continuation)]."""
     tokens, pos, seg, where = list(prefix), list(range(len(prefix))), [0] * len(prefix), []
     for j, (own, continuation) in enumerate(options):
-        start = len(tokens)
+        first = len(tokens) + len(own)  # the continuation's first token
+        before = first - 1 if own else len(prefix) - 1
+        where += [before] + list(range(first, first + len(continuation) - 1))
         tokens += own + continuation
         pos += range(len(prefix), len(prefix) + len(own) + len(continuation))
         seg += [j + 1] * (len(own) + len(continuation))
-        first = start + len(own)  # the continuation's first token
-        before = first - 1 if own else len(prefix) - 1
-        where += [before] + list(range(first, first + len(continuation) - 1))
     return tokens, pos, seg, where
 
 
@@ -228,31 +211,28 @@ def target_scores(logits, where, targets):
 
 
 class TrainingHook:
-    """An evaluation inside train_gpt2.py: hook(raw_model, dtype, should_stop) -> the result, or None.
-    load() -> the benchmark, at the first call, which also renders this rank's share for the run;
-    where any rank cannot load it (a UserError), the log says so once and the hook stays off."""
+    """An evaluation in train_gpt2.py: hook(raw_model, dtype, should_stop) -> the result, or None. load() runs at the
+    first call; where any rank cannot load (a UserError), the log says so once and the hook stays off."""
 
     def __init__(self, name, load, ranks, log, lockstep):
         self.name, self.load, self.ranks, self.log, self.lockstep = name, load, ranks, log, lockstep
         self.bench = self.share = None
-        self.failed = False
 
     def __call__(self, raw_model, dtype, should_stop):
-        if self.failed:
-            return None
         ranks = self.ranks
-        if self.bench is None:
-            bench, error = None, None
+        if self.load is not None:  # the first call
+            error = None
             try:
-                bench = self.load()
+                self.bench = self.load()
             except UserError as e:
                 error = str(e)
-            if not all(parallel.gather(bench is not None, ranks)):  # agreed first: a lone rank would hang the rest
-                self.failed = True
+            self.load = None
+            if all(parallel.gather(self.bench is not None, ranks)):  # agreed first: a lone rank would hang the rest
+                self.share = share_of(self.bench, raw_model.config.block_size, ranks.rank, ranks.world_size)
+            else:
                 self.log.line(f"{self.name}: skipped for this run ({error or 'data missing on another rank'})")
-                return None
-            self.bench = bench
-            self.share = share_of(bench, raw_model.config.block_size, ranks.rank, ranks.world_size)
+        if self.share is None:
+            return None
         bar = ranks.is_master and sys.stdout.isatty()
         if ranks.is_master and not bar:
             self.log.line(f"{self.name}: scoring {len(self.bench.items):,} items on {ranks.world_size} rank(s)...")
@@ -264,20 +244,17 @@ class TrainingHook:
 
 
 def parse_args(p, argv, json_holds, cache):
-    """A scoring script's command line, checked: p holds its data flags, and the rest are added here
-    (cache: cache_dir's env and name)."""
+    """A scoring script's command line, checked: p holds its data flags; cache: cache_dir's env and name."""
     env, name = cache
     p.add_argument("--cache-dir", default=None, help=f"where the download is kept (default ${env} or ~/.cache/{name})")
     p.add_argument("--model", required=True, help="a checkpoint written by train_gpt2.py, a log directory (its "
                                                   "latest checkpoint), or a Hugging Face name or directory (gpt2, ...)")
-    p.add_argument("--batch-size", type=int, default=None, help="items per forward pass (default: 16 on a GPU, 4 on "
-                                                                "CPU, where larger measured slower: BENCHMARKS.md)")
+    p.add_argument("--batch-size", type=int, help="items per forward pass (default: 16 on a GPU, 4 on CPU)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)")
     p.add_argument("--dtype", default="auto", help="autocast dtype: auto, bfloat16, float16, float32 (default auto: "
                                                    "bf16 on recent GPUs, fp32 on CPU); losses are always in float32")
     p.add_argument("--compile", action="store_true", help="torch.compile the model first")
-    p.add_argument("--json", action="store_true",
-                   help=f"print one JSON line ({json_holds}) on stdout; the summary goes to stderr")
+    p.add_argument("--json", action="store_true", help=f"one JSON line ({json_holds}) on stdout, the summary on stderr")
     args = p.parse_args(argv)
     for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
@@ -286,9 +263,8 @@ def parse_args(p, argv, json_holds, cache):
 
 
 def run_script(args, load, describe_data, show):
-    """A scoring script's main, under torchrun too: load() -> the benchmark; describe_data(bench) ->
-    what the first line says of its items; show(result, seconds) -> the summary. The summary goes to
-    stdout, or to stderr with --json, where stdout holds only the JSON line."""
+    """A scoring script's main, under torchrun too: describe_data(bench) -> what the first line says of its items;
+    show(result, seconds) -> the summary, on stdout, or on stderr with --json (stdout: the JSON line alone)."""
     ranks = parallel.setup_distributed(args.device)
     summary = sys.stderr if args.json else sys.stdout
     try:
@@ -313,15 +289,13 @@ def run_script(args, load, describe_data, show):
 
 
 def cache_dir(given, env, name):
-    """Where a download is kept: given, else $env, else ~/.cache/name."""
     return given or os.environ.get(env) or os.path.join(os.path.expanduser("~"), ".cache", name)
 
 
 def download(url, path, what, hint, unpack=None, present=os.path.isfile):
-    """path, downloaded from url the first time (then no network is asked): the response saved in a
-    new directory beside path, unpack(saved file, that directory) -> what is to be at path (default:
-    the saved file), renamed into place, so path is whole or absent, also when every rank downloads
-    at once. what: the data's name in the one-line errors; hint: what to do instead."""
+    """path, downloaded from url the first time: saved in a new directory beside path, unpack(saved file, that
+    directory) -> what is to be at path (default: the saved file), renamed into place, so path is whole or
+    absent, also when every rank downloads at once. what: the data's name in errors; hint: what to do instead."""
     if present(path):
         return path
     # probed first: offline, urllib alone can wait out a dropped connection for the whole read timeout
@@ -329,24 +303,21 @@ def download(url, path, what, hint, unpack=None, present=os.path.isfile):
     if problem:
         raise UserError(f"{what} is not in the cache ({path}) and {problem}; {hint}")
     directory = os.path.dirname(path)
-    tmp = None
     try:
         os.makedirs(directory, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", dir=directory)
-        saved = os.path.join(tmp, "download")
-        with urllib.request.urlopen(url, timeout=READ_TIMEOUT) as response, open(saved, "wb") as f:
-            shutil.copyfileobj(response, f)
-        made = unpack(saved, tmp) if unpack else saved
-        common.fsync_path(made)
-        try:
-            os.replace(made, path)
-        except OSError:
-            if not present(path):  # else another rank (or process) put a whole one there first
-                raise
+        with tempfile.TemporaryDirectory(prefix=f".{os.path.basename(path)}.", dir=directory,
+                                         ignore_cleanup_errors=True) as tmp:
+            saved = os.path.join(tmp, "download")
+            with urllib.request.urlopen(url, timeout=READ_TIMEOUT) as response, open(saved, "wb") as f:
+                shutil.copyfileobj(response, f)
+            made = unpack(saved, tmp) if unpack else saved
+            common.fsync_path(made)
+            try:
+                os.replace(made, path)
+            except OSError:
+                if not present(path):  # else another rank (or process) put a whole one there first
+                    raise
         common.fsync_path(directory)  # the rename too
     except (urllib.error.URLError, OSError, zipfile.BadZipFile) as e:
         raise UserError(f"could not download {what} from {url} ({getattr(e, 'reason', None) or e}); {hint}")
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
