@@ -1,8 +1,5 @@
-"""
-GPT-2: attention, MLP, block, config, and the GPT with Hugging Face import/export, FLOPs/MFU and
-generation. Parameter names follow Hugging Face's (wte, wpe, h.N.attn.c_attn, ln_f), so importing
-weights is a key-for-key copy with four transposes. This file imports nothing from the project.
-"""
+"""GPT-2: attention, MLP, block, config, and the GPT with Hugging Face import/export, FLOPs/MFU and generation.
+Parameter names follow Hugging Face's, so importing weights is a key-for-key copy with four transposes."""
 
 import os
 from contextlib import contextmanager
@@ -51,15 +48,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None, layer=0, mask=None):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        qkv = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in qkv)  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, nh, pos+T, hs)
-        # without a mask, flash / memory-efficient kernels: the causal mask is never materialised; one
-        # new token after cached ones (a decode step) sees every key, with no mask either
+        # no mask, so flash kernels; a decode step's one new token sees every cached key, unmasked too
         causal = mask is None and q.size(-2) == k.size(-2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
@@ -90,8 +83,7 @@ class Block(nn.Module):
 
     def forward(self, x, cache=None, layer=0, mask=None):
         x = x + self.attn(self.ln_1(x), cache, layer, mask)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 
 @dataclass
@@ -173,10 +165,9 @@ class GPT(nn.Module):
         if self.config.padded_vocab_size > self.config.vocab_size:
             # padded ids are not tokens: they must get no probability, in the loss or in sampling
             logits[..., self.config.vocab_size:] = float("-inf")
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
     @classmethod
     def from_pretrained(cls, name_or_path, local_files_only=False):
