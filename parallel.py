@@ -1,6 +1,5 @@
-"""How the model is spread over processes: the process group (with or without torchrun), DDP or FSDP2
-(parameters, gradients and optimizer state sharded over the ranks), activation checkpointing, and the full
-state dicts of checkpoints."""
+"""How the model is spread over processes: the process group (with or without torchrun), DDP or FSDP2,
+activation checkpointing, and the full state dicts of checkpoints."""
 
 import datetime
 import functools
@@ -77,7 +76,6 @@ def setup_distributed(requested_device="auto", timeout_s=None):
 
 
 def teardown_distributed():
-    """Leave the process group, if this process joined one."""
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
 
@@ -101,7 +99,6 @@ def any_rank(flag, ranks):
 
 
 def is_fsdp(model):
-    """Whether the model (or the GPT under its wrappers) is sharded by FSDP2."""
     from torch.distributed.fsdp import FSDPModule
     return isinstance(unwrap(model), FSDPModule)
 
@@ -164,9 +161,8 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
 
 @contextmanager
 def grad_sync(model, enabled):
-    """Around forward and backward of a micro-step: under DDP, enabled=False accumulates locally (no_sync) and
-    the last micro-step all-reduces. FSDP reduce-scatters every micro-step into the sharded gradients, as
-    torchtitan does: skipping it would hold every full fp32 gradient on every GPU (6.2 GB at GPT-2 XL)."""
+    """Around a micro-step's forward and backward: under DDP, enabled=False accumulates locally (no_sync). FSDP
+    reduce-scatters every micro-step, as torchtitan does: skipping it would hold every full fp32 gradient."""
     if enabled or not isinstance(model, DistributedDataParallel):
         yield
     else:
