@@ -10,18 +10,15 @@ import torch
 
 def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, device_type="cpu", fused=None,
               muon_lr=None, muon_momentum=0.95, muon_dtype=torch.bfloat16):
-    """AdamW for a GPT, with weight decay on 2-D weights (matmuls, embeddings) only; fused on CUDA. With
-    muon_lr, an Optimizers pair: Muon with Nesterov momentum and no weight decay for the attention and MLP
-    matrices (as Keller Jordan's Muon and the modded-nanogpt speedrun train them), AdamW for the rest."""
+    """AdamW for a GPT, weight decay on 2-D weights (matmuls, embeddings) only; fused on CUDA. With muon_lr, an
+    Optimizers pair: Muon (Nesterov, no weight decay) for the blocks' matrices, as modded-nanogpt trains them."""
     params = [p for p in model.parameters() if p.requires_grad]
     matrices = []
     if muon_lr is not None:
         matrices = [p for block in model.transformer.h for p in block.parameters() if p.dim() == 2]
     rest = [p for p in params if not any(p is m for m in matrices)]
-    groups = [
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     if fused is None:
         fused = device_type == "cuda"
     adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
@@ -106,8 +103,7 @@ def orthogonalize(g, coefficients, steps, eps, dtype):
     """The quintic Newton-Schulz iteration of Keller Jordan's Muon, as torch.optim.Muon runs it, in `dtype`:
     g (2-D) mapped to roughly U V^T of its SVD (singular values pushed into ~[0.5, 1.5])."""
     a, b, c = coefficients
-    # normalised before the cast (spectral norm <= Frobenius norm <= 1): fp16's range ends at 6e-8,
-    # where small momentum entries would flush to zero; bf16 (torch's) has fp32's range either way
+    # normalised before the cast: fp16's range ends at 6e-8, where small momentum entries would flush to zero
     x = (g / g.norm().clamp(min=eps)).to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:
@@ -146,10 +142,6 @@ class Optimizers:
             opt.load_state_dict(s)
 
 
-# ----------------------------------------------------------------------------------------------
-# The learning rate at each step
-
-
 def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
     """Every parameter group's learning rate at step: the schedule of its optimizer's peak (muon_lr
     for Muon's matrices, max_lr for AdamW's groups). Returns AdamW's, the rate the log shows."""
@@ -162,10 +154,9 @@ def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
 
 @dataclass(frozen=True)
 class Schedule:
-    """The learning rate at each step for a group whose peak rate is `peak`: linear warm-up, then to
-    min_lr_ratio * peak at max_steps by cosine decay (GPT-3 paper, appendix B) or, with shape "wsd",
-    by holding the peak and decaying linearly over the last WSD_DECAY of the run (Hägele et al. 2024,
-    "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations", whose cool-down is 20%)."""
+    """The learning rate at each step for a peak rate: linear warm-up, then to min_lr_ratio * peak at max_steps by
+    cosine decay (GPT-3, appendix B) or, shape "wsd", holding the peak and decaying linearly over the last WSD_DECAY
+    of the run (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations")."""
     warmup_steps: int
     max_steps: int
     min_lr_ratio: float
