@@ -116,23 +116,10 @@ def orthogonalize(g, coefficients, steps, eps, dtype):
 
 
 class Optimizers:
-    """Several optimizers stepped as one, in order: the part of torch.optim.Optimizer that the trainer,
-    torch.amp.GradScaler and the checkpoints use."""
+    """Several optimizers, checkpointed as one; the trainer steps each through the gradient scaler in order."""
 
     def __init__(self, *optimizers):
         self.optimizers = optimizers
-
-    @property
-    def param_groups(self):
-        return [group for opt in self.optimizers for group in opt.param_groups]
-
-    def step(self):
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self, set_to_none=True):
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
