@@ -30,8 +30,7 @@ def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
     return [b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0]
 
 
-# PyTorch's caching allocator raises OutOfMemoryError; cuBLAS and cuDNN report a handle or workspace they could
-# not get as plain RuntimeErrors.
+# PyTorch's allocator raises OutOfMemoryError; cuBLAS and cuDNN say so in plain RuntimeErrors
 ALLOCATION_FAILURES = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED", "NOT_ENOUGH_WORKSPACE")
 
 
@@ -166,10 +165,8 @@ def _agree(vote, ranks, stranded):
             store.wait(keys)
         votes = [json.loads(store.get(k)) for k in keys if not stranded or store.check([k])]
     stops = sorted((v for v in votes if isinstance(v, list)), key=lambda v: not v[0])
-    if stops and stops[0][0]:
-        raise UserError(stops[0][1])
     if stops:
-        raise RuntimeError(stops[0][1])
+        raise (UserError if stops[0][0] else RuntimeError)(stops[0][1])
     return all(votes)
 
 

@@ -4,8 +4,8 @@ activation checkpointing, and the full state dicts of checkpoints."""
 import datetime
 import functools
 import os
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
@@ -28,14 +28,10 @@ class Ranks:
     local_rank: int = 0
     world_size: int = 1
     device: str = "cpu"
-    is_master: bool = field(init=False)   # rank 0: writes the logs, checkpoints and exports
-    multi: bool = field(init=False)       # more than one process: collectives are needed
-    device_type: str = field(init=False)  # cuda, mps or cpu
 
-    def __post_init__(self):
-        object.__setattr__(self, "is_master", self.rank == 0)
-        object.__setattr__(self, "multi", self.world_size > 1)
-        object.__setattr__(self, "device_type", self.device.split(":")[0])
+    is_master = property(lambda self: self.rank == 0)  # writes the logs, checkpoints and exports
+    multi = property(lambda self: self.world_size > 1)  # collectives are needed
+    device_type = property(lambda self: self.device.split(":")[0])  # cuda, mps or cpu
 
 
 def torchrun_restart():
@@ -159,15 +155,12 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
     return raw_model
 
 
-@contextmanager
 def grad_sync(model, enabled):
     """Around a micro-step's forward and backward: under DDP, enabled=False accumulates locally (no_sync). FSDP
     reduce-scatters every micro-step, as torchtitan does: skipping it would hold every full fp32 gradient."""
     if enabled or not isinstance(model, DistributedDataParallel):
-        yield
-    else:
-        with model.no_sync():
-            yield
+        return nullcontext()
+    return model.no_sync()
 
 
 def zero_grad(model):
