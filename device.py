@@ -13,6 +13,7 @@ from common import UserError
 
 MIN_TORCH = (2, 9)  # torch.optim.Muon; the test suite passes on 2.9.1 (README)
 TORCH_FLOOR = ".".join(map(str, MIN_TORCH))
+TRITON_MIN_CAPABILITY = (7, 0)  # Triton, which torch.compile's inductor writes GPU kernels in, needs Volta+
 
 # The wheels for GPUs that pip's default PyTorch has no kernels for (PyTorch's RELEASE.md support matrix):
 # the CUDA 12.6 builds carry sm_50 to sm_90 (the P100 and V100 included); Blackwell needs CUDA 12.8 or newer.
@@ -132,9 +133,6 @@ def bf16_supported(device):
     if not device.startswith("cuda") or torch.version.hip:  # the CPU, MPS and every GPU ROCm runs on have it
         return True
     return torch.cuda.get_device_capability(device) >= (8, 0)  # of this device: is_bf16_supported() asks the current
-
-
-TRITON_MIN_CAPABILITY = (7, 0)  # Triton, which torch.compile's inductor writes GPU kernels in, needs Volta+
 
 
 def compile_blocker(device):

@@ -15,6 +15,10 @@ from device import autocast
 from model import PADDED_VOCAB_SIZE
 from parallel import SHARDINGS, grad_sync, is_fsdp, unwrap, zero_grad
 
+# PyTorch's allocator raises OutOfMemoryError; cuBLAS and cuDNN say so in plain RuntimeErrors
+ALLOCATION_FAILURES = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED", "NOT_ENOUGH_WORKSPACE")
+_votes = itertools.count()  # every rank votes in the same order: one set of store keys per vote
+
 
 def largest_fitting(candidates, fits):
     """The largest of the ascending candidates that fits, or None: a binary search, as memory grows with b."""
@@ -30,12 +34,7 @@ def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
     return [b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0]
 
 
-# PyTorch's allocator raises OutOfMemoryError; cuBLAS and cuDNN say so in plain RuntimeErrors
-ALLOCATION_FAILURES = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED", "NOT_ENOUGH_WORKSPACE")
-
-
 def is_allocation_failure(e):
-    """Whether an exception means the device ran out of memory (then a size does not fit)."""
     return isinstance(e, torch.OutOfMemoryError) or (
         isinstance(e, RuntimeError) and any(m in str(e) for m in ALLOCATION_FAILURES))
 
@@ -70,10 +69,9 @@ class CudaMemory:
 
 
 def step_footprint(model, world_size, dtype, block_size, micro_batch):
-    """Bytes one GPU holds at the peak of a training step of the model as it trains (wrap_model's): the memory
-    plan's total and, under FSDP, what its collectives hold beyond it at most: for the two largest units, the
-    all-gather's output in the parameter dtype and in backward the unsharded gradients plus their fp32 copy for
-    the reduce-scatter (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, _fsdp_param_group.py)."""
+    """Bytes one GPU holds at the peak of a step of the model as it trains: the memory plan's total plus, under
+    FSDP, for the two largest units the all-gather's output and in backward the unsharded gradients with their
+    fp32 copy for the reduce-scatter (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
     raw = unwrap(model)
     c = raw.config
     sharding = "fsdp" if is_fsdp(raw) else "none"
@@ -85,9 +83,6 @@ def step_footprint(model, world_size, dtype, block_size, micro_batch):
     blocks = [sum(p.numel() for p in block.parameters()) for block in raw.transformer.h]
     root = sum(p.numel() for p in raw.parameters()) - sum(blocks)
     return plan["total"] + (_dtype_bytes(dtype) + 4) * sum(sorted(blocks + [root], reverse=True)[:2])
-
-
-_votes = itertools.count()  # every rank votes in the same order: one set of store keys per vote
 
 
 def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10):

@@ -12,6 +12,12 @@ from torch.nn import functional as F
 GPT2_VOCAB_SIZE = 50257   # real GPT-2 BPE vocabulary (50,000 merges + 256 bytes + <|endoftext|>)
 PADDED_VOCAB_SIZE = 50304  # next multiple of 128: tensor-core friendly shapes for the LM head
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # HF's Conv1D
+PRESETS = {  # OpenAI's four released sizes
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),          # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),   # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),      # 1558M
+}
 
 
 class KVCache:
@@ -100,15 +106,6 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
 
-# OpenAI's four released sizes
-PRESETS = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),          # 124M
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),   # 774M
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),      # 1558M
-}
-
-
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -127,8 +124,7 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False):
-                # two residual additions per block (attention, MLP): GPT-2 paper, section 2.3
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):  # two residual additions per block: GPT-2 paper, 2.3
                 std *= (2 * self.config.n_layer) ** -0.5
             nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
@@ -199,8 +195,7 @@ class GPT(nn.Module):
         c = self.config
         hf = GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
                                         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
-                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                        bos_token_id=GPT2_VOCAB_SIZE - 1, eos_token_id=GPT2_VOCAB_SIZE - 1))
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # bos, eos: 50256 by default
         sd_hf = hf.state_dict()
         for k, v in self.state_dict().items():
             if k == "lm_head.weight":
@@ -244,8 +239,7 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * (seq_len or c.block_size)
 
     def estimate_mfu(self, tokens_per_second, peak_flops, seq_len=None):
-        """Model FLOPs utilisation in [0, 1] of one device's tokens_per_second, None where its
-        peak_flops (FLOP/s) is unknown."""
+        """Model FLOPs utilisation in [0, 1] of one device's tokens_per_second; None where peak_flops is unknown."""
         if peak_flops is None:
             return None
         return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
@@ -292,13 +286,11 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         mass_before = probs.cumsum(dim=-1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator).squeeze(-1)
 
 
 @contextmanager
 def quiet_transformers():
-    """No progress bars from transformers while it loads or saves: they would clutter logs."""
     from transformers.utils import logging
     was_enabled = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()

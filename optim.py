@@ -1,6 +1,5 @@
-"""The optimizers: AdamW for GPT-2's recipe, or Muon for the matrices inside the blocks beside AdamW for the
-rest (--optimizer muon), and the learning-rate schedule they follow. Build them after parallel.wrap_model:
-FSDP replaces the parameters with shards."""
+"""The optimizers, AdamW (GPT-2's recipe) or Muon for the blocks' matrices beside AdamW (--optimizer muon), and
+their learning-rate schedule. Build them after parallel.wrap_model: FSDP replaces the parameters with shards."""
 
 import math
 from dataclasses import dataclass
@@ -12,11 +11,10 @@ def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, d
               muon_lr=None, muon_momentum=0.95, muon_dtype=torch.bfloat16):
     """AdamW for a GPT, weight decay on 2-D weights (matmuls, embeddings) only; fused on CUDA. With muon_lr, an
     Optimizers pair: Muon (Nesterov, no weight decay) for the blocks' matrices, as modded-nanogpt trains them."""
-    params = [p for p in model.parameters() if p.requires_grad]
     matrices = []
     if muon_lr is not None:
         matrices = [p for block in model.transformer.h for p in block.parameters() if p.dim() == 2]
-    rest = [p for p in params if not any(p is m for m in matrices)]
+    rest = [p for p in model.parameters() if not any(p is m for m in matrices)]
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     if fused is None:

@@ -122,9 +122,8 @@ def _set_block_forwards(raw_model, activation_checkpointing, compile_blocks):
 
 def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_checkpointing=False,
                compile=False):
-    """The model to train from the GPT on its device. "none": the (compiled) GPT, DDP-wrapped in a world of
-    several processes. "fsdp": the GPT itself, sharded in place (each Block, then the root), whose forward
-    every rank must run, evaluation and sampling included. dtype: FSDP's parameter dtype in forward/backward."""
+    """The model to train. "none": the (compiled) GPT, DDP-wrapped in a world of several processes. "fsdp": the
+    GPT sharded in place (each Block, then the root), whose forward every rank must run, evaluation included."""
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, not {sharding!r}")
     world = tdist.get_world_size() if tdist.is_initialized() else 1
@@ -214,7 +213,6 @@ def model_state(model):
 
 
 def load_model_state(model, state):
-    """Load a full state dict (GPT.state_dict() keys) into the model, sharded or not."""
     raw = unwrap(model)
     if not is_fsdp(raw):
         raw.load_state_dict(state)
