@@ -210,9 +210,8 @@ def synchronize(device):
         torch.mps.synchronize()
 
 
-# Dense (no sparsity) tensor-core peak FLOP/s from the vendors' datasheets, as (bf16, fp16); None where the chip
-# has no bf16. A row matches a GPU when all its words are words of the GPU's name, whole words only ("RTX A1000"
-# is not an A100); more specific rows come first.
+# Dense tensor-core peak FLOP/s from the vendors' datasheets, (bf16, fp16), None without bf16. A row matches a GPU
+# whose name holds all its words, as whole words ("RTX A1000" is not an A100); more specific rows come first.
 PEAK_FLOPS = [
     (("H100", "PCIE"), 756e12, 756e12),
     (("H100", "NVL"), 835e12, 835e12),

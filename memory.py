@@ -1,5 +1,4 @@
-"""What a training step holds in memory on each GPU: the plan the run header prints, and --micro-batch-size
-auto, which finds the largest micro-batch that fits by trying it on the model as it trains."""
+"""What a training step holds in memory on each GPU (the plan the run header prints), and --micro-batch-size auto."""
 
 import bisect
 import itertools
@@ -140,10 +139,9 @@ def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10)
             return _agree(verdict, ranks, stranded=talks and isinstance(verdict, list))
         finally:
             zero_grad(model)
-            if is_fsdp(raw):  # a forward that stopped half-way may leave blocks gathered
-                for m in raw.modules():
-                    if hasattr(m, "reshard"):
-                        m.reshard()
+            for m in raw.modules():  # FSDP: a forward that stopped half-way may leave blocks gathered
+                if hasattr(m, "reshard"):
+                    m.reshard()
     return fits
 
 
@@ -222,9 +220,8 @@ def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, 
     if activation_checkpointing:
         layers = n_layer * 4 * sbh + per_layer
     activations = layers + block_size * micro_batch * vocab_size * (10 if cb == 2 else 8)  # + the logits
-    total = params + grads + optimizer + activations
-    return dict(params=params, grads=grads, optimizer=optimizer, activations=activations, total=total,
-                optimizer_name="Muon+AdamW" if muon_params else "AdamW")
+    return dict(params=params, grads=grads, optimizer=optimizer, activations=activations,
+                total=params + grads + optimizer + activations, optimizer_name="Muon+AdamW" if muon_params else "AdamW")
 
 
 def format_memory_plan(plan, capacity=None, per="GPU"):
@@ -232,9 +229,7 @@ def format_memory_plan(plan, capacity=None, per="GPU"):
     of 24.0 GiB' (capacity: the GPU's bytes); in MiB for small models, whose figures would all be 0.0."""
     unit, scale = ("GiB", 2 ** 30) if max(plan["total"], capacity or 0) >= 2 ** 30 else ("MiB", 2 ** 20)
     size = lambda n: f"{n / scale:.1f} {unit}"  # noqa: E731
-    text = (f"per {per}: params {size(plan['params'])} + grads {size(plan['grads'])} "
+    of = f" of {size(capacity)}" if capacity else ""
+    return (f"per {per}: params {size(plan['params'])} + grads {size(plan['grads'])} "
             f"+ {plan['optimizer_name']} {size(plan['optimizer'])} + activations ~{size(plan['activations'])} "
-            f"= {size(plan['total'])}")
-    if capacity:
-        text += f" of {size(capacity)}"
-    return text
+            f"= {size(plan['total'])}{of}")

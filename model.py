@@ -158,9 +158,7 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C): the LM head is the larger part of a small model's forward
         logits = self.lm_head(x)  # (B, T, padded_vocab)
-        if self.config.padded_vocab_size > self.config.vocab_size:
-            # padded ids are not tokens: they must get no probability, in the loss or in sampling
-            logits[..., self.config.vocab_size:] = float("-inf")
+        logits[..., self.config.vocab_size:] = float("-inf")  # padded ids are not tokens: no probability, ever
         if targets is None:
             return logits, None
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)

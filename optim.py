@@ -40,9 +40,8 @@ def apply_settings(optimizer, weight_decay, betas, eps, muon_momentum=None):
 
 
 class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # before 2.9, device.py stops with one line
-    """torch.optim.Muon's step, its Newton-Schulz iteration in bfloat16 (torch's own) or, for GPUs without
-    bf16, float16 (the iteration keeps every entry within [-1, 1]) or float32. Under FSDP each matrix's update
-    is gathered and orthogonalised whole, and this rank keeps its rows. The state is torch's either way."""
+    """torch.optim.Muon's step and state, its Newton-Schulz iteration in bfloat16 (torch's own) or float16 for GPUs
+    without bf16 (the iteration keeps every entry within [-1, 1]); under FSDP on each matrix whole."""
 
     # GradScaler.step passes found_inf (and grad_scale): an overflow skips the step without a host sync
     _step_supports_amp_scaling = True
@@ -61,10 +60,9 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # before 2.9, 
                     continue
                 if grad_scale is not None:
                     _local(p.grad).div_(grad_scale)
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = self.state[p]["momentum_buffer"]
                 kept = [(_local(t), _local(t).clone()) for t in (p, buf)] if found_inf is not None else []
                 buf.lerp_(p.grad, 1 - momentum)  # as torch's: B = mu B + (1 - mu) g
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
@@ -128,8 +126,7 @@ class Optimizers:
 
 
 def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
-    """Every parameter group's learning rate at step: the schedule of its optimizer's peak (muon_lr
-    for Muon's matrices, max_lr for AdamW's groups). Returns AdamW's, the rate the log shows."""
+    """Every group's learning rate at step, from its optimizer's peak (muon_lr or max_lr); AdamW's, for the log."""
     for opt in getattr(optimizer, "optimizers", [optimizer]):
         peak = muon_lr if isinstance(opt, torch.optim.Muon) else max_lr
         for group in opt.param_groups:

@@ -190,9 +190,8 @@ def clip_grad_norm(model, max_norm):
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-# Checkpoints hold the full model and optimizer state, gathered on rank 0, rather than torch.distributed.checkpoint's
-# per-rank shards: one file format for DDP and FSDP, read by one loader (GPT.load_state_dict). Gathering costs
-# rank 0 ~18 GB of CPU memory at 1.5B parameters; much larger models would want sharded checkpoints.
+# Checkpoints hold the full state gathered on rank 0, not torch.distributed.checkpoint's per-rank shards: one format
+# for DDP and FSDP. That costs rank 0 ~18 GB of CPU memory at 1.5B parameters; larger models would want shards.
 
 def _options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -239,8 +238,7 @@ def optimizer_state(model, optimizer):
 
 
 def load_optimizer_state(model, optimizer, state):
-    """Load a state dict of optimizer_state's format into the optimizer, sharding it under FSDP. Call it
-    before the first backward."""
+    """Load optimizer_state's format into the optimizer, sharding it under FSDP; before the first backward."""
     raw = unwrap(model)
     if not is_fsdp(raw):
         optimizer.load_state_dict(state)
