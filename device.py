@@ -93,21 +93,20 @@ def check_kernels(device):
 def pick_device(requested="auto"):
     """'auto' prefers CUDA, then Apple MPS, then the CPU, which it refuses where nvidia-smi lists a GPU this
     PyTorch cannot use. A CUDA device is checked against the kernels this PyTorch was built with."""
-    if requested in (None, "auto"):
-        if torch.cuda.is_available():
-            requested = "cuda"
-        elif torch.backends.mps.is_available():
+    if requested in (None, "auto") and not torch.cuda.is_available():
+        if torch.backends.mps.is_available():
             return "mps"
-        else:
-            gpu = listed_gpu()
-            if gpu is None:
-                return "cpu"
-            name, capability = gpu
-            why = ("a CPU-only build" if torch.version.cuda is None else
-                   f"its CUDA {torch.version.cuda} needs a newer driver, or CUDA_VISIBLE_DEVICES hides the GPU")
-            fix = f"install a build that can: {reinstall(capability)}" if wheel_index(capability) else "use another GPU"
-            raise UserError(f"nvidia-smi lists a GPU, the {name}, but PyTorch {torch.__version__} cannot use it "
-                            f"({why}): {fix}; or pass --device cpu to run on the CPU")
+        gpu = listed_gpu()
+        if gpu is None:
+            return "cpu"
+        name, capability = gpu
+        why = ("a CPU-only build" if torch.version.cuda is None else
+               f"its CUDA {torch.version.cuda} needs a newer driver, or CUDA_VISIBLE_DEVICES hides the GPU")
+        fix = f"install a build that can: {reinstall(capability)}" if wheel_index(capability) else "use another GPU"
+        raise UserError(f"nvidia-smi lists a GPU, the {name}, but PyTorch {torch.__version__} cannot use it "
+                        f"({why}): {fix}; or pass --device cpu to run on the CPU")
+    if requested in (None, "auto"):
+        requested = "cuda"
     kind, _, index = requested.partition(":")
     if kind not in ("cpu", "cuda", "mps"):
         raise UserError(f"unknown device {requested!r}: use auto, cpu, cuda, cuda:N or mps")

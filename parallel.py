@@ -136,7 +136,6 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
             model = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None,
                                             gradient_as_bucket_view=True)
         return model
-
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device_type, (world,))
