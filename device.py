@@ -131,7 +131,7 @@ def bf16_supported(device):
     """Whether the device computes in bfloat16 natively (emulation on old GPUs does not count)."""
     if not device.startswith("cuda") or torch.version.hip:  # the CPU, MPS and every GPU ROCm runs on have it
         return True
-    return torch.cuda.get_device_capability(device) >= (8, 0)  # of this device: is_bf16_supported() asks the current
+    return torch.cuda.get_device_capability(device) >= (8, 0)  # this one: is_bf16_supported() asks the current one
 
 
 def compile_blocker(device):

@@ -41,7 +41,7 @@ def apply_settings(optimizer, weight_decay, betas, eps, muon_momentum=None):
 
 class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # before 2.9, device.py stops with one line
     """torch.optim.Muon's step and state, its Newton-Schulz iteration in bfloat16 (torch's own) or float16 for GPUs
-    without bf16 (the iteration keeps every entry within [-1, 1]); under FSDP on each matrix whole."""
+    without bf16 (the iteration keeps every entry within [-1, 1]); under FSDP each matrix is orthogonalised whole."""
 
     # GradScaler.step passes found_inf (and grad_scale): an overflow skips the step without a host sync
     _step_supports_amp_scaling = True
