@@ -1,5 +1,4 @@
-"""Devices and precision: which device and autocast dtype to run on, waiting for the device, and its peak
-FLOP/s (what MFU divides by)."""
+"""Devices and precision: the device and autocast dtype to run on, waiting for the device, its peak FLOP/s."""
 
 import contextlib
 import os
@@ -14,6 +13,7 @@ from common import UserError
 
 MIN_TORCH = (2, 9)  # torch.optim.Muon; the test suite passes on 2.9.1 (README)
 TORCH_FLOOR = ".".join(map(str, MIN_TORCH))
+TRITON_MIN_CAPABILITY = (7, 0)  # Triton, which torch.compile's inductor writes GPU kernels in, needs Volta+
 
 # The wheels for GPUs that pip's default PyTorch has no kernels for (PyTorch's RELEASE.md support matrix):
 # the CUDA 12.6 builds carry sm_50 to sm_90 (the P100 and V100 included); Blackwell needs CUDA 12.8 or newer.
@@ -54,8 +54,8 @@ def torch_too_old(version):
             + (f" --index-url {index}" if index else ""))
 
 
-if torch_too_old(torch.__version__):  # before model.py fails on the missing torch.optim.Muon
-    print(torch_too_old(torch.__version__), file=sys.stderr)
+if too_old := torch_too_old(torch.__version__):  # before model.py fails on the missing torch.optim.Muon
+    print(too_old, file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -93,21 +93,20 @@ def check_kernels(device):
 def pick_device(requested="auto"):
     """'auto' prefers CUDA, then Apple MPS, then the CPU, which it refuses where nvidia-smi lists a GPU this
     PyTorch cannot use. A CUDA device is checked against the kernels this PyTorch was built with."""
-    if requested in (None, "auto"):
-        if torch.cuda.is_available():
-            requested = "cuda"
-        elif torch.backends.mps.is_available():
+    if requested in (None, "auto") and not torch.cuda.is_available():
+        if torch.backends.mps.is_available():
             return "mps"
-        else:
-            gpu = listed_gpu()
-            if gpu is None:
-                return "cpu"
-            name, capability = gpu
-            why = ("a CPU-only build" if torch.version.cuda is None else
-                   f"its CUDA {torch.version.cuda} needs a newer driver, or CUDA_VISIBLE_DEVICES hides the GPU")
-            fix = f"install a build that can: {reinstall(capability)}" if wheel_index(capability) else "use another GPU"
-            raise UserError(f"nvidia-smi lists a GPU, the {name}, but PyTorch {torch.__version__} cannot use it "
-                            f"({why}): {fix}; or pass --device cpu to run on the CPU")
+        gpu = listed_gpu()
+        if gpu is None:
+            return "cpu"
+        name, capability = gpu
+        why = ("a CPU-only build" if torch.version.cuda is None else
+               f"its CUDA {torch.version.cuda} needs a newer driver, or CUDA_VISIBLE_DEVICES hides the GPU")
+        fix = f"install a build that can: {reinstall(capability)}" if wheel_index(capability) else "use another GPU"
+        raise UserError(f"nvidia-smi lists a GPU, the {name}, but PyTorch {torch.__version__} cannot use it "
+                        f"({why}): {fix}; or pass --device cpu to run on the CPU")
+    if requested in (None, "auto"):
+        requested = "cuda"
     kind, _, index = requested.partition(":")
     if kind not in ("cpu", "cuda", "mps"):
         raise UserError(f"unknown device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
@@ -130,37 +129,28 @@ def pick_device(requested="auto"):
 
 def bf16_supported(device):
     """Whether the device computes in bfloat16 natively (emulation on old GPUs does not count)."""
-    if not device.startswith("cuda"):
-        return True  # the CPU and MPS
-    if torch.version.hip:  # ROCm: every GPU it runs on has bf16
-        return torch.cuda.is_bf16_supported()
-    # asked of this device: torch.cuda.is_bf16_supported() asks the current one
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-TRITON_MIN_CAPABILITY = (7, 0)  # Triton, which torch.compile's inductor writes GPU kernels in, needs Volta+
+    if not device.startswith("cuda") or torch.version.hip:  # the CPU, MPS and every GPU ROCm runs on have it
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)  # this one: is_bf16_supported() asks the current one
 
 
 def compile_blocker(device):
     """Why torch.compile cannot run on this device, as a phrase, or None where it can."""
     if not device.startswith("cuda"):
         return None
-    if not torch.version.hip:
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < TRITON_MIN_CAPABILITY:
-            return (f"the {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}, and Triton, "
-                    f"which torch.compile generates GPU code with, needs {'.'.join(map(str, TRITON_MIN_CAPABILITY))} "
-                    "or newer")
+    triton = "Triton, which torch.compile generates GPU code with,"
+    major, minor = torch.cuda.get_device_capability(device)
+    if not torch.version.hip and (major, minor) < TRITON_MIN_CAPABILITY:
+        return (f"the {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}, and {triton} needs "
+                f"{'.'.join(map(str, TRITON_MIN_CAPABILITY))} or newer")
     from torch.utils import _triton  # inductor's own question (Windows wheels, Linux without the triton package)
     if not _triton.has_triton():
-        return ("Triton, which torch.compile generates GPU code with, is not installed with this PyTorch "
-                "(pip install triton on Linux; Windows wheels come without it)")
+        return f"{triton} is not installed with this PyTorch (pip install triton on Linux; Windows wheels lack it)"
     return None
 
 
 def muon_dtype(device):
-    """What Muon's Newton-Schulz iteration runs in: bfloat16 (torch.optim.Muon's) where the device has it,
-    float16 on GPUs without it (T4, V100, P100), whose tensor cores compute in fp16."""
+    """What Muon's Newton-Schulz iteration runs in: bfloat16 (torch.optim.Muon's) where the device has it, else fp16."""
     return torch.bfloat16 if bf16_supported(device) else torch.float16
 
 
@@ -213,16 +203,14 @@ def device_name(device):
 
 
 def synchronize(device):
-    """Wait for the work queued on device (CPU work is synchronous): GPU timings are meaningless without it."""
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     elif device == "mps":
         torch.mps.synchronize()
 
 
-# Dense (no sparsity) tensor-core peak FLOP/s from the vendors' datasheets, as (bf16, fp16); None where the chip
-# has no bf16. A row matches a GPU when all its words are words of the GPU's name, whole words only ("RTX A1000"
-# is not an A100); more specific rows come first.
+# Dense tensor-core peak FLOP/s from the vendors' datasheets, (bf16, fp16), None without bf16. A row matches a GPU
+# whose name holds all its words, as whole words ("RTX A1000" is not an A100); more specific rows come first.
 PEAK_FLOPS = [
     (("H100", "PCIE"), 756e12, 756e12),
     (("H100", "NVL"), 835e12, 835e12),
@@ -243,16 +231,14 @@ PEAK_FLOPS = [
     (("V100", "PCIE"), None, 112e12),
     (("V100",), None, 125e12),     # SXM2
     (("T4",), None, 65e12),
-    # no tensor cores, and PyTorch's fp16 matmuls accumulate in fp32 (CUBLAS_COMPUTE_32F), which a
-    # P100 runs at its fp32 rate, not at its fp16 rate of twice that
+    # no tensor cores: PyTorch's fp16 matmuls accumulate in fp32 (CUBLAS_COMPUTE_32F), at the P100's fp32 rate
     (("P100", "PCIE"), None, 9.3e12),
     (("P100",), None, 10.6e12),    # SXM2
 ]
 
 
 def peak_flops(device_name, dtype):
-    """Peak dense FLOP/s of a GPU by name (device_name()) in 'bfloat16' or 'float16', or None where unknown
-    (fp32 and CPUs have no honest single number): what GPT.estimate_mfu divides by."""
+    """Dense peak FLOP/s of the GPU so named in 'bfloat16' or 'float16'; None for fp32, CPUs and unknown GPUs."""
     if not device_name or dtype not in ("bfloat16", "float16"):
         return None
     words = set(re.split(r"[\s\-_/]+", device_name.upper()))  # "Tesla V100-PCIE-16GB": TESLA, V100, PCIE, 16GB

@@ -1,5 +1,4 @@
-"""What a training step holds in memory on each GPU: the plan the run header prints, and --micro-batch-size
-auto, which finds the largest micro-batch that fits by trying it on the model as it trains."""
+"""What a training step holds in memory on each GPU (the plan the run header prints), and --micro-batch-size auto."""
 
 import bisect
 import itertools
@@ -15,30 +14,26 @@ from device import autocast
 from model import PADDED_VOCAB_SIZE
 from parallel import SHARDINGS, grad_sync, is_fsdp, unwrap, zero_grad
 
+# PyTorch's allocator raises OutOfMemoryError; cuBLAS and cuDNN say so in plain RuntimeErrors
+ALLOCATION_FAILURES = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED", "NOT_ENOUGH_WORKSPACE")
+_votes = itertools.count()  # every rank votes in the same order: one set of store keys per vote
+
 
 def largest_fitting(candidates, fits):
-    """The largest of the ascending candidates for which fits(b) is true, or None; a binary search, as memory
-    grows with b: the first that does not fit is where True would be inserted among not fits(b)."""
+    """The largest of the ascending candidates that fits, or None: a binary search, as memory grows with b."""
     first_too_large = bisect.bisect_left(candidates, True, key=lambda b: not fits(b))
     return candidates[first_too_large - 1] if first_too_large else None
 
 
 def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
-    """Micro-batch sizes that divide the per-rank share of the batch, ascending (beyond `cap`
-    sequences a GPU is long saturated and only memory is spent)."""
+    """Micro-batch sizes that divide the per-rank share of the batch, ascending; beyond `cap` only memory is spent."""
     per_rank, rem = divmod(total_batch_size, block_size * world_size)
     if rem or per_rank == 0:
         return []
     return [b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0]
 
 
-# PyTorch's caching allocator raises OutOfMemoryError; cuBLAS and cuDNN report a handle or workspace they could
-# not get as plain RuntimeErrors.
-ALLOCATION_FAILURES = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED", "NOT_ENOUGH_WORKSPACE")
-
-
 def is_allocation_failure(e):
-    """Whether an exception means the device ran out of memory (then a size does not fit)."""
     return isinstance(e, torch.OutOfMemoryError) or (
         isinstance(e, RuntimeError) and any(m in str(e) for m in ALLOCATION_FAILURES))
 
@@ -72,36 +67,27 @@ class CudaMemory:
         return torch.cuda.max_memory_allocated(self.device)
 
 
-def fsdp_buffer_bytes(raw_model, dtype):
-    """What FSDP's collectives hold beyond the memory plan, at most: for the two largest units, the all-gather's
-    output in the parameter dtype and in backward the unsharded gradients plus their fp32 copy for the
-    reduce-scatter (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, _fsdp_param_group.py)."""
-    blocks = [sum(p.numel() for p in block.parameters()) for block in raw_model.transformer.h]
-    root = sum(p.numel() for p in raw_model.parameters()) - sum(blocks)
-    largest = sorted(blocks + [root], reverse=True)[:2]
-    return (_dtype_bytes(dtype) + 4) * sum(largest)
-
-
 def step_footprint(model, world_size, dtype, block_size, micro_batch):
-    """Bytes one GPU holds at the peak of a training step of the model as it trains (wrap_model's): the memory
-    plan's total and, under FSDP, its collectives' buffers."""
+    """Bytes one GPU holds at the peak of a step of the model as it trains: the memory plan's total plus, under
+    FSDP, for the two largest units the all-gather's output and in backward the unsharded gradients with their
+    fp32 copy for the reduce-scatter (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
     raw = unwrap(model)
     c = raw.config
     sharding = "fsdp" if is_fsdp(raw) else "none"
     checkpointing = any(getattr(block, "_checkpointed", False) for block in raw.transformer.h)
     plan = memory_plan(raw.num_params(non_embedding=False), world_size, sharding, dtype, micro_batch, block_size,
                        c.n_layer, c.n_embd, checkpointing, c.padded_vocab_size)
-    return plan["total"] + (fsdp_buffer_bytes(raw, dtype) if sharding == "fsdp" else 0)
-
-
-_votes = itertools.count()  # every rank votes in the same order: one set of store keys per vote
+    if sharding == "none":
+        return plan["total"]
+    blocks = [sum(p.numel() for p in block.parameters()) for block in raw.transformer.h]
+    root = sum(p.numel() for p in raw.parameters()) - sum(blocks)
+    return plan["total"] + (_dtype_bytes(dtype) + 4) * sum(sorted(blocks + [root], reverse=True)[:2])
 
 
 def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10):
-    """fits(b): whether the step at micro-batch b (per_rank sequences a step), tried on the model as it trains,
-    stays under (1 - margin) of memory.capacity() with AdamW's moments added; the same on every rank. Where a
-    trial talks to the other ranks the ranks first agree that each has the memory the step needs: one that
-    still runs out half-way leaves the collectives out of step, and then every rank stops with one line."""
+    """fits(b), the same on every rank: whether a step at micro-batch b, tried on the model as it trains, stays
+    under (1 - margin) of memory.capacity() with AdamW's moments added. Where a trial talks to the other ranks
+    they first agree that each has the memory it needs: one that still runs out stops every rank with one line."""
     raw = unwrap(model)
     shards = [p.to_local() if hasattr(p, "to_local") else p for p in raw.parameters()]
     budget = (1 - margin) * memory.capacity() - 8 * sum(p.numel() for p in shards)
@@ -116,8 +102,7 @@ def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10)
             return True
 
         def trial():
-            """The step's micro-steps as far as its peak: the second holds the first's gradients and its own
-            activations; only a step of one micro-step all-reduces, as in training (grad_sync)."""
+            """Micro-steps up to the step's peak: the second holds the first's gradients and its own activations."""
             nonlocal phase
             for sync in [True] if accumulation == 1 else [False, False]:
                 phase = "forward"
@@ -129,8 +114,7 @@ def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10)
                     loss.backward()
 
         def vote(run):
-            """run()'s answer; where it raised, False for memory that ran out outside the collectives, else
-            [whether memory ran out, the line every rank stops with]."""
+            """run()'s answer; where it raised, False or [whether memory ran out, the line every rank stops with]."""
             try:
                 return run()
             except Exception as e:  # noqa: BLE001 (every rank must vote, whatever happened)
@@ -155,17 +139,15 @@ def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10)
             return _agree(verdict, ranks, stranded=talks and isinstance(verdict, list))
         finally:
             zero_grad(model)
-            if is_fsdp(raw):  # a forward that stopped half-way may leave blocks gathered
-                for m in raw.modules():
-                    if hasattr(m, "reshard"):
-                        m.reshard()
+            for m in raw.modules():  # FSDP: a forward that stopped half-way may leave blocks gathered
+                if hasattr(m, "reshard"):
+                    m.reshard()
     return fits
 
 
 def _agree(vote, ranks, stranded):
-    """Whether every rank's vote is true; a vote that is a line to stop with raises on every rank, memory that
-    ran out before the errors it caused on other ranks. The votes go through the process group's store, which
-    answers while collectives hang: a rank stranded in one reads what has been posted, without waiting."""
+    """Whether every rank's vote is true; a line to stop with raises on every rank, memory first. The votes go
+    through the store, which answers while collectives hang: a stranded rank reads what was posted, not waiting."""
     votes = [vote]
     if ranks.multi:
         store = tdist.distributed_c10d._get_default_store()  # no public accessor
@@ -176,17 +158,14 @@ def _agree(vote, ranks, stranded):
             store.wait(keys)
         votes = [json.loads(store.get(k)) for k in keys if not stranded or store.check([k])]
     stops = sorted((v for v in votes if isinstance(v, list)), key=lambda v: not v[0])
-    if stops and stops[0][0]:
-        raise UserError(stops[0][1])
     if stops:
-        raise RuntimeError(stops[0][1])
+        raise (UserError if stops[0][0] else RuntimeError)(stops[0][1])
     return all(votes)
 
 
 def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, *, memory=None):
-    """The micro-batch for --micro-batch-size auto, tried on the model as it trains (wrap_model's). memory: the
-    device's counters, CudaMemory on CUDA (tests pass their own); elsewhere the answer is 8 or fewer. 1 where
-    no micro-batch divides the batch, which the trainer's divisibility check then refuses."""
+    """The micro-batch for --micro-batch-size auto, tried on the model as it trains; 8 or fewer off CUDA. 1 where
+    none divides the batch, which the trainer's divisibility check then refuses."""
     cands = micro_batch_candidates(total_batch_size, block_size, ranks.world_size)
     if not cands:
         return 1
@@ -213,45 +192,36 @@ def block_params(n_embd):
 
 def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, n_layer, n_embd,
                 activation_checkpointing=False, vocab_size=PADDED_VOCAB_SIZE, muon_params=0):
-    """Estimated bytes each GPU holds at the peak of a training step: params, grads, optimizer, activations and
-    total. An estimate to choose settings by: it leaves out the CUDA context, allocator fragmentation and
-    communication buffers (plan ~10% margin).
-
-    - params: fp32 weights, 1/world under FSDP, plus there the unsharded copies in the compute dtype of the
-      root (embeddings, ln_f) and two blocks (the current and the prefetched); under DDP with 16-bit
-      autocast, autocast's cached 16-bit copy of every weight.
+    """Estimated bytes each GPU holds at the peak of a training step, to choose settings by: it leaves out the
+    CUDA context, allocator fragmentation and communication buffers (plan a ~10% margin).
+    - params: fp32, 1/world under FSDP, plus there the root (embeddings, ln_f) and two blocks (the current and
+      the prefetched) unsharded in the compute dtype; under DDP with 16-bit autocast, its copy of every weight.
     - grads: fp32, 1/world under FSDP (DDP's buckets are the gradients: gradient_as_bucket_view).
     - optimizer: AdamW's two fp32 moments, Muon's one (momentum) for muon_params; 1/world under FSDP.
-    - activations, s = block_size, b = micro_batch, h = n_embd: per layer 34*s*b*h bytes in 16-bit, twice
-      that in fp32 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
-      s*b*h*(34 + 5*a*s/h), whose s x s scores flash attention does not store; GPT-2 has no dropout masks,
-      which leaves the 34 a little generous). With activation checkpointing each block's input, 4*s*b*h
-      (the residual stream is fp32 under autocast), plus one block recomputed in backward. Plus the logits:
-      s*b*V*(2 for 16-bit + 4 for cross_entropy's fp32 copy + 4 for log-softmax), s*b*V*8 in fp32."""
+    - activations (s = block_size, b = micro_batch, h = n_embd): per layer 34*s*b*h bytes in 16-bit, twice that
+      in fp32 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", without
+      the s x s scores flash attention does not store; GPT-2 has no dropout masks, so 34 is a little generous).
+      With activation checkpointing each block's fp32 input, 4*s*b*h, plus one block recomputed in backward.
+      Plus the logits: s*b*V*(2 for 16-bit + 4 for cross_entropy's fp32 copy + 4 for log-softmax), 8 in fp32."""
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, not {sharding!r}")
     cb = _dtype_bytes(dtype)
     shards = world_size if sharding == "fsdp" else 1
     params = 4 * n_params / shards
     if sharding == "fsdp":
-        per_block = block_params(n_embd)
-        root = n_params - n_layer * per_block
-        params += cb * (root + 2 * per_block)
+        params += cb * (n_params - (n_layer - 2) * block_params(n_embd))  # the root and two blocks
     elif cb == 2:
         params += cb * n_params
     grads = 4 * n_params / shards
     optimizer = (8 * (n_params - muon_params) + 4 * muon_params) / shards
     sbh = block_size * micro_batch * n_embd
     per_layer = 34 * sbh * cb // 2  # 34 sbh bytes in 16-bit, 68 sbh in fp32
+    layers = n_layer * per_layer
     if activation_checkpointing:
         layers = n_layer * 4 * sbh + per_layer
-    else:
-        layers = n_layer * per_layer
-    logits = block_size * micro_batch * vocab_size * (10 if cb == 2 else 8)
-    activations = layers + logits
-    total = params + grads + optimizer + activations
-    return dict(params=params, grads=grads, optimizer=optimizer, activations=activations, total=total,
-                optimizer_name="Muon+AdamW" if muon_params else "AdamW")
+    activations = layers + block_size * micro_batch * vocab_size * (10 if cb == 2 else 8)  # + the logits
+    return dict(params=params, grads=grads, optimizer=optimizer, activations=activations,
+                total=params + grads + optimizer + activations, optimizer_name="Muon+AdamW" if muon_params else "AdamW")
 
 
 def format_memory_plan(plan, capacity=None, per="GPU"):
@@ -259,9 +229,7 @@ def format_memory_plan(plan, capacity=None, per="GPU"):
     of 24.0 GiB' (capacity: the GPU's bytes); in MiB for small models, whose figures would all be 0.0."""
     unit, scale = ("GiB", 2 ** 30) if max(plan["total"], capacity or 0) >= 2 ** 30 else ("MiB", 2 ** 20)
     size = lambda n: f"{n / scale:.1f} {unit}"  # noqa: E731
-    text = (f"per {per}: params {size(plan['params'])} + grads {size(plan['grads'])} "
+    of = f" of {size(capacity)}" if capacity else ""
+    return (f"per {per}: params {size(plan['params'])} + grads {size(plan['grads'])} "
             f"+ {plan['optimizer_name']} {size(plan['optimizer'])} + activations ~{size(plan['activations'])} "
-            f"= {size(plan['total'])}")
-    if capacity:
-        text += f" of {size(capacity)}"
-    return text
+            f"= {size(plan['total'])}{of}")

@@ -1,8 +1,5 @@
-"""
-GPT-2: attention, MLP, block, config, and the GPT with Hugging Face import/export, FLOPs/MFU and
-generation. Parameter names follow Hugging Face's (wte, wpe, h.N.attn.c_attn, ln_f), so importing
-weights is a key-for-key copy with four transposes. This file imports nothing from the project.
-"""
+"""GPT-2: attention, MLP, block, config, and the GPT with Hugging Face import/export, FLOPs/MFU and generation.
+Parameter names follow Hugging Face's, so importing weights is a key-for-key copy with four transposes."""
 
 import os
 from contextlib import contextmanager
@@ -15,6 +12,12 @@ from torch.nn import functional as F
 GPT2_VOCAB_SIZE = 50257   # real GPT-2 BPE vocabulary (50,000 merges + 256 bytes + <|endoftext|>)
 PADDED_VOCAB_SIZE = 50304  # next multiple of 128: tensor-core friendly shapes for the LM head
 HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # HF's Conv1D
+PRESETS = {  # OpenAI's four released sizes
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),          # 124M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),   # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),      # 1558M
+}
 
 
 class KVCache:
@@ -40,7 +43,6 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.n_head = config.n_head
@@ -51,15 +53,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None, layer=0, mask=None):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        hs = C // self.n_head
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        qkv = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in qkv)  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, nh, pos+T, hs)
-        # without a mask, flash / memory-efficient kernels: the causal mask is never materialised; one
-        # new token after cached ones (a decode step) sees every key, with no mask either
+        # no mask, so flash kernels; a decode step's one new token sees every cached key, unmasked too
         causal = mask is None and q.size(-2) == k.size(-2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
@@ -67,7 +65,6 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
@@ -80,7 +77,6 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd)
@@ -90,8 +86,7 @@ class Block(nn.Module):
 
     def forward(self, x, cache=None, layer=0, mask=None):
         x = x + self.attn(self.ln_1(x), cache, layer, mask)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 
 @dataclass
@@ -108,17 +103,7 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
 
-# OpenAI's four released sizes
-PRESETS = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),          # 124M
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),   # 774M
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),      # 1558M
-}
-
-
 class GPT(nn.Module):
-
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -135,8 +120,7 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             std = 0.02
-            if getattr(module, "RESIDUAL_SCALE_INIT", False):
-                # two residual additions per block (attention, MLP): GPT-2 paper, section 2.3
+            if getattr(module, "RESIDUAL_SCALE_INIT", False):  # two residual additions per block: GPT-2 paper, 2.3
                 std *= (2 * self.config.n_layer) ** -0.5
             nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
@@ -170,13 +154,10 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C): the LM head is the larger part of a small model's forward
         logits = self.lm_head(x)  # (B, T, padded_vocab)
-        if self.config.padded_vocab_size > self.config.vocab_size:
-            # padded ids are not tokens: they must get no probability, in the loss or in sampling
-            logits[..., self.config.vocab_size:] = float("-inf")
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        logits[..., self.config.vocab_size:] = float("-inf")  # padded ids are not tokens: no probability, ever
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
     @classmethod
     def from_pretrained(cls, name_or_path, local_files_only=False):
@@ -208,8 +189,7 @@ class GPT(nn.Module):
         c = self.config
         hf = GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
                                         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
-                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                        bos_token_id=GPT2_VOCAB_SIZE - 1, eos_token_id=GPT2_VOCAB_SIZE - 1))
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # bos, eos: 50256 by default
         sd_hf = hf.state_dict()
         for k, v in self.state_dict().items():
             if k == "lm_head.weight":
@@ -253,8 +233,7 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * (seq_len or c.block_size)
 
     def estimate_mfu(self, tokens_per_second, peak_flops, seq_len=None):
-        """Model FLOPs utilisation in [0, 1] of one device's tokens_per_second, None where its
-        peak_flops (FLOP/s) is unknown."""
+        """Model FLOPs utilisation in [0, 1] of one device's tokens_per_second; None where peak_flops is unknown."""
         if peak_flops is None:
             return None
         return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
@@ -301,13 +280,11 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         mass_before = probs.cumsum(dim=-1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator).squeeze(-1)
 
 
 @contextmanager
 def quiet_transformers():
-    """No progress bars from transformers while it loads or saves: they would clutter logs."""
     from transformers.utils import logging
     was_enabled = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()

@@ -1,6 +1,5 @@
-"""The optimizers: AdamW for GPT-2's recipe, or Muon for the matrices inside the blocks beside AdamW for the
-rest (--optimizer muon), and the learning-rate schedule they follow. Build them after parallel.wrap_model:
-FSDP replaces the parameters with shards."""
+"""The optimizers, AdamW (GPT-2's recipe) or Muon for the blocks' matrices beside AdamW (--optimizer muon), and
+their learning-rate schedule. Build them after parallel.wrap_model: FSDP replaces the parameters with shards."""
 
 import math
 from dataclasses import dataclass
@@ -10,18 +9,14 @@ import torch
 
 def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, device_type="cpu", fused=None,
               muon_lr=None, muon_momentum=0.95, muon_dtype=torch.bfloat16):
-    """AdamW for a GPT, with weight decay on 2-D weights (matmuls, embeddings) only; fused on CUDA. With
-    muon_lr, an Optimizers pair: Muon with Nesterov momentum and no weight decay for the attention and MLP
-    matrices (as Keller Jordan's Muon and the modded-nanogpt speedrun train them), AdamW for the rest."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """AdamW for a GPT, weight decay on 2-D weights (matmuls, embeddings) only; fused on CUDA. With muon_lr, an
+    Optimizers pair: Muon (Nesterov, no weight decay) for the blocks' matrices, as modded-nanogpt trains them."""
     matrices = []
     if muon_lr is not None:
         matrices = [p for block in model.transformer.h for p in block.parameters() if p.dim() == 2]
-    rest = [p for p in params if not any(p is m for m in matrices)]
-    groups = [
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    rest = [p for p in model.parameters() if not any(p is m for m in matrices)]
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     if fused is None:
         fused = device_type == "cuda"
     adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
@@ -45,9 +40,8 @@ def apply_settings(optimizer, weight_decay, betas, eps, muon_momentum=None):
 
 
 class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # before 2.9, device.py stops with one line
-    """torch.optim.Muon's step, its Newton-Schulz iteration in bfloat16 (torch's own) or, for GPUs without
-    bf16, float16 (the iteration keeps every entry within [-1, 1]) or float32. Under FSDP each matrix's update
-    is gathered and orthogonalised whole, and this rank keeps its rows. The state is torch's either way."""
+    """torch.optim.Muon's step and state, its Newton-Schulz iteration in bfloat16 (torch's own) or float16 for GPUs
+    without bf16 (the iteration keeps every entry within [-1, 1]); under FSDP each matrix is orthogonalised whole."""
 
     # GradScaler.step passes found_inf (and grad_scale): an overflow skips the step without a host sync
     _step_supports_amp_scaling = True
@@ -66,10 +60,9 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # before 2.9, 
                     continue
                 if grad_scale is not None:
                     _local(p.grad).div_(grad_scale)
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = self.state[p]["momentum_buffer"]
                 kept = [(_local(t), _local(t).clone()) for t in (p, buf)] if found_inf is not None else []
                 buf.lerp_(p.grad, 1 - momentum)  # as torch's: B = mu B + (1 - mu) g
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
@@ -106,8 +99,7 @@ def orthogonalize(g, coefficients, steps, eps, dtype):
     """The quintic Newton-Schulz iteration of Keller Jordan's Muon, as torch.optim.Muon runs it, in `dtype`:
     g (2-D) mapped to roughly U V^T of its SVD (singular values pushed into ~[0.5, 1.5])."""
     a, b, c = coefficients
-    # normalised before the cast (spectral norm <= Frobenius norm <= 1): fp16's range ends at 6e-8,
-    # where small momentum entries would flush to zero; bf16 (torch's) has fp32's range either way
+    # normalised before the cast: fp16's range ends at 6e-8, where small momentum entries would flush to zero
     x = (g / g.norm().clamp(min=eps)).to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:
@@ -120,23 +112,10 @@ def orthogonalize(g, coefficients, steps, eps, dtype):
 
 
 class Optimizers:
-    """Several optimizers stepped as one, in order: the part of torch.optim.Optimizer that the trainer,
-    torch.amp.GradScaler and the checkpoints use."""
+    """Several optimizers, checkpointed as one; the trainer steps each through the gradient scaler in order."""
 
     def __init__(self, *optimizers):
         self.optimizers = optimizers
-
-    @property
-    def param_groups(self):
-        return [group for opt in self.optimizers for group in opt.param_groups]
-
-    def step(self):
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self, set_to_none=True):
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
@@ -146,13 +125,8 @@ class Optimizers:
             opt.load_state_dict(s)
 
 
-# ----------------------------------------------------------------------------------------------
-# The learning rate at each step
-
-
 def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
-    """Every parameter group's learning rate at step: the schedule of its optimizer's peak (muon_lr
-    for Muon's matrices, max_lr for AdamW's groups). Returns AdamW's, the rate the log shows."""
+    """Every group's learning rate at step, from its optimizer's peak (muon_lr or max_lr); AdamW's, for the log."""
     for opt in getattr(optimizer, "optimizers", [optimizer]):
         peak = muon_lr if isinstance(opt, torch.optim.Muon) else max_lr
         for group in opt.param_groups:
@@ -162,10 +136,9 @@ def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
 
 @dataclass(frozen=True)
 class Schedule:
-    """The learning rate at each step for a group whose peak rate is `peak`: linear warm-up, then to
-    min_lr_ratio * peak at max_steps by cosine decay (GPT-3 paper, appendix B) or, with shape "wsd",
-    by holding the peak and decaying linearly over the last WSD_DECAY of the run (Hägele et al. 2024,
-    "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations", whose cool-down is 20%)."""
+    """The learning rate at each step for a peak rate: linear warm-up, then to min_lr_ratio * peak at max_steps by
+    cosine decay (GPT-3, appendix B) or, shape "wsd", holding the peak and decaying linearly over the last WSD_DECAY
+    of the run (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations")."""
     warmup_steps: int
     max_steps: int
     min_lr_ratio: float

@@ -1,12 +1,11 @@
-"""How the model is spread over processes: the process group (with or without torchrun), DDP or FSDP2
-(parameters, gradients and optimizer state sharded over the ranks), activation checkpointing, and the full
-state dicts of checkpoints."""
+"""How the model is spread over processes: the process group (with or without torchrun), DDP or FSDP2,
+activation checkpointing, and the full state dicts of checkpoints."""
 
 import datetime
 import functools
 import os
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
@@ -29,14 +28,10 @@ class Ranks:
     local_rank: int = 0
     world_size: int = 1
     device: str = "cpu"
-    is_master: bool = field(init=False)   # rank 0: writes the logs, checkpoints and exports
-    multi: bool = field(init=False)       # more than one process: collectives are needed
-    device_type: str = field(init=False)  # cuda, mps or cpu
 
-    def __post_init__(self):
-        object.__setattr__(self, "is_master", self.rank == 0)
-        object.__setattr__(self, "multi", self.world_size > 1)
-        object.__setattr__(self, "device_type", self.device.split(":")[0])
+    is_master = property(lambda self: self.rank == 0)  # writes the logs, checkpoints and exports
+    multi = property(lambda self: self.world_size > 1)  # collectives are needed
+    device_type = property(lambda self: self.device.split(":")[0])  # cuda, mps or cpu
 
 
 def torchrun_restart():
@@ -77,7 +72,6 @@ def setup_distributed(requested_device="auto", timeout_s=None):
 
 
 def teardown_distributed():
-    """Leave the process group, if this process joined one."""
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
 
@@ -101,7 +95,6 @@ def any_rank(flag, ranks):
 
 
 def is_fsdp(model):
-    """Whether the model (or the GPT under its wrappers) is sharded by FSDP2."""
     from torch.distributed.fsdp import FSDPModule
     return isinstance(unwrap(model), FSDPModule)
 
@@ -129,9 +122,8 @@ def _set_block_forwards(raw_model, activation_checkpointing, compile_blocks):
 
 def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_checkpointing=False,
                compile=False):
-    """The model to train from the GPT on its device. "none": the (compiled) GPT, DDP-wrapped in a world of
-    several processes. "fsdp": the GPT itself, sharded in place (each Block, then the root), whose forward
-    every rank must run, evaluation and sampling included. dtype: FSDP's parameter dtype in forward/backward."""
+    """The model to train. "none": the (compiled) GPT, DDP-wrapped in a world of several processes. "fsdp": the
+    GPT sharded in place (each Block, then the root), whose forward every rank must run, evaluation included."""
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}, not {sharding!r}")
     world = tdist.get_world_size() if tdist.is_initialized() else 1
@@ -144,7 +136,6 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
             model = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None,
                                             gradient_as_bucket_view=True)
         return model
-
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device_type, (world,))
@@ -162,16 +153,12 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
     return raw_model
 
 
-@contextmanager
 def grad_sync(model, enabled):
-    """Around forward and backward of a micro-step: under DDP, enabled=False accumulates locally (no_sync) and
-    the last micro-step all-reduces. FSDP reduce-scatters every micro-step into the sharded gradients, as
-    torchtitan does: skipping it would hold every full fp32 gradient on every GPU (6.2 GB at GPT-2 XL)."""
+    """Around a micro-step's forward and backward: under DDP, enabled=False accumulates locally (no_sync). FSDP
+    reduce-scatters every micro-step, as torchtitan does: skipping it would hold every full fp32 gradient."""
     if enabled or not isinstance(model, DistributedDataParallel):
-        yield
-    else:
-        with model.no_sync():
-            yield
+        return nullcontext()
+    return model.no_sync()
 
 
 def zero_grad(model):
@@ -202,9 +189,8 @@ def clip_grad_norm(model, max_norm):
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-# Checkpoints hold the full model and optimizer state, gathered on rank 0, rather than torch.distributed.checkpoint's
-# per-rank shards: one file format for DDP and FSDP, read by one loader (GPT.load_state_dict). Gathering costs
-# rank 0 ~18 GB of CPU memory at 1.5B parameters; much larger models would want sharded checkpoints.
+# Checkpoints hold the full state gathered on rank 0, not torch.distributed.checkpoint's per-rank shards: one format
+# for DDP and FSDP. That costs rank 0 ~18 GB of CPU memory at 1.5B parameters; larger models would want shards.
 
 def _options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -225,7 +211,6 @@ def model_state(model):
 
 
 def load_model_state(model, state):
-    """Load a full state dict (GPT.state_dict() keys) into the model, sharded or not."""
     raw = unwrap(model)
     if not is_fsdp(raw):
         raw.load_state_dict(state)
@@ -252,8 +237,7 @@ def optimizer_state(model, optimizer):
 
 
 def load_optimizer_state(model, optimizer, state):
-    """Load a state dict of optimizer_state's format into the optimizer, sharding it under FSDP. Call it
-    before the first backward."""
+    """Load optimizer_state's format into the optimizer, sharding it under FSDP; before the first backward."""
     raw = unwrap(model)
     if not is_fsdp(raw):
         optimizer.load_state_dict(state)
