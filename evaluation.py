@@ -1,7 +1,5 @@
-"""
-What a training run evaluates, at the top of a step: the validation loss, HellaSwag, CORE and
-samples, each built only where it is on, and each stoppable by a stop request between batches.
-"""
+"""What a training run evaluates at the top of a step: the validation loss, HellaSwag, CORE and samples, each
+built only where it is on, and each stoppable by a stop request between batches."""
 
 import itertools
 
@@ -14,9 +12,8 @@ from common import UserError
 
 
 def build(cfg, ranks, log, fsdp, block_size):
-    """What the run evaluates besides the validation loss, each built only where it is on (else None):
-    HellaSwag's and CORE's hooks, the plot writer, and the token ids the samples continue, the prompt
-    checked now as sample.py checks it, so that one that cannot be sampled from is refused at start."""
+    """HellaSwag's and CORE's hooks, the plot writer and the samples' prompt (checked now, so that one that cannot
+    be sampled from is refused at start), each where it is on, else None."""
     out = dict(hellaswag=None, core=None, plotter=None, sample_prompt=None)
     if cfg.hellaswag_every:
         import hellaswag
@@ -35,7 +32,6 @@ def build(cfg, ranks, log, fsdp, block_size):
         except UserError as e:
             raise UserError(f"--sample-prompt: {e}")
     return out
-
 
 
 def evaluate(run, step, stop):
@@ -76,19 +72,16 @@ STOP_CHECK_EVERY = 8  # evaluation batches between two questions to the ranks ab
 
 
 def stop_check(stop, ranks):
-    """What an evaluation (validation, HellaSwag, CORE) calls before each batch: whether any rank was
-    asked to stop, asked of the ranks before its first batch and every STOP_CHECK_EVERY batches after
-    (each question is a collective and a host-device sync; every rank calls it as often)."""
+    """Called before each batch of an evaluation: whether any rank was asked to stop, asked of the ranks before
+    the first batch and every STOP_CHECK_EVERY after (a collective and a sync; every rank calls it as often)."""
     calls = itertools.count()
     return lambda: next(calls) % STOP_CHECK_EVERY == 0 and parallel.any_rank(stop.signal is not None, ranks)
 
 
 @torch.no_grad()
 def validation_loss(model, loader, sequences, ranks, dtype, should_stop):
-    """Mean loss per token over the val split's first `sequences` sequences on each rank; None if
-    a stop request came. Batches of the micro-batch; the last one, when fewer sequences are left,
-    is filled up with rows whose targets are -1 (the loss ignores them), so every forward has the
-    same shape (a compiled model compiles no second graph for it)."""
+    """Mean loss per token over the val split's first `sequences` sequences on each rank; None if a stop request
+    came. A last batch of fewer sequences is filled up to the micro-batch (padded), so every forward has one shape."""
     model.eval()
     loader.reset()
     total = torch.zeros((), device=ranks.device)
@@ -98,7 +91,7 @@ def validation_loss(model, loader, sequences, ranks, dtype, should_stop):
             return None
         n = min(loader.B, sequences - done)
         x_val, y_val = loader.next_batch(n)
-        if n < loader.B:  # in the loader's layout (rows of T+1 tokens), so its strides are the full batches'
+        if n < loader.B:
             x_val, y_val = padded(x_val, y_val, loader.B)
         with device.autocast(ranks.device, dtype):
             _, loss_val = model(x_val, y_val)
@@ -110,9 +103,8 @@ def validation_loss(model, loader, sequences, ranks, dtype, should_stop):
 
 
 def padded(x, y, size):
-    """x and y (n, T) with rows added up to `size` (inputs 0, targets -1, which the loss ignores), as
-    views of (size, T+1) tensors as the loader's batches are: a compiled model sees the same strides
-    and storage offsets, and compiles no graph for them."""
+    """x and y (n, T) with rows added up to `size` (inputs 0, targets -1, which the loss ignores), as views of
+    (size, T+1) tensors as the loader's batches are: a compiled model compiles no graph for new strides."""
     xs, ys = x.new_zeros(size, x.size(1) + 1), y.new_full((size, y.size(1) + 1), -1)
     xs[:len(x), :-1] = x
     ys[:len(y), 1:] = y
@@ -120,10 +112,9 @@ def padded(x, y, size):
 
 
 def log_samples(run, step, stop):
-    """The samples of this step, each a log line and a record. Under FSDP every forward is a
-    collective, so every rank samples and a stop request must not end one rank's loop early. A
-    failure is one line: samples are a glimpse of the model, never a reason to end the run (but
-    under FSDP, where the ranks would no longer meet in the same collectives, it ends it)."""
+    """The samples of this step, each a log line and a record. Under FSDP every forward is a collective, so every
+    rank samples, unstoppable. A failure is one line and training goes on, but under FSDP, where the ranks would
+    no longer meet in the same collectives, it ends the run."""
     import sample
     cfg = run.cfg
     try:

@@ -1,8 +1,5 @@
-"""
-Where a training step's time goes: the phase timer of --timing-breakdown (wall time per phase,
-the GPU synchronised at each boundary) and --profile-steps's torch.profiler trace, with
---memory-snapshot's record of CUDA's allocations for a step that runs out of memory.
-"""
+"""Where a training step's time goes: --timing-breakdown's phase timer, --profile-steps's torch.profiler trace
+and --memory-snapshot's record of CUDA's allocations for a step that runs out of memory."""
 
 import contextlib
 import os
@@ -16,8 +13,7 @@ import memory
 
 
 class PhaseTimer:
-    """Wall time per phase of a step, the GPU synchronised at each boundary: only when asked for
-    (every > 0), since that costs the overlap of host and device."""
+    """Wall time per phase of a step, the GPU synchronised at each boundary, so only when asked for (every > 0)."""
 
     PHASES = ("data", "copy", "forward", "backward", "optimizer", "eval")  # copy: host to device
 

@@ -21,7 +21,6 @@ DEFAULT_MUON_LR = 0.02  # Keller Jordan's Muon and nanochat's matrix learning ra
 
 
 def build_parser(description=None):
-    """Every flag of the trainer, with its unit and default."""
     p = common.ArgumentParser(prog="train_gpt2.py", description=description,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
@@ -204,7 +203,6 @@ def check_relations(cfg):
                         "would end before the learning rate reaches its peak; lower it, or raise --max-steps")
 
 
-# ----------------------------------------------------------------------------------------------
 # Resolving: the flags, then the stored run
 
 
@@ -220,8 +218,7 @@ class Settings(argparse.Namespace):
 
 @dataclass(frozen=True)
 class Resume:
-    """The run a launch continues: its checkpoint, why each newer one was passed over, and the settings the
-    command line changed (one line each)."""
+    """The run a launch continues: its checkpoint, why newer ones were passed over, what the command line changed."""
     path: str
     checkpoint: dict
     skipped: list

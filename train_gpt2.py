@@ -3,13 +3,10 @@ Train GPT-2 from scratch (or fine-tune it) on pre-tokenized shards written by fi
 
     python train_gpt2.py                                          # one GPU, or CPU
     torchrun --standalone --nproc_per_node=8 train_gpt2.py        # one node
-    torchrun --nnodes=2 --node_rank=N --rdzv-endpoint=HOST:29500 --nproc_per_node=8 train_gpt2.py
 
-The defaults reproduce GPT-2 124M on FineWeb-Edu 10B: 524,288 tokens per step, 19,073 steps.
-Pass --resume always: it continues the run in --log-dir if there is one, else starts it.
-
-This file reads top to bottom as a run goes: main and train, setup (everything the loop needs, on
-a Run), the loop, one optimizer step (train_step), and the evaluation at the top of a step.
+The defaults reproduce GPT-2 124M on FineWeb-Edu 10B: 524,288 tokens per step, 19,073 steps. Pass
+--resume always: it continues the run in --log-dir if there is one, else starts it. This file reads
+as a run goes: main and train, setup (everything the loop needs, on a Run), the loop, one step.
 """
 
 import functools
@@ -66,7 +63,6 @@ def train(argv=None):
     return status
 
 
-# ----------------------------------------------------------------------------------------------
 # The run: everything the loop needs, built once by setup()
 
 
@@ -101,14 +97,12 @@ class Run:
         return checkpoint.resume_command(self.cfg.log_dir, self.ranks.world_size, self.per_node)
 
 
-# ----------------------------------------------------------------------------------------------
 # Set-up, one job at a time: device, model, batch, data, optimizer, restore, trackers, header
 
 
 def setup(cfg, ranks, log, resume):
-    """The Run of this launch, new or continuing `resume` (a train_config.Resume). Every check that
-    can refuse the launch comes before its first write into the log directory, and before an old
-    branch's later checkpoints are set aside."""
+    """The Run of this launch, new or continuing `resume`. Every check that can refuse the launch comes before its
+    first write into the log directory, and before an old branch's later checkpoints are set aside."""
     ckpt = resume.checkpoint if resume is not None else None
     if resume is not None:
         checkpoint.check_world_size(ckpt, resume.path, ranks)
@@ -203,9 +197,8 @@ def build_model(cfg, resume):
 
 
 def build_data(cfg, ranks, micro_batch, vocab_size):
-    """The train loader, the val loader (None without validation) and the sequences each rank
-    validates on: --val-tokens counted in sequences, so that a resume with another micro-batch
-    validates the same tokens, and never more than the whole val split once."""
+    """The train and val loaders (None without validation) and the sequences each rank validates on, counted in
+    sequences so that a resume with another micro-batch validates the same tokens, at most the whole split."""
     loader = functools.partial(dataloader.TokenLoader, cfg.data_dir, batch_size=micro_batch,
                                seq_len=cfg.block_size, rank=ranks.rank, world_size=ranks.world_size,
                                vocab_size=vocab_size, device=ranks.device)
@@ -274,13 +267,12 @@ def write_header(run, origin, resume):
         log.line(f"warning: {w}")
 
 
-# ----------------------------------------------------------------------------------------------
 # The training loop
 
 
 def loop(run):
-    """Evaluation at the top of each step (so step 0 shows the untrained model), one optimizer step,
-    its log line, checkpoints; then the export. Returns the exit status."""
+    """Evaluation at the top of each step (step 0 shows the untrained model), one optimizer step, its log line,
+    checkpoints; then the export. Returns the exit status."""
     cfg, ranks = run.cfg, run.ranks
     stop = common.StopFlag()
     timer = PhaseTimer(ranks.device, cfg.timing_breakdown)
@@ -349,8 +341,7 @@ def log_step(run, step, loss, lr, norm, dt, finite):
 
 
 def stopped(run, done, stop):
-    """A stop request ended the run after `done` steps: keep them in a checkpoint, unless the last one
-    has them already, and say how to continue."""
+    """A stop request ended the run after `done` steps: checkpoint them unless that is done, say how to go on."""
     if run.checkpoints.last_step != done or not checkpoint.in_log_dir(run.checkpoints.last_path, run.cfg.log_dir):
         run.checkpoints.save(done)  # (resumed from another directory's checkpoint: this one needs its own)
     run.log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
@@ -359,8 +350,7 @@ def stopped(run, done, stop):
 
 
 def end(run, reason, step):
-    """The end record (step: max_steps when finished, else the last step that ran, -1 for none) and
-    the last plot. Returns the exit status, 0."""
+    """The end record (step: max_steps when finished, else the last step that ran, -1 for none), the last plot."""
     run.log.record("end", step=step, reason=reason)
     if run.plotter:
         run.plotter.kick()
@@ -381,18 +371,15 @@ def export_hf(run):
         run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 
 
-# ----------------------------------------------------------------------------------------------
 # One optimizer step. train_step is called by the loop and by bench/ladder.py, so that a speed-up
 # the ladder measures is a speed-up of training.
 
 
 def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=None,
                timer=None):
-    """Forward and backward over grad_accum micro-batches (DDP all-reduces the gradients on the last
-    one only, FSDP reduce-scatters each one: parallel.grad_sync), unscale, clip, and the update unless
-    the loss or the gradient norm is not finite (with fp16 the gradient scaler decides). The step's
-    one host-device sync also carries this rank's stop request (a common.StopFlag, read after the
-    backward passes) to the others, so a request that came during the step ends the run after it.
+    """Forward and backward over grad_accum micro-batches, unscale, clip, and the update unless the loss or the
+    gradient norm is not finite (with fp16 the scaler decides). The step's one host-device sync also carries this
+    rank's stop request to the others, so a request that came during the step ends the run after it.
     Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
     timer = timer or PhaseTimer(ranks.device)
     model.train()
