@@ -230,9 +230,8 @@ class Resume:
 
 
 def resolve(args):
-    """The launch's Settings and the run it continues (a Resume, or None): with --resume the run's own
-    settings, the flags the command line names over them or refused (stored_run); then every check
-    between them. Nothing is written: a launch refused here changes nothing."""
+    """The launch's Settings and the Resume it continues (or None): a resumed run's own settings under the flags
+    the command line names, then every check between them. Nothing is written."""
     path, ckpt, skipped = checkpoint.resume_point(args.resume, args.log_dir)
     values = dict(vars(args))
     changes = stored_run(values, args.given, ckpt, path) if ckpt is not None else []
