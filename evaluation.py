@@ -120,8 +120,7 @@ def log_samples(run, step, stop):
     try:
         with parallel.uncompiled(run.raw_model):
             texts = sample.training_samples(run.raw_model, run.sample_prompt, cfg.num_samples, cfg.sample_tokens,
-                                            cfg.seed + step, run.ranks.device, run.dtype,
-                                            None if run.fsdp else stop)
+                                            cfg.seed + step, run.ranks.device, run.dtype, None if run.fsdp else stop)
     except Exception as e:  # noqa: BLE001
         if run.fsdp:  # the other ranks may be inside a collective forward: this rank cannot go on alone
             raise
