@@ -11,6 +11,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the workers share the cores: OpenMP threads of one would wait on cores busy with another's
+    torch.set_num_threads(1)
 
 
 def reachable(host, port=443, timeout=3.0):
@@ -104,3 +107,9 @@ def train_in_process():
     """runs.train: the trainer in this process, a bad input raised as its UserError."""
     from runs import train
     return train
+
+
+def pytest_collection_modifyitems(items):
+    """The SLURM tests first: they wait on SLURM's clock far more than they compute, so that under
+    pytest-xdist the other workers fill that wait instead of it ending the run."""
+    items.sort(key=lambda item: os.path.basename(item.fspath) != "test_slurm.py")
