@@ -1,6 +1,7 @@
 """Devices and precision: the device and autocast dtype to run on, waiting for the device, its peak FLOP/s."""
 
 import contextlib
+import ctypes
 import os
 import re
 import subprocess
@@ -180,6 +181,11 @@ def configure_backends(device, dtype, compile, compile_typed, deterministic):
     if compile and blocker and compile_typed:
         raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")
     compile_on = (cuda if compile is None else compile) and blocker is None
+    if device == "cpu" and sys.platform == "linux":  # glibc's malloc (musl's mallopt does nothing)
+        # glibc gives each freed block over 32 MB (a micro-batch's logits) back to the kernel, and the next micro-step
+        # faults it in again page by page: over half a small model's CPU step (BENCHMARKS.md). Keep them instead.
+        ctypes.CDLL(None).mallopt(-4, 0)  # M_MMAP_MAX: no block by mmap
+        ctypes.CDLL(None).mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: no trim
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True

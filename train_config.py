@@ -134,12 +134,11 @@ RANGES = [
     (("seed",), lambda v: 0 <= v < 2 ** 32, "between 0 and 2**32-1 = 4294967295"),
 ]
 
-# --resume takes every setting of the run from its checkpoint. A flag given on the command line
-# that differs from the stored run is applied, and printed, unless it would change the math in the
-# middle of the run: those are refused. The micro-batch does not change the math (the total batch
-# does, and the data position is counted in sequences): a run whose micro-batch was fitted fits it
-# again on the GPU it resumes on, and another value may be given. Where the run is written, which
-# checkpoint continues it and what is profiled are this launch's own.
+# --resume takes every setting of the run from its checkpoint. A flag given on the command line that differs from the
+# stored run is applied, and printed, unless it would change the math in the middle of the run: those are refused. The
+# micro-batch does not change the math (the total batch does, and the data position is counted in sequences): a run
+# whose micro-batch was fitted fits it again on the GPU it resumes on, and another value may be given. Where the run
+# is written, which checkpoint continues it and what is profiled are this launch's own.
 FIXED_ON_RESUME = ("model", "n_layer", "n_head", "n_embd", "block_size", "init_from", "total_batch_size",
                    "shuffle_seed", "seed", "optimizer")
 LAUNCH_ONLY = ("log_dir", "resume", "profile_steps", "memory_snapshot")
@@ -168,7 +167,6 @@ def parse_args(argv=None, description=None):
             if value is not None and not (math.isfinite(value) and test(value)):
                 raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
     common.check_output_dir(args.log_dir, "--log-dir")
-    # where the run was started: a resume from another working directory reads the same files
     for name in PATH_FLAGS:
         value = getattr(args, name)
         if value is not None and value != "latest" and (name != "init_from" or os.path.exists(value)):

@@ -225,3 +225,30 @@ def test_too_old_pytorch_is_one_line_naming_the_upgrade(fake_nvidia_smi):
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "error: PyTorch 2.6.0+cu124 is older than 2.9, the oldest these scripts run on (they use torch.optim.Muon); "
         "upgrade it: pip install -U 'torch>=2.9' --index-url https://download.pytorch.org/whl/cu126"], p.stderr
+
+
+MMAPPED = """
+import ctypes, torch, device
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks".split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+def mmapped_by(make):
+    before = libc.mallinfo2().hblkhd
+    kept = make()
+    return libc.mallinfo2().hblkhd - before
+print(mmapped_by(lambda: torch.empty(2**24)))
+device.configure_backends("cpu", "auto", None, False, False)
+print(mmapped_by(lambda: torch.empty(2**24)))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="needs glibc 2.33+ (mallinfo2)")
+def test_cpu_training_keeps_freed_memory_in_the_process():
+    """A 64 MB tensor is mmap'd by glibc, and faulted in afresh every micro-step, until the CPU trainer's set-up."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", MMAPPED], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr
+    before, after = map(int, p.stdout.split())
+    assert before >= 2**26 and after == 0
