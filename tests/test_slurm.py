@@ -73,7 +73,8 @@ def unavailable():
     return None
 
 
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
+pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
+              pytest.mark.xdist_group("slurm")]  # one cluster: every test of the module in one process
 
 
 def free_ports(n):
