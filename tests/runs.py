@@ -15,11 +15,13 @@ import sys
 import numpy as np
 import torch
 
-import checkpoint
-import common
-import tokenizer
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import checkpoint  # noqa: E402
+import common  # noqa: E402
+import tokenizer  # noqa: E402
+from device_check import flags  # noqa: E402  (the same settings-to-flags rule as the GPU check's commands)
 TRAIN = os.path.join(ROOT, "train_gpt2.py")
 FAULT_TRAINER = os.path.join(ROOT, "tests", "fault_trainer.py")  # the trainer with one fault injected
 TINY_SETTINGS = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, micro_batch_size=2, total_batch_size=128,
@@ -31,16 +33,7 @@ def tiny(**overrides):
     """The tiny run's command line with overrides, by setting name: max_steps=10, log_dir=path; True is
     a bare flag (fsdp=True, resume=True), False the --no- form of an on/off flag (export_hf=False), None
     leaves the flag out (the default, or the architecture of --init-from)."""
-    argv = []
-    for name, value in {**TINY_SETTINGS, **overrides}.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False:
-            argv.append("--no-" + flag[2:])
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+    return flags({**TINY_SETTINGS, **overrides})
 
 
 TINY = tiny()
