@@ -163,17 +163,15 @@ def setup(cfg, ranks, log, resume):
     run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, micro_batch=micro_batch,
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
               optimizer=optimizer, scaler=scaler, schedule=schedule, peak_flops=peak_flops, train_loader=train_loader,
-              val_loader=val_loader,
-              val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
+              val_loader=val_loader, val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
               per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)), **evals)
     write_header(run, origin, resume)
     return run
 
 
 def build_model(cfg, resume):
-    """The GPT on the CPU and where it came from: the shape of the checkpoint it resumes (whose
-    weights Checkpointer.restore puts back), pretrained weights (--init-from, cut to --block-size)
-    or a preset."""
+    """The GPT on the CPU and where it came from: the shape of the checkpoint it resumes (whose weights
+    Checkpointer.restore puts back), pretrained weights (--init-from, cut to --block-size) or a preset."""
     if resume is not None:
         model = GPT(GPTConfig(**resume.checkpoint["model_config"]))
         checkpoint.check_weights_fit(model, resume.checkpoint["model"], resume.path)
