@@ -181,9 +181,9 @@ def configure_backends(device, dtype, compile, compile_typed, deterministic):
     if compile and blocker and compile_typed:
         raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")
     compile_on = (cuda if compile is None else compile) and blocker is None
-    if device == "cpu" and sys.platform == "linux":  # glibc: keep freed memory in the process (BENCHMARKS.md)
-        ctypes.CDLL(None).mallopt(-4, 0)  # M_MMAP_MAX 0: blocks over 32 MB (logits) not mmap'd and faulted in anew
-        ctypes.CDLL(None).mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: none handed back; halves a small model's step
+    if device == "cpu" and sys.platform == "linux" and hasattr(libc := ctypes.CDLL(None), "mallopt"):  # not musl
+        libc.mallopt(-4, 0)  # M_MMAP_MAX 0: no block mmap'd (logits over 32 MB were faulted in anew each micro-step)
+        libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: freed memory kept; 2.4x a small model's step (BENCHMARKS.md)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True

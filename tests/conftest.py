@@ -109,7 +109,6 @@ def train_in_process():
     return train
 
 
-def pytest_collection_modifyitems(items):
-    """The SLURM tests first: they wait on SLURM's clock far more than they compute, so that under
-    pytest-xdist the other workers fill that wait instead of it ending the run."""
-    items.sort(key=lambda item: os.path.basename(item.fspath) != "test_slurm.py")
+def pytest_configure(config):
+    # pytest-xdist's own marker, named here too so that a run without it does not warn
+    config.addinivalue_line("markers", "xdist_group(name): the tests pytest-xdist's --dist loadgroup runs in one process")
