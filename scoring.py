@@ -227,7 +227,7 @@ class TrainingHook:
             except UserError as e:
                 error = str(e)
             self.load = None
-            if all(parallel.gather(self.bench is not None, ranks)):  # agreed first: a lone rank would hang the rest
+            if not parallel.any_rank(self.bench is None, ranks):  # agreed first: a lone rank would hang the rest
                 self.share = share_of(self.bench, raw_model.config.block_size, ranks.rank, ranks.world_size)
             else:
                 self.log.line(f"{self.name}: skipped for this run ({error or 'data missing on another rank'})")
