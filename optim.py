@@ -120,10 +120,6 @@ class Optimizers:
     def state_dict(self):
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
-    def load_state_dict(self, state):  # --optimizer is fixed on resume: the state holds these optimizers
-        for opt, s in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(s)
-
 
 def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
     """Every group's learning rate at step, from its optimizer's peak (muon_lr or max_lr); AdamW's, for the log."""

@@ -222,11 +222,11 @@ def load_model_state(model, state):
 def optimizer_state(model, optimizer):
     """The optimizer's full state dict as optimizer.state_dict() has it on the unsharded model, CPU tensors, so
     that DDP and FSDP checkpoints are interchangeable. Under FSDP every rank calls it; rank 0 gets the dict."""
+    if isinstance(optimizer, Optimizers):
+        return {"optimizers": [optimizer_state(model, opt) for opt in optimizer.optimizers]}
     raw = unwrap(model)
     if not is_fsdp(raw):
         return _to_cpu(optimizer.state_dict())
-    if isinstance(optimizer, Optimizers):
-        return {"optimizers": [optimizer_state(model, opt) for opt in optimizer.optimizers]}
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     by_name = get_optimizer_state_dict(raw, optimizer, options=_options(cpu_offload=True))
     if not by_name:
@@ -238,13 +238,13 @@ def optimizer_state(model, optimizer):
 
 def load_optimizer_state(model, optimizer, state):
     """Load optimizer_state's format into the optimizer, sharding it under FSDP; before the first backward."""
+    if isinstance(optimizer, Optimizers):  # --optimizer is fixed on resume: the state holds these optimizers
+        for opt, s in zip(optimizer.optimizers, state["optimizers"]):
+            load_optimizer_state(model, opt, s)
+        return
     raw = unwrap(model)
     if not is_fsdp(raw):
         optimizer.load_state_dict(state)
-        return
-    if isinstance(optimizer, Optimizers):
-        for opt, s in zip(optimizer.optimizers, state["optimizers"]):
-            load_optimizer_state(model, opt, s)
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     names = {p: name for name, p in raw.named_parameters()}  # the tied wte/lm_head weight once, as the optimizer
