@@ -12,6 +12,7 @@ import common
 from common import UserError
 from device import autocast
 from model import PADDED_VOCAB_SIZE
+from optim import local_part
 from parallel import SHARDINGS, grad_sync, is_fsdp, unwrap, zero_grad
 
 # PyTorch's allocator raises OutOfMemoryError; cuBLAS and cuDNN say so in plain RuntimeErrors
@@ -80,7 +81,7 @@ def step_footprint(model, world_size, dtype, block_size, micro_batch):
     if sharding == "none":
         return plan["total"]
     blocks = [sum(p.numel() for p in block.parameters()) for block in raw.transformer.h]
-    root = sum(p.numel() for p in raw.parameters()) - sum(blocks)
+    root = raw.num_params(non_embedding=False) - sum(blocks)
     return plan["total"] + (_dtype_bytes(dtype) + 4) * sum(sorted(blocks + [root], reverse=True)[:2])
 
 
@@ -89,8 +90,7 @@ def memory_probe(model, block_size, ranks, dtype, memory, per_rank, margin=0.10)
     under (1 - margin) of memory.capacity() with AdamW's moments added. Where a trial talks to the other ranks
     they first agree that each has the memory it needs: one that still runs out stops every rank with one line."""
     raw = unwrap(model)
-    shards = [p.to_local() if hasattr(p, "to_local") else p for p in raw.parameters()]
-    budget = (1 - margin) * memory.capacity() - 8 * sum(p.numel() for p in shards)
+    budget = (1 - margin) * memory.capacity() - 8 * sum(local_part(p).numel() for p in raw.parameters())
 
     def fits(b):
         accumulation = per_rank // b

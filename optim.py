@@ -59,11 +59,11 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # before 2.9, 
                 if p.grad is None:
                     continue
                 if grad_scale is not None:
-                    _local(p.grad).div_(grad_scale)
+                    local_part(p.grad).div_(grad_scale)
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = self.state[p]["momentum_buffer"]
-                kept = [(_local(t), _local(t).clone()) for t in (p, buf)] if found_inf is not None else []
+                kept = [(local_part(t), local_part(t).clone()) for t in (p, buf)] if found_inf is not None else []
                 buf.lerp_(p.grad, 1 - momentum)  # as torch's: B = mu B + (1 - mu) g
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = self._orthogonalize(update, group)
@@ -90,7 +90,7 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # before 2.9, 
         return DTensor.from_local(result, mesh, [Replicate()], run_check=False).redistribute(mesh, update.placements)
 
 
-def _local(t):
+def local_part(t):
     """The tensor itself, or this rank's shard of a DTensor (an alias: writing it writes the DTensor)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
