@@ -23,7 +23,7 @@ def build(cfg, ranks, log, fsdp, block_size):
         out["core"] = core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, fsdp)
     if cfg.plot and ranks.is_master:
         import plot
-        out["plotter"] = plot.PlotWriter(cfg.log_dir, True)
+        out["plotter"] = plot.PlotWriter(cfg.log_dir)
     if cfg.sample_every or "sample_prompt" in cfg.given:
         import sample
         from tokenizer import get_tokenizer

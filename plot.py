@@ -304,13 +304,12 @@ def build_figure(log_dirs, labels=None, smooth=None):
 class PlotWriter:
     """Redraws LOG_DIR/plot.png in a background thread (rank 0), never blocking a step."""
 
-    def __init__(self, log_dir, enabled):
+    def __init__(self, log_dir):
         self.log_dir = log_dir
-        self.enabled = enabled
         self.thread = None
 
     def kick(self):
-        if self.enabled and (self.thread is None or not self.thread.is_alive()):
+        if self.thread is None or not self.thread.is_alive():
             self.thread = threading.Thread(target=self._draw, daemon=True)
             self.thread.start()
 
