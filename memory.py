@@ -43,7 +43,10 @@ class CudaMemory:
     """The GPU memory counters the micro-batch auto-fit reads (tests pass counters of their own)."""
 
     def __init__(self, device):
-        self.device = device
+        # 'cuda' is the current GPU; torch's memory-fraction query refuses a device without its index
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     def capacity(self):
         """The bytes this process may allocate: the card's, under torch.cuda.set_per_process_memory_fraction's limit."""

@@ -21,6 +21,7 @@ import bench_core  # noqa: E402
 import bench_hellaswag  # noqa: E402
 import bench_sample  # noqa: E402
 import device_check  # noqa: E402
+import fake_cuda  # noqa: E402
 import hellaswag  # noqa: E402
 import ladder  # noqa: E402
 import measure  # noqa: E402
@@ -212,13 +213,18 @@ def test_a_cuda_loader_pins_its_batches_only_with_prefetch(tmp_path):
     assert not loader._make(0, 2).is_pinned()
 
 
-def test_the_auto_fit_counts_the_memory_this_process_may_take(monkeypatch):
+@pytest.mark.parametrize("name,index", [("cuda", 1), ("cuda:0", 0), ("cuda:1", 1)])
+def test_the_auto_fit_counts_the_memory_this_process_may_take(monkeypatch, name, index):
     """torch.cuda.set_per_process_memory_fraction(0.3), as device_check's probe sets it, leaves this
     process 30% of the card: the micro-batch auto-fit must fit into that, not into the whole card.
-    (The CUDA calls are stood in for: a CPU has none.)"""
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2 ** 30))
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.3)
-    assert memory.CudaMemory("cuda:0").capacity() == int(0.3 * 80 * 2 ** 30)
+    Only the driver is faked: torch's own device-index handling runs, and plain 'cuda' (what --device
+    auto gives one GPU) is the current device, here cuda:1 as torchrun's LOCAL_RANK=1 sets it."""
+    driver = fake_cuda.install(monkeypatch, [fake_cuda.T4, fake_cuda.H100])
+    torch.cuda.set_device(1)
+    torch.cuda.set_per_process_memory_fraction(0.3, index)
+    gpu = memory.CudaMemory(name)
+    assert gpu.capacity() == int(0.3 * driver.gpus[index][2])
+    assert gpu.allocated() == 0 and ("memory_stats", index) in driver.calls
 
 
 def test_rungs_that_compile_are_skipped_where_compile_cannot_run(tmp_path, monkeypatch, capsys):
