@@ -8,7 +8,6 @@ import json
 import math
 import os
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
