@@ -35,6 +35,7 @@ Every step's command, exit status, time and output tail go to --out as JSON and 
 """
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -160,6 +161,7 @@ class Step(NamedTuple):
     cmd: list
     stop_at: tuple = None  # (line prefix, signal): sent once a line starting with the prefix is printed
     rc: int = 0  # the exit status of a step that did what it checks
+    timeout: int = None  # seconds it may take (None: --step-timeout)
 
 
 def flags(settings):
@@ -224,25 +226,31 @@ GATE = ("import sys, torch, device; d = sys.argv[1]; "
         "'| compile', 'off: ' + device.compile_blocker(d) if device.compile_blocker(d) else 'allowed')")
 
 
+SMALL = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, total_batch_size=2048)  # --small: a tiny model
+
+
+def trainer_flags(args, out, name, **settings):
+    """train_gpt2.py's flags for a run into out/name: by default a short one, no evaluation, nothing
+    exported; settings (by name) over these."""
+    return flags(dict(dict(data_dir=args.data_dir, log_dir=os.path.join(out, name), device=args.device,
+                           max_steps=12, warmup_steps=2, eval_every=0, hellaswag_every=0, sample_every=0,
+                           export_hf=False, plot=False, **(SMALL if args.small else {})), **settings))
+
+
 def plan(args, machine, out):
     """{name: Step} of every step this machine runs, in order; args: parse_args()'s, out: the results
     folder. The commands name each setting once."""
+    if args.quick:
+        return quick_plan(args, machine, out)
     cuda = machine.device.startswith("cuda")
     compiles = not cuda or machine.capability >= TRITON_MIN_CAPABILITY
     items, log_dir = os.path.join(out, ITEMS), os.path.join(out, "run")
     if args.small:
-        shape = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, total_batch_size=2048)
         bench_hs = ["--items", "40", "--n-layer", "2", "--n-head", "2", "--n-embd", "64"]
         bench_gen = ["--new-tokens", "16", "--repeats", "1"]
     else:
-        shape, bench_hs, bench_gen = {}, ["--items", "2000"], []
-
-    def trainer(name, **settings):
-        """train_gpt2.py's flags for a run into out/name: by default a short one, no evaluation,
-        nothing exported; settings (by name) over these."""
-        return flags(dict(dict(data_dir=args.data_dir, log_dir=os.path.join(out, name), device=args.device,
-                               max_steps=12, warmup_steps=2, eval_every=0, hellaswag_every=0, sample_every=0,
-                               export_hf=False, plot=False, **shape), **settings))
+        bench_hs, bench_gen = ["--items", "2000"], []
+    trainer = functools.partial(trainer_flags, args, out)
 
     every = max(2, args.steps // 2)
     train = trainer("run", max_steps=args.steps, warmup_steps=min(10, args.steps), eval_every=every,
@@ -288,16 +296,69 @@ def plan(args, machine, out):
     return steps
 
 
+QUICK_STEPS = 20  # the quick run: evaluations, a checkpoint and the resume point at step 10, a trace at 15
+
+
+def quick_plan(args, machine, out):
+    """{name: Step} of --quick, the first call on a GPU, most telling first: the default recipe (compile, the
+    device's dtype, the micro-batch auto-fit) trained 20 steps with every evaluation and a checkpoint at step 10,
+    resumed from that checkpoint with its micro-batch, the other scripts on it, Muon and an out-of-memory
+    snapshot. Each step's limit is what it takes on a cold H100 with room to spare (BENCHMARKS.md)."""
+    cuda = machine.device.startswith("cuda")
+    compiles = not cuda or machine.capability >= TRITON_MIN_CAPABILITY
+    items, log_dir, half = os.path.join(out, ITEMS), os.path.join(out, "run"), QUICK_STEPS // 2
+    trainer = functools.partial(trainer_flags, args, out)
+    run = trainer("run", max_steps=QUICK_STEPS, warmup_steps=None, eval_every=half, sample_every=half,
+                  val_tokens=4096 if args.small else 2 ** 20, hellaswag_every=half, hellaswag_file=items,
+                  hellaswag_limit=200, checkpoint_every=half, profile_steps=f"{half + 5}:{half + 5}", plot=None)
+    ckpt = os.path.join(log_dir, f"ckpt_{half:06d}.pt")
+    steps = {
+        "train": Step([PY, "train_gpt2.py"] + run, timeout=240),
+        # the step-10 loss from the checkpoint must be the first run's, on the micro-batch it fits again
+        "resume": Step([PY, "train_gpt2.py", "--resume", ckpt, "--log-dir", os.path.join(out, "resume"),
+                        "--max-steps", str(half + 1), "--eval-every", "0", "--hellaswag-every", "0",
+                        "--sample-every", "0", "--no-plot"], timeout=120),
+        "syncs": Step([PY, "-c", SYNCS, args.data_dir, args.device], timeout=60),
+        "sample": Step([PY, "sample.py", "--model", log_dir, "--device", args.device, "--num-samples", "2",
+                        "--max-new-tokens", "64", "--seed", "1"], timeout=60),
+        "hellaswag": Step([PY, "hellaswag.py", "--model", log_dir, "--data-file", items, "--device", args.device,
+                           "--json"] + (["--compile"] if compiles else []), timeout=90),
+        "muon": Step([PY, "train_gpt2.py"] + trainer("muon", optimizer="muon", max_steps=6), timeout=120),
+        "oom_snapshot": Step([PY, "train_gpt2.py"] + trainer("oom", block_size=1024, micro_batch_size=1024,
+                                                             total_batch_size=1024 * 1024, compile=False,
+                                                             memory_snapshot=True, max_steps=2), rc=1, timeout=60),
+        "probe": Step([PY, "-c", PROBE, "train_gpt2.py"] + trainer("probe", max_steps=3), timeout=90),
+    }
+    if not cuda:
+        del steps["syncs"], steps["oom_snapshot"], steps["probe"]
+    return steps
+
+
 def parse_args(argv=None):
     p = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True, help="token shards from fineweb.py")
     p.add_argument("--out", default="device_check", help="results folder (default: device_check)")
     p.add_argument("--device", default="cuda", help="cuda (default), cpu, ...")
     p.add_argument("--small", action="store_true", help="a tiny model and batch: to try the script on CPU")
+    p.add_argument("--quick", action="store_true",
+                   help="the first call on a GPU: the default recipe for 20 steps, its resume, the scripts on its "
+                        "checkpoint, Muon and an out-of-memory snapshot, in about 8 minutes")
+    p.add_argument("--budget", type=int, default=None,
+                   help="seconds for all the steps; a step that would not fit is skipped (default: 510 with "
+                        "--quick, else none)")
+    p.add_argument("--results", default=None,
+                   help="also copy the table, the JSON, the logs (one .tgz), the trace and the memory snapshot "
+                        "here: at most 8 files")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps of the train/resume run (default 40)")
     p.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
     p.add_argument("--step-timeout", type=int, default=240, help="seconds per step (default 240)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.budget is None and args.quick:
+        args.budget = 510
+    return args
+
+
+MIN_STEP_SECONDS = 20  # a step with less time left than this is skipped, not started
 
 
 def main(argv=None):
@@ -312,16 +373,27 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     write_items(os.path.join(out, ITEMS), 500)
+    import torch
     print(f"{machine.gpus} x {machine.gpu} (capability {machine.capability})" if machine.gpus else machine.device,
-          flush=True)
-    if "fsdp" not in steps:
+          f"| torch {torch.__version__} CUDA {torch.version.cuda}", flush=True)
+    if "fsdp" not in steps and not args.quick:
         print(f"fsdp: skipped, {machine.gpus} GPU(s) here", flush=True)
+    deadline = time.time() + args.budget if args.budget else None
     results = []
     for name, step in steps.items():
         if name not in only:
             continue
-        print(f"== {name}: {shlex.join(step.cmd)}", flush=True)
-        r = run_step(name, step.cmd, out, args.step_timeout, env, step.stop_at)
+        timeout = step.timeout or args.step_timeout
+        if deadline is not None:
+            left = int(deadline - time.time())
+            if left < MIN_STEP_SECONDS:
+                print(f"== {name}: skipped, {max(left, 0)} s of the --budget left", flush=True)
+                results.append({"name": name, "cmd": shlex.join(step.cmd), "rc": "skipped", "seconds": 0.0,
+                                "tail": [], "ok": False})
+                continue
+            timeout = min(timeout, left)
+        print(f"== {name} (limit {timeout} s): {shlex.join(step.cmd)}", flush=True)
+        r = run_step(name, step.cmd, out, timeout, env, step.stop_at)
         r["ok"] = r["rc"] == step.rc
         results.append(r)
         print("\n".join(r["tail"][-5:]), flush=True)
@@ -332,6 +404,9 @@ def main(argv=None):
     figures = {"train": last_timing(os.path.join(out, "train.log")), "resume": speed(os.path.join(out, "run")),
                "fp16": speed(os.path.join(out, "fp16")), "eager": speed(os.path.join(out, "eager")),
                "muon": speed(os.path.join(out, "muon"))}
+    if args.quick:
+        figures.update(train=f"{micro_batch(os.path.join(out, 'train.log'))}, {speed(os.path.join(out, 'run'))}",
+                       resume=same_step_loss(out, QUICK_STEPS // 2))
     for r in results:
         if r["name"] == "hellaswag":
             figures["hellaswag"] = next((l.split("  ")[2] for l in r["tail"] if "items/s" in l and
@@ -342,11 +417,57 @@ def main(argv=None):
     for name, prefix in (("compile_gate", "capability"), ("probe", "batch "), ("oom_snapshot", "out of memory at"),
                          ("syncs", "syncs per step")):
         figures[name] = first_line(os.path.join(out, f"{name}.log"), prefix)
-    print(f"\n{'step':16s} {'result':8s} {'seconds':>8s}  figure")
+    table = [f"{'step':16s} {'result':8s} {'seconds':>8s}  figure"]
     for r in results:
-        ok = "ok" if r["ok"] else f"rc {r['rc']}"
-        print(f"{r['name']:16s} {ok:8s} {r['seconds']:8.1f}  {figures.get(r['name'], '')}")
+        ok = "ok" if r["ok"] else r["rc"] if r["rc"] == "skipped" else f"rc {r['rc']}"
+        table.append(f"{r['name']:16s} {ok:8s} {r['seconds']:8.1f}  {figures.get(r['name'], '')}")
+    with open(os.path.join(out, "device_check.txt"), "w") as f:
+        f.write("\n".join(table) + "\n")
+    if args.results:
+        collect(out, args.results)
+    print("\n" + "\n".join(table))
     return 0 if all(r["ok"] for r in results) else 1
+
+
+def micro_batch(log_path):
+    """'micro-batch N' from the header of a trainer's output, or ''."""
+    found = re.search(r"micro-batch (\d+)", first_line(log_path, "batch "))
+    return f"micro-batch {found.group(1)}" if found else ""
+
+
+def same_step_loss(out, step):
+    """Whether the resumed run's loss at `step` (the checkpoint's) equals the first run's, and both micro-batches."""
+    try:
+        a, b = ({r["step"]: r["loss"] for r in plot.read_metrics(os.path.join(out, d))["train"]} for d in ("run", "resume"))
+    except UserError:
+        return ""
+    if step not in a or step not in b:
+        return f"no step {step} in both runs"
+    diff = abs(a[step] - b[step])
+    verdict = "equal" if diff == 0 else f"differs by {diff:.2e}"
+    return (f"step {step} loss {b[step]:.6f}, {verdict} to the first run's; "
+            f"{micro_batch(os.path.join(out, 'resume.log'))} (first run: {micro_batch(os.path.join(out, 'train.log'))})")
+
+
+def collect(out, results):
+    """The table, the JSON, every step's output and each run's log and metrics (logs.tgz), the first profiler
+    trace and the first memory snapshot under 16 MB: at most 8 files into `results`."""
+    import glob
+    import shutil
+    import tarfile
+    os.makedirs(results, exist_ok=True)
+    for name in ("device_check.txt", "device_check.json"):
+        if os.path.exists(os.path.join(out, name)):
+            shutil.copy(os.path.join(out, name), results)
+    with tarfile.open(os.path.join(results, "logs.tgz"), "w:gz") as tar:
+        for path in sorted(glob.glob(os.path.join(out, "*.log")) + glob.glob(os.path.join(out, "*", "log.txt"))
+                           + glob.glob(os.path.join(out, "*", "metrics.jsonl"))):
+            tar.add(path, os.path.relpath(path, out))
+    for pattern in ("*.pt.trace.json.gz", "*.pickle"):
+        found = [p for p in sorted(glob.glob(os.path.join(out, "*", "profile", pattern)))
+                 if os.path.getsize(p) < 16 * 2 ** 20]
+        if found:
+            shutil.copy(found[0], results)
 
 
 if __name__ == "__main__":
