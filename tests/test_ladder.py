@@ -226,6 +226,12 @@ def test_the_auto_fit_counts_the_memory_this_process_may_take(monkeypatch, name,
     assert gpu.allocated() == 0 and ("memory_stats", index) in driver.calls
 
 
+def test_each_rung_process_compiles_into_a_cache_of_its_own(tmp_path):
+    """Inductor's on-disk cache leaves the SDPA kernel choice out of its key: rungs sharing it measured one graph."""
+    caches = [ladder.worker_env(str(tmp_path))["TORCHINDUCTOR_CACHE_DIR"] for _ in range(3)]
+    assert len(set(caches)) == 3 and all(os.path.dirname(c) == str(tmp_path) and os.path.isdir(c) for c in caches)
+
+
 def test_rungs_that_compile_are_skipped_where_compile_cannot_run(tmp_path, monkeypatch, capsys):
     """On a P100 (compute capability 6.0, below Triton's 7.0) every rung from compile on would fail;
     they are skipped with device.compile_blocker's reason instead, and the rest of the ladder runs."""
@@ -316,6 +322,16 @@ def test_every_device_check_command_parses_for_its_machine(machine, tmp_path):
 def test_the_ladders_worker_command_parses(tmp_path):
     script, argv = script_and_args(ladder.worker_command(str(tmp_path / "fp32.spec.json")))
     assert PARSERS[script](argv).worker == str(tmp_path / "fp32.spec.json")
+
+
+def test_the_sync_count_counts_syncs_not_the_modes_own_notice():
+    """The warnings torch 2.11 gave on an H100 for the first three timed steps, the mode's one-time notice
+    first: three syncs, one per step (counting every message that mentions synchronization gave 4/3)."""
+    caught = ["Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+              "operations (Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp:1003.)"] + [
+              "called a synchronizing CUDA operation (Triggered internally at "
+              "/pytorch/c10/cuda/CUDAFunctions.cpp:162.)"] * 3
+    assert device_check.syncs_in(caught) == 3
 
 
 def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
