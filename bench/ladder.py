@@ -12,11 +12,10 @@ a speed-up of training. Warm-up steps (compilation happens there) are left out; 
 steps are measured with CUDA events (a synchronised perf_counter elsewhere), the median
 reported. Each rung runs in a fresh process with a compile cache of its own, so compiled graphs
 and memory don't leak between rungs, and a crash or an out-of-memory fails that rung while the
-ladder goes on; a rung that
-compiles is skipped, with the reason, on a GPU that torch.compile cannot run on. The whole ladder
-runs --repeats times, the rungs taking turns, and each speed-up is the median of the pairs of
-neighbouring rungs measured in the same turn, with the range of the pairs: a speed-up whose range
-reaches 1.0x is marked as this machine's noise (bench/measure.py).
+ladder goes on; a rung that compiles is skipped, with the reason, on a GPU that torch.compile
+cannot run on. The whole ladder runs --repeats times, the rungs taking turns, and each speed-up
+is the median of the pairs of neighbouring rungs measured in the same turn, with the range of the
+pairs: a speed-up whose range reaches 1.0x is marked as this machine's noise (bench/measure.py).
 
     python bench/ladder.py                        # GPT-2 124M on a GPU, a tiny model on CPU
     python bench/ladder.py --list-rungs
