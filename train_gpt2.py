@@ -54,7 +54,14 @@ def train(argv=None):
     try:
         run = setup(cfg, ranks, log, resume)
         del resume  # the checkpoint it read is back in the model and optimizer: free its host memory
-        status = loop(run)
+        try:
+            status = loop(run)
+        except Exception as e:
+            if not memory.is_allocation_failure(e):
+                raise
+            raise UserError(f"out of GPU memory at a micro-batch of {run.micro_batch} x {cfg.block_size} tokens "
+                            f"({common.first_line(e, 60)}...): pass a smaller --micro-batch-size (auto fits one), or "
+                            f"--activation-checkpointing; the checkpoints written are kept") from e
     finally:
         log.close()
     # not after an error: a rank's destroy_process_group can wait there, in NCCL's finalize, for the
@@ -224,7 +231,7 @@ def write_header(run, origin, resume):
     plan = memory.memory_plan(params, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,
                               model.config.n_layer, model.config.n_embd, cfg.activation_checkpointing,
                               muon_params=muon_params)
-    capacity = torch.cuda.get_device_properties(ranks.device).total_memory if cuda else None
+    capacity = memory.CudaMemory(ranks.device).capacity() if cuda else None  # under the process's memory fraction
     memory_line = memory.format_memory_plan(plan, capacity, "GPU" if cuda else "process")
     commit = git_commit()
     resume_path, changes = (resume.path, resume.changes) if resume is not None else (None, [])

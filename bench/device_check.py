@@ -25,7 +25,7 @@ Steps, each a subprocess with its own time limit; a failure is reported and the 
   probe      the micro-batch auto-fit with this process allowed 30% of the GPU's memory: sizes that
              fit on the whole card fail here, and the probe must take a smaller one and train
   oom_snapshot   a micro-batch of a million tokens with --memory-snapshot: out of memory at the
-             first step (exit status 1 expected), and the snapshot it wrote in OUT/oom/profile/
+             first step (exit status 2 and one line expected), and the snapshot it wrote in OUT/oom/profile/
   micro_a, micro_b   a run with the fitted micro-batch, then its middle checkpoint resumed with
              --micro-batch-size 4 (a GPU with less memory): same data, same losses
   fsdp       FSDP over 2 GPUs (bf16 where they have it, compiled where they can), sampling after a training
@@ -291,7 +291,7 @@ def plan(args, machine, out):
         # a step of a million tokens per micro-batch runs out of memory on any GPU: the snapshot is written
         "oom_snapshot": Step([PY, "train_gpt2.py"] + trainer("oom", block_size=1024, micro_batch_size=1024,
                                                              total_batch_size=1024 * 1024, compile=False,
-                                                             memory_snapshot=True, max_steps=2), rc=1),
+                                                             memory_snapshot=True, max_steps=2), rc=2),
         "micro_a": Step([PY, "train_gpt2.py"] + trainer("micro_a", checkpoint_every=6)),
         "micro_b": Step([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "micro_b"), "--resume",
                          os.path.join(out, "micro_a", "ckpt_000006.pt"), "--micro-batch-size", "4"]),
@@ -335,7 +335,7 @@ def quick_plan(args, machine, out):
         "muon": Step([PY, "train_gpt2.py"] + trainer("muon", optimizer="muon", max_steps=6), timeout=120),
         "oom_snapshot": Step([PY, "train_gpt2.py"] + trainer("oom", block_size=1024, micro_batch_size=1024,
                                                              total_batch_size=1024 * 1024, compile=False,
-                                                             memory_snapshot=True, max_steps=2), rc=1, timeout=60),
+                                                             memory_snapshot=True, max_steps=2), rc=2, timeout=60),
         "probe": Step([PY, "-c", PROBE, "train_gpt2.py"] + trainer("probe", max_steps=3), timeout=90),
     }
     if not cuda:

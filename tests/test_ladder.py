@@ -311,7 +311,7 @@ def test_every_device_check_command_parses_for_its_machine(machine, tmp_path):
     assert parsed["micro_a"].checkpoint_every == 6 and parsed["micro_b"].micro_batch_size == 4
     if cuda:
         assert parsed["probe"].max_steps == 3 and parsed["fp16"].dtype == "float16"
-        assert parsed["oom_snapshot"].memory_snapshot and steps["oom_snapshot"].rc == 1
+        assert parsed["oom_snapshot"].memory_snapshot and steps["oom_snapshot"].rc == 2
     assert parsed["train"].profile_steps[1] < args.steps
     if "fsdp" in steps:
         fsdp = parsed["fsdp"]

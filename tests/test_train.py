@@ -343,6 +343,28 @@ def test_nonfinite_stop_under_muon_before_any_checkpoint_names_both_rates(data_d
     assert "none" not in p.stdout.split("non-finite; stopping")[1] and checkpoint.list_checkpoints(log_dir) == []
 
 
+def test_running_out_of_gpu_memory_mid_run_is_one_line_and_keeps_the_checkpoints(data_dir, tmp_path, monkeypatch):
+    """An explicit micro-batch too large for the GPU ran out of memory on an H100 with a 40-line traceback. It is
+    one line that names the micro-batch and what to change, exit status 2, the checkpoints kept. The allocator's
+    error (what PyTorch raises when cudaMalloc fails) is raised by the step here, which a CPU cannot run out in."""
+    import train_gpt2
+    real_step, calls = train_gpt2.train_step, []
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB. GPU 0 has a total "
+                                         "capacity of 79.18 GiB of which 4.32 GiB is free.")
+        return real_step(*args, **kwargs)
+    monkeypatch.setattr(train_gpt2, "train_step", step)
+    log_dir = str(tmp_path / "log")
+    p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=8, checkpoint_every=2), check=False)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert p.stderr.startswith("error: out of GPU memory at a micro-batch of 2 x 32 tokens (CUDA out of memory. "
+                               "Tried to allocate 6.00 GiB") and "--micro-batch-size" in p.stderr
+    assert [checkpoint.step_of(c) for c in checkpoint.list_checkpoints(log_dir)] == [2, 4]
+
+
 def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, capsys, train_in_process):
     """A T4 has no bf16, so the run trains in fp16 with a gradient scaler, which skips the steps whose
     gradients overflow: those are normal. A loss that is not finite is divergence, and the run stops
