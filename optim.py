@@ -43,35 +43,26 @@ class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # before 2.9, 
     """torch.optim.Muon's step and state, its Newton-Schulz iteration in bfloat16 (torch's own) or float16 for GPUs
     without bf16 (the iteration keeps every entry within [-1, 1]); under FSDP each matrix is orthogonalised whole."""
 
-    # GradScaler.step passes found_inf (and grad_scale): an overflow skips the step without a host sync
-    _step_supports_amp_scaling = True
-
     def __init__(self, params, ortho_dtype=torch.bfloat16, **kwargs):
         super().__init__(params, **kwargs)
         self.ortho_dtype = ortho_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
-        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         for group in self.param_groups:
             momentum, lr = group["momentum"], group["lr"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if grad_scale is not None:
-                    local_part(p.grad).div_(grad_scale)
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
                 buf = self.state[p]["momentum_buffer"]
-                kept = [(local_part(t), local_part(t).clone()) for t in (p, buf)] if found_inf is not None else []
                 buf.lerp_(p.grad, 1 - momentum)  # as torch's: B = mu B + (1 - mu) g
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = self._orthogonalize(update, group)
                 rows, cols = p.shape[:2]
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * max(1, rows / cols) ** 0.5)  # torch's "original" scaling
-                for now, before in kept:
-                    now.copy_(torch.where(found_inf > 0, before, now))
         return None
 
     def _orthogonalize(self, update, group):

@@ -383,8 +383,9 @@ def export_hf(run):
 def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=None,
                timer=None):
     """Forward and backward over grad_accum micro-batches, unscale, clip, and the update unless the loss or the
-    gradient norm is not finite (with fp16 the scaler decides). The step's one host-device sync also carries this
-    rank's stop request to the others, so a request that came during the step ends the run after it.
+    gradient norm is not finite (with fp16 the scaler then lowers its scale). The step's one host-device sync
+    also carries this rank's stop request to the others, so a request that came during the step ends the run after
+    it.
     Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
     timer = timer or PhaseTimer(ranks.device)
     model.train()
@@ -399,7 +400,7 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
             timer.mark("forward")
             scaler.scale(loss).backward()
             timer.mark("backward")
-    optimizers = getattr(optimizer, "optimizers", [optimizer])  # each through the scaler: see below
+    optimizers = getattr(optimizer, "optimizers", [optimizer])  # each unscaled by the scaler
     for opt in optimizers:
         scaler.unscale_(opt)
     # the gradients are already all-reduced, so every rank computes the same global norm
@@ -412,12 +413,10 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
         torch.distributed.all_reduce(stats)  # mean loss, the same norm, and > 0 if any rank was signalled
     loss_val, norm_val, stop_any = stats.tolist()
     finite = math.isfinite(loss_val) and math.isfinite(norm_val)
-    if finite or dtype == "float16":
-        # with fp16 the scaler skips the update by itself when gradients overflowed; fused AdamW and
-        # Muon skip it on the device, so the scaler need not read found_inf on the host for them
+    if finite:  # every optimizer or none: an overflow in one's gradients makes the global norm inf
         for opt in optimizers:
-            scaler.step(opt)
-        scaler.update()
+            opt.step()  # unscaled above and known finite: GradScaler.step would only check found_inf again
+    scaler.update()  # fp16: the scale comes down after an overflow (a no-op when the scaler is off)
     parallel.zero_grad(model)
     timer.mark("optimizer")
     # one process needs no agreement: a request that came during the update counts for this step too

@@ -630,6 +630,39 @@ def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_sch
             torch.testing.assert_close(p, params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {n}: {m}")
 
 
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
+def test_an_fp16_overflow_in_one_optimizers_gradients_skips_every_optimizer(grad_clip, one_thread):
+    """fp16 with Muon: an overflow in a gradient AdamW owns (the tied embedding, the usual place) makes the global
+    norm inf. Muon's own gradients are finite, so stepping each optimizer on its own found_inf let Muon move along
+    its momentum (its gradients clipped to 0) or, without clipping (inf/inf), turned its matrices into NaN, while
+    the log said "skipped". No parameter may change, and the scale must come down. (GradScaler and fp16 autocast
+    run on the CPU.)"""
+    import optim
+    import parallel
+    import train_gpt2
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    opt = optim.configure(model, 0.1, 1e-2, muon_lr=5e-2, muon_dtype=torch.float32)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+
+    def step():
+        micro = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(2)]
+        return train_gpt2.train_step(model, opt, scaler, FixedBatches(micro), 2, parallel.Ranks(), "float16",
+                                     grad_clip=grad_clip)
+    assert step()[3]  # a normal step: Muon now has momentum
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    scale = scaler.get_scale()
+    wte = model.transformer.wte.weight
+    hook = wte.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+    _, norm, _, finite = step()
+    hook.remove()
+    assert not finite and not math.isfinite(norm)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert scaler.get_scale() == scale / 2
+
+
 def test_the_loop_steps_with_each_optimizers_scheduled_rate_and_the_grad_clip(data_dir, tmp_path, monkeypatch,
                                                                             train_in_process):
     """What the loop hands train_step: Muon's group at the schedule of --muon-lr, AdamW's two at that
