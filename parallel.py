@@ -94,6 +94,15 @@ def any_rank(flag, ranks):
     return t.item() > 0
 
 
+def smallest(value, ranks):
+    """The smallest of every rank's integer value, on every rank (a collective in a multi-process run)."""
+    if not ranks.multi:
+        return value
+    t = torch.full((1,), value, dtype=torch.int64, device=ranks.device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def is_fsdp(model):
     from torch.distributed.fsdp import FSDPModule
     return isinstance(unwrap(model), FSDPModule)

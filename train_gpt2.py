@@ -133,8 +133,12 @@ def setup(cfg, ranks, log, resume):
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
                                 cfg.activation_checkpointing, compile_on)
+    # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not
+    scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
     if cfg.micro_batch_size == "auto":  # the largest that fits, tried on the model as it trains
-        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size)
+        trial_step = functools.partial(micro_step, ranks=ranks, dtype=dtype, scaler=scaler, grad_accum=1,
+                                       timer=PhaseTimer(ranks.device))
+        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size, trial_step)
     else:
         micro_batch = cfg.micro_batch_size
     tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
@@ -142,11 +146,9 @@ def setup(cfg, ranks, log, resume):
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
                         f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
     train_loader, val_loader, val_sequences = build_data(cfg, ranks, micro_batch, raw_model.config.vocab_size)
-    # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not
     optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
                                 ranks.device_type, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
                                 muon_dtype=device.muon_dtype(ranks.device))
-    scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
     log.hold()  # the lock first: a launch it refuses must not touch the directory
     checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
                                           optimizer=optimizer, scaler=scaler, train_loader=train_loader,
@@ -390,16 +392,9 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     timer = timer or PhaseTimer(ranks.device)
     model.train()
     loss_accum = torch.zeros((), device=ranks.device)
-    for micro_step in range(grad_accum):
+    for i in range(grad_accum):
         x, y = loader.next_batch(timer=timer)  # marks the "data" and "copy" phases
-        with parallel.grad_sync(model, micro_step == grad_accum - 1):
-            with device.autocast(ranks.device, dtype):
-                _, loss = model(x, y)
-            loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
-            loss_accum += loss.detach()
-            timer.mark("forward")
-            scaler.scale(loss).backward()
-            timer.mark("backward")
+        loss_accum += micro_step(model, x, y, ranks, dtype, scaler, grad_accum, i == grad_accum - 1, timer)
     optimizers = getattr(optimizer, "optimizers", [optimizer])  # each unscaled by the scaler
     for opt in optimizers:
         scaler.unscale_(opt)
@@ -422,6 +417,19 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     # one process needs no agreement: a request that came during the update counts for this step too
     stopping = stop_any > 0 or (not ranks.multi and stop is not None and stop.signal is not None)
     return loss_val, norm_val, stopping, finite
+
+
+def micro_step(model, x, y, ranks, dtype, scaler, grad_accum, sync, timer):
+    """One micro-batch's forward and backward, its gradients added to the step's (all-reduced where sync); its loss
+    as its share of the step's mean, detached. The micro-batch auto-fit measures this too."""
+    with parallel.grad_sync(model, sync):
+        with device.autocast(ranks.device, dtype):
+            _, loss = model(x, y)
+        loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
+        timer.mark("forward")
+        scaler.scale(loss).backward()
+        timer.mark("backward")
+    return loss.detach()
 
 
 if __name__ == "__main__":
