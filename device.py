@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -172,26 +174,88 @@ def pick_dtype(requested, device):
     return dtype
 
 
-def configure_backends(device, dtype, compile, compile_typed, deterministic):
-    """(autocast dtype, whether to compile) from --dtype, --compile (None: default) and --deterministic, whose
-    switches it sets with TF32. compile_typed: --compile was typed, not a resumed run's, which gives way."""
+@dataclass(frozen=True)
+class Choice:
+    """What this device allows, decided once by choose(): the trainer, sample.py and the scoring scripts read it,
+    and the run header prints it."""
+    device: str                     # cpu, mps, cuda or cuda:N
+    name: str                       # the GPU's name (what peak_flops looks up), or the device
+    dtype: str                      # the autocast dtype: float32, bfloat16 or float16
+    compile: bool                   # torch.compile on
+    compile_blocker: Optional[str]  # why torch.compile cannot run here; None where it can
+    muon_dtype: torch.dtype         # what Muon's Newton-Schulz iteration runs in
+    peak_flops: Optional[float]     # dense peak FLOP/s in dtype, what MFU divides by; None where unknown
+    capacity: Optional[int]         # bytes this process may allocate on the GPU; None off CUDA
+
+    def warnings(self, deterministic, micro_batch_tokens):
+        """The settings that make training slow on this device, each as one line of advice."""
+        warn = []
+        if self.device == "cpu" and torch.cuda.is_available():
+            warn.append("training on the CPU although a CUDA GPU is present: drop --device cpu")
+        if deterministic:
+            warn.append("--deterministic is on: slower kernels; use it for reproducibility studies only")
+        if self.device.startswith("cuda"):
+            if self.dtype == "float32" and bf16_supported(self.device):
+                warn.append("float32 on a GPU with bfloat16: several times slower; use --dtype auto")
+            if not self.compile and self.compile_blocker is None:
+                warn.append("torch.compile is off on CUDA: expect ~1.5-2x slower steps; drop --no-compile")
+            if micro_batch_tokens < 8192:
+                warn.append(f"a micro-batch of {micro_batch_tokens} tokens is small enough for the GPU to idle; "
+                            "raise --micro-batch-size (or use auto)")
+        return warn
+
+
+def choose(device, dtype="auto", compile=None, compile_typed=False):
+    """The Choice for a device pick_device gave: the dtype from --dtype, compile from --compile (None: on where
+    CUDA can compile); compile_typed: --compile was typed (not a resumed run's), so a blocker refuses it."""
     dtype = pick_dtype(dtype, device)
     cuda = device.startswith("cuda")
     blocker = compile_blocker(device)
     if compile and blocker and compile_typed:
         raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")
-    compile_on = (cuda if compile is None else compile) and blocker is None
-    if device == "cpu" and sys.platform == "linux" and hasattr(libc := ctypes.CDLL(None), "mallopt"):  # not musl
+    name = device_name(device)
+    return Choice(device=device, name=name, dtype=dtype, compile=bool((cuda if compile is None else compile)
+                                                                         and blocker is None),
+                    compile_blocker=blocker, muon_dtype=muon_dtype(device), peak_flops=peak_flops(name, dtype),
+                    capacity=CudaMemory(device).capacity() if cuda else None)
+
+
+def configure_backends(choice, deterministic):
+    """The trainer's switches for the device decided: TF32 for fp32 matmuls on CUDA, glibc keeping freed memory
+    on a Linux CPU, and --deterministic's."""
+    if choice.device == "cpu" and sys.platform == "linux" and hasattr(libc := ctypes.CDLL(None), "mallopt"):
         libc.mallopt(-4, 0)  # M_MMAP_MAX 0: no block mmap'd (logits over 32 MB were faulted in anew each micro-step)
         libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: freed memory kept; 2.4x a small model's step (BENCHMARKS.md)
-    if cuda:
+    if choice.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
-    return dtype, compile_on
+
+
+class CudaMemory:
+    """A GPU's memory counters, which the micro-batch auto-fit reads (tests pass counters of their own)."""
+
+    def __init__(self, device):
+        # 'cuda' is the current GPU; torch's memory-fraction query refuses a device without its index
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def capacity(self):  # the card's bytes, under torch.cuda.set_per_process_memory_fraction's limit
+        return int(torch.cuda.get_device_properties(self.device).total_memory
+                   * torch.cuda.get_per_process_memory_fraction(self.device))
+
+    def allocated(self):
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak_of(self, run):  # run(); the most memory allocated while it ran, what was allocated before included
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        run()
+        return torch.cuda.max_memory_allocated(self.device)
 
 
 def autocast(device, dtype):
@@ -250,21 +314,3 @@ def peak_flops(device_name, dtype):
         if words.issuperset(model):
             return bf16 if dtype == "bfloat16" else fp16
     return None
-
-
-def slow_settings(device, dtype, compile_on, deterministic, micro_batch_tokens):
-    """The settings that make training slow on this device, each as one line of advice."""
-    warn = []
-    if device == "cpu" and torch.cuda.is_available():
-        warn.append("training on the CPU although a CUDA GPU is present: drop --device cpu")
-    if deterministic:
-        warn.append("--deterministic is on: slower kernels; use it for reproducibility studies only")
-    if device.startswith("cuda"):
-        if dtype == "float32" and bf16_supported(device):
-            warn.append("float32 on a GPU with bfloat16: several times slower; use --dtype auto")
-        if not compile_on and compile_blocker(device) is None:
-            warn.append("torch.compile is off on CUDA: expect ~1.5-2x slower steps; drop --no-compile")
-        if micro_batch_tokens < 8192:
-            warn.append(f"a micro-batch of {micro_batch_tokens} tokens is small enough for the GPU to idle; "
-                        "raise --micro-batch-size (or use auto)")
-    return warn

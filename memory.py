@@ -4,6 +4,7 @@ the largest micro-batch the plan fits, checked by one trial of the trainer's own
 import torch
 
 from common import UserError
+from device import CudaMemory
 from model import PADDED_VOCAB_SIZE
 from optim import local_part
 from parallel import is_fsdp, smallest, unwrap, zero_grad
@@ -22,29 +23,6 @@ def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
 def is_allocation_failure(e):
     return isinstance(e, torch.OutOfMemoryError) or (
         isinstance(e, RuntimeError) and any(m in str(e) for m in ALLOCATION_FAILURES))
-
-
-class CudaMemory:
-    """The GPU memory counters the micro-batch auto-fit reads (tests pass counters of their own)."""
-
-    def __init__(self, device):
-        # 'cuda' is the current GPU; torch's memory-fraction query refuses a device without its index
-        self.device = torch.device(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-
-    def capacity(self):  # the card's bytes, under torch.cuda.set_per_process_memory_fraction's limit
-        return int(torch.cuda.get_device_properties(self.device).total_memory
-                   * torch.cuda.get_per_process_memory_fraction(self.device))
-
-    def allocated(self):
-        return torch.cuda.memory_allocated(self.device)
-
-    def peak_of(self, run):  # run(); the most memory allocated while it ran, what was allocated before included
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        run()
-        return torch.cuda.max_memory_allocated(self.device)
 
 
 def step_footprint(model, world_size, dtype, block_size, micro_batch):

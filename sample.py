@@ -18,7 +18,7 @@ import torch
 
 import checkpoint
 import common
-from device import autocast, device_name, pick_device, pick_dtype
+from device import autocast, choose, pick_device
 from tokenizer import EOT_TOKEN, get_tokenizer
 
 SEPARATOR = "\n" + "-" * 40 + "\n"  # printed between samples
@@ -137,13 +137,13 @@ def main(argv=None, stdin=None, stdout=None):
     if args.model == "log" and not os.path.isdir("log"):
         raise common.UserError("no log/ directory here: train a model first (python train_gpt2.py) "
                                "or pass --model (a checkpoint, a log directory or a name such as gpt2)")
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    choice = choose(pick_device(args.device), args.dtype, compile=False)
+    device, dtype = choice.device, choice.dtype
     prompt = read_prompt(args, stdin)
     model, what = checkpoint.load_model(args.model, device)
     enc = get_tokenizer()
     tokens = encode_prompt(enc, prompt, model.config.block_size)
-    print(f"sampling from {what} on {device_name(device)} ({dtype}), seed {args.seed}", file=sys.stderr, flush=True)
+    print(f"sampling from {what} on {choice.name} ({dtype}), seed {args.seed}", file=sys.stderr, flush=True)
     if len(tokens) + args.max_new_tokens > model.config.block_size + 1:
         print(f"note: prompt + new tokens exceed the context of {model.config.block_size}: later tokens see only "
               "the last part of the text, and generation slows down (no key/value cache)", file=sys.stderr, flush=True)

@@ -37,7 +37,7 @@ import checkpoint
 import common
 import parallel
 from common import UserError
-from device import autocast, compile_blocker, device_name, pick_dtype
+from device import autocast, choose
 
 SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple of this: few shapes
 LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
@@ -268,16 +268,14 @@ def run_script(args, load, describe_data, show):
     ranks = parallel.setup_distributed(args.device)
     summary = sys.stderr if args.json else sys.stdout
     try:
-        blocker = compile_blocker(ranks.device) if args.compile else None
-        if blocker:  # else inductor's traceback, at the first forward pass
-            raise UserError(f"--compile: {blocker}; leave it out")
-        dtype = pick_dtype(args.dtype, ranks.device)
+        choice = choose(ranks.device, args.dtype, args.compile, compile_typed=True)  # not inductor's traceback
+        dtype = choice.dtype
         bench = load()
         model, what = checkpoint.load_model(args.model, ranks.device)
-        if args.compile:
+        if choice.compile:
             model = torch.compile(model)
         common.print0(f"{bench.name}: {describe_data(bench)}, {what}, {ranks.world_size} process(es) on "
-                      f"{device_name(ranks.device)}, {dtype}", file=summary)
+                      f"{choice.name}, {dtype}", file=summary)
         t0 = time.time()
         result = evaluate(model, bench, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
                           progress=ranks.is_master)

@@ -78,8 +78,7 @@ class Run:
     cfg: train_config.Settings   # every setting, resolved once and read-only
     ranks: parallel.Ranks
     log: RunLog
-    dtype: str                   # autocast dtype: float32, bfloat16 or float16
-    compile: bool
+    choice: device.Choice        # what the device allows: dtype, compile, Muon's dtype, peak FLOP/s, capacity
     fsdp: bool
     micro_batch: int             # sequences per forward pass per rank (--micro-batch-size, or fitted)
     grad_accum: int              # micro-batches per optimizer step
@@ -88,7 +87,6 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     schedule: optim.Schedule
-    peak_flops: Optional[float]  # the device's peak FLOP/s in dtype, for MFU (None: unknown)
     train_loader: dataloader.TokenLoader
     val_loader: Optional[dataloader.TokenLoader]
     val_sequences: int           # sequences each rank validates on (the same tokens whatever the micro-batch)
@@ -99,6 +97,8 @@ class Run:
     plotter: object              # plot.PlotWriter, on rank 0 with --plot
     sample_prompt: list          # the token ids the samples continue
     per_node: int                # processes per node (torchrun's LOCAL_WORLD_SIZE): how to launch a resume
+
+    dtype = property(lambda self: self.choice.dtype)  # the autocast dtype: float32, bfloat16 or float16
 
     def resume_command(self):
         return checkpoint.resume_command(self.cfg.log_dir, self.ranks.world_size, self.per_node)
@@ -114,9 +114,9 @@ def setup(cfg, ranks, log, resume):
     if resume is not None:
         checkpoint.check_world_size(ckpt, resume.path, ranks)
     checkpoint.agree_on_resume(ckpt, ranks)
-    dtype, compile_on = device.configure_backends(ranks.device, cfg.dtype, cfg.compile, "compile" in cfg.given,
-                                                   cfg.deterministic)
-    peak_flops = device.peak_flops(device.device_name(ranks.device), dtype)  # what MFU divides by
+    choice = device.choose(ranks.device, cfg.dtype, cfg.compile, "compile" in cfg.given)
+    device.configure_backends(choice, cfg.deterministic)
+    dtype = choice.dtype
     fsdp = cfg.sharding == "fsdp"
     if fsdp and not ranks.multi:
         raise UserError("--sharding fsdp shards the model over several processes: launch it with "
@@ -132,7 +132,7 @@ def setup(cfg, ranks, log, resume):
     raw_model.to(ranks.device)
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
-                                cfg.activation_checkpointing, compile_on)
+                                cfg.activation_checkpointing, choice.compile)
     # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not
     scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
     if cfg.micro_batch_size == "auto":  # the largest that fits, tried on the model as it trains
@@ -148,7 +148,7 @@ def setup(cfg, ranks, log, resume):
     train_loader, val_loader, val_sequences = build_data(cfg, ranks, micro_batch, raw_model.config.vocab_size)
     optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
                                 ranks.device_type, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
-                                muon_dtype=device.muon_dtype(ranks.device))
+                                muon_dtype=choice.muon_dtype)
     log.hold()  # the lock first: a launch it refuses must not touch the directory
     checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
                                           optimizer=optimizer, scaler=scaler, train_loader=train_loader,
@@ -169,9 +169,9 @@ def setup(cfg, ranks, log, resume):
         if moved:
             log.line(f"resume: a new branch from step {resume.step}: moved the old branch's later "
                      f"{', '.join(moved)} to {dest}")
-    run = Run(cfg=cfg, ranks=ranks, log=log, dtype=dtype, compile=compile_on, fsdp=fsdp, micro_batch=micro_batch,
+    run = Run(cfg=cfg, ranks=ranks, log=log, choice=choice, fsdp=fsdp, micro_batch=micro_batch,
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
-              optimizer=optimizer, scaler=scaler, schedule=schedule, peak_flops=peak_flops, train_loader=train_loader,
+              optimizer=optimizer, scaler=scaler, schedule=schedule, train_loader=train_loader,
               val_loader=val_loader, val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
               per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)), **evals)
     write_header(run, origin, resume)
@@ -220,26 +220,23 @@ def build_data(cfg, ranks, micro_batch, vocab_size):
 def write_header(run, origin, resume):
     """The run record and the lines that say what produced this run and how it is laid out: what they
     say is gathered first (the device, the processes, the model, the memory plan), then written."""
-    cfg, ranks, log, model = run.cfg, run.ranks, run.log, run.raw_model
-    cuda = ranks.device_type == "cuda"
-    name = device.device_name(ranks.device)
-    blocker = None if run.compile else device.compile_blocker(ranks.device)
-    fp16_muon = cfg.muon_lr and device.muon_dtype(ranks.device) != torch.bfloat16
-    warnings = device.slow_settings(ranks.device, run.dtype, run.compile, cfg.deterministic,
-                                    run.micro_batch * cfg.block_size)
+    cfg, ranks, log, model, choice = run.cfg, run.ranks, run.log, run.raw_model, run.choice
+    name = choice.name
+    blocker = None if choice.compile else choice.compile_blocker
+    fp16_muon = cfg.muon_lr and choice.muon_dtype != torch.bfloat16
+    warnings = choice.warnings(cfg.deterministic, run.micro_batch * cfg.block_size)
     restart = parallel.torchrun_restart()
     params = model.num_params(non_embedding=False)
     muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if cfg.muon_lr else 0  # the block matrices
     plan = memory.memory_plan(params, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,
                               model.config.n_layer, model.config.n_embd, cfg.activation_checkpointing,
                               muon_params=muon_params)
-    capacity = memory.CudaMemory(ranks.device).capacity() if cuda else None  # under the process's memory fraction
-    memory_line = memory.format_memory_plan(plan, capacity, "GPU" if cuda else "process")
+    memory_line = memory.format_memory_plan(plan, choice.capacity, "GPU" if choice.capacity else "process")
     commit = git_commit()
     resume_path, changes = (resume.path, resume.changes) if resume is not None else (None, [])
     log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
-               compile=run.compile, world_size=ranks.world_size, grad_accum=run.grad_accum, versions=versions(),
+               compile=choice.compile, world_size=ranks.world_size, grad_accum=run.grad_accum, versions=versions(),
                git=commit, config=train_config.stored(cfg, run.micro_batch), changes=changes, restart=restart,
                per_node=run.per_node)
     start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
@@ -249,7 +246,7 @@ def write_header(run, origin, resume):
     for change in changes:
         log.line(f"resume: {change}")
     log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | world size {ranks.world_size} | "
-             f"compile {'on' if run.compile else 'off'}{f' ({blocker})' if blocker else ''} | git {commit} | "
+             f"compile {'on' if choice.compile else 'off'}{f' ({blocker})' if blocker else ''} | git {commit} | "
              f"torch {torch.__version__}")
     val_note = ""
     if run.val_loader is not None:
@@ -337,7 +334,7 @@ def stop_on_nonfinite(run, step, loss, norm):
 def log_step(run, step, loss, lr, norm, dt, finite):
     """The step's line and train record: tokens/s over all ranks, and MFU over the device's peak."""
     tok_per_s = run.cfg.total_batch_size / dt
-    mfu = run.raw_model.estimate_mfu(tok_per_s / run.ranks.world_size, run.peak_flops)
+    mfu = run.raw_model.estimate_mfu(tok_per_s / run.ranks.world_size, run.choice.peak_flops)
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
     skipped = ("" if finite else " | skipped (non-finite)" if diverged(run, loss, finite) else
                " | skipped (float16 gradient overflow: the loss scale is lowered)")

@@ -4,6 +4,7 @@ device count, memory statistics, seeding) runs as it does on a GPU, so a test se
 import types
 
 import torch
+import torch._dynamo  # before the driver is faked: what it imports from a CUDA build's torch._C, a CPU build lacks
 
 H100 = ("NVIDIA H100 80GB HBM3", (9, 0), 80 * 2 ** 30)
 T4 = ("Tesla T4", (7, 5), 15 * 2 ** 30)
@@ -50,9 +51,21 @@ class Driver:
         i = self._index("reset_peak", device)
         self.peak[i] = self.allocated[i]
 
+    def exchange_device(self, device):
+        """torch.cuda.device(d)'s switch: the current device becomes d; the one before is returned."""
+        before, self.current = self.current, (self._index("exchange_device", device) if device >= 0 else self.current)
+        return before
 
-def install(monkeypatch, gpus=(H100,), cuda_version="13.0"):
-    """Make this process see the GPUs [(name, (major, minor), total bytes), ...]; returns the Driver."""
+    def synchronize(self):
+        self.calls.append(("synchronize", self.current))
+
+    def record_memory_history(self, enabled, *args):
+        self.calls.append(("memory_history", enabled, args[2]))  # what is recorded, and how many entries at most
+
+
+def install(monkeypatch, gpus=(H100,), arch_flags=ARCH_FLAGS, cuda_version="13.0"):
+    """Make this process see the GPUs [(name, (major, minor), total bytes), ...] through a build of PyTorch for
+    arch_flags (torch.cuda.get_arch_list()); returns the Driver."""
     driver = Driver(gpus)
     C = torch._C
     for name, value in {
@@ -60,11 +73,15 @@ def install(monkeypatch, gpus=(H100,), cuda_version="13.0"):
         "_cuda_getDevice": lambda: driver.current, "_cuda_setDevice": driver.set_device,
         "_cuda_getMemoryFraction": driver.get_fraction, "_cuda_setMemoryFraction": driver.set_fraction,
         "_cuda_memoryStats": driver.memory_stats, "_cuda_resetPeakMemoryStats": driver.reset_peak,
-        "_cuda_emptyCache": lambda: None, "_cuda_getArchFlags": lambda: ARCH_FLAGS,
-        "_cuda_getCompiledVersion": lambda: 13000,
+        "_cuda_emptyCache": lambda: None, "_cuda_getArchFlags": lambda: arch_flags,
+        "_cuda_getCompiledVersion": lambda: 13000, "_cuda_synchronize": driver.synchronize,
+        "_cuda_record_memory_history": driver.record_memory_history,
     }.items():
         monkeypatch.setattr(C, name, value, raising=False)
     cuda = torch.cuda
+    # a CPU build's Python stand-ins for the driver's device switch
+    monkeypatch.setattr(cuda, "_exchange_device", driver.exchange_device)
+    monkeypatch.setattr(cuda, "_maybe_exchange_device", driver.exchange_device)
     monkeypatch.setattr(cuda, "_cudart", types.SimpleNamespace(), raising=False)
     monkeypatch.setattr(cuda, "_get_device_properties", driver.properties, raising=False)
     # a fresh process: nothing initialised, no device count cached, no calls queued for initialisation

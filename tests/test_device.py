@@ -9,6 +9,7 @@ import torch
 
 import common
 import device
+import fake_cuda
 from device import peak_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,36 +46,23 @@ def test_peak_flops_of_no_gpu():
     assert peak_flops("Some Future GPU", "bfloat16") is None
 
 
-def fake_gpus(monkeypatch, gpus):
-    """CUDA as a machine with these GPUs would show it: gpus, [(name, (major, minor))] by index."""
-    index = lambda d=None: 0 if d is None else int(str(d).split(":")[1]) if ":" in str(d) else 0  # noqa: E731
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: gpus[index(d)][0])
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: gpus[index(d)][1])
-    monkeypatch.setattr(torch.version, "hip", None)
-    current = []
-
-    def set_device(d):
-        if index(d) >= len(gpus):
-            raise RuntimeError("CUDA error: invalid device ordinal")
-        current.append(d)
-    monkeypatch.setattr(torch.cuda, "set_device", set_device)
-    # what asks the current device instead of the given one would answer for cuda:0
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: gpus[0][1] >= (8, 0))
-    return current
+def fake_gpus(monkeypatch, gpus, arch_list=None):
+    """CUDA as a machine with these GPUs shows it, [(name, (major, minor))] by index, through a driver faked below
+    torch.cuda (tests/fake_cuda.py) of a PyTorch built for arch_list (default: kernels for every one of them)."""
+    arch_list = arch_list or sorted({f"sm_{major}{minor}" for _, (major, minor) in gpus})
+    return fake_cuda.install(monkeypatch, [(name, cap, 16 * 2 ** 30) for name, cap in gpus], " ".join(arch_list))
 
 
 def test_dtype_and_device_choice(monkeypatch):
     assert device.pick_dtype("auto", "cpu") == "float32"
     with pytest.raises(common.UserError, match="float16"):
         device.pick_dtype("float16", "cpu")
-    current = fake_gpus(monkeypatch, [("Tesla T4", (7, 5)), ("NVIDIA A100-SXM4-80GB", (8, 0))])
+    driver = fake_gpus(monkeypatch, [("Tesla T4", (7, 5)), ("NVIDIA A100-SXM4-80GB", (8, 0))])
     assert device.pick_dtype("auto", "cuda") == "float16"  # T4 / V100: fp16 with a gradient scaler
     with pytest.raises(common.UserError, match="Tesla T4 has no bfloat16"):
         device.pick_dtype("bf16", "cuda:0")
     # a mixed machine: cuda:1 is asked about itself, and made the current device
-    assert device.pick_device("cuda:1") == "cuda:1" and current == ["cuda:1"]
+    assert device.pick_device("cuda:1") == "cuda:1" and driver.current == 1
     assert device.pick_dtype("auto", "cuda:1") == "bfloat16"
     assert device.muon_dtype("cuda:0") == torch.float16 and device.muon_dtype("cuda:1") == torch.bfloat16
     with pytest.raises(common.UserError, match="cuda:0 to cuda:1"):
@@ -92,17 +80,21 @@ def test_dtype_and_device_choice(monkeypatch):
 def test_compile_by_default_only_where_triton_runs(monkeypatch, gpu, triton, default, explicit):
     from torch.utils import _triton
     fake_gpus(monkeypatch, [gpu])
-    monkeypatch.setattr(_triton, "has_triton", lambda: triton)
+    monkeypatch.setattr(_triton, "has_triton", lambda: triton)  # the triton package, not the driver: stood in for
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
-        assert device.configure_backends("cuda", "auto", None, False, False)[1] is default
+        choice = device.choose("cuda", "auto", None, False)
+        assert choice.compile is default
+        device.configure_backends(choice, False)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
         if explicit:
             with pytest.raises(common.UserError, match=explicit):
-                device.configure_backends("cuda", "auto", True, True, False)  # --compile typed
+                device.choose("cuda", "auto", True, True)  # --compile typed
             # a run started with --compile on another GPU, resumed here without the flag: compile is off
-            assert device.configure_backends("cuda", "auto", True, False, False)[1] is False
+            resumed = device.choose("cuda", "auto", True, False)
+            assert resumed.compile is False
             # and no advice to turn on what cannot run
-            assert not any("compile" in w for w in device.slow_settings("cuda", "float16", False, False, 2 ** 16))
+            assert not any("compile" in w for w in resumed.warnings(False, 2 ** 16))
         else:
             assert device.compile_blocker("cuda") is None
     finally:
@@ -127,9 +119,7 @@ CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
     (("Tesla K80", (3, 7)), CU126, True),                   # no wheels at all
 ])
 def test_a_gpu_without_kernels_in_this_pytorch_stops_with_the_wheels_to_install(monkeypatch, gpu, build, stops):
-    fake_gpus(monkeypatch, [gpu])
-    monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: build)
+    fake_gpus(monkeypatch, [gpu], build)
     if not stops:
         assert device.pick_device("auto") == "cuda" and device.pick_device("cuda:0") == "cuda:0"
         return
@@ -152,11 +142,11 @@ def test_auto_refuses_the_cpu_when_nvidia_smi_lists_a_gpu_pytorch_cannot_use(mon
     the build's CUDA): --device auto stops with the wheels that fit the GPU, rather than train for
     days on the CPU; --device cpu still trains there."""
     from runs import run, tiny
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake_gpus(monkeypatch, [])  # a driver that finds no GPU
+    monkeypatch.setattr(torch.version, "cuda", None)  # and a CPU-only build
     assert device.pick_device("auto") == "cpu"  # no nvidia-smi: the CPU is all there is
     fake_nvidia_smi([("Tesla P100-PCIE-16GB", "6.0"), ("Tesla P100-PCIE-16GB", "6.0")])
     assert device.listed_gpu() == ("Tesla P100-PCIE-16GB", (6, 0))
-    monkeypatch.setattr(torch.version, "cuda", None)
     p = run(tiny(data_dir=data_dir, log_dir=str(tmp_path / "auto"), device="auto", max_steps=2), check=False)
     assert p.returncode == 2 and p.stderr.strip() == (
         f"error: nvidia-smi lists a GPU, the Tesla P100-PCIE-16GB, but PyTorch {torch.__version__} cannot use it "
@@ -174,6 +164,7 @@ def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(common, "_joined_process_group", False)  # put back after the test
+    # NCCL is not in a CPU build, nor a rank 0 to meet: the group's forming is stood in for, to read what is asked
     monkeypatch.setattr(tdist, "is_initialized", lambda: False)
     monkeypatch.setattr(tdist, "rendezvous", lambda *a, **k: iter([(tdist.HashStore(), 1, 2)]))
     calls = []
@@ -199,14 +190,14 @@ def test_more_processes_than_gpus_is_one_line_before_the_rendezvous(monkeypatch)
 
 
 def test_synchronize_waits_on_the_device_it_is_given(monkeypatch):
+    driver = fake_gpus(monkeypatch, [("NVIDIA H100 80GB HBM3", (9, 0))] * 2)
     calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))
-    monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append(("mps", None)))
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append("mps"))  # no MPS driver to fake here
     device.synchronize("cpu")
-    assert calls == []  # CPU work is synchronous
+    assert driver.calls == calls == []  # CPU work is synchronous
     device.synchronize("cuda:1")
     device.synchronize("mps")
-    assert calls == [("cuda", "cuda:1"), ("mps", None)]
+    assert ("synchronize", 1) in driver.calls and driver.current == 0 and calls == ["mps"]
 
 
 def test_too_old_pytorch_is_one_line_naming_the_upgrade(fake_nvidia_smi):
@@ -241,7 +232,7 @@ def mmapped_by(make):
     kept = make()
     return libc.mallinfo2().hblkhd - before
 print(mmapped_by(lambda: torch.empty(2**24)))
-device.configure_backends("cpu", "auto", None, False, False)
+device.configure_backends(device.choose("cpu"), False)
 print(mmapped_by(lambda: torch.empty(2**24)))
 """
 

@@ -1,0 +1,96 @@
+"""The trainer's set-up on a GPU, for every way a user names one, with only the driver faked (tests/fake_cuda.py):
+torch's own Python layer (device-index handling, the memory fraction, GradScaler's checks, the allocator's history)
+runs as on a GPU. The default command once crashed here on one GPU ('cuda' has no index) behind a test that had
+replaced the torch function it called. A CPU build of PyTorch has no CUDA device guard, so no tensor can be made on
+a 'cuda' device, not even a fake one: the path is followed up to the model's move to the GPU."""
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+import common
+import device
+import fake_cuda
+import parallel
+import profiling
+from runs import run, tiny
+
+A100 = ("NVIDIA A100-SXM4-40GB", (8, 0), 40 * 2 ** 30)
+T4 = ("Tesla T4", (7, 5), 15 * 2 ** 30)
+TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+
+# how the user names the GPU -> (--device, torchrun's environment, the machine, the device it runs on, its index)
+NAMINGS = {
+    "auto": ("auto", {}, [fake_cuda.H100, A100], "cuda", 0),
+    "cuda": ("cuda", {}, [fake_cuda.H100, A100], "cuda", 0),
+    "cuda:0": ("cuda:0", {}, [fake_cuda.H100, A100], "cuda:0", 0),
+    "cuda:1": ("cuda:1", {}, [fake_cuda.H100, A100], "cuda:1", 1),
+    "torchrun LOCAL_RANK=1": ("auto", TORCHRUN, [fake_cuda.H100, A100], "cuda:1", 1),
+    "T4, fp16": ("auto", {}, [T4], "cuda", 0),
+}
+PEAKS = {fake_cuda.H100[0]: 989e12, A100[0]: 312e12, T4[0]: 65e12}
+
+
+@pytest.fixture
+def fake_group():
+    """torchrun's process group, of the fake backend (collectives recorded, not run), formed before set-up
+    as torchrun's rendezvous forms the real one."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    tdist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    yield
+    tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("naming", NAMINGS)
+def test_the_set_up_on_a_gpu_for_every_way_of_naming_it(naming, monkeypatch, tmp_path, request):
+    requested, env, gpus, expected, index = NAMINGS[naming]
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    driver = fake_cuda.install(monkeypatch, gpus)
+    if env:
+        request.getfixturevalue("fake_group")
+    torch.cuda.set_per_process_memory_fraction(0.5, index)  # what this process may take of its GPU
+    name, capability, total = gpus[index]
+
+    ranks = parallel.setup_distributed(requested)
+    assert ranks.device == expected and torch.cuda.current_device() == index == driver.current
+    choice = device.choose(ranks.device, "auto", None, False)
+    fp16 = capability < (8, 0)
+    assert choice.name == name and choice.dtype == ("float16" if fp16 else "bfloat16")
+    assert choice.muon_dtype == (torch.float16 if fp16 else torch.bfloat16)
+    assert choice.peak_flops == PEAKS[name]
+    assert choice.capacity == total // 2  # the auto-fit's and the header's capacity, of this GPU
+    assert choice.compile == (choice.compile_blocker is None)  # on, unless Triton is missing (as on this CPU)
+    assert choice.warnings(False, 64 * 1024) == []
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        device.configure_backends(choice, False)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+    # --memory-snapshot: the allocator records its history, its last 100,000 events
+    profiling.StepProfiler(None, ranks.device, str(tmp_path), f"rank{ranks.rank}", print, memory_snapshot=True)
+    assert ("memory_history", "all", 100_000) in driver.calls
+    # fp16's gradient scaler, which GradScaler turns off (with a warning) where it finds no CUDA
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler = torch.amp.GradScaler(ranks.device_type, enabled=choice.dtype == "float16")
+    assert scaler.is_enabled() == fp16 and [str(w.message) for w in caught] == []
+
+
+def test_the_default_command_reaches_the_models_move_to_the_gpu(monkeypatch, data_dir, tmp_path):
+    """`python train_gpt2.py` on one GPU: everything before the model's move to the GPU runs (the device, its
+    choice and switches, the evaluations' set-up), and the CPU build's own refusal comes from the move."""
+    fake_cuda.install(monkeypatch, [fake_cuda.H100])
+    monkeypatch.setattr(common, "_joined_process_group", False)
+    with pytest.raises(RuntimeError, match="not linked with support for cuda devices") as e:
+        run(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log"), device="auto", sample_every=5))
+    frames = traceback.extract_tb(e.value.__traceback__)
+    assert any(f.name == "setup" and "raw_model.to(ranks.device)" in f.line for f in frames), frames
+    assert not (tmp_path / "log").exists()  # nothing written before the run could start
