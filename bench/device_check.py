@@ -314,12 +314,13 @@ def quick_plan(args, machine, out):
     resumed from that checkpoint with its micro-batch, the other scripts on it, Muon and an out-of-memory
     snapshot. Each step's limit is what it takes on a cold H100 with room to spare (BENCHMARKS.md)."""
     cuda = machine.device.startswith("cuda")
-    compiles = not cuda or machine.capability >= TRITON_MIN_CAPABILITY
+    compiles = cuda and machine.capability >= TRITON_MIN_CAPABILITY  # on a CPU only the commands are checked
     items, log_dir, half = os.path.join(out, ITEMS), os.path.join(out, "run"), QUICK_STEPS // 2
     trainer = functools.partial(trainer_flags, args, out)
     run = trainer("run", max_steps=QUICK_STEPS, warmup_steps=None, eval_every=half, sample_every=half,
                   val_tokens=4096 if args.small else 2 ** 20, hellaswag_every=half, hellaswag_file=items,
-                  hellaswag_limit=200, checkpoint_every=half, profile_steps=f"{half + 5}:{half + 5}", plot=None)
+                  hellaswag_limit=40 if args.small else 200, checkpoint_every=half,
+                  profile_steps=f"{half + 5}:{half + 5}", plot=None)
     ckpt = os.path.join(log_dir, f"ckpt_{half:06d}.pt")
     steps = {
         "train": Step([PY, "train_gpt2.py"] + run, timeout=240),
@@ -381,7 +382,7 @@ def main(argv=None):
                         f"{', '.join(steps)}")
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    write_items(os.path.join(out, ITEMS), 500)
+    write_items(os.path.join(out, ITEMS), 40 if args.small else 500)
     import torch
     print(f"{machine.gpus} x {machine.gpu} (capability {machine.capability})" if machine.gpus else machine.device,
           f"| torch {torch.__version__} CUDA {torch.version.cuda}", flush=True)

@@ -334,6 +334,24 @@ def test_the_sync_count_counts_syncs_not_the_modes_own_notice():
     assert device_check.syncs_in(caught) == 3
 
 
+def test_the_quick_device_check_runs_end_to_end_on_a_cpu(data_dir, tmp_path, capsys):
+    """--quick --small on the CPU: every step the CPU has runs and passes (the GPU's own, syncs, the
+    out-of-memory snapshot and the probe, are left out), the resume's loss at the checkpoint's step is
+    the first run's, and --results holds at most 8 files with the table last printed."""
+    out, results = tmp_path / "out", tmp_path / "results"
+    rc = device_check.main(["--quick", "--small", "--device", "cpu", "--data-dir", data_dir, "--out", str(out),
+                            "--results", str(results)])
+    table = capsys.readouterr().out.rstrip().splitlines()[-6:]
+    assert rc == 0, table
+    assert [line.split()[:2] for line in table] == [["step", "result"], ["train", "ok"], ["resume", "ok"],
+                                                    ["sample", "ok"], ["hellaswag", "ok"], ["muon", "ok"]]
+    assert "equal to the first run's; micro-batch 8 (first run: micro-batch 8)" in table[2]
+    files = sorted(os.listdir(results))
+    assert len(files) <= 8 and {"device_check.txt", "device_check.json", "logs.tgz"} <= set(files)
+    assert any(f.endswith(".pt.trace.json.gz") for f in files)  # the trace of one warm step
+    assert open(results / "device_check.txt").read().splitlines() == table
+
+
 def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
     with pytest.raises(UserError, match="no step fsdp"):
         device_check.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--device", "cpu",
