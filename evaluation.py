@@ -61,8 +61,11 @@ def evaluate(run, step, stop):
             text, fields = hook.report(result)
             log.line(f"step {step} | {hook.name} {text}")
             log.record(hook.name, step=step, tokens=step * cfg.total_batch_size, **fields)
-    if (ranks.is_master or run.fsdp) and step > 0 and due(cfg.sample_every):
-        log_samples(run, step, stop)
+    if step > 0 and due(cfg.sample_every):
+        if ranks.is_master or run.fsdp:
+            log_samples(run, step, stop)
+        if parallel.any_rank(stop.signal is not None, ranks):  # samples cut short record nothing: stop before the step
+            return False
     if evaluated and run.plotter:
         run.plotter.kick()
     return True
@@ -126,6 +129,6 @@ def log_samples(run, step, stop):
             raise
         run.log.line(f"step {step} | samples failed, training goes on ({type(e).__name__}: {common.first_line(e)})")
         return
-    for i, text in enumerate(texts):
+    for i, text in enumerate(texts or []):  # None: a stop request cut them short
         run.log.line(f"sample {i} | {text}")
         run.log.record("sample", step=step, index=i, text=text)

@@ -79,7 +79,7 @@ def stream_sample(model, tokens, enc, out, device, dtype="float32", max_new_toke
 
 def training_samples(model, tokens, num_samples, max_new_tokens, seed, device, dtype="float32", stop=None):
     """The trainer's samples: num_samples continuations of encode_prompt's tokens, top-k 50 at
-    temperature 1, as one-line strings; a stop request (stop: a common.StopFlag) ends them early."""
+    temperature 1, as one-line strings; None where a stop request (stop: a common.StopFlag) cut them short."""
     enc = get_tokenizer()
     idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -91,7 +91,7 @@ def training_samples(model, tokens, num_samples, max_new_tokens, seed, device, d
             for next_tokens in model.generate_stream(idx, max_new_tokens, temperature=1.0, top_k=50, generator=gen):
                 new.append(next_tokens)
                 if stop is not None and stop.signal is not None:
-                    break
+                    return None
     finally:
         model.train(was_training)
     rows = torch.cat([idx] + [t[:, None] for t in new], dim=1).tolist()

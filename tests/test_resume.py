@@ -578,6 +578,33 @@ def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_
     assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
 
 
+def test_sigterm_during_sampling_records_no_cut_sample_and_stops_before_the_step(data_dir, reference_run, tmp_path,
+                                                                               monkeypatch):
+    """A stop request while step 5's samples are drawn (here at their fourth token) ends the sampling: no sample
+    of that round is recorded as if it were whole, step 5 does not train, the run checkpoints before it as after
+    a stop during validation, and a resume continues exactly."""
+    from model import GPT
+    real_stream = GPT.generate_stream
+
+    def stream(self, *args, **kwargs):
+        for i, tokens in enumerate(real_stream(self, *args, **kwargs)):
+            if i == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield tokens
+    monkeypatch.setattr(GPT, "generate_stream", stream)
+    log_dir = str(tmp_path / "log")
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3, sample_every=5, num_samples=1,
+                sample_tokens=50)
+    p = run(args)
+    monkeypatch.undo()
+    assert "stopped by SIGTERM after 5 steps" in p.stdout and "sample 0 |" not in p.stdout, p.stdout
+    assert records(log_dir, "sample") == [] and [r["step"] for r in records(log_dir, "train")][-1] == 4
+    assert [os.path.basename(c) for c in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000003.pt", "ckpt_000005.pt"]
+    run(args + ["--resume"])
+    assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
+    assert [r["step"] for r in records(log_dir, "sample")] == [5, 9]
+
+
 class DiskFull(io.RawIOBase):
     """A file that takes `room` bytes and then fails as a full disk does (ENOSPC)."""
 
