@@ -243,6 +243,9 @@ def resolve(args):
     if ckpt is not None and cfg.max_steps < ckpt["step"]:
         raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {path} has "
                         "done: give more, or leave it out to keep the run's")
+    if ckpt is not None and cfg.profile_steps and cfg.profile_steps[0] < ckpt["step"]:
+        raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} starts before step "
+                        f"{ckpt['step']}, where this launch resumes {path}: profile steps from {ckpt['step']} on")
     for flag in ("wandb", "tensorboard"):
         if getattr(cfg, flag):
             import trackers

@@ -394,6 +394,13 @@ def test_profile_steps_trace_those_steps_and_no_other(data_dir, tmp_path):
     again = tmp_path / "again"
     run_trainer(["--log-dir", str(again), "--resume", str(log_dir / "ckpt_000001.pt")])
     assert (again / "ckpt_000006.pt").exists() and not (again / "profile").exists()
+    # a window the resumed run has already passed would profile nothing: one line, nothing written
+    late = tmp_path / "late"
+    p = run_trainer(["--log-dir", str(late), "--resume", str(log_dir / "ckpt_000004.pt"), "--profile-steps", "2:4"],
+                    check=False)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        f"error: --profile-steps 2:4 starts before step 4, where this launch resumes {log_dir / 'ckpt_000004.pt'}: "
+        "profile steps from 4 on") and not late.exists()
 
 
 @pytest.mark.parametrize("value, error", [("5:3", "step A comes after step B"), ("-1:3", "not A:B"),
