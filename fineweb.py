@@ -274,9 +274,9 @@ def previous_run(out_dir, settings, max_tokens):
         if s["tokens"] != full or not intact(out_dir, s):
             break
         keep.append(s)
-    done = sum(s["tokens"] for s in keep)
-    if max_tokens is not None and done > max_tokens:
-        raise UserError(f"{out_dir} already holds {done:,} tokens, more than --max-tokens {max_tokens:,}: "
+    if max_tokens is not None and sum(s["tokens"] for s in keep) > max_tokens:
+        held = sum(s["tokens"] for s in manifest["shards"])  # a partial last shard too: what the last run said it did
+        raise UserError(f"{out_dir} already holds {held:,} tokens, more than --max-tokens {max_tokens:,}: "
                         "use another --out-dir")
     return manifest, keep
 

@@ -203,6 +203,10 @@ def test_max_tokens_then_continue_and_rerun(tmp_path, capsys):
     args = ["--data-files", data, "--shard-size", str(size), "--val-tokens", str(size // 5)]
     prepare(tmp_path, tmp_path / "out", *args, "--max-tokens", str(2 * size + size // 2))
     np.testing.assert_array_equal(stream_of(tmp_path / "out"), want[:2 * size + size // 2])
+    # fewer tokens than its whole shards hold: refused, counting every token it holds (its partial shard too)
+    assert fails(capsys, tmp_path, tmp_path / "out", *args, "--max-tokens", str(2 * size)) == (
+        f"error: {tmp_path / 'out'} already holds {2 * size + size // 2:,} tokens, more than --max-tokens "
+        f"{2 * size:,}: use another --out-dir")
     capsys.readouterr()
     # go on to the end, streamed this time (IterableDataset.skip): the partial shard is made again
     prepare(tmp_path, tmp_path / "out", *args, "--streaming")
