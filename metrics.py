@@ -145,8 +145,11 @@ class RunLog:
             f.flush()
         except OSError as e:
             why = "no space left on its disk" if out_of_space(e, self.log_dir) else (e.strerror or str(e))
-            raise UserError(f"could not write {f.name} ({why}); the run's checkpoints are intact: free space "
-                            "under --log-dir, then --resume")
+            saved = sorted(n for n in os.listdir(self.log_dir) if n.startswith("ckpt_") and n.endswith(".pt"))
+            then = (f"the run's checkpoints are intact (the last: {saved[-1]}): free space under --log-dir, then "
+                    "--resume continues from it" if saved else "no checkpoint was written yet: free space under "
+                    "--log-dir, then --resume starts the run again")
+            raise UserError(f"could not write {f.name} ({why}); {then}")
 
 
 def _try_lock(f):

@@ -150,6 +150,14 @@ def test_a_full_disk_under_the_logs_is_one_line_and_keeps_the_checkpoints(data_d
         path.unlink()
         (log_dir / "real").rename(path)
         assert p.returncode == 2 and p.stderr == (
-            f"error: could not write {path} (no space left on its disk); the run's checkpoints are intact: free "
-            "space under --log-dir, then --resume\n"), p.stderr
+            f"error: could not write {path} (no space left on its disk); the run's checkpoints are intact (the last: "
+            "ckpt_000002.pt): free space under --log-dir, then --resume continues from it\n"), p.stderr
         assert {p: open(p, "rb").read() for p in checkpoint.list_checkpoints(str(log_dir))} == kept
+    # a new run, before its first checkpoint: nothing to continue, and the line says so
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / metrics.METRICS_FILE).symlink_to("/dev/full")
+    p = run(tiny(data_dir=data_dir, log_dir=new, max_steps=4), check=False)
+    assert p.returncode == 2 and p.stderr == (
+        f"error: could not write {new / metrics.METRICS_FILE} (no space left on its disk); no checkpoint was written "
+        "yet: free space under --log-dir, then --resume starts the run again\n"), p.stderr
