@@ -199,6 +199,11 @@ def resume_point(resume, log_dir):
     if path is None:
         path, ckpt, skipped = find_resume(resume, log_dir)
     if holds_run and not again and path is not None and not in_log_dir(path, log_dir):
+        aside = os.path.join(os.path.abspath(log_dir), "superseded")
+        if os.path.dirname(os.path.dirname(os.path.abspath(path))) == aside:
+            raise UserError(f"--resume {resume}: that is a checkpoint of {log_dir}'s own earlier branch, set aside "
+                            "when the run was resumed from an older step; --resume alone continues the run, and "
+                            f"--log-dir NEW --resume {shlex.quote(path)} continues that branch in a new directory")
         raise UserError(f"--resume {resume}: {log_dir} holds another run; continue {path} in a new "
                         f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
                         f"{shlex.quote(path)}")

@@ -271,6 +271,16 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     assert [r["lr"] for r in records(log_dir, "train")] == pytest.approx(
         [schedule.lr(s, 3e-3) for s in range(2)] + [schedule.lr(s, 1e-3) for s in range(2, 6)])
     assert records(log_dir, "run")[-1]["config"]["max_lr"] == 1e-3 and os.path.isdir(os.path.join(log_dir, "hf"))
+    # the branch set aside, named as --resume into the run: it is the run's own, and the line says so and how to
+    # continue it elsewhere (which works)
+    old6 = os.path.join(aside, "ckpt_000006.pt")
+    p = run(["--log-dir", log_dir, "--resume", old6], check=False)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        f"error: --resume {old6}: that is a checkpoint of {log_dir}'s own earlier branch, set aside when the run "
+        f"was resumed from an older step; --resume alone continues the run, and --log-dir NEW --resume {old6} "
+        "continues that branch in a new directory")
+    p = run(["--log-dir", str(tmp_path / "old_branch"), "--resume", old6, "--max-steps", "7"])
+    assert "resuming" in p.stdout and "at step 6" in p.stdout
 
 
 @pytest.fixture(scope="module")
