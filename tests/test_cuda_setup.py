@@ -86,10 +86,11 @@ def test_the_set_up_on_a_gpu_for_every_way_of_naming_it(naming, monkeypatch, tmp
 
 def test_the_default_command_reaches_the_models_move_to_the_gpu(monkeypatch, data_dir, tmp_path):
     """`python train_gpt2.py` on one GPU: everything before the model's move to the GPU runs (the device, its
-    choice and switches, the evaluations' set-up), and the CPU build's own refusal comes from the move."""
+    choice and switches, the evaluations' set-up), and the build's own refusal comes from the move (a CPU build:
+    no CUDA linked; a CUDA build on a machine without a GPU: the real driver's absence)."""
     fake_cuda.install(monkeypatch, [fake_cuda.H100])
     monkeypatch.setattr(common, "_joined_process_group", False)
-    with pytest.raises(RuntimeError, match="not linked with support for cuda devices") as e:
+    with pytest.raises(RuntimeError, match="not linked with support for cuda devices|CUDA driver") as e:
         run(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log"), device="auto", sample_every=5))
     frames = traceback.extract_tb(e.value.__traceback__)
     assert any(f.name == "setup" and "raw_model.to(ranks.device)" in f.line for f in frames), frames
