@@ -180,11 +180,13 @@ def parse_args(argv=None, description=None):
     return args
 
 
-def check_relations(cfg):
+def check_relations(cfg, resumed=False):
     """The checks between flags, once the settings are resolved (a resume's: with the run's own)."""
+    def said(key):  # a setting as a refusal names it: as typed, or where its value came from
+        text = f"--{key.replace('_', '-')} {getattr(cfg, key)}"
+        return text if key in cfg.given else f"{text} ({'the run' if resumed else 'the default'}'s)"
     if cfg.total_batch_size % cfg.block_size:
-        raise UserError(f"--total-batch-size {cfg.total_batch_size} is not a multiple of "
-                        f"--block-size {cfg.block_size}")
+        raise UserError(f"{said('total_batch_size')} is not a multiple of {said('block_size')}")
     for flag in ("muon_lr", "muon_momentum"):
         if flag in cfg.given and cfg.optimizer != "muon":
             raise UserError(f"--{flag.replace('_', '-')} is a setting of --optimizer muon, and this run uses "
@@ -197,8 +199,9 @@ def check_relations(cfg):
         raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
                         f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
     if cfg.warmup_steps > cfg.max_steps:
-        raise UserError(f"--warmup-steps {cfg.warmup_steps} is more than --max-steps {cfg.max_steps}: the run "
-                        "would end before the learning rate reaches its peak; lower it, or raise --max-steps")
+        raise UserError(f"{said('warmup_steps')} is more than {said('max_steps')}: the run would end before the "
+                        f"learning rate reaches its peak; pass --warmup-steps {cfg.max_steps // 10} (or another of at "
+                        f"most {cfg.max_steps}), or raise --max-steps")
 
 
 # Resolving: the flags, then the stored run
@@ -239,7 +242,7 @@ def resolve(args):
         import trackers
         values["wandb_id"] = trackers.new_wandb_id()
     cfg = Settings(values)
-    check_relations(cfg)
+    check_relations(cfg, resumed=ckpt is not None)
     if ckpt is not None and cfg.max_steps < ckpt["step"]:
         raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {path} has "
                         "done: give more, or leave it out to keep the run's")

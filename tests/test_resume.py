@@ -80,6 +80,21 @@ def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_di
     assert step == 10 and all(torch.equal(model_a[k], model_b[k]) for k in model_a)
 
 
+def test_a_refusal_says_where_a_value_it_names_came_from(data_dir, tmp_path, monkeypatch):
+    """A run started with --max-steps 50 derived 5 warm-up steps and keeps them; resumed with --max-steps 3, the
+    refusal names the warm-up as the run's own (the user never typed it) and a value that would do."""
+    log_dir = str(tmp_path / "log")
+    evaluate = evaluation.evaluate
+    monkeypatch.setattr(evaluation, "evaluate", lambda run, step, stop: step < 2 and evaluate(run, step, stop))
+    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=50, warmup_steps=None, eval_every=0))  # stops at 2
+    monkeypatch.undo()
+    p = run(["--log-dir", log_dir, "--resume", "--max-steps", "3"], check=False)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "error: --warmup-steps 5 (the run's) is more than --max-steps 3: the run would end before the learning "
+        "rate reaches its peak; pass --warmup-steps 0 (or another of at most 3), or raise --max-steps")
+    run(["--log-dir", log_dir, "--resume", "--max-steps", "3", "--warmup-steps", "0"])
+
+
 def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, tmp_path):
     """Named on the command line of a resume: more steps, another evaluation cadence or timeout are
     applied and printed; the checks between flags see the run's own settings (its --block-size 32, not
