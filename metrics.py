@@ -93,9 +93,13 @@ class RunLog:
     def _open(self):
         if self.text is None:
             self.hold()
-            # line-buffered: a crash or a kill loses at most the line being written
-            self.text = open(os.path.join(self.log_dir, TEXT_LOG_FILE), "a", buffering=1)
-            self.metrics = open(os.path.join(self.log_dir, METRICS_FILE), "a", buffering=1)
+            # line-buffered: a crash or a kill loses at most the line being written, whose cut end is ended here
+            # so that this launch's first line does not run into it
+            self.text, self.metrics = (open(os.path.join(self.log_dir, name), "a", buffering=1)
+                                       for name in (TEXT_LOG_FILE, METRICS_FILE))
+            for f in (self.text, self.metrics):
+                if f.tell() and not _ends_a_line(f.name):
+                    self._append(f, "\n")
 
     def line(self, msg):
         if self.active:
@@ -150,6 +154,12 @@ class RunLog:
                     "--resume continues from it" if saved else "no checkpoint was written yet: free space under "
                     "--log-dir, then --resume starts the run again")
             raise UserError(f"could not write {f.name} ({why}); {then}")
+
+
+def _ends_a_line(path):
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def _try_lock(f):

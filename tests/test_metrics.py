@@ -61,6 +61,23 @@ def test_round_trip_with_a_resume(tmp_path, capsys):
     assert "step 9 | loss ..." in capsys.readouterr().out
 
 
+def test_a_line_cut_by_a_kill_is_ended_before_the_next_launch_writes(tmp_path, capsys):
+    """A kill mid-write leaves log.txt's and metrics.jsonl's last line without its end; the next launch's first
+    line starts on a line of its own (it ran into the cut one: 'step     1 | loss 10.7run: resuming ...'), and
+    the reader skips the cut record alone."""
+    write_launch(tmp_path, 0, 3)
+    for name, cut in ((metrics.TEXT_LOG_FILE, "step     4 | loss 10.7"), (metrics.METRICS_FILE, '{"kind": "tr')):
+        with open(tmp_path / name, "a") as f:
+            f.write(cut)
+    write_launch(tmp_path, 2, 5, resumed_from="ckpt_000002.pt")
+    text = (tmp_path / metrics.TEXT_LOG_FILE).read_text().splitlines()
+    assert text[text.index("step     4 | loss 10.7") + 1] == "run: starting at step 2"
+    metrics._warned.clear()
+    m = metrics.read_metrics(tmp_path)
+    assert [r["step"] for r in m["train"]] == list(range(6)) and len(m["launches"]) == 2
+    assert "line 13: not complete JSON: the line ends before its value does (cut short?)" in capsys.readouterr().err
+
+
 def test_no_trace_before_the_first_write(tmp_path, capsys):
     log = metrics.RunLog(str(tmp_path / "never"), active=True)
     log.close()  # e.g. the run stopped on bad input
@@ -110,9 +127,10 @@ def test_lines_no_reader_can_use_are_skipped_wherever_they_are(tmp_path, capsys)
     start of a write cut by a kill: each is skipped, named in one warning, and the records around
     them are read; a file with no record in it is not a run's."""
     write_launch(tmp_path, 0, 7)
-    with open(tmp_path / metrics.METRICS_FILE, "a") as f:
-        f.write("\0" * 30 + "\n" + json.dumps({"kind": "train", "step": "8", "loss": 1.0}) + "\n" + '{"kind": "tr')
-    write_launch(tmp_path, 4, 9, end="finished")
+    write_launch(tmp_path / "next", 4, 9, end="finished")
+    with open(tmp_path / metrics.METRICS_FILE, "a") as f:  # the next launch's records right after the cut, as
+        f.write("\0" * 30 + "\n" + json.dumps({"kind": "train", "step": "8", "loss": 1.0}) + "\n" + '{"kind": "tr'
+                + (tmp_path / "next" / metrics.METRICS_FILE).read_text())  # writers before the cut was ended wrote them
     lines = (tmp_path / metrics.METRICS_FILE).read_text().splitlines()
     zeros = lines.index("\0" * 30) + 1
     metrics._warned.clear()
