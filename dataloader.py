@@ -89,7 +89,7 @@ class TokenLoader:
     background thread into pinned memory and copied with non_blocking=True."""
 
     def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1,
-                 vocab_size=GPT2_VOCAB_SIZE, shuffle_seed=None, device="cpu", prefetch=None):
+                 vocab_size=GPT2_VOCAB_SIZE, shuffle_seed=None, device="cpu", prefetch=None, whole_batches=True):
         if split not in ("train", "val"):
             raise UserError(f"split must be 'train' or 'val', not {split!r}")
         for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
@@ -107,11 +107,12 @@ class TokenLoader:
         self.tokens_per_batch = batch_size * seq_len
         self.num_sequences = (self.num_tokens - 1) // seq_len  # in one epoch
         self.batches_per_epoch = self.num_sequences // (world_size * batch_size)  # whole batches, per rank
-        if self.batches_per_epoch == 0:
-            need = world_size * self.tokens_per_batch + 1
-            raise UserError(f"the {split} split of {data_dir} has {self.num_tokens:,} tokens, fewer than one batch "
-                            f"on every rank ({world_size}×{batch_size}×{seq_len}+1 = {need:,}): use a smaller "
-                            "batch size / sequence length, or prepare more data with python fineweb.py")
+        # whole_batches=False (validation, which fills a short last batch): one sequence on every rank will do
+        per_rank, what = (batch_size, "batch") if whole_batches else (1, "sequence")
+        if self.num_sequences < world_size * per_rank:
+            raise UserError(f"the {split} split of {data_dir} has {self.num_tokens:,} tokens, fewer than one {what} "
+                            f"on every rank ({world_size}×{per_rank}×{seq_len}+1 = {world_size * per_rank * seq_len + 1:,}"
+                            "): use a smaller batch size / sequence length, or prepare more data with python fineweb.py")
         self.fingerprint = hashlib.sha256(json.dumps([split, names, self.sizes]).encode()).hexdigest()[:16]
         self.position = 0  # sequences handed out so far, over all ranks
         self._layout_cache = None

@@ -408,6 +408,10 @@ def prepare(args):
     write_manifest(out_dir, manifest)
     if nulls:
         print(f"skipped {nulls:,} document(s) with no text (null in column {args.text_column!r})")
+    for split, n in manifest["split_tokens"].items():
+        if n < SMALLEST_BATCH_TOKENS:
+            print(f"warning: the {split} split holds {n:,} token(s); the trainer needs a sequence of --block-size + 1 "
+                  f"in each ({SMALLEST_BATCH_TOKENS} for a 64-token context): add text")
     print(f"done: {done:,} tokens in {len(shards)} shards in {out_dir} ({rate / 1e6:.2f}M tokens/s this run); "
           f"train with: python train_gpt2.py --data-dir {shlex.quote(out_dir)}")
     return manifest

@@ -212,7 +212,7 @@ def build_data(cfg, ranks, micro_batch, vocab_size):
     train_loader = loader("train", shuffle_seed=cfg.shuffle_seed)
     if not cfg.eval_every:
         return train_loader, None, 0
-    val_loader = loader("val")
+    val_loader = loader("val", whole_batches=False)  # a short last batch is filled: one sequence per rank will do
     sequences = min(cfg.val_tokens // cfg.block_size, val_loader.num_sequences) // ranks.world_size
     return train_loader, val_loader, max(1, sequences)
 

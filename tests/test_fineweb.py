@@ -547,10 +547,18 @@ def test_max_tokens_too_few_for_a_batch_in_each_split(tmp_path, capsys):
         err = fails(capsys, tmp_path, tmp_path / "out", "--data-files", data, "--max-tokens", str(few))
         assert f"--max-tokens {few} is too few" in err and f"at least {least}" in err, err
         assert not os.path.exists(tmp_path / "out")
+    capsys.readouterr()
     prepare(tmp_path, tmp_path / "out", "--data-files", data, "--max-tokens", str(least))
     for split in ("val", "train"):
         x, y = dataloader.TokenLoader(str(tmp_path / "out"), split, batch_size=1, seq_len=64).next_batch()
         assert x.shape == y.shape == (1, 64)
+    assert "warning" not in capsys.readouterr().out
+    # a source too short for that (one sentence: 10 tokens) is written, with a warning for each split short of it
+    (tmp_path / "one.txt").write_text("The cat sat on the mat today.\n")
+    prepare(tmp_path, tmp_path / "one", "--data-files", str(tmp_path / "one.txt"))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert warnings == [f"warning: the {split} split holds {n} token(s); the trainer needs a sequence of --block-size "
+                        "+ 1 in each (65 for a 64-token context): add text" for split, n in (("val", 1), ("train", 9))]
 
 
 def test_workers_capped_at_the_cores(tmp_path, capsys, monkeypatch):

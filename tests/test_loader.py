@@ -377,6 +377,11 @@ def test_split_shorter_than_one_batch(tmp_path):
     with pytest.raises(UserError, match="fewer than one batch"):
         TokenLoader(d, "val", 2, 11, world_size=2)  # 41 < 2*2*11+1
     TokenLoader(d, "val", 2, 10, world_size=2)  # 41 = 2*2*10+1: exactly one batch per rank
+    # validation fills a short last batch: one sequence on every rank will do
+    assert TokenLoader(d, "val", 8, 8, whole_batches=False).num_sequences == 5
+    TokenLoader(d, "val", 8, 20, world_size=2, whole_batches=False)  # 41 = 2*20+1
+    with pytest.raises(UserError, match=r"fewer than one sequence on every rank \(2×1×21\+1 = 43\)"):
+        TokenLoader(d, "val", 8, 21, world_size=2, whole_batches=False)
 
 
 def test_broken_shards_and_manifests(tmp_path):

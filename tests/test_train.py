@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -722,6 +723,19 @@ def test_short_run_leaves_warmup():
     assert args.warmup_steps == 5  # 10% of the run, not 715 steps the run never reaches
     assert optim.schedule_of(args).lr(5, args.max_lr) == pytest.approx(6e-4)
     assert train_config.parse_args(["--max-steps", "50", "--warmup-steps", "40"]).warmup_steps == 40  # as asked
+
+
+def test_a_val_split_shorter_than_a_batch_is_validated(data_dir, tmp_path):
+    """60 validation tokens hold one 32-token sequence but not a batch of 2: validation fills its short last batch,
+    so the run validates that one sequence instead of refusing the split."""
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    val, = data.glob("*_val_*.npy")
+    np.save(val, np.load(val)[:60])
+    run(tiny(data_dir=str(data), log_dir=str(tmp_path / "log"), max_steps=2, eval_every=1))
+    assert [r["step"] for r in records(str(tmp_path / "log"), "val")] == [0, 1]
+    assert "val: 32 tokens (the whole split)" in (tmp_path / "log" / "log.txt").read_text()
 
 
 def test_validation_covers_the_val_split_at_most_once(data_dir, tmp_path):
