@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import traceback
 
 
@@ -31,6 +32,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 _joined_process_group = False  # set by mark_joined_process_group(); decides how run_main exits
+# how gloo and NCCL say that a collective failed because another rank went away
+PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+                 "remote process exited")
+PEER_GRACE_S = 5.0
 
 
 def mark_joined_process_group():
@@ -55,10 +60,13 @@ def run_main(main):
         exit_process(130)
     except SystemExit as e:
         exit_process(e.code)
-    except BaseException:
+    except BaseException as e:
         if not _joined_process_group:
             raise
         traceback.print_exc()
+        if any(m in str(e) for m in PEER_FAILURES):  # torchrun first sees the rank whose failure caused this one
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # and ends this one at once, its error printed
+            time.sleep(PEER_GRACE_S)
         exit_process(1)
     if _joined_process_group:
         exit_process(0)

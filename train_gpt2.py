@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import checkpoint
 import common
@@ -36,6 +37,7 @@ from model import GPT, GPTConfig, PRESETS
 from profiling import PhaseTimer, StepProfiler
 
 
+@record  # under torchrun, a failed rank's error file: torchrun's summary shows that error as the root cause
 def main(argv=None):
     sys.exit(train(argv))
 
