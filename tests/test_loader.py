@@ -350,6 +350,24 @@ def test_wrong_dtype(tmp_path):
         TokenLoader(d, "train", 2, 3)
 
 
+@pytest.mark.parametrize("manifest", [False, True])
+def test_the_vocabulary_check_at_its_boundary(tmp_path, manifest):
+    """The train split's largest id is 190 (ids are positions; 10-token rows reach its last token): a vocabulary
+    of 191 ids holds it, one of 190 does not, with a manifest (at once) and without (at the batch that holds it)."""
+    d = make_shards(tmp_path, manifest=manifest)
+    ld = TokenLoader(d, "train", 1, 10, vocab_size=191)
+    assert max(int(ld.next_batch()[1].max()) for _ in range(ld.batches_per_epoch)) == 190
+    if manifest:
+        with pytest.raises(UserError, match=r"edufineweb_train_000006.npy holds token id 190, but the model's "
+                                            r"vocabulary has 190 ids"):
+            TokenLoader(d, "train", 1, 10, vocab_size=190)
+        return
+    ld = TokenLoader(d, "train", 1, 10, vocab_size=190)
+    with pytest.raises(UserError, match=r"^token id 190 in the train data of .* is >= the model's vocab_size 190"):
+        for _ in range(ld.batches_per_epoch):
+            ld.next_batch()
+
+
 def test_token_ids_beyond_vocabulary(tmp_path):
     d = make_shards(tmp_path / "plain")  # no manifest: found when a batch holds one
     ld = TokenLoader(d, "train", 2, 3, vocab_size=100)
