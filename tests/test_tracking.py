@@ -2,6 +2,7 @@
 reader (W&B offline, no account), at the same steps as metrics.jsonl; a resume continues the same
 W&B run and the same TensorBoard directory without a step twice."""
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -64,12 +65,15 @@ def tensorboard_scalars(log_dir, tag):
 
 
 def test_wandb_and_tensorboard_hold_the_records_across_a_kill_and_two_resumes(tmp_path):
-    pytest.importorskip("wandb", reason="pip install wandb (README's test command installs it)")
-    pytest.importorskip("tensorboard", reason="pip install tensorboard (README's test command installs it)")
+    """Each tracker that is installed is checked on its own (TensorBoard's part does not wait for W&B's)."""
+    installed = [name for name in ("wandb", "tensorboard") if importlib.util.find_spec(name)]
+    if not installed:
+        pytest.skip("pip install wandb tensorboard (README's test command installs them)")
     data_dir = write_shards(str(tmp_path / "data"))
     log_dir = str(tmp_path / "log")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=6, checkpoint_every=3, eval_every=2, sample_every=3,
-                num_samples=1, sample_tokens=4, wandb="gpt2-tests", tensorboard=True)
+                num_samples=1, sample_tokens=4, wandb="gpt2-tests" if "wandb" in installed else None,
+                tensorboard="tensorboard" in installed)
     # killed as step 4 begins: steps 0-3 logged, the checkpoint holds 3 steps
     p = subprocess.run([sys.executable, FAULT_TRAINER] + args, capture_output=True, text=True,
                        env=dict(TRACKED, FAULT="kill:0:4"), timeout=900)
@@ -82,6 +86,13 @@ def test_wandb_and_tensorboard_hold_the_records_across_a_kill_and_two_resumes(tm
     assert sorted(train) == list(range(8))
 
     # TensorBoard: every step once, the values of metrics.jsonl (the replayed step 3 replaces the killed launch's)
+    if "tensorboard" in installed:
+        check_tensorboard(log_dir, train)
+    if "wandb" in installed:
+        check_wandb(log_dir, train)
+
+
+def check_tensorboard(log_dir, train):
     scalars, texts = tensorboard_scalars(log_dir, "train/loss")
     assert [s for s, _ in scalars] == list(range(8))
     assert [v for _, v in scalars] == pytest.approx([train[s]["loss"] for s in range(8)], rel=1e-6)
@@ -89,6 +100,9 @@ def test_wandb_and_tensorboard_hold_the_records_across_a_kill_and_two_resumes(tm
     assert [s for s, _ in val] == [r["step"] for r in records(log_dir, "val")]
     assert {"run/text_summary", "sample/0/text_summary", "checkpoint/path/text_summary"} <= set(texts)
 
+
+
+def check_wandb(log_dir, train):
     # W&B: one run (its id stored in the checkpoints), continued by each launch; the launch that
     # was killed lost what W&B's service had not written yet, so its file may hold nothing, and the
     # next launch sends those steps again from metrics.jsonl
