@@ -664,6 +664,30 @@ def test_an_fp16_overflow_in_one_optimizers_gradients_skips_every_optimizer(grad
     assert scaler.get_scale() == scale / 2
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_launch_decays_the_matrices_only(optimizer, data_dir, tmp_path, monkeypatch, train_in_process):
+    """The optimizer a real launch builds (not optim.configure called by hand): weight decay --weight-decay on
+    the 2-D weights (matmuls and the tied embedding) and none on biases and LayerNorm gains, as GPT-3 and nanoGPT
+    do; with Muon the blocks' matrices are Muon's, undecayed, and AdamW keeps the same split for the rest."""
+    import train_gpt2
+    seen = {}
+    real_loop = train_gpt2.loop
+    monkeypatch.setattr(train_gpt2, "loop", lambda run: seen.setdefault("run", run) and real_loop(run))
+    assert train_in_process(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log"), max_steps=2, eval_every=0,
+                                 weight_decay=0.05, optimizer=optimizer)) == 0
+    run = seen["run"]
+    names = {p: n for n, p in run.raw_model.named_parameters()}
+    decay = {}
+    for opt in getattr(run.optimizer, "optimizers", [run.optimizer]):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                decay[names[p]] = (type(opt).__name__, group["weight_decay"])
+    assert sorted(decay) == sorted(names.values())  # every parameter once (the tied weight is one)
+    for n, p in run.raw_model.named_parameters():
+        muon = optimizer == "muon" and n.startswith("transformer.h.") and p.dim() == 2
+        assert decay[n] == (("Muon", 0.0) if muon else ("AdamW", 0.05 if p.dim() >= 2 else 0.0)), n
+
+
 def test_the_loop_steps_with_each_optimizers_scheduled_rate_and_the_grad_clip(data_dir, tmp_path, monkeypatch,
                                                                             train_in_process):
     """What the loop hands train_step: Muon's group at the schedule of --muon-lr, AdamW's two at that
