@@ -534,7 +534,8 @@ def test_null_texts_are_skipped_and_counted(tmp_path, capsys, streaming):
     data = write_parquet(tmp_path / "d.parquet", docs)
     prepare(tmp_path, tmp_path / "out", "--data-files", data, *(["--streaming"] if streaming else []))
     np.testing.assert_array_equal(stream_of(tmp_path / "out"), expected_stream([d for d in docs if d is not None]))
-    *_, skipped, done = capsys.readouterr().out.rstrip("\n").split("\n")
+    lines = capsys.readouterr().out.rstrip("\n").split("\n")
+    *_, skipped, done = [line for line in lines if not line.startswith("warning: ")]  # (a split this small warns)
     assert skipped == "skipped 2 document(s) with no text (null in column 'text')" and done.startswith("done: ")
 
 

@@ -279,7 +279,8 @@ def worker(rank, world, tmp):
         # Muon under DDP, and under FSDP, where each matrix is sharded and gathered for its Newton-Schulz
         # iteration (in bf16, and in fp16 as on GPUs without bf16); the optimizer state has the unsharded format
         for name, sharding, dtype in (("ddp_muon", "none", torch.bfloat16), ("fsdp_muon", "fsdp", torch.bfloat16),
-                                      ("fsdp_muon_fp16", "fsdp", torch.float16)):
+                                      ("fsdp_muon_fp16", "fsdp", torch.float16),
+                                      ("fsdp_muon_fp32", "fsdp", torch.float32)):
             model, opt, _, losses, norms = run(tiny_gpt(), sharding, data_dir, ranks, muon=dtype)
             out[name] = dict(losses=losses, norms=norms, state=parallel.model_state(model),
                              optimizer=parallel.optimizer_state(model, opt))
@@ -398,7 +399,7 @@ def one_process(tmp_path_factory):
     half = tiny_gpt()
     _, opt, _, _, _ = run(half, "none", data_dir, one, steps=RESUME_AT)
     muon = {}
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         m = tiny_gpt()
         _, muon_opt, _, muon_losses, muon_norms = run(m, "none", data_dir, one, muon=dtype)
         muon[dtype] = dict(losses=muon_losses, norms=muon_norms, state=m.state_dict(), optimizer=muon_opt.state_dict())
@@ -424,24 +425,31 @@ def test_two_processes_match_one_process(two_ranks, one_process, name):
         assert r1[name]["state"] == {}  # the full state dict is gathered on rank 0 only
 
 
-@pytest.mark.parametrize("name, dtype", [("ddp_muon", torch.bfloat16), ("fsdp_muon", torch.bfloat16),
-                                         ("fsdp_muon_fp16", torch.float16)])
+# 16-bit Newton-Schulz rounds its input to 8 or 11 bits: where FSDP's gradients differ from one process's in the last
+# bit (torch 2.9's FSDP sums in another order; 2.13's match to the bit), a rounding can flip and spread through the
+# iteration: after 4 steps, states within 1e-3 (bf16) and 1e-4 (fp16) on 2.9. float32 shows the logic to 5e-8.
+SIXTEEN_BIT = {torch.bfloat16: 2e-3, torch.float16: 3e-4}
+
+
+@pytest.mark.parametrize("name, dtype", [("ddp_muon", torch.bfloat16), ("fsdp_muon_fp32", torch.float32),
+                                         ("fsdp_muon", torch.bfloat16), ("fsdp_muon_fp16", torch.float16)])
 def test_muon_on_two_processes_matches_one_process(two_ranks, one_process, name, dtype):
     """--optimizer muon under DDP and under FSDP trains as one process does (under FSDP each
-    matrix's update is gathered and orthogonalised whole, in bf16 or fp16), and its checkpointed
+    matrix's update is gathered and orthogonalised whole, in fp32, bf16 or fp16), and its checkpointed
     state (Muon's momentum, AdamW's moments) has the one-process format."""
     (r0, r1), _ = two_ranks
     got, ref = r0[name], one_process["muon"][dtype]
+    atol = SIXTEEN_BIT.get(dtype) if name.startswith("fsdp") else None
     assert got["losses"] == r1[name]["losses"]
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
-    assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
-    assert_states_close(got["state"], ref["state"])
+    assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5 if atol is None else 1e-3)
+    assert_states_close(got["state"], ref["state"], atol=atol or 1e-6)
     for mine, theirs in zip(got["optimizer"]["optimizers"], ref["optimizer"]["optimizers"]):
         assert mine["param_groups"] == theirs["param_groups"] and list(mine["state"]) == list(theirs["state"])
         for i, s in theirs["state"].items():
             assert list(mine["state"][i]) == list(s)
             for key in s:
-                torch.testing.assert_close(mine["state"][i][key], s[key], rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(mine["state"][i][key], s[key], rtol=1e-5, atol=atol or 1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
