@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shlex
+from dataclasses import dataclass
 import shutil
 import time
 import zipfile
@@ -183,17 +184,27 @@ class Checkpointer:
 
 
 # Resuming: which checkpoint
+@dataclass(frozen=True)
+class Resume:
+    """The run a launch continues: its checkpoint's path and contents, and why newer ones were passed over."""
+    path: str
+    checkpoint: dict
+    skipped: list
+
+    step = property(lambda self: self.checkpoint["step"])
+
+
 def resume_point(resume, log_dir):
-    """Which checkpoint a launch continues, as find_resume() says it. A --resume PATH given again (a requeued
-    job) goes on from log_dir's own newest checkpoint; another run's checkpoint is refused where log_dir holds
-    a run of its own (their checkpoints, export and metrics would mix)."""
+    """The Resume a launch continues (None: a new run), as find_resume() says it. A --resume PATH given again (a
+    requeued job) goes on from log_dir's own newest checkpoint; another run's checkpoint is refused where log_dir
+    holds a run of its own (their checkpoints, export and metrics would mix)."""
     holds_run = bool(list_checkpoints(log_dir)) or metrics.steps_logged(log_dir)
     if resume is None:  # never silently write over an earlier run
         metrics.check_not_running(log_dir)
         if holds_run:
             raise UserError(f"{log_dir} already holds a run: pass --resume to continue it, "
                             "or a new --log-dir for a new run")
-        return None, None, []
+        return None
     again = holds_run and resume != "latest" and resume in metrics.resumed_before(log_dir)
     path, ckpt, skipped = find_resume("latest", log_dir) if again else (None, None, [])
     if path is None:
@@ -207,7 +218,7 @@ def resume_point(resume, log_dir):
         raise UserError(f"--resume {resume}: {log_dir} holds another run; continue {path} in a new "
                         f"--log-dir (or an empty one), or start a new run from its weights with --init-from "
                         f"{shlex.quote(path)}")
-    return path, ckpt, skipped
+    return Resume(path, ckpt, skipped) if ckpt is not None else None
 
 
 def find_resume(resume, log_dir):

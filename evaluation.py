@@ -2,6 +2,7 @@
 built only where it is on, and each stoppable by a stop request between batches."""
 
 import itertools
+import os
 
 import torch
 
@@ -32,6 +33,27 @@ def build(cfg, ranks, log, fsdp, block_size):
         except UserError as e:
             raise UserError(f"--sample-prompt: {e}")
     return out
+
+
+def check_files(cfg):
+    """--hellaswag-file and --core-bundle, read now as far as the run will read them: one that cannot be
+    scored is bad input, not a "skipped" found hours into the run. One a resumed run stored but that is
+    gone (a copied run) is no reason to refuse the resume: that evaluation says it is skipped."""
+    def named(flag, every):
+        path = getattr(cfg, flag)
+        return path is not None and (flag in cfg.given or (getattr(cfg, every) and os.path.exists(path)))
+    if named("hellaswag_file", "hellaswag_every"):
+        import hellaswag
+        try:
+            hellaswag.load_items(cfg.hellaswag_file, limit=cfg.hellaswag_limit, flag="--hellaswag-file")
+        except UserError as e:
+            raise UserError(f"--hellaswag-file: {e}")
+    if named("core_bundle", "core_every"):
+        import core
+        try:
+            core.load_tasks(cfg.core_bundle, None, cfg.core_limit, "--core-bundle")
+        except UserError as e:
+            raise UserError(f"--core-bundle: {e}")
 
 
 def evaluate(run, step, stop):

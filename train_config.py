@@ -1,16 +1,15 @@
 """
 The trainer's settings: every flag with its unit and default, the range each numeric flag must lie in,
 the checks between flags, and which settings a resumed run may change. They are resolved once and then
-only read: parse_args(argv), then resolve(args), which puts a resumed run's own settings under the
-flags the command line names. stored() is what checkpoints and the run header keep.
+only read: parse_args(argv), then resolve(args, resume), which puts a resumed run's own settings (its checkpoint,
+which checkpoint.resume_point found) under the flags the command line names. stored() is what checkpoints and the
+run header keep.
 """
 
 import argparse
 import math
 import os
-from dataclasses import dataclass
 
-import checkpoint
 import common
 from common import UserError
 from model import PRESETS
@@ -217,23 +216,10 @@ class Settings(argparse.Namespace):
         raise AttributeError(f"the settings are read-only once resolved: {name} is set where they are resolved")
 
 
-@dataclass(frozen=True)
-class Resume:
-    """The run a launch continues: its checkpoint, why newer ones were passed over, what the command line changed."""
-    path: str
-    checkpoint: dict
-    skipped: list
-    changes: list
-
-    @property
-    def step(self):
-        return self.checkpoint["step"]
-
-
-def resolve(args):
-    """The launch's Settings and the Resume it continues (or None): a resumed run's own settings under the flags
-    the command line names, then every check between them. Nothing is written."""
-    path, ckpt, skipped = checkpoint.resume_point(args.resume, args.log_dir)
+def resolve(args, resume=None):
+    """The launch's Settings, and what the command line changed of a resumed run (checkpoint.Resume, or None for a
+    new run): its own settings under the flags the command line names, then every check between them."""
+    ckpt, path = (resume.checkpoint, resume.path) if resume is not None else (None, None)
     values = dict(vars(args))
     changes = stored_run(values, args.given, ckpt, path) if ckpt is not None else []
     if values["optimizer"] != "muon":
@@ -253,8 +239,7 @@ def resolve(args):
         if getattr(cfg, flag):
             import trackers
             trackers.check_tracker_installed(flag)
-    check_evaluation_files(cfg)
-    return cfg, Resume(path, ckpt, skipped, changes) if ckpt is not None else None
+    return cfg, changes
 
 
 def stored_run(values, given, ckpt, path):
@@ -281,27 +266,6 @@ def stored_run(values, given, ckpt, path):
                             "a new run")
         changes.append(f"{flag} {was} -> {now} (from the command line)")
     return changes
-
-
-def check_evaluation_files(cfg):
-    """--hellaswag-file and --core-bundle, read now as far as the run will read them: one that cannot be
-    scored is bad input, not a "skipped" found hours into the run. One a resumed run stored but that is
-    gone (a copied run) is no reason to refuse the resume: that evaluation says it is skipped."""
-    def named(flag, every):
-        path = getattr(cfg, flag)
-        return path is not None and (flag in cfg.given or (getattr(cfg, every) and os.path.exists(path)))
-    if named("hellaswag_file", "hellaswag_every"):
-        import hellaswag
-        try:
-            hellaswag.load_items(cfg.hellaswag_file, limit=cfg.hellaswag_limit, flag="--hellaswag-file")
-        except UserError as e:
-            raise UserError(f"--hellaswag-file: {e}")
-    if named("core_bundle", "core_every"):
-        import core
-        try:
-            core.load_tasks(cfg.core_bundle, None, cfg.core_limit, "--core-bundle")
-        except UserError as e:
-            raise UserError(f"--core-bundle: {e}")
 
 
 def stored(cfg, micro_batch):

@@ -45,7 +45,10 @@ def main(argv=None):
 def train(argv=None):
     """Train with the command line argv; returns the exit status (0, or 3: a non-finite loss). The
     settings are resolved before the process group forms, since its device and timeout are among them."""
-    cfg, resume = train_config.resolve(train_config.parse_args(argv, description=__doc__))
+    args = train_config.parse_args(argv, description=__doc__)
+    resume = checkpoint.resume_point(args.resume, args.log_dir)
+    cfg, changes = train_config.resolve(args, resume)
+    evaluation.check_files(cfg)
     owes_export = resume is not None and cfg.export_hf and checkpoint.export_pending(cfg.log_dir, resume.path)
     if resume is not None and resume.step == cfg.max_steps and not owes_export:
         common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "
@@ -54,7 +57,7 @@ def train(argv=None):
     ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
     log = RunLog(cfg.log_dir, ranks.is_master)
     try:
-        run = setup(cfg, ranks, log, resume)
+        run = setup(cfg, ranks, log, resume, changes)
         del resume  # the checkpoint it read is back in the model and optimizer: free its host memory
         try:
             status = loop(run)
@@ -109,7 +112,7 @@ class Run:
 # Set-up, one job at a time: device, model, batch, data, optimizer, restore, trackers, header
 
 
-def setup(cfg, ranks, log, resume):
+def setup(cfg, ranks, log, resume, changes):
     """The Run of this launch, new or continuing `resume`. Every check that can refuse the launch comes before its
     first write into the log directory, and before an old branch's later checkpoints are set aside."""
     ckpt = resume.checkpoint if resume is not None else None
@@ -176,7 +179,7 @@ def setup(cfg, ranks, log, resume):
               optimizer=optimizer, scaler=scaler, schedule=schedule, train_loader=train_loader,
               val_loader=val_loader, val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
               per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)), **evals)
-    write_header(run, origin, resume)
+    write_header(run, origin, resume, changes)
     return run
 
 
@@ -219,7 +222,7 @@ def build_data(cfg, ranks, micro_batch, vocab_size):
     return train_loader, val_loader, max(1, sequences)
 
 
-def write_header(run, origin, resume):
+def write_header(run, origin, resume, changes):
     """The run record and the lines that say what produced this run and how it is laid out: what they
     say is gathered first (the device, the processes, the model, the memory plan), then written."""
     cfg, ranks, log, model, choice = run.cfg, run.ranks, run.log, run.raw_model, run.choice
@@ -235,7 +238,7 @@ def write_header(run, origin, resume):
                               muon_params=muon_params)
     memory_line = memory.format_memory_plan(plan, choice.capacity, "GPU" if choice.capacity else "process")
     commit = git_commit()
-    resume_path, changes = (resume.path, resume.changes) if resume is not None else (None, [])
+    resume_path = resume.path if resume is not None else None
     log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
                compile=choice.compile, world_size=ranks.world_size, grad_accum=run.grad_accum, versions=versions(),

@@ -23,9 +23,9 @@ import torch.nn.functional as F  # noqa: E402
 import core  # noqa: E402
 import measure  # noqa: E402
 import scoring  # noqa: E402
-from bench_hellaswag import WORDS, add_model_args, scored_model, timed  # noqa: E402
-from bench_sample import add_device_args, setup  # noqa: E402
-from device import autocast, device_name  # noqa: E402
+from bench_hellaswag import WORDS, parsed_with_model_args, scored_model, timed  # noqa: E402
+from bench_sample import add_device_args  # noqa: E402
+from device import autocast  # noqa: E402
 from tokenizer import EOT_TOKEN, get_tokenizer  # noqa: E402
 
 
@@ -83,21 +83,17 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", default="1,4,16", help="items per forward for evaluate (default 1,4,16)")
     p.add_argument("--rounds", type=int, default=2,
                    help="the methods take turns this many times, so a passing load hits all alike (default 2)")
-    add_model_args(p)
-    return p.parse_args(argv)
+    return parsed_with_model_args(p, argv)
 
 
 def main():
     args = parse_args()
-    device, dtype = setup(args)
-    model = scored_model(args, device)
+    device, dtype, model, header = scored_model(args)
     tasks = synthetic_tasks(args.items)
     n = sum(len(t.items) for t in tasks)
     share = scoring.share_of(core.Core(tasks), model.config.block_size)  # rendered once, as the trainer does
     lengths = [len(prefix) + sum(len(o) + len(c) for o, c in options) for prefix, options in share.rows]
-    print(f"torch {torch.__version__}, {device_name(device)}, {torch.get_num_threads()} threads, {dtype}; "
-          f"GPT {model.num_params() / 1e6:.0f}M ({args.n_layer}/{args.n_head}/{args.n_embd}), {n} items in "
-          f"{len(tasks)} tasks, packed rows of {min(lengths)}-{max(lengths)} tokens "
+    print(f"{header}, {n} items in {len(tasks)} tasks, packed rows of {min(lengths)}-{max(lengths)} tokens "
           f"(mean {sum(lengths) / len(lengths):.0f})")
     methods = {"one item per forward (nanochat's loop)": lambda: one_item_per_forward(model, tasks, device, dtype)}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:

@@ -67,16 +67,22 @@ def one_item_per_forward(model, items, device, dtype):
     return {"acc": correct / len(items), "acc_norm": correct_norm / len(items), "n": len(items)}
 
 
-def add_model_args(p):
-    """The model's shape (bench_core.py shares these)."""
+def parsed_with_model_args(p, argv):
+    """argv parsed by p with the model's shape added (bench_core.py shares these)."""
     p.add_argument("--n-layer", type=int, default=12, help="model shape (default: GPT-2 124M, 12/12/768)")
     p.add_argument("--n-head", type=int, default=12)
     p.add_argument("--n-embd", type=int, default=768)
+    return p.parse_args(argv)
 
 
-def scored_model(args, device):
-    """A GPT of the flags' shape, random weights (speed does not depend on them), in eval mode."""
-    return GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)).to(device).eval()
+def scored_model(args):
+    """(device, dtype, a GPT of the flags' shape with random weights (speed does not depend on them) in eval mode,
+    the first words of the benchmark's header line) (bench_core.py shares it)."""
+    device, dtype = setup(args)
+    model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)).to(device).eval()
+    return device, dtype, model, (f"torch {torch.__version__}, {device_name(device)}, {torch.get_num_threads()} "
+                                  f"threads, {dtype}; GPT {model.num_params() / 1e6:.0f}M "
+                                  f"({args.n_layer}/{args.n_head}/{args.n_embd})")
 
 
 def timed(fn, device):
@@ -96,20 +102,16 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=4,
                    help="the items are split into this many parts and the methods take turns on each, so a "
                         "load that comes and goes on the machine hits all of them alike (default 4)")
-    add_model_args(p)
-    return p.parse_args(argv)
+    return parsed_with_model_args(p, argv)
 
 
 def main():
     args = parse_args()
-    device, dtype = setup(args)
-    model = scored_model(args, device)
+    device, dtype, model, header = scored_model(args)
     items = synthetic_items(args.items)
     enc = get_tokenizer()
     rows = [len(enc.encode_ordinary(it["ctx"] + " " + e)) for it in items for e in it["endings"]]
-    print(f"torch {torch.__version__}, {device_name(device)}, {torch.get_num_threads()} threads, {dtype}; "
-          f"GPT {model.num_params() / 1e6:.0f}M ({args.n_layer}/{args.n_head}/{args.n_embd}), {len(items)} items, "
-          f"rows of {min(rows)}-{max(rows)} tokens (mean {sum(rows) / len(rows):.0f})")
+    print(f"{header}, {len(items)} items, rows of {min(rows)}-{max(rows)} tokens (mean {sum(rows) / len(rows):.0f})")
     methods = {"one item per forward (build-nanogpt loop)":
                lambda part: one_item_per_forward(model, part, device, dtype)}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:

@@ -356,9 +356,14 @@ def test_the_trainer_reads_and_checks_the_bundle_before_it_starts(tmp_path):
     """--core-bundle is read as the run will read it, items up to --core-limit among them: a bad
     bundle is one line naming the trainer's flag at launch, never a CORE skipped, or a crash, at
     the first evaluation."""
+    import evaluation
     import train_config
     argv = ["--log-dir", str(tmp_path / "log"), "--core-every", "100"]
-    resolve = lambda argv: train_config.resolve(train_config.parse_args(argv))[0]  # noqa: E731
+
+    def resolve(argv):  # the settings, with the evaluations' files checked as the trainer checks them at start
+        cfg, _ = train_config.resolve(train_config.parse_args(argv))
+        evaluation.check_files(cfg)
+        return cfg
     for name, (bundle, expect) in bad_bundle_cases(tmp_path).items():
         with pytest.raises(common.UserError) as e:
             resolve(argv + ["--core-bundle", bundle])
