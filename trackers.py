@@ -4,7 +4,6 @@ import importlib.util
 import json
 import os
 import queue
-import secrets
 import sys
 import threading
 
@@ -12,10 +11,11 @@ from common import UserError, first_line, unreachable
 from metrics import read_metrics
 
 
-def check_tracker_installed(package):
-    """UserError naming the pip install when a tracking flag's package (the flag's name) is missing."""
-    if importlib.util.find_spec(package) is None:
-        raise UserError(f"--{package} needs the {package} package, which is not installed: pip install {package}")
+def check_installed(cfg):
+    """UserError naming the pip install when the package of a tracking flag the run has on is missing."""
+    for package in ("wandb", "tensorboard"):
+        if getattr(cfg, package) and importlib.util.find_spec(package) is None:
+            raise UserError(f"--{package} needs the {package} package, which is not installed: pip install {package}")
 
 
 class Trackers:
@@ -102,11 +102,6 @@ class Trackers:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def new_wandb_id():
-    """An id for a new W&B run, chosen before the run starts so that every checkpoint can hold it."""
-    return secrets.token_hex(4)
 
 
 def start_wandb(log_dir, project, name, run_id):

@@ -9,6 +9,7 @@ run header keep.
 import argparse
 import math
 import os
+import secrets
 
 import common
 from common import UserError
@@ -225,8 +226,7 @@ def resolve(args, resume=None):
     if values["optimizer"] != "muon":
         values["muon_lr"] = None  # Muon's peak rate only where Muon trains: what every reader asks
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
-        import trackers
-        values["wandb_id"] = trackers.new_wandb_id()
+        values["wandb_id"] = secrets.token_hex(4)
     cfg = Settings(values)
     check_relations(cfg, resumed=ckpt is not None)
     if ckpt is not None and cfg.max_steps < ckpt["step"]:
@@ -235,10 +235,6 @@ def resolve(args, resume=None):
     if ckpt is not None and cfg.profile_steps and cfg.profile_steps[0] < ckpt["step"]:
         raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} starts before step "
                         f"{ckpt['step']}, where this launch resumes {path}: profile steps from {ckpt['step']} on")
-    for flag in ("wandb", "tensorboard"):
-        if getattr(cfg, flag):
-            import trackers
-            trackers.check_tracker_installed(flag)
     return cfg, changes
 
 

@@ -49,6 +49,9 @@ def train(argv=None):
     resume = checkpoint.resume_point(args.resume, args.log_dir)
     cfg, changes = train_config.resolve(args, resume)
     evaluation.check_files(cfg)
+    if cfg.wandb or cfg.tensorboard:
+        import trackers
+        trackers.check_installed(cfg)
     owes_export = resume is not None and cfg.export_hf and checkpoint.export_pending(cfg.log_dir, resume.path)
     if resume is not None and resume.step == cfg.max_steps and not owes_export:
         common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "

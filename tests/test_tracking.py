@@ -1,6 +1,7 @@
 """--wandb and --tensorboard: the trainer's records, read back with each library's own format and
 reader (W&B offline, no account), at the same steps as metrics.jsonl; a resume continues the same
 W&B run and the same TensorBoard directory without a step twice."""
+import argparse
 import glob
 import importlib.util
 import json
@@ -203,5 +204,5 @@ def test_a_missing_package_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "tensorboard" else None)
     with pytest.raises(trackers.UserError, match=r"^--wandb needs the wandb package, which is not installed: "
                                                 r"pip install wandb$"):
-        trackers.check_tracker_installed("wandb")
-    trackers.check_tracker_installed("tensorboard")
+        trackers.check_installed(argparse.Namespace(wandb="project", tensorboard=True))
+    trackers.check_installed(argparse.Namespace(wandb=None, tensorboard=True))
