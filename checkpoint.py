@@ -17,47 +17,24 @@ import os
 import random
 import re
 import shlex
-from dataclasses import dataclass
 import shutil
 import time
 import zipfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
 import metrics
 import parallel
+# the log directory's checkpoint files and the command that goes on (metrics.py says them for every reader)
+from metrics import checkpoint_path, latest_checkpoint, list_checkpoints, resume_command, step_of  # noqa: F401
 from common import UserError, atomic_write, first_line, fsync_path, hub_unreachable, out_of_space
 from model import GPT, GPTConfig
 from tokenizer import gpt2_bpe_files
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
 TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # a torch.save zip (torch >= 1.6), or a pickle (older)
-CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
-
-
-# Files
-def checkpoint_path(log_dir, step):
-    return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
-
-
-def step_of(path):
-    return int(CHECKPOINT_RE.match(os.path.basename(path)).group(1))
-
-
-def list_checkpoints(log_dir):
-    found = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt"))
-             if CHECKPOINT_RE.match(os.path.basename(p))]
-    return sorted(found, key=step_of)
-
-
-def latest_checkpoint(log_dir):
-    """The newest checkpoint file in log_dir by step, whether it loads or not; None if there is none."""
-    ckpts = list_checkpoints(log_dir)
-    return ckpts[-1] if ckpts else None
-
-
 def save_file(path, ckpt):
     ckpt = dict(ckpt, format=CHECKPOINT_FORMAT)
     try:
@@ -262,19 +239,6 @@ def set_aside_later(log_dir, path, step):
     return dest, [os.path.basename(p) for p in moved]
 
 
-def resume_command(log_dir, world_size=1, per_node=None):
-    """The shell command that continues the run in log_dir with as many processes (check_world_size); on several
-    nodes, N (each node's rank) and HOST:PORT (the first node's address) are the user's to fill in."""
-    args = f"train_gpt2.py --log-dir {shlex.quote(log_dir)} --resume"
-    if world_size <= 1:
-        return f"python {args}"
-    per_node = per_node or world_size
-    if per_node >= world_size:
-        return f"torchrun --standalone --nproc_per_node={world_size} {args}"
-    return (f"torchrun --nnodes={world_size // per_node} --node_rank=N --nproc_per_node={per_node} "
-            f"--rdzv-endpoint=HOST:PORT {args}")
-
-
 def check_world_size(ckpt, path, ranks):
     """The data position counts in the run's process count, which must not change: rank 0 says why, the rest exit."""
     saved = ckpt.get("world_size", ckpt["config"].get("world_size"))  # older checkpoints: in the config
@@ -300,7 +264,7 @@ def export_pending(log_dir, final_checkpoint):
     return not (os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(final_checkpoint))
 
 
-def export_final(model, log_dir, last_checkpoint, resume_command):
+def export_final(model, log_dir, last_checkpoint, command):
     """Write the plain GPT `model` and the GPT-2 tokenizer to LOG_DIR/hf in Hugging Face's format."""
     from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
     out = os.path.join(log_dir, "hf")
@@ -309,7 +273,7 @@ def export_final(model, log_dir, last_checkpoint, resume_command):
     except (OSError, SafetensorError) as e:
         why = "no space left on its disk" if out_of_space(e, log_dir) else first_line(e)
         raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
-                        f"(the last: {last_checkpoint}): free space under --log-dir, then {resume_command} "
+                        f"(the last: {last_checkpoint}): free space under --log-dir, then {command} "
                         "exports it")
     return out
 

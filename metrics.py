@@ -29,11 +29,14 @@ short by a kill, damage, a used kind without one of its REQUIRED keys or with a 
 with one warning naming it; a file in which no line is a record is an error.
 """
 
+import glob
 import importlib.util
 import json
 import os
 import platform
+import re
 import runpy
+import shlex
 import shutil
 import socket
 import subprocess
@@ -60,6 +63,43 @@ STEP_KINDS = ("train", "val", "hellaswag", "core", "checkpoint")  # read_metrics
 
 
 # Writing
+# The log directory's checkpoints, by name (checkpoint.py writes and reads them), and how a run goes on
+CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
+
+
+def checkpoint_path(log_dir, step):
+    return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
+
+
+def step_of(path):
+    return int(CHECKPOINT_RE.match(os.path.basename(path)).group(1))
+
+
+def list_checkpoints(log_dir):
+    found = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt"))
+             if CHECKPOINT_RE.match(os.path.basename(p))]
+    return sorted(found, key=step_of)
+
+
+def latest_checkpoint(log_dir):
+    """The newest checkpoint file in log_dir by step, whether it loads or not; None if there is none."""
+    ckpts = list_checkpoints(log_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def resume_command(log_dir, world_size=1, per_node=None):
+    """The shell command that continues the run in log_dir with as many processes (check_world_size); on several
+    nodes, N (each node's rank) and HOST:PORT (the first node's address) are the user's to fill in."""
+    args = f"train_gpt2.py --log-dir {shlex.quote(log_dir)} --resume"
+    if world_size <= 1:
+        return f"python {args}"
+    per_node = per_node or world_size
+    if per_node >= world_size:
+        return f"torchrun --standalone --nproc_per_node={world_size} {args}"
+    return (f"torchrun --nnodes={world_size // per_node} --node_rank=N --nproc_per_node={per_node} "
+            f"--rdzv-endpoint=HOST:PORT {args}")
+
+
 class RunLog:
     """log.txt and metrics.jsonl of one run: rank 0 writes, the other ranks' RunLog does nothing. hold(), or else
     the first write, takes the directory's lock until close(). A stdout whose reader went away ends the printing,
@@ -149,7 +189,7 @@ class RunLog:
             f.flush()
         except OSError as e:
             why = "no space left on its disk" if out_of_space(e, self.log_dir) else (e.strerror or str(e))
-            saved = sorted(n for n in os.listdir(self.log_dir) if n.startswith("ckpt_") and n.endswith(".pt"))
+            saved = [os.path.basename(p) for p in list_checkpoints(self.log_dir)]
             then = (f"the run's checkpoints are intact (the last: {saved[-1]}): free space under --log-dir, then "
                     "--resume continues from it" if saved else "no checkpoint was written yet: free space under "
                     "--log-dir, then --resume starts the run again")

@@ -18,11 +18,10 @@ import sys
 import textwrap
 import threading
 
-import checkpoint
 import common
 from common import UserError
 from core import GPT2_CORE, N_CORE_TASKS
-from metrics import read_metrics
+from metrics import latest_checkpoint, read_metrics, resume_command, step_of
 
 GPT2_VAL_LOSS = 3.2924   # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as measured by build-nanogpt
 GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, HellaSwag acc_norm on the 10,042 validation examples (build-nanogpt)
@@ -90,8 +89,8 @@ def summarize(log_dir):
         last = records[-1] if records else {}
         s.update({f"{key}_best": best.get(field), f"{key}_best_step": best.get("step"),
                   f"{key}_final": last.get(field), f"{key}_final_step": last.get("step")})
-    s["checkpoint"] = checkpoint.latest_checkpoint(log_dir)  # what --resume continues from
-    s["checkpoint_step"] = checkpoint.step_of(s["checkpoint"]) if s["checkpoint"] else None
+    s["checkpoint"] = latest_checkpoint(log_dir)  # what --resume continues from
+    s["checkpoint_step"] = step_of(s["checkpoint"]) if s["checkpoint"] else None
     return s
 
 
@@ -151,7 +150,7 @@ def format_summary(s):
     if s["status"] == "finished":
         lines.append(status + (f"; final checkpoint {s['checkpoint']}" if s["checkpoint"] else ""))
     elif s["checkpoint"]:
-        command = checkpoint.resume_command(s["log_dir"], s["world_size"] or 1, s["per_node"])
+        command = resume_command(s["log_dir"], s["world_size"] or 1, s["per_node"])
         lines += [status, f"  resume      {command} (continues at step {s['checkpoint_step']} from {s['checkpoint']})"]
     else:
         lines += [status, "  resume      no checkpoint written: a new launch starts from step 0"]
