@@ -255,7 +255,9 @@ class CudaMemory:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         run()
-        return torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()  # blocks cached for this stream would not serve FSDP's collectives on theirs
+        return peak
 
 
 def autocast(device, dtype):

@@ -70,6 +70,8 @@ def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_
     b = planned[-1] if planned else cands[0]
     while b:
         before = memory.allocated()
+        # gradients the trial makes (none before it, except DDP's buckets): bytes that do not grow with b
+        grads = 4 * sum(local_part(p).numel() for p in unwrap(model).parameters() if p.grad is None)
         try:
             peak = trial_peak(model, micro_step, b, per_rank // b, block_size, ranks.device, memory)
         except Exception as e:
@@ -82,8 +84,8 @@ def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_
             continue
         if peak <= budget:
             break
-        growth = (peak - before) / b  # bytes per sequence: activations and gradients grow with b, weights do not
-        b = max([c for c in cands if c < b and before + growth * c <= budget], default=0)
+        growth = (peak - before - grads) / b  # bytes per sequence: the activations
+        b = max([c for c in cands if c < b and before + grads + growth * c <= budget], default=0)
         if is_fsdp(model):
             break  # one trial: another would be a collective the other ranks do not join
     b = smallest(b, ranks)

@@ -42,8 +42,11 @@ def torchrun_restart():
 def setup_distributed(requested_device="auto", timeout_s=None):
     """Join the process group when launched by torchrun (NCCL on CUDA, gloo on CPU). A collective that
     waits longer than timeout_s fails, so a dead or hung rank ends the group in bounded time."""
-    device = pick_device(requested_device)
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    multi = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # under torchrun each rank takes the GPU of its LOCAL_RANK (below): a GPU index asked for would make every
+    # rank open a context on that one GPU first
+    device = pick_device(requested_device.partition(":")[0] if multi and requested_device else requested_device)
+    if not multi:
         return Ranks(device=device)  # plain python, or torchrun with one process
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

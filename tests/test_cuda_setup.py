@@ -28,6 +28,7 @@ NAMINGS = {
     "cuda:0": ("cuda:0", {}, [fake_cuda.H100, A100], "cuda:0", 0),
     "cuda:1": ("cuda:1", {}, [fake_cuda.H100, A100], "cuda:1", 1),
     "torchrun LOCAL_RANK=1": ("auto", TORCHRUN, [fake_cuda.H100, A100], "cuda:1", 1),
+    "torchrun LOCAL_RANK=1, --device cuda:0": ("cuda:0", TORCHRUN, [fake_cuda.H100, A100], "cuda:1", 1),
     "T4, fp16": ("auto", {}, [T4], "cuda", 0),
 }
 PEAKS = {fake_cuda.H100[0]: 989e12, A100[0]: 312e12, T4[0]: 65e12}
@@ -58,6 +59,8 @@ def test_the_set_up_on_a_gpu_for_every_way_of_naming_it(naming, monkeypatch, tmp
 
     ranks = parallel.setup_distributed(requested)
     assert ranks.device == expected and torch.cuda.current_device() == index == driver.current
+    # no other GPU was made current on the way (each would hold a CUDA context of this process)
+    assert {i for call, i in driver.calls if call == "set_device"} <= {index}
     choice = device.choose(ranks.device, "auto", None, False)
     fp16 = capability < (8, 0)
     assert choice.name == name and choice.dtype == ("float16" if fp16 else "bfloat16")
