@@ -246,6 +246,25 @@ def trainer_flags(args, out, name, **settings):
                            export_hf=False, plot=False, **(SMALL if args.small else {})), **settings))
 
 
+def on_the_run(args, out, compiles):
+    """The steps both plans run on the train step's run and beside it: the scripts on its checkpoint, the syncs of
+    a step, the auto-fit under memory pressure and an out-of-memory snapshot (the last three CUDA's alone)."""
+    items, log_dir = os.path.join(out, ITEMS), os.path.join(out, "run")
+    trainer = functools.partial(trainer_flags, args, out)
+    return {
+        "hellaswag": Step([PY, "hellaswag.py", "--model", log_dir, "--data-file", items, "--device", args.device,
+                           "--json"] + (["--compile"] if compiles else [])),
+        "sample": Step([PY, "sample.py", "--model", log_dir, "--device", args.device, "--num-samples", "2",
+                        "--max-new-tokens", "64", "--seed", "1"]),
+        "syncs": Step([PY, "-c", SYNCS, args.data_dir, args.device]),
+        "probe": Step([PY, "-c", PROBE, "train_gpt2.py"] + trainer("probe", max_steps=3)),
+        # a step of a million tokens per micro-batch runs out of memory on any GPU: the snapshot is written
+        "oom_snapshot": Step([PY, "train_gpt2.py"] + trainer("oom", block_size=1024, micro_batch_size=1024,
+                                                             total_batch_size=1024 * 1024, compile=False,
+                                                             memory_snapshot=True, max_steps=2), rc=2),
+    }
+
+
 def plan(args, machine, out):
     """{name: Step} of every step this machine runs, in order; args: parse_args()'s, out: the results
     folder. The commands name each setting once."""
@@ -253,7 +272,7 @@ def plan(args, machine, out):
         return quick_plan(args, machine, out)
     cuda = machine.device.startswith("cuda")
     compiles = not cuda or machine.capability >= TRITON_MIN_CAPABILITY
-    items, log_dir = os.path.join(out, ITEMS), os.path.join(out, "run")
+    items = os.path.join(out, ITEMS)
     if args.small:
         bench_hs = ["--items", "40", "--n-layer", "2", "--n-head", "2", "--n-embd", "64"]
         bench_gen = ["--new-tokens", "16", "--repeats", "1"]
@@ -267,16 +286,15 @@ def plan(args, machine, out):
                     hellaswag_limit=200, sample_every=every, checkpoint_every=every, timing_breakdown=10,
                     profile_steps=f"{every // 2}:{every // 2 + 1}", export_hf=None, plot=None)
     bench_dtype = ["--dtype", "auto"]  # bf16 where the GPU has it, fp16 on a T4 or P100, fp32 on CPU
+    shared = on_the_run(args, out, compiles)
     steps = {
         "train": Step([PY, "train_gpt2.py"] + train, (f"step {(3 * args.steps) // 4:5d} |", signal.SIGTERM)),
         "resume": Step([PY, "train_gpt2.py"] + train + ["--resume"]),
         "fp16": Step([PY, "train_gpt2.py"] + trainer("fp16", dtype="float16")),
         "eager": Step([PY, "train_gpt2.py"] + trainer("eager", compile=False)),
         "muon": Step([PY, "train_gpt2.py"] + trainer("muon", optimizer="muon")),
-        "hellaswag": Step([PY, "hellaswag.py", "--model", log_dir, "--data-file", items, "--device", args.device,
-                           "--json"] + (["--compile"] if compiles else [])),
-        "sample": Step([PY, "sample.py", "--model", log_dir, "--device", args.device, "--num-samples", "2",
-                        "--max-new-tokens", "64", "--seed", "1"]),
+        "hellaswag": shared["hellaswag"],
+        "sample": shared["sample"],
         "bench_hellaswag": Step([PY, "bench/bench_hellaswag.py", "--device", args.device, "--batch-sizes", "1,16,64"]
                                 + bench_dtype + bench_hs),
         "bench_sample": Step([PY, "bench/bench_sample.py", "--device", args.device] + bench_dtype + bench_gen),
@@ -286,12 +304,9 @@ def plan(args, machine, out):
         # the GPU-readiness checks: compile gating, the probe under memory pressure, a resume with a
         # smaller micro-batch, FSDP
         "compile_gate": Step([PY, "-c", GATE, args.device]),
-        "syncs": Step([PY, "-c", SYNCS, args.data_dir, args.device]),
-        "probe": Step([PY, "-c", PROBE, "train_gpt2.py"] + trainer("probe", max_steps=3)),
-        # a step of a million tokens per micro-batch runs out of memory on any GPU: the snapshot is written
-        "oom_snapshot": Step([PY, "train_gpt2.py"] + trainer("oom", block_size=1024, micro_batch_size=1024,
-                                                             total_batch_size=1024 * 1024, compile=False,
-                                                             memory_snapshot=True, max_steps=2), rc=2),
+        "syncs": shared["syncs"],
+        "probe": shared["probe"],
+        "oom_snapshot": shared["oom_snapshot"],
         "micro_a": Step([PY, "train_gpt2.py"] + trainer("micro_a", checkpoint_every=6)),
         "micro_b": Step([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "micro_b"), "--resume",
                          os.path.join(out, "micro_a", "ckpt_000006.pt"), "--micro-batch-size", "4"]),
@@ -317,6 +332,8 @@ def quick_plan(args, machine, out):
     compiles = cuda and machine.capability >= TRITON_MIN_CAPABILITY  # on a CPU only the commands are checked
     items, log_dir, half = os.path.join(out, ITEMS), os.path.join(out, "run"), QUICK_STEPS // 2
     trainer = functools.partial(trainer_flags, args, out)
+    limits = dict(hellaswag=90, sample=60, syncs=60, probe=90, oom_snapshot=60)
+    shared = {name: step._replace(timeout=limits[name]) for name, step in on_the_run(args, out, compiles).items()}
     run = trainer("run", max_steps=QUICK_STEPS, warmup_steps=None, eval_every=half, sample_every=half,
                   val_tokens=4096 if args.small else 2 ** 20, hellaswag_every=half, hellaswag_file=items,
                   hellaswag_limit=40 if args.small else 200, checkpoint_every=half,
@@ -328,16 +345,12 @@ def quick_plan(args, machine, out):
         "resume": Step([PY, "train_gpt2.py", "--resume", ckpt, "--log-dir", os.path.join(out, "resume"),
                         "--max-steps", str(half + 1), "--eval-every", "0", "--hellaswag-every", "0",
                         "--sample-every", "0", "--no-plot"], timeout=120),
-        "syncs": Step([PY, "-c", SYNCS, args.data_dir, args.device], timeout=60),
-        "sample": Step([PY, "sample.py", "--model", log_dir, "--device", args.device, "--num-samples", "2",
-                        "--max-new-tokens", "64", "--seed", "1"], timeout=60),
-        "hellaswag": Step([PY, "hellaswag.py", "--model", log_dir, "--data-file", items, "--device", args.device,
-                           "--json"] + (["--compile"] if compiles else []), timeout=90),
+        "syncs": shared["syncs"],
+        "sample": shared["sample"],
+        "hellaswag": shared["hellaswag"],
         "muon": Step([PY, "train_gpt2.py"] + trainer("muon", optimizer="muon", max_steps=6), timeout=120),
-        "oom_snapshot": Step([PY, "train_gpt2.py"] + trainer("oom", block_size=1024, micro_batch_size=1024,
-                                                             total_batch_size=1024 * 1024, compile=False,
-                                                             memory_snapshot=True, max_steps=2), rc=2, timeout=60),
-        "probe": Step([PY, "-c", PROBE, "train_gpt2.py"] + trainer("probe", max_steps=3), timeout=90),
+        "oom_snapshot": shared["oom_snapshot"],
+        "probe": shared["probe"],
     }
     if not cuda:
         del steps["syncs"], steps["oom_snapshot"], steps["probe"]
