@@ -90,18 +90,14 @@ def gather(obj, ranks):
 
 def any_rank(flag, ranks):
     """True on every rank when flag is true on any rank (a collective in a multi-process run)."""
-    if not ranks.multi:
-        return bool(flag)
-    t = torch.full((1,), float(flag), device=ranks.device)  # made on the device: no host-to-device copy
-    tdist.all_reduce(t)
-    return t.item() > 0
+    return smallest(0 if flag else 1, ranks) == 0
 
 
 def smallest(value, ranks):
     """The smallest of every rank's integer value, on every rank (a collective in a multi-process run)."""
     if not ranks.multi:
         return value
-    t = torch.full((1,), value, dtype=torch.int64, device=ranks.device)
+    t = torch.full((1,), value, dtype=torch.int64, device=ranks.device)  # made on the device: no host-to-device copy
     tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
     return int(t.item())
 
