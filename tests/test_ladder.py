@@ -224,6 +224,16 @@ def test_the_auto_fit_counts_the_memory_this_process_may_take(monkeypatch, name,
     gpu = memory.CudaMemory(name)
     assert gpu.capacity() == int(0.3 * driver.gpus[index][2])
     assert gpu.allocated() == 0 and ("memory_stats", index) in driver.calls
+    # a trial's peak: the allocator's own counter of this GPU, reset before the trial, its cache handed back
+    # before and after (what a trial allocates is the driver's to count here)
+    driver.allocated[index], driver.peak[index] = 2 << 30, 9 << 30
+    driver.calls.clear()
+
+    def trial():
+        driver.peak[index] = max(driver.peak[index], 7 << 30)  # a peak only rises
+    assert gpu.peak_of(trial) == 7 << 30
+    assert driver.calls == [("empty_cache", None), ("reset_peak", index), ("memory_stats", index),
+                            ("empty_cache", None)]
 
 
 def test_each_rung_process_compiles_into_a_cache_of_its_own(tmp_path):
