@@ -46,9 +46,14 @@ def listed_gpu():
         return None
 
 
+def major_minor(version):
+    """(2, 11) of a PyTorch version string such as '2.11.0+cu130'."""
+    return tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
+
+
 def torch_too_old(version):
     """The line to stop on where PyTorch `version` is older than MIN_TORCH, else None."""
-    if tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups()) >= MIN_TORCH:
+    if major_minor(version) >= MIN_TORCH:
         return None
     gpu = listed_gpu()
     index = wheel_index(gpu[1]) if gpu else None
@@ -222,17 +227,33 @@ def choose(device, dtype="auto", compile=None, compile_typed=False):
 
 def configure_backends(choice, deterministic):
     """The trainer's switches for the device decided: TF32 for fp32 matmuls on CUDA, glibc keeping freed memory
-    on a Linux CPU, and --deterministic's."""
+    on a Linux CPU, compiled graphs kept apart by dtype, and --deterministic's."""
     if choice.device == "cpu" and sys.platform == "linux" and hasattr(libc := ctypes.CDLL(None), "mallopt"):
         libc.mallopt(-4, 0)  # M_MMAP_MAX 0: no block mmap'd (logits over 32 MB were faulted in anew each micro-step)
         libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: freed memory kept; 2.4x a small model's step (BENCHMARKS.md)
     if choice.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any fp32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True
+    keep_compiled_graphs_apart(choice)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+
+
+# Before 2.13, PyTorch's on-disk cache of compiled training graphs (AOTAutograd's) was keyed on whether autocast
+# was on, not on its dtype (fixed by pytorch/pytorch#181564): a bfloat16 launch after a float16 one on the same
+# machine ran the float16 graph, without a gradient scaler (seen on an H200 with torch 2.11: loss 8.69 after 12
+# steps where eager bfloat16 reached 6.84).
+AUTOCAST_DTYPE_KEYED = (2, 13)
+
+
+def keep_compiled_graphs_apart(choice):
+    """Where compiled 16-bit graphs could be served to a launch in the other dtype, keep them out of that cache
+    (Inductor's own cache, keyed on the lowered graph, still spares recompiling the kernels)."""
+    if choice.compile and choice.dtype != "float32" and major_minor(torch.__version__) < AUTOCAST_DTYPE_KEYED:
+        from torch._functorch import config
+        config.enable_autograd_cache = False
 
 
 class CudaMemory:

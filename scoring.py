@@ -37,7 +37,7 @@ import checkpoint
 import common
 import parallel
 from common import UserError
-from device import autocast, choose
+from device import autocast, choose, keep_compiled_graphs_apart
 
 SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple of this: few shapes
 LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
@@ -273,6 +273,7 @@ def run_script(args, load, describe_data, show):
         bench = load()
         model, what = checkpoint.load_model(args.model, ranks.device)
         if choice.compile:
+            keep_compiled_graphs_apart(choice)
             model = torch.compile(model)
         common.print0(f"{bench.name}: {describe_data(bench)}, {what}, {ranks.world_size} process(es) on "
                       f"{choice.name}, {dtype}", file=summary)

@@ -248,3 +248,40 @@ def test_cpu_training_keeps_freed_memory_in_the_process():
     before, after = map(int, p.stdout.split())
     assert before >= 2**26, "glibc did not mmap a 64 MB block here: nothing to check"
     assert after == 0
+
+
+@pytest.mark.parametrize("version, dtype, compile, kept", [
+    ("2.11.0+cu130", "bfloat16", True, False),  # the cache that served the other dtype's graphs: off
+    ("2.12.1", "bfloat16", True, False),
+    ("2.13.0", "bfloat16", True, True),  # keyed on the dtype since
+    ("2.11.0+cu130", "float32", True, True),  # no autocast: its own key
+    ("2.11.0+cu130", "bfloat16", False, True),  # nothing compiled
+])
+def test_compiled_graphs_of_one_dtype_are_never_served_to_another(monkeypatch, version, dtype, compile, kept):
+    from torch._functorch import config
+    monkeypatch.setattr(torch, "__version__", version)
+    with config.patch(enable_autograd_cache=True):  # set back afterwards
+        device.configure_backends(device.choose("cpu", dtype, compile), False)
+        assert config.enable_autograd_cache is kept
+
+
+CACHE_BY_DTYPE = """
+import torch, device
+device.configure_backends(device.choose("cpu", "bfloat16", True), False)
+x, w = torch.randn(8, 8), torch.randn(8, 8)
+for dtype in (torch.float16, torch.bfloat16):  # compiled afresh each time, the on-disk caches shared
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=dtype):
+        print(torch.compile(lambda x, w: x @ w)(x, w).dtype)
+"""
+
+
+def test_a_bfloat16_compile_after_a_float16_one_computes_in_bfloat16(tmp_path):
+    """On this machine's PyTorch, through the trainer's set-up: a float16 graph in the on-disk caches is not what a
+    bfloat16 compile runs (before 2.13 it was, unless the trainer keeps AOTAutograd's cache out)."""
+    import subprocess
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    out = subprocess.run([sys.executable, "-c", CACHE_BY_DTYPE], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["torch.float16", "torch.bfloat16"]

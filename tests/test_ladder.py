@@ -362,6 +362,24 @@ def test_the_quick_device_check_runs_end_to_end_on_a_cpu(data_dir, tmp_path, cap
     assert open(results / "device_check.txt").read().splitlines() == table
 
 
+def test_device_check_fails_a_run_whose_losses_are_off_its_reference(data_dir, tmp_path, capsys, monkeypatch):
+    """micro_a is the eager run's recipe and must reach its losses; here it is given ten times the learning rate (as
+    a graph compiled for the wrong dtype trains differently): the result says 'losses', and the check fails. micro_b,
+    resumed from micro_a's checkpoint with a smaller micro-batch, matches micro_a and passes."""
+    real_plan = device_check.plan
+
+    def plan(args, machine, out):
+        steps = real_plan(args, machine, out)
+        return dict(steps, micro_a=steps["micro_a"]._replace(cmd=steps["micro_a"].cmd + ["--max-lr", "6e-3"]))
+    monkeypatch.setattr(device_check, "plan", plan)
+    rc = device_check.main(["--small", "--device", "cpu", "--data-dir", data_dir, "--out", str(tmp_path / "out"),
+                            "--only", "eager,micro_a,micro_b"])
+    table = {line.split()[0]: line for line in capsys.readouterr().out.rstrip().splitlines()[-3:]}
+    assert rc == 1
+    assert table["micro_a"].split()[1] == "losses" and "(relative) of eager's" in table["micro_a"]
+    assert table["micro_b"].split()[1] == "ok" and "(relative) of micro_a's" in table["micro_b"]
+
+
 def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
     with pytest.raises(UserError, match="no step fsdp"):
         device_check.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--device", "cpu",
