@@ -102,14 +102,67 @@ def set_rng_state(state):
 
 
 class Checkpointer:
-    """The checkpoints of one run in log_dir, keeping the newest `keep`; model as it trains (compiled, DDP or
-    FSDP). Every rank calls save() and restore()."""
+    """A run's checkpoints in log_dir, from the launch's set-up to its end: the one it continues (`resume`, from
+    resume_point), checked against the ranks; the model of its shape; restoring it into what trains (compiled, DDP or
+    FSDP); the branch a resume from an older step starts; saving and keeping the newest `keep`; the final export.
+    Every rank makes one and calls each method."""
 
-    def __init__(self, log_dir, keep, ranks, log, *, model, optimizer, scaler, train_loader, config, fsdp):
-        self.log_dir, self.keep, self.ranks, self.log = log_dir, keep, ranks, log
+    def __init__(self, log_dir, keep, ranks, log, resume=None):
+        if resume is not None:
+            check_world_size(resume.checkpoint, resume.path, ranks)
+        agree_on_resume(resume and resume.checkpoint, ranks)
+        self.log_dir, self.keep, self.ranks, self.log, self.resume = log_dir, keep, ranks, log, resume
+        self.last_path = self.last_step = None
+
+    def model(self):
+        """The GPT (on the CPU) of the resumed checkpoint's shape, its weights checked to fit (attach() loads them);
+        None for a new run."""
+        if self.resume is None:
+            return None
+        model = GPT(GPTConfig(**self.resume.checkpoint["model_config"]))
+        check_weights_fit(model, self.resume.checkpoint["model"], self.resume.path)
+        return model
+
+    def attach(self, *, model, optimizer, scaler, train_loader, config, fsdp):
+        """What is saved and restored; the resumed checkpoint's state put back into it (weights, optimizer, scaler,
+        this rank's data position and random state). Returns the step the launch starts at."""
         self.model, self.optimizer, self.scaler, self.train_loader = model, optimizer, scaler, train_loader
         self.config, self.fsdp = config, fsdp
-        self.last_path = self.last_step = None
+        if self.resume is None:
+            return 0
+        ckpt, path = self.resume.checkpoint, self.resume.path
+        parallel.load_model_state(model, ckpt["model"])
+        parallel.load_optimizer_state(model, optimizer, ckpt["optimizer"])
+        # a CPU tensor stays a view of the memory-mapped file, whose disk space it would hold after the rotation
+        for opt in getattr(optimizer, "optimizers", [optimizer]):
+            for state in opt.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                        state[key] = value.clone()
+        if ckpt["scaler"] or not scaler.is_enabled():  # a bf16/fp32 run saved no scale: an fp16
+            scaler.load_state_dict(ckpt["scaler"])      # resume of it (a T4, say) starts a fresh one
+        try:  # every rank moves in lockstep, so any rank's loader state restores this one
+            train_loader.load_state_dict(ckpt["ranks"][0]["train_loader"])
+        except UserError as e:
+            raise UserError(f"cannot resume {path}: {e}")
+        set_rng_state(ckpt["ranks"][self.ranks.rank]["rng"])
+        self.last_path, self.last_step = path, ckpt["step"]
+        return ckpt["step"]
+
+    def begin(self):
+        """Once every check of the launch has passed on every rank: say which newer checkpoints did not load, and
+        where a resume of the run's own older checkpoint starts a branch, set the later ones aside."""
+        if self.resume is None:
+            return
+        parallel.gather(None, self.ranks)  # every rank got this far: only then may rank 0 move files
+        for problem in self.resume.skipped:
+            self.log.line(f"resume: skipped {problem}")
+        if self.ranks.is_master:
+            dest, moved = set_aside_later(self.log_dir, self.resume.path, self.resume.step)
+            if moved:
+                self.log.line(f"resume: a new branch from step {self.resume.step}: moved the old branch's later "
+                              f"{', '.join(moved)} to {dest}")
+        self.resume = None  # its state is in the model and optimizer now: the host memory it holds goes
 
     def save(self, step):
         """Write ckpt_<step>.pt (step: steps completed) from rank 0."""
@@ -139,25 +192,14 @@ class Checkpointer:
         self.log.line(f"checkpoint {path}")
         self.last_path = path
 
-    def restore(self, ckpt, path):
-        """Put back weights, optimizer, scaler, this rank's data position and random state; returns the step."""
-        parallel.load_model_state(self.model, ckpt["model"])
-        parallel.load_optimizer_state(self.model, self.optimizer, ckpt["optimizer"])
-        # a CPU tensor stays a view of the memory-mapped file, whose disk space it would hold after the rotation
-        for opt in getattr(self.optimizer, "optimizers", [self.optimizer]):
-            for state in opt.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                        state[key] = value.clone()
-        if ckpt["scaler"] or not self.scaler.is_enabled():  # a bf16/fp32 run saved no scale: an fp16
-            self.scaler.load_state_dict(ckpt["scaler"])      # resume of it (a T4, say) starts a fresh one
-        try:  # every rank moves in lockstep, so any rank's loader state restores this one
-            self.train_loader.load_state_dict(ckpt["ranks"][0]["train_loader"])
-        except UserError as e:
-            raise UserError(f"cannot resume {path}: {e}")
-        set_rng_state(ckpt["ranks"][self.ranks.rank]["rng"])
-        self.last_path, self.last_step = path, ckpt["step"]
-        return ckpt["step"]
+    def holds(self, step):
+        """Whether this run's directory holds the checkpoint of `step` (a resume of another directory's does not)."""
+        return self.last_step == step and in_log_dir(self.last_path, self.log_dir)
+
+    def export(self, model, command):
+        """LOG_DIR/hf: the plain GPT `model` and the GPT-2 tokenizer in Hugging Face's format (rank 0); command: how
+        to export again after a failure. Returns the folder."""
+        return export_final(model, self.log_dir, self.last_path, command)
 
 
 # Resuming: which checkpoint
@@ -169,6 +211,11 @@ class Resume:
     skipped: list
 
     step = property(lambda self: self.checkpoint["step"])
+
+    def owes_export(self, log_dir):
+        """Whether LOG_DIR/hf has no weights written after this checkpoint (an export cut short by a full disk)."""
+        weights = os.path.join(log_dir, "hf", "model.safetensors")
+        return not (os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(self.path))
 
 
 def resume_point(resume, log_dir):
@@ -258,12 +305,6 @@ def agree_on_resume(ckpt, ranks):
 
 
 # The final model, exported for other tools: LOG_DIR/hf
-def export_pending(log_dir, final_checkpoint):
-    """Whether LOG_DIR/hf has no weights written after the final checkpoint (an export cut short by a full disk)."""
-    weights = os.path.join(log_dir, "hf", "model.safetensors")
-    return not (os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(final_checkpoint))
-
-
 def export_final(model, log_dir, last_checkpoint, command):
     """Write the plain GPT `model` and the GPT-2 tokenizer to LOG_DIR/hf in Hugging Face's format."""
     from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError

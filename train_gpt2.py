@@ -32,7 +32,7 @@ import optim
 import parallel
 import train_config
 from common import UserError
-from metrics import RunLog, git_commit, versions
+from metrics import RunLog, git_commit, resume_command, versions
 from model import GPT, GPTConfig, PRESETS
 from profiling import PhaseTimer, StepProfiler
 
@@ -52,7 +52,7 @@ def train(argv=None):
     if cfg.wandb or cfg.tensorboard:
         import trackers
         trackers.check_installed(cfg)
-    owes_export = resume is not None and cfg.export_hf and checkpoint.export_pending(cfg.log_dir, resume.path)
+    owes_export = resume is not None and cfg.export_hf and resume.owes_export(cfg.log_dir)
     if resume is not None and resume.step == cfg.max_steps and not owes_export:
         common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "
                       "pass a larger --max-steps to train on")
@@ -109,7 +109,7 @@ class Run:
     dtype = property(lambda self: self.choice.dtype)  # the autocast dtype: float32, bfloat16 or float16
 
     def resume_command(self):
-        return checkpoint.resume_command(self.cfg.log_dir, self.ranks.world_size, self.per_node)
+        return resume_command(self.cfg.log_dir, self.ranks.world_size, self.per_node)
 
 
 # Set-up, one job at a time: device, model, batch, data, optimizer, restore, trackers, header
@@ -118,10 +118,7 @@ class Run:
 def setup(cfg, ranks, log, resume, changes):
     """The Run of this launch, new or continuing `resume`. Every check that can refuse the launch comes before its
     first write into the log directory, and before an old branch's later checkpoints are set aside."""
-    ckpt = resume.checkpoint if resume is not None else None
-    if resume is not None:
-        checkpoint.check_world_size(ckpt, resume.path, ranks)
-    checkpoint.agree_on_resume(ckpt, ranks)
+    checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, resume)
     choice = device.choose(ranks.device, cfg.dtype, cfg.compile, "compile" in cfg.given)
     device.configure_backends(choice, cfg.deterministic)
     dtype = choice.dtype
@@ -135,7 +132,7 @@ def setup(cfg, ranks, log, resume, changes):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw_model, origin = build_model(cfg, resume)
+    raw_model, origin = build_model(cfg, checkpoints.model())
     evals = evaluation.build(cfg, ranks, log, fsdp, raw_model.config.block_size)
     raw_model.to(ranks.device)
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
@@ -158,10 +155,8 @@ def setup(cfg, ranks, log, resume, changes):
                                 ranks.device_type, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
                                 muon_dtype=choice.muon_dtype)
     log.hold()  # the lock first: a launch it refuses must not touch the directory
-    checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, model=model,
-                                          optimizer=optimizer, scaler=scaler, train_loader=train_loader,
-                                          config=train_config.stored(cfg, micro_batch), fsdp=fsdp)
-    start_step = checkpoints.restore(ckpt, resume.path) if resume is not None else 0
+    start_step = checkpoints.attach(model=model, optimizer=optimizer, scaler=scaler, train_loader=train_loader,
+                                    config=train_config.stored(cfg, micro_batch), fsdp=fsdp)
     # the settings of this launch, over the param groups the checkpoint brought back
     optim.apply_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
     schedule = optim.schedule_of(cfg)
@@ -169,14 +164,7 @@ def setup(cfg, ranks, log, resume, changes):
         import trackers
         name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
         log.trackers = trackers.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
-    if resume is not None:
-        parallel.gather(None, ranks)  # every rank got this far: only then may rank 0 set a branch aside
-        for problem in resume.skipped:
-            log.line(f"resume: skipped {problem}")
-        dest, moved = checkpoint.set_aside_later(cfg.log_dir, resume.path, resume.step) if ranks.is_master else (0, 0)
-        if moved:
-            log.line(f"resume: a new branch from step {resume.step}: moved the old branch's later "
-                     f"{', '.join(moved)} to {dest}")
+    checkpoints.begin()  # every check passed: a resume from an older step may set the later checkpoints aside
     run = Run(cfg=cfg, ranks=ranks, log=log, choice=choice, fsdp=fsdp, micro_batch=micro_batch,
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
               optimizer=optimizer, scaler=scaler, schedule=schedule, train_loader=train_loader,
@@ -186,13 +174,11 @@ def setup(cfg, ranks, log, resume, changes):
     return run
 
 
-def build_model(cfg, resume):
-    """The GPT on the CPU and where it came from: the shape of the checkpoint it resumes (whose weights
-    Checkpointer.restore puts back), pretrained weights (--init-from, cut to --block-size) or a preset."""
-    if resume is not None:
-        model = GPT(GPTConfig(**resume.checkpoint["model_config"]))
-        checkpoint.check_weights_fit(model, resume.checkpoint["model"], resume.path)
-        return model, "resumed"
+def build_model(cfg, resumed):
+    """The GPT on the CPU and where it came from: `resumed`, the one of the checkpoint's shape (whose weights
+    Checkpointer.attach puts back), pretrained weights (--init-from, cut to --block-size) or a preset."""
+    if resumed is not None:
+        return resumed, "resumed"
     if cfg.init_from:
         model, what = checkpoint.load_model(cfg.init_from)
         if cfg.block_size > model.config.block_size:
@@ -354,7 +340,7 @@ def log_step(run, step, loss, lr, norm, dt, finite):
 
 def stopped(run, done, stop):
     """A stop request ended the run after `done` steps: checkpoint them unless that is done, say how to go on."""
-    if run.checkpoints.last_step != done or not checkpoint.in_log_dir(run.checkpoints.last_path, run.cfg.log_dir):
+    if not run.checkpoints.holds(done):
         run.checkpoints.save(done)  # (resumed from another directory's checkpoint: this one needs its own)
     run.log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
                  f"continue with: {run.resume_command()}")
@@ -379,7 +365,7 @@ def export_hf(run):
         if model is not None:
             model.load_state_dict(state)
     if run.ranks.is_master:
-        out = checkpoint.export_final(model, run.cfg.log_dir, run.checkpoints.last_path, run.resume_command())
+        out = run.checkpoints.export(model, run.resume_command())
         run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 
 

@@ -301,8 +301,8 @@ def worker(rank, world, tmp):
         # fresh, differently initialised model
         model, opt, data, losses, _ = run(tiny_gpt(), "fsdp", data_dir, ranks, steps=RESUME_AT)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
-        saver = checkpoint.Checkpointer(f"{tmp}/ckpt", 1, ranks, RunLog(f"{tmp}/ckpt", rank == 0), model=model,
-                                        optimizer=opt, scaler=scaler, train_loader=data, config={}, fsdp=True)
+        saver = checkpoint.Checkpointer(f"{tmp}/ckpt", 1, ranks, RunLog(f"{tmp}/ckpt", rank == 0))
+        saver.attach(model=model, optimizer=opt, scaler=scaler, train_loader=data, config={}, fsdp=True)
         torch.rand(rank + 1), np.random.rand(rank + 1), random.random()  # each rank's generators elsewhere
         saver.save(RESUME_AT)
         out["draws_after_save"] = draws()
@@ -313,10 +313,11 @@ def worker(rank, world, tmp):
         model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
         opt = optim.configure(raw, 0.1, 1e-3, device_type="cpu")
         data = loader(data_dir, rank, world)
-        restorer = checkpoint.Checkpointer(f"{tmp}/ckpt", 1, ranks, RunLog(f"{tmp}/ckpt", False), model=model,
-                                           optimizer=opt, scaler=scaler, train_loader=data, config={}, fsdp=True)
+        restorer = checkpoint.Checkpointer(f"{tmp}/ckpt", 1, ranks, RunLog(f"{tmp}/ckpt", False),
+                                           checkpoint.Resume("ckpt", saved, []))
         torch.manual_seed(999), np.random.seed(999), random.seed(999)
-        assert restorer.restore(saved, "ckpt") == RESUME_AT
+        assert restorer.attach(model=model, optimizer=opt, scaler=scaler, train_loader=data, config={},
+                               fsdp=True) == RESUME_AT
         out["draws_after_restore"] = draws()
         more, _ = train(model, opt, data, STEPS - RESUME_AT, ranks)
         out["resumed"] = dict(losses=losses + more, state=parallel.model_state(model))
@@ -759,15 +760,15 @@ def test_restore_across_a_change_of_dtype(tmp_path, saved_fp16):
     data_dir = write_shard(str(tmp_path))
     one = parallel.Ranks()
 
-    def checkpointer(fp16):
+    def checkpointer(fp16, resume=None):
         model, opt, data, _, _ = run(tiny_gpt(), "none", data_dir, one, steps=1)
         scaler = torch.amp.GradScaler("cpu", enabled=fp16, init_scale=2.0 ** 10)
-        return checkpoint.Checkpointer(str(tmp_path / "log"), 1, one, RunLog(str(tmp_path / "log"), False),
-                                       model=model, optimizer=opt, scaler=scaler, train_loader=data, config={},
-                                       fsdp=False)
-    checkpointer(saved_fp16).save(1)
-    restorer = checkpointer(not saved_fp16)
-    assert restorer.restore(checkpoint.load_file(checkpoint.checkpoint_path(str(tmp_path / "log"), 1)), "c") == 1
+        made = checkpoint.Checkpointer(str(tmp_path / "log"), 1, one, RunLog(str(tmp_path / "log"), False), resume)
+        return made, made.attach(model=model, optimizer=opt, scaler=scaler, train_loader=data, config={}, fsdp=False)
+    checkpointer(saved_fp16)[0].save(1)
+    path = checkpoint.checkpoint_path(str(tmp_path / "log"), 1)
+    restorer, step = checkpointer(not saved_fp16, checkpoint.Resume(path, checkpoint.load_file(path), []))
+    assert step == 1
     assert restorer.scaler.is_enabled() != saved_fp16
     if not saved_fp16:
         assert restorer.scaler.get_scale() == 2.0 ** 10  # a fresh scale
