@@ -1,5 +1,6 @@
-"""What a training run evaluates at the top of a step: the validation loss, HellaSwag, CORE and samples, each
-built only where it is on, and each stoppable by a stop request between batches."""
+"""What a training run evaluates at the top of a step: a list of evaluations (the validation loss, HellaSwag, CORE,
+samples), each built only where it is on, each run every N steps and at the last, each stoppable by a stop request.
+Adding one: a class here with its flags in train_config.py."""
 
 import itertools
 import os
@@ -12,32 +13,130 @@ import parallel
 from common import UserError
 
 
-def build(cfg, ranks, log, fsdp, block_size):
-    """HellaSwag's and CORE's hooks, the plot writer and the samples' prompt (checked now, so that one that cannot
-    be sampled from is refused at start), each where it is on, else None."""
-    out = dict(hellaswag=None, core=None, plotter=None, sample_prompt=None)
+class Evaluation:
+    """One evaluation, due every `every` steps and at the last step. run(run, step, stop) logs what it found and
+    returns True, or None where it recorded nothing: a stop request cut it short (stop: the run's common.StopFlag),
+    or it is skipped."""
+    agree_after = False  # True: the ranks meet after it, whatever it returned (not every rank runs it)
+    plotted = True       # what it records is on the plot
+
+    def __init__(self, every):
+        self.every = every
+
+    def due(self, step, max_steps):
+        return bool(self.every) and (step % self.every == 0 or step == max_steps - 1)
+
+    def note(self, ranks, block_size):
+        """What the run header says of it, or ''."""
+        return ""
+
+
+class Validation(Evaluation):
+    """The mean loss over the val split's first `sequences` sequences of each rank."""
+
+    def __init__(self, every, loader, sequences):
+        super().__init__(every)
+        self.loader, self.sequences = loader, sequences
+
+    def run(self, run, step, stop):
+        model = getattr(run.model, "module", run.model)  # compiled, without DDP's gradient hooks
+        val_loss = validation_loss(model, self.loader, self.sequences, run.ranks, run.dtype, stop_check(stop, run.ranks))
+        if val_loss is None:
+            return None
+        run.log.line(f"step {step} | val_loss {val_loss:.4f}")
+        run.log.record("val", step=step, val_loss=val_loss, tokens=step * run.cfg.total_batch_size)
+        return True
+
+    def note(self, ranks, block_size):
+        whole = self.sequences == self.loader.num_sequences // ranks.world_size
+        tokens = self.sequences * block_size * ranks.world_size
+        return f"val: {tokens:,} tokens{' (the whole split)' if whole else ''}"
+
+
+class Scored(Evaluation):
+    """A benchmark scored through scoring.TrainingHook (HellaSwag, CORE) on the uncompiled model."""
+
+    def __init__(self, every, hook):
+        super().__init__(every)
+        self.hook = hook
+
+    def run(self, run, step, stop):
+        with parallel.uncompiled(run.raw_model):
+            result = self.hook(run.raw_model, run.dtype, stop_check(stop, run.ranks))
+        if result is None:
+            return None
+        text, fields = self.hook.report(result)
+        run.log.line(f"step {step} | {self.hook.name} {text}")
+        run.log.record(self.hook.name, step=step, tokens=step * run.cfg.total_batch_size, **fields)
+        return True
+
+
+class Samples(Evaluation):
+    """Text continuing `prompt` (token ids), from rank 0, or from every rank under FSDP, where every forward is a
+    collective (and so unstoppable). A failure is one line and training goes on, but under FSDP, where the ranks would
+    no longer meet in the same collectives, it ends the run. After step 0: the untrained model's text says nothing."""
+    agree_after, plotted = True, False
+
+    def __init__(self, every, prompt):
+        super().__init__(every)
+        self.prompt = prompt
+
+    def due(self, step, max_steps):
+        return step > 0 and super().due(step, max_steps)
+
+    def run(self, run, step, stop):
+        if not (run.ranks.is_master or run.fsdp):
+            return None
+        import sample
+        cfg = run.cfg
+        try:
+            with parallel.uncompiled(run.raw_model):
+                texts = sample.training_samples(run.raw_model, self.prompt, cfg.num_samples, cfg.sample_tokens,
+                                                cfg.seed + step, run.ranks.device, run.dtype,
+                                                None if run.fsdp else stop)
+        except Exception as e:  # noqa: BLE001
+            if run.fsdp:  # the other ranks may be inside a collective forward: this rank cannot go on alone
+                raise
+            run.log.line(f"step {step} | samples failed, training goes on ({type(e).__name__}: "
+                         f"{common.first_line(e)})")
+            return None
+        if texts is None:  # a stop request cut them short
+            return None
+        for i, text in enumerate(texts):
+            run.log.line(f"sample {i} | {text}")
+            run.log.record("sample", step=step, index=i, text=text)
+        return True
+
+
+def build(cfg, ranks, log, fsdp, val_loader, val_sequences, block_size):
+    """The evaluations that are on, in the order they run."""
+    out = []
+    if val_loader is not None:
+        out.append(Validation(cfg.eval_every, val_loader, val_sequences))
     if cfg.hellaswag_every:
         import hellaswag
-        out["hellaswag"] = hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, fsdp)
+        out.append(Scored(cfg.hellaswag_every,
+                          hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, fsdp)))
     if cfg.core_every:
         import core
-        out["core"] = core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, fsdp)
-    if cfg.plot and ranks.is_master:
-        import plot
-        out["plotter"] = plot.PlotWriter(cfg.log_dir)
-    if cfg.sample_every or "sample_prompt" in cfg.given:
-        import sample
-        from tokenizer import get_tokenizer
-        try:
-            out["sample_prompt"] = sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, block_size)
-        except UserError as e:
-            raise UserError(f"--sample-prompt: {e}")
+        out.append(Scored(cfg.core_every, core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, fsdp)))
+    if cfg.sample_every:
+        out.append(Samples(cfg.sample_every, sample_prompt(cfg, block_size)))
     return out
 
 
-def check_files(cfg):
-    """--hellaswag-file and --core-bundle, read now as far as the run will read them: one that cannot be
-    scored is bad input, not a "skipped" found hours into the run. One a resumed run stored but that is
+def sample_prompt(cfg, block_size):
+    import sample
+    from tokenizer import get_tokenizer
+    try:
+        return sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, block_size)
+    except UserError as e:
+        raise UserError(f"--sample-prompt: {e}")
+
+
+def check_inputs(cfg):
+    """--hellaswag-file, --core-bundle and --sample-prompt, read now as far as the run will read them: one that
+    cannot be used is bad input, not a "skipped" found hours into the run. A file a resumed run stored but that is
     gone (a copied run) is no reason to refuse the resume: that evaluation says it is skipped."""
     def named(flag, every):
         path = getattr(cfg, flag)
@@ -54,40 +153,22 @@ def check_files(cfg):
             core.load_tasks(cfg.core_bundle, None, cfg.core_limit, "--core-bundle")
         except UserError as e:
             raise UserError(f"--core-bundle: {e}")
+    if cfg.sample_every or "sample_prompt" in cfg.given:
+        sample_prompt(cfg, cfg.block_size)
 
 
 def evaluate(run, step, stop):
-    """Validation, HellaSwag, CORE and samples due at the top of this step. False if a stop request
-    cut it short (then nothing of it is logged)."""
-    cfg, ranks, log = run.cfg, run.ranks, run.log
-    last_step = step == cfg.max_steps - 1
-    due = lambda every: every and (step % every == 0 or last_step)  # noqa: E731
+    """The evaluations due at the top of this step, in turn. False if a stop request cut one short (then nothing of
+    it is logged): the ranks agree on it after any evaluation that recorded nothing, and after one that not every
+    rank runs."""
     evaluated = False
-    if run.val_loader is not None and due(cfg.eval_every):
-        model = getattr(run.model, "module", run.model)  # compiled, without DDP's gradient hooks
-        val_loss = validation_loss(model, run.val_loader, run.val_sequences, ranks, run.dtype, stop_check(stop, ranks))
-        if val_loss is None:
-            return False
-        evaluated = True
-        log.line(f"step {step} | val_loss {val_loss:.4f}")
-        log.record("val", step=step, val_loss=val_loss, tokens=step * cfg.total_batch_size)
-    for hook, every in ((run.hellaswag, cfg.hellaswag_every), (run.core, cfg.core_every)):
-        if hook is None or not due(every):
+    for ev in run.evaluations:
+        if not ev.due(step, run.cfg.max_steps):
             continue
-        with parallel.uncompiled(run.raw_model):
-            result = hook(run.raw_model, run.dtype, stop_check(stop, ranks))
-        if result is None and parallel.any_rank(stop.signal is not None, ranks):
+        done = ev.run(run, step, stop)
+        if (done is None or ev.agree_after) and parallel.any_rank(stop.signal is not None, run.ranks):
             return False
-        if result is not None:
-            evaluated = True
-            text, fields = hook.report(result)
-            log.line(f"step {step} | {hook.name} {text}")
-            log.record(hook.name, step=step, tokens=step * cfg.total_batch_size, **fields)
-    if step > 0 and due(cfg.sample_every):
-        if ranks.is_master or run.fsdp:
-            log_samples(run, step, stop)
-        if parallel.any_rank(stop.signal is not None, ranks):  # samples cut short record nothing: stop before the step
-            return False
+        evaluated = evaluated or (done is not None and ev.plotted)
     if evaluated and run.plotter:
         run.plotter.kick()
     return True
@@ -134,23 +215,3 @@ def padded(x, y, size):
     xs[:len(x), :-1] = x
     ys[:len(y), 1:] = y
     return xs[:, :-1], ys[:, 1:]
-
-
-def log_samples(run, step, stop):
-    """The samples of this step, each a log line and a record. Under FSDP every forward is a collective, so every
-    rank samples, unstoppable. A failure is one line and training goes on, but under FSDP, where the ranks would
-    no longer meet in the same collectives, it ends the run."""
-    import sample
-    cfg = run.cfg
-    try:
-        with parallel.uncompiled(run.raw_model):
-            texts = sample.training_samples(run.raw_model, run.sample_prompt, cfg.num_samples, cfg.sample_tokens,
-                                            cfg.seed + step, run.ranks.device, run.dtype, None if run.fsdp else stop)
-    except Exception as e:  # noqa: BLE001
-        if run.fsdp:  # the other ranks may be inside a collective forward: this rank cannot go on alone
-            raise
-        run.log.line(f"step {step} | samples failed, training goes on ({type(e).__name__}: {common.first_line(e)})")
-        return
-    for i, text in enumerate(texts or []):  # None: a stop request cut them short
-        run.log.line(f"sample {i} | {text}")
-        run.log.record("sample", step=step, index=i, text=text)

@@ -16,7 +16,6 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -48,7 +47,7 @@ def train(argv=None):
     args = train_config.parse_args(argv, description=__doc__)
     resume = checkpoint.resume_point(args.resume, args.log_dir)
     cfg, changes = train_config.resolve(args, resume)
-    evaluation.check_files(cfg)
+    evaluation.check_inputs(cfg)
     if cfg.wandb or cfg.tensorboard:
         import trackers
         trackers.check_installed(cfg)
@@ -96,14 +95,10 @@ class Run:
     scaler: torch.amp.GradScaler
     schedule: optim.Schedule
     train_loader: dataloader.TokenLoader
-    val_loader: Optional[dataloader.TokenLoader]
-    val_sequences: int           # sequences each rank validates on (the same tokens whatever the micro-batch)
     checkpoints: checkpoint.Checkpointer
     start_step: int              # steps already done when this launch began
-    hellaswag: object            # the evaluations that are on (evaluation.build), None where off
-    core: object
+    evaluations: list            # those that are on (evaluation.build): validation, HellaSwag, CORE, samples
     plotter: object              # plot.PlotWriter, on rank 0 with --plot
-    sample_prompt: list          # the token ids the samples continue
     per_node: int                # processes per node (torchrun's LOCAL_WORLD_SIZE): how to launch a resume
 
     dtype = property(lambda self: self.choice.dtype)  # the autocast dtype: float32, bfloat16 or float16
@@ -133,7 +128,6 @@ def setup(cfg, ranks, log, resume, changes):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     raw_model, origin = build_model(cfg, checkpoints.model())
-    evals = evaluation.build(cfg, ranks, log, fsdp, raw_model.config.block_size)
     raw_model.to(ranks.device)
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
@@ -151,6 +145,7 @@ def setup(cfg, ranks, log, resume, changes):
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
                         f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
     train_loader, val_loader, val_sequences = build_data(cfg, ranks, micro_batch, raw_model.config.vocab_size)
+    evaluations = evaluation.build(cfg, ranks, log, fsdp, val_loader, val_sequences, raw_model.config.block_size)
     optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
                                 ranks.device_type, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
                                 muon_dtype=choice.muon_dtype)
@@ -168,8 +163,8 @@ def setup(cfg, ranks, log, resume, changes):
     run = Run(cfg=cfg, ranks=ranks, log=log, choice=choice, fsdp=fsdp, micro_batch=micro_batch,
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
               optimizer=optimizer, scaler=scaler, schedule=schedule, train_loader=train_loader,
-              val_loader=val_loader, val_sequences=val_sequences, checkpoints=checkpoints, start_step=start_step,
-              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)), **evals)
+              evaluations=evaluations, checkpoints=checkpoints, start_step=start_step,
+              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)), plotter=plotter(cfg, ranks))
     write_header(run, origin, resume, changes)
     return run
 
@@ -195,6 +190,14 @@ def build_model(cfg, resumed):
     except ValueError as e:
         raise UserError(str(e))
     return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
+
+
+def plotter(cfg, ranks):
+    """plot.PlotWriter of the log directory, on rank 0 with --plot; else None."""
+    if not (cfg.plot and ranks.is_master):
+        return None
+    import plot
+    return plot.PlotWriter(cfg.log_dir)
 
 
 def build_data(cfg, ranks, micro_batch, vocab_size):
@@ -242,14 +245,10 @@ def write_header(run, origin, resume, changes):
     log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | world size {ranks.world_size} | "
              f"compile {'on' if choice.compile else 'off'}{f' ({blocker})' if blocker else ''} | git {commit} | "
              f"torch {torch.__version__}")
-    val_note = ""
-    if run.val_loader is not None:
-        whole = run.val_sequences == run.val_loader.num_sequences // ranks.world_size
-        tokens = run.val_sequences * cfg.block_size * ranks.world_size
-        val_note = f" | val: {tokens:,} tokens{' (the whole split)' if whole else ''}"
+    notes = "".join(f" | {note}" for e in run.evaluations if (note := e.note(ranks, cfg.block_size)))
     log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {run.micro_batch} x {cfg.block_size} "
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
-             f"{' (auto-fit)' if cfg.micro_batch_size == 'auto' else ''}{val_note}")
+             f"{' (auto-fit)' if cfg.micro_batch_size == 'auto' else ''}{notes}")
     auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < train_config.DEFAULT_WARMUP
     muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if cfg.muon_lr else ""
     if fp16_muon:

@@ -547,12 +547,12 @@ def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path):
 
 
 def test_hellaswag_file_is_read_at_start_as_far_as_the_limit(tmp_path):
-    """--hellaswag-file is read when the settings are resolved, before the run starts (evaluation.check_files), up
+    """--hellaswag-file is read when the settings are resolved, before the run starts (evaluation.check_inputs), up
     to --hellaswag-limit: what lies past the items a run scores does not stop it."""
     hs = tmp_path / "hs.jsonl"
     hs.write_text('{"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}\nnot json\n')
     log_dir = str(tmp_path / "log")
-    check = lambda argv: evaluation.check_files(train_config.resolve(train_config.parse_args(argv))[0])  # noqa: E731
+    check = lambda argv: evaluation.check_inputs(train_config.resolve(train_config.parse_args(argv))[0])  # noqa: E731
     check(["--hellaswag-file", str(hs), "--hellaswag-limit", "1", "--log-dir", log_dir])
     with pytest.raises(train_config.UserError, match="line 2: malformed HellaSwag line"):
         check(["--hellaswag-file", str(hs), "--log-dir", log_dir])
