@@ -110,7 +110,10 @@ class Checkpointer:
     def __init__(self, log_dir, keep, ranks, log, resume=None):
         if resume is not None:
             check_world_size(resume.checkpoint, resume.path, ranks)
-        agree_on_resume(resume and resume.checkpoint, ranks)
+        steps = parallel.gather(resume and resume.step, ranks)  # each rank read the directory: the same step?
+        if len(set(steps)) > 1:
+            raise UserError(f"the ranks found different checkpoints to resume from (steps {steps}): every node "
+                            "must see the same --log-dir (a shared file system)")
         self.log_dir, self.keep, self.ranks, self.log, self.resume = log_dir, keep, ranks, log, resume
         self.last_path = self.last_step = None
 
@@ -157,11 +160,17 @@ class Checkpointer:
         parallel.gather(None, self.ranks)  # every rank got this far: only then may rank 0 move files
         for problem in self.resume.skipped:
             self.log.line(f"resume: skipped {problem}")
-        if self.ranks.is_master:
-            dest, moved = set_aside_later(self.log_dir, self.resume.path, self.resume.step)
-            if moved:
-                self.log.line(f"resume: a new branch from step {self.resume.step}: moved the old branch's later "
-                              f"{', '.join(moved)} to {dest}")
+        step = self.resume.step
+        later = [p for p in list_checkpoints(self.log_dir) if step_of(p) > step]
+        if self.ranks.is_master and later and in_log_dir(self.resume.path, self.log_dir):
+            # out of every reader's sight, the old branch's later checkpoints and export
+            dest = os.path.join(self.log_dir, "superseded", f"after_step_{step}_{time.strftime('%Y%m%d-%H%M%S')}")
+            os.makedirs(dest)
+            moved = later + [p for p in [os.path.join(self.log_dir, "hf")] if os.path.isdir(p)]
+            for p in moved:
+                os.replace(p, os.path.join(dest, os.path.basename(p)))
+            self.log.line(f"resume: a new branch from step {step}: moved the old branch's later "
+                          f"{', '.join(os.path.basename(p) for p in moved)} to {dest}")
         self.resume = None  # its state is in the model and optimizer now: the host memory it holds goes
 
     def save(self, step):
@@ -199,7 +208,15 @@ class Checkpointer:
     def export(self, model, command):
         """LOG_DIR/hf: the plain GPT `model` and the GPT-2 tokenizer in Hugging Face's format (rank 0); command: how
         to export again after a failure. Returns the folder."""
-        return export_final(model, self.log_dir, self.last_path, command)
+        from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
+        out = os.path.join(self.log_dir, "hf")
+        try:
+            atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
+        except (OSError, SafetensorError) as e:
+            why = "no space left on its disk" if out_of_space(e, self.log_dir) else first_line(e)
+            raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
+                            f"(the last: {self.last_path}): free space under --log-dir, then {command} exports it")
+        return out
 
 
 # Resuming: which checkpoint
@@ -269,23 +286,6 @@ def in_log_dir(path, log_dir):
             and os.path.samefile(os.path.dirname(os.path.abspath(path)), log_dir))
 
 
-def set_aside_later(log_dir, path, step):
-    """Resuming log_dir from its own checkpoint of `step` starts a new branch: later checkpoints (and LOG_DIR/hf)
-    move to LOG_DIR/superseded/after_step_<step>_<time>/, out of every reader's sight. (folder, names moved)."""
-    if not in_log_dir(path, log_dir):
-        return None, []
-    later = [p for p in list_checkpoints(log_dir) if step_of(p) > step]
-    if not later:
-        return None, []
-    dest = os.path.join(log_dir, "superseded", f"after_step_{step}_{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(dest)
-    export = os.path.join(log_dir, "hf")
-    moved = later + ([export] if os.path.isdir(export) else [])
-    for p in moved:
-        os.replace(p, os.path.join(dest, os.path.basename(p)))
-    return dest, [os.path.basename(p) for p in moved]
-
-
 def check_world_size(ckpt, path, ranks):
     """The data position counts in the run's process count, which must not change: rank 0 says why, the rest exit."""
     saved = ckpt.get("world_size", ckpt["config"].get("world_size"))  # older checkpoints: in the config
@@ -294,29 +294,6 @@ def check_world_size(ckpt, path, ranks):
             raise SystemExit(2)
         raise UserError(f"cannot resume {path}: it was trained with {saved} process(es) (GPUs), this launch has "
                         f"{ranks.world_size}; launch it with {saved} in all (torchrun --nproc_per_node x --nnodes)")
-
-
-def agree_on_resume(ckpt, ranks):
-    """Every rank read the same directory; they must have found the same step, or the run would mix two."""
-    steps = parallel.gather(None if ckpt is None else ckpt["step"], ranks)
-    if len(set(steps)) > 1:
-        raise UserError(f"the ranks found different checkpoints to resume from (steps {steps}): every node "
-                        "must see the same --log-dir (a shared file system)")
-
-
-# The final model, exported for other tools: LOG_DIR/hf
-def export_final(model, log_dir, last_checkpoint, command):
-    """Write the plain GPT `model` and the GPT-2 tokenizer to LOG_DIR/hf in Hugging Face's format."""
-    from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
-    out = os.path.join(log_dir, "hf")
-    try:
-        atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
-    except (OSError, SafetensorError) as e:
-        why = "no space left on its disk" if out_of_space(e, log_dir) else first_line(e)
-        raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
-                        f"(the last: {last_checkpoint}): free space under --log-dir, then {command} "
-                        "exports it")
-    return out
 
 
 def atomic_directory(path, write_fn):
