@@ -1,6 +1,6 @@
-"""Training checkpoints (LOG_DIR/ckpt_NNNNNN.pt): writing and restoring them, finding the one to resume from, the
-final export to LOG_DIR/hf, and loading a model for the other scripts. A checkpoint is one torch.save file holding
-the full, unsharded state, the same under DDP or FSDP:
+"""Training checkpoints (LOG_DIR/ckpt_NNNNNN.pt): finding the one to resume from, writing and restoring them (the
+full state dicts of a model under DDP or FSDP), the final export to LOG_DIR/hf, and loading a model for the other
+scripts. A checkpoint is one torch.save file holding the full, unsharded state, the same under DDP or FSDP:
     format        CHECKPOINT_FORMAT
     step          steps completed: a resume starts at this step
     model_config  GPTConfig's fields
@@ -17,19 +17,20 @@ import os
 import random
 import re
 import shlex
-import shutil
 import time
 import zipfile
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map_only
 
 import metrics
 import parallel
+from optim import Optimizers
 # the log directory's checkpoint files and the command that goes on (metrics.py says them for every reader)
 from metrics import checkpoint_path, latest_checkpoint, list_checkpoints, resume_command, step_of  # noqa: F401
-from common import UserError, atomic_write, first_line, fsync_path, hub_unreachable, out_of_space
+from common import UserError, atomic_directory, atomic_write, first_line, hub_unreachable, out_of_space
 from model import GPT, GPTConfig
 from tokenizer import gpt2_bpe_files
 
@@ -134,8 +135,8 @@ class Checkpointer:
         if self.resume is None:
             return 0
         ckpt, path = self.resume.checkpoint, self.resume.path
-        parallel.load_model_state(model, ckpt["model"])
-        parallel.load_optimizer_state(model, optimizer, ckpt["optimizer"])
+        load_model_state(model, ckpt["model"])
+        load_optimizer_state(model, optimizer, ckpt["optimizer"])
         # a CPU tensor stays a view of the memory-mapped file, whose disk space it would hold after the rotation
         for opt in getattr(optimizer, "optimizers", [optimizer]):
             for state in opt.state.values():
@@ -178,12 +179,11 @@ class Checkpointer:
         self.last_step = step  # on every rank: whether to write another is decided collectively
         per_rank = parallel.gather({"train_loader": self.train_loader.state_dict(), "rng": rng_state()}, self.ranks)
         if self.ranks.is_master or self.fsdp:
-            model_state = parallel.model_state(self.model)
-            optimizer_state = parallel.optimizer_state(self.model, self.optimizer)
+            weights, moments = model_state(self.model), optimizer_state(self.model, self.optimizer)
         if not self.ranks.is_master:
             return
-        ckpt = {"step": step, "model_config": asdict(parallel.unwrap(self.model).config), "model": model_state,
-                "optimizer": optimizer_state, "scaler": self.scaler.state_dict(), "ranks": per_rank,
+        ckpt = {"step": step, "model_config": asdict(parallel.unwrap(self.model).config), "model": weights,
+                "optimizer": moments, "scaler": self.scaler.state_dict(), "ranks": per_rank,
                 "world_size": self.ranks.world_size, "config": self.config}
         path = checkpoint_path(self.log_dir, step)
         os.makedirs(self.log_dir, exist_ok=True)
@@ -205,10 +205,18 @@ class Checkpointer:
         """Whether this run's directory holds the checkpoint of `step` (a resume of another directory's does not)."""
         return self.last_step == step and in_log_dir(self.last_path, self.log_dir)
 
-    def export(self, model, command):
-        """LOG_DIR/hf: the plain GPT `model` and the GPT-2 tokenizer in Hugging Face's format (rank 0); command: how
-        to export again after a failure. Returns the folder."""
+    def export(self, command):
+        """LOG_DIR/hf: the final model and the GPT-2 tokenizer in Hugging Face's format, written by rank 0 (under FSDP
+        every rank helps gather the shards); command: how to export again after a failure. The folder, on rank 0."""
         from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
+        model = parallel.unwrap(self.model)
+        if self.fsdp:  # rank 0 exports a plain copy
+            state = model_state(self.model)
+            model = GPT(model.config) if self.ranks.is_master else None
+            if model is not None:
+                model.load_state_dict(state)
+        if not self.ranks.is_master:
+            return None
         out = os.path.join(self.log_dir, "hf")
         try:
             atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
@@ -217,6 +225,71 @@ class Checkpointer:
             raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
                             f"(the last: {self.last_path}): free space under --log-dir, then {command} exports it")
         return out
+
+
+# Checkpoints hold the full state gathered on rank 0, not torch.distributed.checkpoint's per-rank shards: one format
+# for DDP and FSDP. That costs rank 0 ~18 GB of CPU memory at 1.5B parameters; larger models would want shards.
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def _to_cpu(state):
+    return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), state)
+
+
+def model_state(model):
+    """The full state dict of the GPT, CPU tensors. Under FSDP every rank calls it; rank 0 gets the dict."""
+    raw = parallel.unwrap(model)
+    if not parallel.is_fsdp(raw):
+        return _to_cpu(raw.state_dict())
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(raw, options=_options(cpu_offload=True))
+
+
+def load_model_state(model, state):
+    raw = parallel.unwrap(model)
+    if not parallel.is_fsdp(raw):
+        raw.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(raw, state, options=_options())
+
+
+def optimizer_state(model, optimizer):
+    """The optimizer's full state dict as optimizer.state_dict() has it on the unsharded model, CPU tensors, so
+    that DDP and FSDP checkpoints are interchangeable. Under FSDP every rank calls it; rank 0 gets the dict."""
+    if isinstance(optimizer, Optimizers):
+        return {"optimizers": [optimizer_state(model, opt) for opt in optimizer.optimizers]}
+    raw = parallel.unwrap(model)
+    if not parallel.is_fsdp(raw):
+        return _to_cpu(optimizer.state_dict())
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    by_name = get_optimizer_state_dict(raw, optimizer, options=_options(cpu_offload=True))
+    if not by_name:
+        return {}
+    index = {name: i for i, name in enumerate(n for group in by_name["param_groups"] for n in group["params"])}
+    groups = [{**group, "params": [index[n] for n in group["params"]]} for group in by_name["param_groups"]]
+    return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
+
+
+def load_optimizer_state(model, optimizer, state):
+    """Load optimizer_state's format into the optimizer, sharding it under FSDP; before the first backward."""
+    if isinstance(optimizer, Optimizers):  # --optimizer is fixed on resume: the state holds these optimizers
+        for opt, s in zip(optimizer.optimizers, state["optimizers"]):
+            load_optimizer_state(model, opt, s)
+        return
+    raw = parallel.unwrap(model)
+    if not parallel.is_fsdp(raw):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    names = {p: name for name, p in raw.named_parameters()}  # the tied wte/lm_head weight once, as the optimizer
+    name_of = dict(enumerate(names[p] for group in optimizer.param_groups for p in group["params"]))
+    by_name = {"state": {name_of[i]: s for i, s in state["state"].items()},
+               "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(raw, optimizer, by_name, options=_options())
 
 
 # Resuming: which checkpoint
@@ -294,31 +367,6 @@ def check_world_size(ckpt, path, ranks):
             raise SystemExit(2)
         raise UserError(f"cannot resume {path}: it was trained with {saved} process(es) (GPUs), this launch has "
                         f"{ranks.world_size}; launch it with {saved} in all (torchrun --nproc_per_node x --nnodes)")
-
-
-def atomic_directory(path, write_fn):
-    """write_fn(tmp) fills a new directory that then takes path's place: a failure or a kill leaves the older one."""
-    parent, name = os.path.split(os.path.abspath(path))
-    tmp, old = os.path.join(parent, f".{name}.tmp"), os.path.join(parent, f".{name}.old")
-
-    def settle():  # a kill or a failure between the two renames below: the older directory goes back
-        if os.path.isdir(old) and not os.path.exists(path):
-            os.rename(old, path)
-        for d in (tmp, old):
-            shutil.rmtree(d, ignore_errors=True)
-    settle()
-    try:
-        os.makedirs(tmp)
-        write_fn(tmp)
-        for root, _, files in os.walk(tmp):
-            for f in files:
-                fsync_path(os.path.join(root, f))
-        if os.path.exists(path):  # a directory cannot be renamed over one that holds files
-            os.rename(path, old)
-        os.rename(tmp, path)
-    finally:
-        settle()
-    fsync_path(parent)
 
 
 # Models for the other scripts

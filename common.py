@@ -160,6 +160,31 @@ def atomic_write(path, write_fn):
     fsync_path(d)  # make the rename itself durable
 
 
+def atomic_directory(path, write_fn):
+    """write_fn(tmp) fills a new directory that then takes path's place: a failure or a kill leaves the older one."""
+    parent, name = os.path.split(os.path.abspath(path))
+    tmp, old = os.path.join(parent, f".{name}.tmp"), os.path.join(parent, f".{name}.old")
+
+    def settle():  # a kill or a failure between the two renames below: the older directory goes back
+        if os.path.isdir(old) and not os.path.exists(path):
+            os.rename(old, path)
+        for d in (tmp, old):
+            shutil.rmtree(d, ignore_errors=True)
+    settle()
+    try:
+        os.makedirs(tmp)
+        write_fn(tmp)
+        for root, _, files in os.walk(tmp):
+            for f in files:
+                fsync_path(os.path.join(root, f))
+        if os.path.exists(path):  # a directory cannot be renamed over one that holds files
+            os.rename(path, old)
+        os.rename(tmp, path)
+    finally:
+        settle()
+    fsync_path(parent)
+
+
 def fsync_path(path):
     """fsync a file, or a directory (so that a rename in it is durable), where the file system allows it."""
     try:

@@ -20,13 +20,15 @@ import threading
 
 import common
 from common import UserError
-from core import GPT2_CORE, N_CORE_TASKS
 from metrics import latest_checkpoint, read_metrics, resume_command, step_of
 
 GPT2_VAL_LOSS = 3.2924   # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as measured by build-nanogpt
 GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, HellaSwag acc_norm on the 10,042 validation examples (build-nanogpt)
 GPT3_HELLASWAG = 0.337   # GPT-3 Small (125M), zero-shot HellaSwag (Brown et al. 2020)
-GPT2_CORE_124M, GPT2_CORE_XL = GPT2_CORE["124M"], GPT2_CORE["1.5B"]  # as nanochat measures them (core.py)
+N_CORE_TASKS = 22  # in the DCLM bundle's core.yaml (core.py scores them)
+# OpenAI's GPT-2 as nanochat measured it: full data, bf16, 1024 tokens (dev/estimate_gpt3_core.ipynb; README)
+GPT2_CORE = {"124M": 0.1139, "355M": 0.1849, "774M": 0.2146, "1.5B": 0.2565}
+GPT2_CORE_124M, GPT2_CORE_XL = GPT2_CORE["124M"], GPT2_CORE["1.5B"]
 REFERENCES = {  # each panel's reference lines: value, legend, colour
     "loss": [(GPT2_VAL_LOSS, f"OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: {GPT2_VAL_LOSS})", "black")],
     "hellaswag": [(GPT3_HELLASWAG, f"GPT-3 124M {GPT3_HELLASWAG} (Brown et al. 2020)", "firebrick"),

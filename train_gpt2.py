@@ -356,15 +356,9 @@ def end(run, reason, step):
 
 
 def export_hf(run):
-    """LOG_DIR/hf: the final model in Hugging Face's format, written by rank 0."""
-    model = run.raw_model
-    if run.fsdp:  # every rank helps gather the shards; rank 0 exports a plain copy
-        state = parallel.model_state(run.model)
-        model = GPT(run.raw_model.config) if run.ranks.is_master else None
-        if model is not None:
-            model.load_state_dict(state)
-    if run.ranks.is_master:
-        out = run.checkpoints.export(model, run.resume_command())
+    """LOG_DIR/hf: the final model in Hugging Face's format."""
+    out = run.checkpoints.export(run.resume_command())
+    if out is not None:
         run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 
 

@@ -275,15 +275,15 @@ def worker(rank, world, tmp):
         for name, sharding, ckpt in (("ddp", "none", False), ("fsdp", "fsdp", False),
                                      ("fsdp_ac", "fsdp", True), ("ddp_ac", "none", True)):
             model, _, _, losses, norms = run(tiny_gpt(), sharding, data_dir, ranks, checkpointing=ckpt)
-            out[name] = dict(losses=losses, norms=norms, state=parallel.model_state(model))
+            out[name] = dict(losses=losses, norms=norms, state=checkpoint.model_state(model))
         # Muon under DDP, and under FSDP, where each matrix is sharded and gathered for its Newton-Schulz
         # iteration (in bf16, and in fp16 as on GPUs without bf16); the optimizer state has the unsharded format
         for name, sharding, dtype in (("ddp_muon", "none", torch.bfloat16), ("fsdp_muon", "fsdp", torch.bfloat16),
                                       ("fsdp_muon_fp16", "fsdp", torch.float16),
                                       ("fsdp_muon_fp32", "fsdp", torch.float32)):
             model, opt, _, losses, norms = run(tiny_gpt(), sharding, data_dir, ranks, muon=dtype)
-            out[name] = dict(losses=losses, norms=norms, state=parallel.model_state(model),
-                             optimizer=parallel.optimizer_state(model, opt))
+            out[name] = dict(losses=losses, norms=norms, state=checkpoint.model_state(model),
+                             optimizer=checkpoint.optimizer_state(model, opt))
 
         # DDP with accumulation: where the gradients are between its micro-steps
         raw = tiny_gpt()
@@ -306,7 +306,7 @@ def worker(rank, world, tmp):
         torch.rand(rank + 1), np.random.rand(rank + 1), random.random()  # each rank's generators elsewhere
         saver.save(RESUME_AT)
         out["draws_after_save"] = draws()
-        out["optimizer_at_resume"] = parallel.optimizer_state(model, opt)
+        out["optimizer_at_resume"] = checkpoint.optimizer_state(model, opt)
         tdist.barrier()
         saved = checkpoint.load_file(checkpoint.checkpoint_path(f"{tmp}/ckpt", RESUME_AT))
         raw = tiny_gpt(seed=1)
@@ -320,7 +320,7 @@ def worker(rank, world, tmp):
                                fsdp=True) == RESUME_AT
         out["draws_after_restore"] = draws()
         more, _ = train(model, opt, data, STEPS - RESUME_AT, ranks)
-        out["resumed"] = dict(losses=losses + more, state=parallel.model_state(model))
+        out["resumed"] = dict(losses=losses + more, state=checkpoint.model_state(model))
 
         # per-block torch.compile under FSDP, with the aot_eager backend: the same graphs as
         # inductor's up to code generation, without a C++ compile on a small CPU
@@ -331,7 +331,7 @@ def worker(rank, world, tmp):
                                          compile=True)
         finally:
             torch.compile = real_compile
-        out["fsdp_ac_compile"] = dict(losses=losses, keys=list(parallel.model_state(model)))
+        out["fsdp_ac_compile"] = dict(losses=losses, keys=list(checkpoint.model_state(model)))
 
         # fp16 loss scaling: an inf in one rank's shard of the gradients must skip the step on every rank
         raw = tiny_gpt()
