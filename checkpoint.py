@@ -118,7 +118,7 @@ class Checkpointer:
         self.log_dir, self.keep, self.ranks, self.log, self.resume = log_dir, keep, ranks, log, resume
         self.last_path = self.last_step = None
 
-    def model(self):
+    def resumed_model(self):
         """The GPT (on the CPU) of the resumed checkpoint's shape, its weights checked to fit (attach() loads them);
         None for a new run."""
         if self.resume is None:
@@ -180,12 +180,13 @@ class Checkpointer:
         per_rank = parallel.gather({"train_loader": self.train_loader.state_dict(), "rng": rng_state()}, self.ranks)
         if self.ranks.is_master or self.fsdp:
             weights, moments = model_state(self.model), optimizer_state(self.model, self.optimizer)
-        if not self.ranks.is_master:
+        path = checkpoint_path(self.log_dir, step)
+        if not self.ranks.is_master:  # rank 0 writes it: every rank must know it (holds) the same
+            self.last_path = path
             return
         ckpt = {"step": step, "model_config": asdict(parallel.unwrap(self.model).config), "model": weights,
                 "optimizer": moments, "scaler": self.scaler.state_dict(), "ranks": per_rank,
                 "world_size": self.ranks.world_size, "config": self.config}
-        path = checkpoint_path(self.log_dir, step)
         os.makedirs(self.log_dir, exist_ok=True)
         for stale in glob.glob(os.path.join(glob.escape(self.log_dir), ".ckpt_*.pt.tmp*")):
             os.remove(stale)  # left by a process killed mid-write; never read, since never renamed

@@ -306,6 +306,7 @@ def worker(rank, world, tmp):
         torch.rand(rank + 1), np.random.rand(rank + 1), random.random()  # each rank's generators elsewhere
         saver.save(RESUME_AT)
         out["draws_after_save"] = draws()
+        out["holds_after_save"] = saver.holds(RESUME_AT)
         out["optimizer_at_resume"] = checkpoint.optimizer_state(model, opt)
         tdist.barrier()
         saved = checkpoint.load_file(checkpoint.checkpoint_path(f"{tmp}/ckpt", RESUME_AT))
@@ -600,6 +601,13 @@ def test_each_rank_gets_its_own_random_state_back(two_ranks):
     assert r0["draws_after_restore"] == r0["draws_after_save"]
     assert r1["draws_after_restore"] == r1["draws_after_save"]
     assert r0["draws_after_save"] != r1["draws_after_save"]
+
+
+def test_every_rank_knows_the_checkpoint_was_written(two_ranks):
+    """Rank 0 writes the file; a stop right after a scheduled checkpoint asks each rank whether the step is saved,
+    and a rank that answered no would call save()'s collectives alone and wait for the others forever."""
+    r0, r1 = two_ranks[0]
+    assert r0["holds_after_save"] is True and r1["holds_after_save"] is True
 
 
 def test_fsdp_checkpoint_is_a_plain_gpt_state_dict(two_ranks):
