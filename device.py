@@ -250,7 +250,8 @@ AUTOCAST_DTYPE_KEYED = (2, 13)
 
 def keep_compiled_graphs_apart(choice):
     """Where compiled 16-bit graphs could be served to a launch in the other dtype, keep them out of that cache
-    (Inductor's own cache, keyed on the lowered graph, still spares recompiling the kernels)."""
+    (Inductor's own cache, keyed on the lowered graph, still spares recompiling the kernels). A user's
+    TORCHINDUCTOR_AUTOGRAD_CACHE=1 outranks this, as PyTorch's forced settings do."""
     if choice.compile and choice.dtype != "float32" and major_minor(torch.__version__) < AUTOCAST_DTYPE_KEYED:
         from torch._functorch import config
         config.enable_autograd_cache = False

@@ -47,15 +47,15 @@ def train(argv=None):
     args = train_config.parse_args(argv, description=__doc__)
     resume = checkpoint.resume_point(args.resume, args.log_dir)
     cfg, changes = train_config.resolve(args, resume)
-    evaluation.check_inputs(cfg)
-    if cfg.wandb or cfg.tensorboard:
-        import trackers
-        trackers.check_installed(cfg)
     owes_export = resume is not None and cfg.export_hf and resume.owes_export(cfg.log_dir)
     if resume is not None and resume.step == cfg.max_steps and not owes_export:
         common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "
                       "pass a larger --max-steps to train on")
         return 0
+    evaluation.check_inputs(cfg)  # what the evaluations will read, where the run has steps to go
+    if cfg.wandb or cfg.tensorboard:
+        import trackers
+        trackers.check_installed(cfg)
     ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
     log = RunLog(cfg.log_dir, ranks.is_master)
     try:
@@ -127,7 +127,7 @@ def setup(cfg, ranks, log, resume, changes):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw_model, origin = build_model(cfg, checkpoints.model())
+    raw_model, origin = build_model(cfg, checkpoints.resumed_model())
     raw_model.to(ranks.device)
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,

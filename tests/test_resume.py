@@ -107,7 +107,8 @@ def test_resume_applies_the_changes_that_keep_the_math(data_dir, reference_run, 
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "5"], check=False)
     assert p.returncode == 2 and "--max-steps 5 is fewer than the 10 steps" in p.stderr, p.stderr
     before = snapshot(log_dir)
-    for own in ([], ["--total-batch-size", "128"]):  # finished: nothing to do, and nothing written
+    # finished: nothing to do, nothing written, and nothing to check (a prompt longer than its 32 positions)
+    for own in ([], ["--total-batch-size", "128"], ["--sample-prompt", " word" * 40]):
         p = run(["--log-dir", log_dir, "--resume"] + own)
         assert p.stdout.startswith(f"{log_dir}: the run already finished its 10 steps") and snapshot(log_dir) == before
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "12", "--eval-every", "1", "--dist-timeout", "20"])
