@@ -431,6 +431,7 @@ def main(argv=None):
         r["result"] = "ok" if r["rc"] == step.rc else f"rc {r['rc']}"
         if step.same_as:
             r["losses"], worst = same_losses(os.path.join(out, step.same_as), os.path.join(out, name))
+            r["losses"] = r["losses"] or f"losses not compared: no {step.same_as} run in {out}"
             if worst is not None and worst > LOSS_TOLERANCE and r["result"] == "ok":
                 r["result"] = "losses"
         r["ok"] = r["result"] == "ok"

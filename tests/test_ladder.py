@@ -378,6 +378,9 @@ def test_device_check_fails_a_run_whose_losses_are_off_its_reference(data_dir, t
     assert rc == 1
     assert table["micro_a"].split()[1] == "losses" and "(relative) of eager's" in table["micro_a"]
     assert table["micro_b"].split()[1] == "ok" and "(relative) of micro_a's" in table["micro_b"]
+    alone = tmp_path / "alone"  # without its reference, the table says so rather than nothing
+    device_check.main(["--small", "--device", "cpu", "--data-dir", data_dir, "--out", str(alone), "--only", "micro_a"])
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].endswith(f"losses not compared: no eager run in {alone}")
 
 
 def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
