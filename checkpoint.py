@@ -117,6 +117,7 @@ class Checkpointer:
                             "must see the same --log-dir (a shared file system)")
         self.log_dir, self.keep, self.ranks, self.log, self.resume = log_dir, keep, ranks, log, resume
         self.last_path = self.last_step = None
+        self.last_here = False  # whether last_step's checkpoint is in log_dir (not another run's)
 
     def resumed_model(self):
         """The GPT (on the CPU) of the resumed checkpoint's shape, its weights checked to fit (attach() loads them);
@@ -151,6 +152,7 @@ class Checkpointer:
             raise UserError(f"cannot resume {path}: {e}")
         set_rng_state(ckpt["ranks"][self.ranks.rank]["rng"])
         self.last_path, self.last_step = path, ckpt["step"]
+        self.last_here = in_log_dir(path, self.log_dir)  # every rank read the file: the same answer
         return ckpt["step"]
 
     def begin(self):
@@ -176,12 +178,12 @@ class Checkpointer:
 
     def save(self, step):
         """Write ckpt_<step>.pt (step: steps completed) from rank 0."""
-        self.last_step = step  # on every rank: whether to write another is decided collectively
+        self.last_step, self.last_here = step, True  # on every rank, without a look at rank 0's files
         per_rank = parallel.gather({"train_loader": self.train_loader.state_dict(), "rng": rng_state()}, self.ranks)
         if self.ranks.is_master or self.fsdp:
             weights, moments = model_state(self.model), optimizer_state(self.model, self.optimizer)
         path = checkpoint_path(self.log_dir, step)
-        if not self.ranks.is_master:  # rank 0 writes it: every rank must know it (holds) the same
+        if not self.ranks.is_master:
             self.last_path = path
             return
         ckpt = {"step": step, "model_config": asdict(parallel.unwrap(self.model).config), "model": weights,
@@ -204,7 +206,7 @@ class Checkpointer:
 
     def holds(self, step):
         """Whether this run's directory holds the checkpoint of `step` (a resume of another directory's does not)."""
-        return self.last_step == step and in_log_dir(self.last_path, self.log_dir)
+        return self.last_step == step and self.last_here
 
     def export(self, command):
         """LOG_DIR/hf: the final model and the GPT-2 tokenizer in Hugging Face's format, written by rank 0 (under FSDP
