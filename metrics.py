@@ -322,6 +322,12 @@ def read_metrics(log_dir):
     return metrics
 
 
+def read_launches(log_dir):
+    """read_metrics(log_dir)["launches"], or [] where the trainer has written no record there yet."""
+    path = os.path.join(log_dir, METRICS_FILE)
+    return _read(path)["launches"] if os.path.isfile(path) else []
+
+
 def _read(path):
     by_step = {kind: {} for kind in STEP_KINDS}
     launches = []
