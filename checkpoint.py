@@ -164,8 +164,9 @@ class Checkpointer:
         for problem in self.resume.skipped:
             self.log.line(f"resume: skipped {problem}")
         step = self.resume.step
-        later = [p for p in list_checkpoints(self.log_dir) if step_of(p) > step]
-        if self.ranks.is_master and later and in_log_dir(self.resume.path, self.log_dir):
+        mine = self.ranks.is_master and in_log_dir(self.resume.path, self.log_dir)  # rank 0, on its own run's
+        later = [p for p in list_checkpoints(self.log_dir) if step_of(p) > step] if mine else []
+        if later:
             # out of every reader's sight, the old branch's later checkpoints and export
             dest = os.path.join(self.log_dir, "superseded", f"after_step_{step}_{time.strftime('%Y%m%d-%H%M%S')}")
             os.makedirs(dest)
@@ -182,13 +183,12 @@ class Checkpointer:
         per_rank = parallel.gather({"train_loader": self.train_loader.state_dict(), "rng": rng_state()}, self.ranks)
         if self.ranks.is_master or self.fsdp:
             weights, moments = model_state(self.model), optimizer_state(self.model, self.optimizer)
-        path = checkpoint_path(self.log_dir, step)
         if not self.ranks.is_master:
-            self.last_path = path
             return
         ckpt = {"step": step, "model_config": asdict(parallel.unwrap(self.model).config), "model": weights,
                 "optimizer": moments, "scaler": self.scaler.state_dict(), "ranks": per_rank,
                 "world_size": self.ranks.world_size, "config": self.config}
+        path = checkpoint_path(self.log_dir, step)
         os.makedirs(self.log_dir, exist_ok=True)
         for stale in glob.glob(os.path.join(glob.escape(self.log_dir), ".ckpt_*.pt.tmp*")):
             os.remove(stale)  # left by a process killed mid-write; never read, since never renamed
