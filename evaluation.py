@@ -30,13 +30,6 @@ class Evaluation:
         """What the run header says of it, or ''."""
         return ""
 
-    @staticmethod
-    def logged(run, step, kind, text, **fields):
-        """The step's line and `kind` record of a result, at the tokens trained so far; True."""
-        run.log.line(f"step {step} | {text}")
-        run.log.record(kind, step=step, tokens=step * run.cfg.total_batch_size, **fields)
-        return True
-
 
 class Validation(Evaluation):
     """The mean loss over the val split's first `sequences` sequences of each rank."""
@@ -50,7 +43,9 @@ class Validation(Evaluation):
         val_loss = validation_loss(model, self.loader, self.sequences, run.ranks, run.dtype, stop_check(stop, run.ranks))
         if val_loss is None:
             return None
-        return self.logged(run, step, "val", f"val_loss {val_loss:.4f}", val_loss=val_loss)
+        run.log.line(f"step {step} | val_loss {val_loss:.4f}")
+        run.log.record("val", step=step, val_loss=val_loss, tokens=step * run.cfg.total_batch_size)
+        return True
 
     def note(self, ranks, block_size):
         whole = self.sequences == self.loader.num_sequences // ranks.world_size
@@ -71,7 +66,9 @@ class Scored(Evaluation):
         if result is None:
             return None
         text, fields = self.hook.report(result)
-        return self.logged(run, step, self.hook.name, f"{self.hook.name} {text}", **fields)
+        run.log.line(f"step {step} | {self.hook.name} {text}")
+        run.log.record(self.hook.name, step=step, tokens=step * run.cfg.total_batch_size, **fields)
+        return True
 
 
 class Samples(Evaluation):
