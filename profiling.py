@@ -7,6 +7,7 @@ import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
 
 import device
 import memory
@@ -84,19 +85,18 @@ class StepProfiler:
             self.report()
 
     def report(self):
-        """Stop the profiler, write the trace and the table of the operations with the most self time."""
+        """Stop the profiler, write the trace and the table of what took the most time."""
         self.prof.stop()
         first, last = self.window
         path = self.path(f"steps{first}-{last}", "pt.trace.json.gz")  # Perfetto and TensorBoard read it gzipped
         self.prof.export_chrome_trace(path)
-        key, where = ("self_device_time_total", "CUDA") if self.cuda else ("self_cpu_time_total", "CPU")
-        ops = sorted(self.prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-        total = max(sum(getattr(e, key) for e in ops), 1e-9)
-        self.write(f"profile | steps {first}-{last} | trace {path} (ui.perfetto.dev or TensorBoard) | "
-                   f"the operations with the most self {where} time:")
-        for e in ops[:self.TOP]:
-            t = getattr(e, key)
-            self.write(f"profile | {t / 1e3 / (last - first + 1):10.2f} ms/step {100 * t / total:5.1f}% "
+        rows, total = busiest(self.prof.key_averages(), self.cuda)
+        steps = last - first + 1
+        what = (f"the GPU's work, {total / 1e3 / steps:.1f} ms/step in all: the kernels and copies with the most time"
+                if self.cuda else "the operations with the most self CPU time")
+        self.write(f"profile | steps {first}-{last} | trace {path} (ui.perfetto.dev or TensorBoard) | {what}:")
+        for e, t in rows[:self.TOP]:
+            self.write(f"profile | {t / 1e3 / steps:10.2f} ms/step {100 * t / max(total, 1e-9):5.1f}% "
                        f"{e.count:7d} calls  {e.key}")
         self.prof = None
 
@@ -104,3 +104,16 @@ class StepProfiler:
         """A new file in out_dir, named for this process, what it holds and the time."""
         os.makedirs(self.out_dir, exist_ok=True)
         return os.path.join(self.out_dir, f"{self.name}.{what}.{time.strftime('%Y%m%d-%H%M%S')}.{ext}")
+
+
+def busiest(averages, cuda):
+    """([(event, microseconds)] most first, their sum) of a profile's key_averages(). On CUDA: what ran on the GPU
+    (kernels, copies), not the annotations that span it (ProfilerStep#N, a compiled graph's call), nor the CPU
+    operators that launched it: each of those holds the same GPU time again. Else: self CPU time."""
+    if cuda:
+        rows = [(e, e.self_device_time_total) for e in averages
+                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    else:
+        rows = [(e, e.self_cpu_time_total) for e in averages]
+    rows.sort(key=lambda row: row[1], reverse=True)
+    return rows, sum(t for _, t in rows)

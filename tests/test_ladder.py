@@ -434,6 +434,40 @@ def test_profile_steps_trace_those_steps_and_no_other(data_dir, tmp_path):
         "profile steps from 4 on") and not late.exists()
 
 
+def test_cuda_profile_table_ranks_the_gpu_work_once(tmp_path):
+    """On CUDA every kernel's time is also held by the CPU operator that launched it and by the annotations spanning
+    it (ProfilerStep#N, a compiled graph's call): the table ranks the kernels and copies alone, its shares of their
+    sum. The events are torch's own profiler records, as a CUDA profile holds them."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent, FunctionEventAvg
+
+    def averaged(name, us, device_type, annotation=False, kernel=None):
+        event = FunctionEvent(id=0, name=name, thread=0, start_us=0, end_us=us, use_device="cuda",
+                              device_type=device_type, is_user_annotation=annotation)
+        if kernel:
+            event.append_kernel(kernel, 0, us)
+        return FunctionEventAvg().add(event)
+
+    events = [averaged("ProfilerStep*", 1000, DeviceType.CUDA, annotation=True),  # the whole step, on the GPU
+              averaged("## Call CompiledFxGraph ##", 700, DeviceType.CPU, annotation=True, kernel="triton_red"),
+              averaged("aten::mm", 300, DeviceType.CPU, kernel="nvjet_gemm"),
+              averaged("nvjet_gemm", 300, DeviceType.CUDA), averaged("triton_red", 700, DeviceType.CUDA),
+              averaged("Memcpy HtoD (Pinned -> Device)", 5, DeviceType.CUDA)]
+    rows, total = ladder.profiling.busiest(events, cuda=True)
+    assert [(e.key, t) for e, t in rows] == [("triton_red", 700), ("nvjet_gemm", 300),
+                                            ("Memcpy HtoD (Pinned -> Device)", 5)] and total == 1005
+    rows, total = ladder.profiling.busiest(events, cuda=False)  # the CPU's table: each event's self CPU time
+    assert [e.key for e, _ in rows[:2]] == ["## Call CompiledFxGraph ##", "aten::mm"] and total == 1000
+
+    lines = []  # the table as the trainer writes it
+    profiler = ladder.profiling.StepProfiler((2, 3), "cuda", str(tmp_path), "rank0", lines.append)
+    profiler.prof = type("Profile", (), {"stop": lambda self: None, "key_averages": lambda self: events,
+                                         "export_chrome_trace": lambda self, path: None})()
+    profiler.report()
+    assert "the GPU's work, 0.5 ms/step in all" in lines[0] and len(lines) == 4
+    assert lines[1].split() == ["profile", "|", "0.35", "ms/step", "69.7%", "1", "calls", "triton_red"]
+
+
 @pytest.mark.parametrize("value, error", [("5:3", "step A comes after step B"), ("-1:3", "not A:B"),
                                           ("1.5:3", "not A:B"), ("3", "not A:B"), ("a:b", "not A:B"),
                                           ("2:6", "ends after the run's last step, 5")])
