@@ -69,7 +69,8 @@ class StepProfiler:
         if profiled and self.prof is None:
             from torch.profiler import ProfilerActivity
             self.prof = torch.profiler.profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * self.cuda,
-                                               record_shapes=True, profile_memory=True)
+                                               record_shapes=True, profile_memory=True,
+                                               acc_events=True)  # one cycle; before 2.13 False warned of clearing
             self.prof.start()
         try:
             with torch.profiler.record_function(f"ProfilerStep#{step}") if profiled else contextlib.nullcontext():
