@@ -134,7 +134,8 @@ class GPT(nn.Module):
         return n
 
     def forward(self, idx, targets=None, cache=None, pos=None, mask=None, last_only=False):
-        """idx (B, T) token ids -> (logits (B, T, padded_vocab), loss or None). pos (B, T), each token's
+        """idx (B, T) token ids -> (logits (B, T, padded_vocab), loss or None); with targets the logits come
+        back detached (the loss carries the gradient). pos (B, T), each token's
         position in its own sequence, and mask (B, 1, T, T), True where a token attends, pack several
         sequences into one row (hellaswag.py). last_only: the last position's logits, for generation."""
         B, T = idx.size()
@@ -157,7 +158,10 @@ class GPT(nn.Module):
         logits[..., self.config.vocab_size:] = float("-inf")  # padded ids are not tokens: no probability, ever
         if targets is None:
             return logits, None
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        # with targets the loss is what backward differentiates: logits that required grad would make a compiled
+        # backward fill a zero gradient of their size (6.6 GB each micro-batch of 64 x 1024) and add it in
+        return logits.detach(), loss
 
     @classmethod
     def from_pretrained(cls, name_or_path, local_files_only=False):

@@ -112,6 +112,24 @@ def test_loss_at_init_is_uniform():
     assert abs(loss_half.item() - loss_ref.item()) < 1e-5
 
 
+def test_a_compiled_backward_builds_no_gradient_of_the_logits():
+    """Training differentiates the loss alone: the logits that come back with it must not ask a compiled backward for
+    a gradient of their own, which it would fill with zeros (B x T x 50,304 values) and add in at every micro-step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16))
+    compiled = torch.compile(model)
+    idx, targets = torch.randint(0, 50257, (2, 16)), torch.randint(0, 50257, (2, 16))
+    logits, loss = compiled(idx, targets)
+    assert logits.shape == (2, 16, 50304) and not logits.requires_grad
+    with torch.profiler.profile(record_shapes=True) as prof:
+        loss.backward()
+    filled = [(e.name, e.input_shapes[0]) for e in prof.events()
+              if e.name in ("aten::zeros", "aten::zero_", "aten::fill_") and e.input_shapes and e.input_shapes[0]]
+    assert not [f for f in filled if f[1] == [2, 16, 50304]], filled
+    assert abs(loss.item() - model(idx, targets)[1].item()) < 1e-4  # the same loss as eager
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_presets_and_custom_sizes():
     assert PRESETS["gpt2"] == dict(n_layer=12, n_head=12, n_embd=768)
     assert PRESETS["gpt2-xl"]["n_embd"] == 1600
