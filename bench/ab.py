@@ -1,0 +1,114 @@
+"""
+The trainer itself at two or more git revisions, launched in turns on one machine: which revision trains faster.
+Each launch is `train_gpt2.py` from that revision's files, a short run of the given recipe; its figure is the median
+tokens/s (and MFU) the trainer logged over its steady steps (from --skip-steps on, profiled steps left out).
+
+    python bench/ab.py --data-dir DIR --revs HEAD~1,HEAD --repeats 2 -- --micro-batch-size 64
+
+A revision is anything `git archive` takes (a commit, a branch, HEAD~1), or `worktree` for the files as they are.
+Launches take turns (rev A, rev B, rev A, rev B, ...), and ratios to the first revision are taken turn by turn
+(bench/measure.py). The table comes last; every launch's output goes to OUT/<rev>-<repeat>.log.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from measure import LEGEND, paired_ratios, ratio_text, value_text  # noqa: E402
+
+QUIET = ["--eval-every", "0", "--hellaswag-every", "0", "--sample-every", "0", "--no-export-hf", "--no-plot"]
+
+
+def sources(rev, out):
+    """The directory holding rev's files: the checkout itself for `worktree`, else an export under out."""
+    if rev == "worktree":
+        return ROOT
+    dest = os.path.join(out, "src", rev.replace("/", "_").replace("~", "-").replace("^", "-"))
+    if not os.path.isdir(dest):
+        os.makedirs(dest)
+        archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True, check=True)
+        tar_path = dest + ".tar"
+        with open(tar_path, "wb") as f:
+            f.write(archive.stdout)
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(dest, filter="data")
+        os.remove(tar_path)
+    return dest
+
+
+def steady(log_dir, skip, profiled):
+    """(median tokens/s, median MFU or None, seconds of step 0) of a launch's train records."""
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    train = [r for r in records if r.get("kind") == "train"]
+    kept = [r for r in train if r["step"] >= skip and r["step"] not in profiled]
+    if not kept:
+        raise SystemExit(f"{log_dir}: no train steps from step {skip} on; raise --steps")
+    mfus = [r["mfu"] for r in kept if r.get("mfu") is not None]
+    first = next((r["dt_ms"] / 1e3 for r in train if r["step"] == 0), None)
+    return statistics.median(r["tok_per_s"] for r in kept), statistics.median(mfus) if mfus else None, first
+
+
+def profiled_steps(extra):
+    """The steps --profile-steps A:B names among the extra flags (their times hold the profiler's cost)."""
+    if "--profile-steps" not in extra:
+        return set()
+    first, last = map(int, extra[extra.index("--profile-steps") + 1].split(":"))
+    return set(range(first, last + 1))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", required=True, help="shards from fineweb.py")
+    p.add_argument("--revs", required=True, help="comma-separated git revisions (or worktree); the first is the base")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per launch (default 12)")
+    p.add_argument("--skip-steps", type=int, default=3, help="steps left out at the start: compile, warm-up")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per launch (default 300)")
+    p.add_argument("--out", default="/tmp/ab")
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    revs = args.revs.split(",")
+    os.makedirs(args.out, exist_ok=True)
+    dirs = {rev: sources(rev, args.out) for rev in revs}
+    profiled = profiled_steps(extra)
+    results = {rev: [] for rev in revs}  # per repeat: (tok/s, mfu, step-0 s, launch s)
+    for r in range(args.repeats):
+        for rev in revs:
+            name = f"{os.path.basename(dirs[rev])}-{r}"
+            log_dir = os.path.join(args.out, "runs", name)
+            cmd = [sys.executable, "train_gpt2.py", "--data-dir", os.path.abspath(args.data_dir), "--log-dir", log_dir,
+                   "--max-steps", str(args.steps)] + QUIET + extra
+            print(f"== {rev} (repeat {r}): {shlex.join(cmd)}", flush=True)
+            t0 = time.time()
+            with open(os.path.join(args.out, f"{name}.log"), "w") as log:
+                code = subprocess.run(cmd, cwd=dirs[rev], stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=args.timeout).returncode
+            if code:
+                raise SystemExit(f"{rev}: train_gpt2.py exited {code}; see {log.name}")
+            results[rev].append(steady(log_dir, args.skip_steps, profiled) + (time.time() - t0,))
+    base = [t for t, *_ in results[revs[0]]]
+    print(f"\nrev{'':17s} tok/s (median of steps {args.skip_steps}+){'':6s} MFU      step 0 s   launch s   vs {revs[0]}")
+    for rev in revs:
+        toks = [t for t, *_ in results[rev]]
+        mfus = [m for _, m, *_ in results[rev] if m is not None]
+        print(f"{rev:20s} {value_text(toks):32s} {value_text([100 * m for m in mfus], '{:.1f}%') if mfus else 'n/a':8s} "
+              f"{value_text([s for *_, s, _ in results[rev]], '{:.1f}'):10s} "
+              f"{value_text([w for *_, w in results[rev]], '{:.0f}'):10s} {ratio_text(paired_ratios(toks, base))}")
+    print(LEGEND)
+    with open(os.path.join(args.out, "ab.json"), "w") as f:
+        json.dump({"revs": revs, "extra": extra, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
