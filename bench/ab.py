@@ -1,7 +1,8 @@
 """
 The trainer itself at two or more git revisions, launched in turns on one machine: which revision trains faster.
 Each launch is `train_gpt2.py` from that revision's files, a short run of the given recipe; its figure is the median
-tokens/s (and MFU) the trainer logged over its steady steps (from --skip-steps on, profiled steps left out).
+tokens/s (and MFU) the trainer logged over its steady steps (from --skip-steps on, profiled steps left out), beside
+how far its step losses are from the first revision's (a speed-up must train the same model).
 
     python bench/ab.py --data-dir DIR --revs HEAD~1,HEAD --repeats 2 -- --micro-batch-size 64
 
@@ -21,6 +22,7 @@ import tarfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import LEGEND, paired_ratios, ratio_text, value_text  # noqa: E402
@@ -35,7 +37,10 @@ def sources(rev, out):
     dest = os.path.join(out, "src", rev.replace("/", "_").replace("~", "-").replace("^", "-"))
     if not os.path.isdir(dest):
         os.makedirs(dest)
-        archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True, check=True)
+        archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True)
+        if archive.returncode:
+            raise SystemExit(f"--revs: git cannot export {rev!r} ({archive.stderr.decode().strip()}); give a commit, "
+                             "a branch or worktree")
         tar_path = dest + ".tar"
         with open(tar_path, "wb") as f:
             f.write(archive.stdout)
@@ -46,7 +51,7 @@ def sources(rev, out):
 
 
 def steady(log_dir, skip, profiled):
-    """(median tokens/s, median MFU or None, seconds of step 0) of a launch's train records."""
+    """(median tokens/s, median MFU or None, seconds of step 0, {step: loss}) of a launch's train records."""
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     train = [r for r in records if r.get("kind") == "train"]
@@ -55,7 +60,14 @@ def steady(log_dir, skip, profiled):
         raise SystemExit(f"{log_dir}: no train steps from step {skip} on; raise --steps")
     mfus = [r["mfu"] for r in kept if r.get("mfu") is not None]
     first = next((r["dt_ms"] / 1e3 for r in train if r["step"] == 0), None)
-    return statistics.median(r["tok_per_s"] for r in kept), statistics.median(mfus) if mfus else None, first
+    return (statistics.median(r["tok_per_s"] for r in kept), statistics.median(mfus) if mfus else None, first,
+            {r["step"]: r["loss"] for r in train})
+
+
+def loss_gap(losses, base):
+    """The largest relative difference of a launch's step losses from the base revision's first launch."""
+    gaps = [abs(losses[s] - base[s]) / abs(base[s]) for s in losses if s in base]
+    return f"within {max(gaps):.1e}" if gaps else "no common steps"
 
 
 def profiled_steps(extra):
@@ -82,7 +94,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     dirs = {rev: sources(rev, args.out) for rev in revs}
     profiled = profiled_steps(extra)
-    results = {rev: [] for rev in revs}  # per repeat: (tok/s, mfu, step-0 s, launch s)
+    results = {rev: [] for rev in revs}  # per repeat: (tok/s, mfu, step-0 s, {step: loss}, launch s)
     for r in range(args.repeats):
         for rev in revs:
             name = f"{os.path.basename(dirs[rev])}-{r}"
@@ -98,13 +110,16 @@ def main(argv=None):
                 raise SystemExit(f"{rev}: train_gpt2.py exited {code}; see {log.name}")
             results[rev].append(steady(log_dir, args.skip_steps, profiled) + (time.time() - t0,))
     base = [t for t, *_ in results[revs[0]]]
-    print(f"\nrev{'':17s} tok/s (median of steps {args.skip_steps}+){'':6s} MFU      step 0 s   launch s   vs {revs[0]}")
+    base_losses = results[revs[0]][0][3]
+    print(f"\nrev{'':17s} tok/s (median of steps {args.skip_steps}+){'':6s} MFU      step 0 s   launch s   "
+          f"losses vs {revs[0]}   speed vs {revs[0]}")
     for rev in revs:
         toks = [t for t, *_ in results[rev]]
         mfus = [m for _, m, *_ in results[rev] if m is not None]
         print(f"{rev:20s} {value_text(toks):32s} {value_text([100 * m for m in mfus], '{:.1f}%') if mfus else 'n/a':8s} "
-              f"{value_text([s for *_, s, _ in results[rev]], '{:.1f}'):10s} "
-              f"{value_text([w for *_, w in results[rev]], '{:.0f}'):10s} {ratio_text(paired_ratios(toks, base))}")
+              f"{value_text([s for _, _, s, _, _ in results[rev]], '{:.1f}'):10s} "
+              f"{value_text([w for *_, w in results[rev]], '{:.0f}'):10s} "
+              f"{loss_gap(results[rev][0][3], base_losses):20s} {ratio_text(paired_ratios(toks, base))}")
     print(LEGEND)
     with open(os.path.join(args.out, "ab.json"), "w") as f:
         json.dump({"revs": revs, "extra": extra, "results": results}, f, indent=1)

@@ -496,3 +496,20 @@ def test_ladder_profiles_the_first_repeat_of_each_rung(tmp_path, capsys):
     assert first["profile"][1] in capsys.readouterr().out
     with pytest.raises(UserError, match="a rung runs steps 0 to 2"):
         ladder.parse_args(TINY + ["--profile-steps", "2:3"])
+
+
+def test_ab_launches_each_revision_in_turn_and_compares_their_losses(data_dir, tmp_path, capsys):
+    import ab
+    extra = tiny(eval_every=0, device="cpu")
+    ab.main(["--data-dir", data_dir, "--revs", "worktree,HEAD", "--repeats", "1", "--steps", "4", "--skip-steps", "1",
+             "--out", str(tmp_path), "--"] + extra)
+    table = capsys.readouterr().out.splitlines()
+    results = json.loads((tmp_path / "ab.json").read_text())["results"]
+    for rev in ("worktree", "HEAD"):
+        (tok_per_s, mfu, first_step_s, losses, launch_s), = results[rev]
+        assert tok_per_s > 0 and mfu is None and sorted(losses) == ["0", "1", "2", "3"]  # (JSON keys)
+        row = next(line for line in table if line.startswith(rev))
+        assert "within" in row and row.split()[-1].endswith("x?")
+    assert (tmp_path / "src" / "HEAD" / "train_gpt2.py").is_file()  # HEAD's files, exported
+    with pytest.raises(SystemExit, match="--revs: git cannot export 'no-such-rev'"):
+        ab.main(["--data-dir", data_dir, "--revs", "no-such-rev", "--out", str(tmp_path / "bad")])
