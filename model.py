@@ -134,10 +134,9 @@ class GPT(nn.Module):
         return n
 
     def forward(self, idx, targets=None, cache=None, pos=None, mask=None, last_only=False):
-        """idx (B, T) token ids -> (logits (B, T, padded_vocab), loss or None); with targets the logits come
-        back detached (the loss carries the gradient). pos (B, T), each token's
-        position in its own sequence, and mask (B, 1, T, T), True where a token attends, pack several
-        sequences into one row (hellaswag.py). last_only: the last position's logits, for generation."""
+        """idx (B, T) token ids -> (logits (B, T, padded_vocab), detached where targets give a loss; loss or None).
+        pos (B, T), each token's position in its own sequence, and mask (B, 1, T, T), True where a token attends,
+        pack several sequences into one row (hellaswag.py). last_only: the last position's logits, for generation."""
         B, T = idx.size()
         if pos is None:
             start = cache.pos if cache is not None else 0
@@ -158,10 +157,8 @@ class GPT(nn.Module):
         logits[..., self.config.vocab_size:] = float("-inf")  # padded ids are not tokens: no probability, ever
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        # with targets the loss is what backward differentiates: logits that required grad would make a compiled
-        # backward fill a zero gradient of their size (6.6 GB each micro-batch of 64 x 1024) and add it in
-        return logits.detach(), loss
+        # the loss carries the gradient: logits requiring one too cost a compiled backward a zero gradient their size
+        return logits.detach(), F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
 
     @classmethod
     def from_pretrained(cls, name_or_path, local_files_only=False):
