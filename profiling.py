@@ -70,7 +70,7 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity
             self.prof = torch.profiler.profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * self.cuda,
                                                record_shapes=True, profile_memory=True,
-                                               acc_events=True)  # one cycle; before 2.13 False warned of clearing
+                                               acc_events=True)  # one cycle; else torch 2.11-2.12 warn at each start
             self.prof.start()
         try:
             with torch.profiler.record_function(f"ProfilerStep#{step}") if profiled else contextlib.nullcontext():
@@ -93,8 +93,9 @@ class StepProfiler:
         self.prof.export_chrome_trace(path)
         rows, total = busiest(self.prof.key_averages(), self.cuda)
         steps = last - first + 1
-        what = (f"the GPU's work, {total / 1e3 / steps:.1f} ms/step in all: the kernels and copies with the most time"
-                if self.cuda else "the operations with the most self CPU time")
+        what = (f"the GPU's kernels and copies, {total / 1e3 / steps:.1f} ms/step summed over its streams (NCCL's "
+                "wait for the other ranks included): those with the most time" if self.cuda else
+                "the operations with the most self CPU time")
         self.write(f"profile | steps {first}-{last} | trace {path} (ui.perfetto.dev or TensorBoard) | {what}:")
         for e, t in rows[:self.TOP]:
             self.write(f"profile | {t / 1e3 / steps:10.2f} ms/step {100 * t / max(total, 1e-9):5.1f}% "

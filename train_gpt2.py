@@ -408,7 +408,7 @@ def micro_step(model, x, y, ranks, dtype, scaler, grad_accum, sync, timer):
     as its share of the step's mean, detached. The micro-batch auto-fit measures this too."""
     with parallel.grad_sync(model, sync):
         with device.autocast(ranks.device, dtype):
-            _, loss = model(x, y)
+            loss = model(x, y)[1]  # the logits (detached) are let go before the backward
         loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
         timer.mark("forward")
         scaler.scale(loss).backward()

@@ -464,7 +464,7 @@ def test_cuda_profile_table_ranks_the_gpu_work_once(tmp_path):
     profiler.prof = type("Profile", (), {"stop": lambda self: None, "key_averages": lambda self: events,
                                          "export_chrome_trace": lambda self, path: None})()
     profiler.report()
-    assert "the GPU's work, 0.5 ms/step in all" in lines[0] and len(lines) == 4
+    assert "the GPU's kernels and copies, 0.5 ms/step summed over its streams" in lines[0] and len(lines) == 4
     assert lines[1].split() == ["profile", "|", "0.35", "ms/step", "69.7%", "1", "calls", "triton_red"]
 
 
