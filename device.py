@@ -249,12 +249,14 @@ AUTOCAST_DTYPE_KEYED = (2, 13)
 
 
 def keep_compiled_graphs_apart(choice):
-    """Where compiled 16-bit graphs could be served to a launch in the other dtype, keep them out of that cache
-    (Inductor's own cache, keyed on the lowered graph, still spares recompiling the kernels). A user's
-    TORCHINDUCTOR_AUTOGRAD_CACHE=1 outranks this, as PyTorch's forced settings do."""
+    """Where compiled 16-bit graphs could be served to a launch in the other dtype, add the dtype to the key of every
+    compile cache (torch.compiler.config.cache_key_tag, PyTorch's own way to part caches; a tag the user set through
+    TORCH_COMPILE_CACHE_KEY_TAG is kept in front), so a launch in the same dtype still finds its graphs."""
     if choice.compile and choice.dtype != "float32" and major_minor(torch.__version__) < AUTOCAST_DTYPE_KEYED:
-        from torch._functorch import config
-        config.enable_autograd_cache = False
+        from torch.compiler import config
+        mine = f"autocast-{choice.dtype}"
+        config.cache_key_tag = " ".join([t for t in config.cache_key_tag.split() if not t.startswith("autocast-")]
+                                        + [mine])
 
 
 class CudaMemory:

@@ -1,6 +1,7 @@
 """device.py: the autocast dtype each device gets, peak FLOP/s by GPU name, and waiting for the
 right device."""
 import ctypes
+import dataclasses
 import os
 import sys
 
@@ -250,38 +251,49 @@ def test_cpu_training_keeps_freed_memory_in_the_process():
     assert after == 0
 
 
-@pytest.mark.parametrize("version, dtype, compile, kept", [
-    ("2.11.0+cu130", "bfloat16", True, False),  # the cache that served the other dtype's graphs: off
-    ("2.12.1", "bfloat16", True, False),
-    ("2.13.0", "bfloat16", True, True),  # keyed on the dtype since
-    ("2.11.0+cu130", "float32", True, True),  # no autocast: its own key
-    ("2.11.0+cu130", "bfloat16", False, True),  # nothing compiled
+@pytest.mark.parametrize("version, dtype, compile, tagged", [
+    ("2.11.0+cu130", "bfloat16", True, True),  # the caches' keys, which leave out autocast's dtype: given it
+    ("2.12.1", "float16", True, True),
+    ("2.13.0", "bfloat16", True, False),  # keyed on the dtype since
+    ("2.11.0+cu130", "float32", True, False),  # no autocast: its own key
+    ("2.11.0+cu130", "bfloat16", False, False),  # nothing compiled
 ])
-def test_compiled_graphs_of_one_dtype_are_never_served_to_another(monkeypatch, version, dtype, compile, kept):
-    from torch._functorch import config
+def test_compiled_graphs_of_one_dtype_are_never_served_to_another(monkeypatch, version, dtype, compile, tagged):
+    from torch._functorch import config as functorch_config
+    from torch.compiler import config
     monkeypatch.setattr(torch, "__version__", version)
-    with config.patch(enable_autograd_cache=True):  # set back afterwards
-        device.configure_backends(device.choose("cpu", dtype, compile), False)
-        assert config.enable_autograd_cache is kept
+    choice = dataclasses.replace(device.choose("cpu", "bfloat16", compile), dtype=dtype)  # (CPU autocast: bf16)
+    with config.patch(cache_key_tag="mine"), functorch_config.patch(enable_autograd_cache=True):  # set back after
+        device.configure_backends(choice, False)
+        assert config.cache_key_tag == (f"mine autocast-{dtype}" if tagged else "mine")  # the user's tag kept
+        if tagged:  # another launch's choice in this process: its dtype instead
+            device.configure_backends(dataclasses.replace(choice, dtype="float16"), False)
+            assert config.cache_key_tag == "mine autocast-float16"
+        assert functorch_config.enable_autograd_cache  # a relaunch in the same dtype still finds its graphs
 
 
 CACHE_BY_DTYPE = """
-import torch, device
-device.configure_backends(device.choose("cpu", "bfloat16", True), False)
-x, w = torch.randn(8, 8), torch.randn(8, 8)
-for dtype in (torch.float16, torch.bfloat16):  # compiled afresh each time, the on-disk caches shared
+import dataclasses, torch, device
+from torch._dynamo.utils import counters
+x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8)
+for dtype in ("float16", "bfloat16", "bfloat16"):  # three launches, the on-disk caches shared
     torch._dynamo.reset()
-    with torch.autocast("cpu", dtype=dtype):
-        print(torch.compile(lambda x, w: x @ w)(x, w).dtype)
+    counters.clear()
+    device.configure_backends(dataclasses.replace(device.choose("cpu", "bfloat16", True), dtype=dtype), False)
+    with torch.autocast("cpu", dtype=getattr(torch, dtype)):
+        y = torch.compile(lambda x, w: x @ w)(x, w)
+    y.float().sum().backward()
+    print(y.dtype, "hit" if counters["aot_autograd"]["autograd_cache_hit"] else "miss")
 """
 
 
 def test_a_bfloat16_compile_after_a_float16_one_computes_in_bfloat16(tmp_path):
     """On this machine's PyTorch, through the trainer's set-up: a float16 graph in the on-disk caches is not what a
-    bfloat16 compile runs (before 2.13 it was, unless the trainer keeps AOTAutograd's cache out)."""
+    bfloat16 launch runs (before 2.13 it was, unless the dtype is in the caches' keys), and a second bfloat16 launch
+    finds the first one's graph."""
     import subprocess
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     out = subprocess.run([sys.executable, "-c", CACHE_BY_DTYPE], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["torch.float16", "torch.bfloat16"]
+    assert out.stdout.split() == ["torch.float16", "miss", "torch.bfloat16", "miss", "torch.bfloat16", "hit"]
