@@ -5,8 +5,10 @@ tokens/s (and MFU) the trainer logged over its steady steps (from --skip-steps o
 how far its step losses are from the first revision's (a speed-up must train the same model).
 
     python bench/ab.py --data-dir DIR --revs HEAD~1,HEAD --repeats 2 -- --micro-batch-size 64
+    python bench/ab.py --data-dir DIR --variant mb64='--micro-batch-size 64' --variant mb128='--micro-batch-size 128'
 
-A revision is anything `git archive` takes (a commit, a branch, HEAD~1), or `worktree` for the files as they are.
+A revision is anything `git archive` takes (a commit, a branch, HEAD~1), or `worktree` for the files as they are;
+a variant is a set of trainer flags, and every revision runs with every variant (flags after -- go to all).
 Launches take turns (rev A, rev B, rev A, rev B, ...), and ratios to the first revision are taken turn by turn
 (bench/measure.py). The table comes last; every launch's output goes to OUT/<rev>-<repeat>.log.
 """
@@ -83,46 +85,56 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", required=True, help="shards from fineweb.py")
-    p.add_argument("--revs", required=True, help="comma-separated git revisions (or worktree); the first is the base")
+    p.add_argument("--revs", default="worktree",
+                   help="comma-separated git revisions (or worktree, the default); the first is the base")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="trainer flags of one arm at every revision, such as mb128='--micro-batch-size 128'; "
+                        "repeatable, the first is the base")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per launch (default 12)")
     p.add_argument("--skip-steps", type=int, default=3, help="steps left out at the start: compile, warm-up")
     p.add_argument("--timeout", type=int, default=300, help="seconds per launch (default 300)")
     p.add_argument("--out", default="/tmp/ab")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    revs = args.revs.split(",")
+    variants = [v.partition("=") for v in args.variant]
+    if any(not name or not sep for name, sep, _ in variants):
+        raise SystemExit("--variant: give NAME=FLAGS, such as mb128='--micro-batch-size 128'")
+    variants = [(name, shlex.split(flags)) for name, _, flags in variants] or [("", [])]
     os.makedirs(args.out, exist_ok=True)
-    dirs = {rev: sources(rev, args.out) for rev in revs}
-    profiled = profiled_steps(extra)
-    results = {rev: [] for rev in revs}  # per repeat: (tok/s, mfu, step-0 s, {step: loss}, launch s)
+    # the arms: every revision with every variant, as (label, files, flags)
+    arms = [(f"{rev}:{name}" if name else rev, sources(rev, args.out), flags)
+            for rev in args.revs.split(",") for name, flags in variants]
+    results = {label: [] for label, _, _ in arms}  # per repeat: (tok/s, mfu, step-0 s, {step: loss}, launch s)
     for r in range(args.repeats):
-        for rev in revs:
-            name = f"{os.path.basename(dirs[rev])}-{r}"
+        for label, files, flags in arms:
+            name = f"{label.replace(':', '.').replace('/', '_').replace('~', '-').replace('^', '-')}-{r}"
             log_dir = os.path.join(args.out, "runs", name)
             cmd = [sys.executable, "train_gpt2.py", "--data-dir", os.path.abspath(args.data_dir), "--log-dir", log_dir,
-                   "--max-steps", str(args.steps)] + QUIET + extra
-            print(f"== {rev} (repeat {r}): {shlex.join(cmd)}", flush=True)
+                   "--max-steps", str(args.steps)] + QUIET + extra + flags
+            print(f"== {label} (repeat {r}): {shlex.join(cmd)}", flush=True)
             t0 = time.time()
             with open(os.path.join(args.out, f"{name}.log"), "w") as log:
-                code = subprocess.run(cmd, cwd=dirs[rev], stdout=log, stderr=subprocess.STDOUT,
+                code = subprocess.run(cmd, cwd=files, stdout=log, stderr=subprocess.STDOUT,
                                       timeout=args.timeout).returncode
             if code:
-                raise SystemExit(f"{rev}: train_gpt2.py exited {code}; see {log.name}")
-            results[rev].append(steady(log_dir, args.skip_steps, profiled) + (time.time() - t0,))
-    base = [t for t, *_ in results[revs[0]]]
-    base_losses = results[revs[0]][0][3]
-    print(f"\nrev{'':17s} tok/s (median of steps {args.skip_steps}+){'':6s} MFU      step 0 s   launch s   "
-          f"losses vs {revs[0]}   speed vs {revs[0]}")
-    for rev in revs:
-        toks = [t for t, *_ in results[rev]]
-        mfus = [m for _, m, *_ in results[rev] if m is not None]
-        print(f"{rev:20s} {value_text(toks):32s} {value_text([100 * m for m in mfus], '{:.1f}%') if mfus else 'n/a':8s} "
-              f"{value_text([s for _, _, s, _, _ in results[rev]], '{:.1f}'):10s} "
-              f"{value_text([w for *_, w in results[rev]], '{:.0f}'):10s} "
-              f"{loss_gap(results[rev][0][3], base_losses):20s} {ratio_text(paired_ratios(toks, base))}")
+                raise SystemExit(f"{label}: train_gpt2.py exited {code}; see {log.name}")
+            results[label].append(steady(log_dir, args.skip_steps, profiled_steps(extra + flags))
+                                  + (time.time() - t0,))
+    base_label = arms[0][0]
+    base = [t for t, *_ in results[base_label]]
+    base_losses = results[base_label][0][3]
+    print(f"\narm{'':17s} tok/s (median of steps {args.skip_steps}+){'':6s} MFU      step 0 s   launch s   "
+          f"losses vs {base_label}   speed vs {base_label}")
+    for label, rows in results.items():
+        toks = [t for t, *_ in rows]
+        mfus = [m for _, m, *_ in rows if m is not None]
+        mfu = value_text([100 * m for m in mfus], "{:.1f}%") if mfus else "n/a"
+        print(f"{label:20s} {value_text(toks):32s} {mfu:8s} {value_text([s for _, _, s, _, _ in rows], '{:.1f}'):10s} "
+              f"{value_text([w for *_, w in rows], '{:.0f}'):10s} {loss_gap(rows[0][3], base_losses):20s} "
+              f"{ratio_text(paired_ratios(toks, base))}")
     print(LEGEND)
     with open(os.path.join(args.out, "ab.json"), "w") as f:
-        json.dump({"revs": revs, "extra": extra, "results": results}, f, indent=1)
+        json.dump({"arms": [label for label, _, _ in arms], "extra": extra, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

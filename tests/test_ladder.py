@@ -511,5 +511,18 @@ def test_ab_launches_each_revision_in_turn_and_compares_their_losses(data_dir, t
         row = next(line for line in table if line.startswith(rev))
         assert "within" in row and row.split()[-1].endswith("x?")
     assert (tmp_path / "src" / "HEAD" / "train_gpt2.py").is_file()  # HEAD's files, exported
+
+    # variants: every revision with each set of flags, the first the base
+    ab.main(["--data-dir", data_dir, "--variant", "b2=--micro-batch-size 2", "--variant", "b4=--micro-batch-size 4",
+             "--repeats", "1", "--steps", "4", "--skip-steps", "1", "--out", str(tmp_path / "v"), "--"] + extra)
+    table = capsys.readouterr().out.splitlines()
+    results = json.loads((tmp_path / "v" / "ab.json").read_text())["results"]
+    assert sorted(results) == ["worktree:b2", "worktree:b4"]
+    grad_accum = {arm: json.loads((tmp_path / "v" / "runs" / f"worktree.{arm[-2:]}-0" / "metrics.jsonl").read_text()
+                                  .splitlines()[0])["grad_accum"] for arm in results}
+    assert grad_accum == {"worktree:b2": 2, "worktree:b4": 1}  # (128 tokens a step of 32: 4 sequences)
+    assert any(line.startswith("worktree:b4") and "within" in line for line in table)
+    with pytest.raises(SystemExit, match="--variant: give NAME=FLAGS"):
+        ab.main(["--data-dir", data_dir, "--variant", "--micro-batch-size 4", "--out", str(tmp_path / "bad")])
     with pytest.raises(SystemExit, match="--revs: git cannot export 'no-such-rev'"):
         ab.main(["--data-dir", data_dir, "--revs", "no-such-rev", "--out", str(tmp_path / "bad")])
