@@ -1,16 +1,17 @@
 """
-The trainer itself at two or more git revisions, launched in turns on one machine: which revision trains faster.
-Each launch is `train_gpt2.py` from that revision's files, a short run of the given recipe; its figure is the median
-tokens/s (and MFU) the trainer logged over its steady steps (from --skip-steps on, profiled steps left out), beside
-how far its step losses are from the first revision's (a speed-up must train the same model).
+The trainer itself at several git revisions or with several sets of flags (the arms), launched in turns on one
+machine: which trains faster. Each launch is `train_gpt2.py` from that revision's files, a short run of the given
+recipe; its figure is the median tokens/s (and MFU) the trainer logged over its steady steps (from --skip-steps on,
+profiled steps left out), beside how far its step losses are from the first arm's (a speed-up must train the same
+model).
 
     python bench/ab.py --data-dir DIR --revs HEAD~1,HEAD --repeats 2 -- --micro-batch-size 64
     python bench/ab.py --data-dir DIR --variant mb64='--micro-batch-size 64' --variant mb128='--micro-batch-size 128'
 
 A revision is anything `git archive` takes (a commit, a branch, HEAD~1), or `worktree` for the files as they are;
 a variant is a set of trainer flags, and every revision runs with every variant (flags after -- go to all).
-Launches take turns (rev A, rev B, rev A, rev B, ...), and ratios to the first revision are taken turn by turn
-(bench/measure.py). The table comes last; every launch's output goes to OUT/<rev>-<repeat>.log.
+Launches take turns (arm A, arm B, arm A, arm B, ...), and ratios to the first arm are taken turn by turn
+(bench/measure.py). The table comes last; every launch's output goes to OUT/<arm>-<repeat>.log.
 """
 
 import argparse
@@ -47,7 +48,7 @@ def sources(rev, out):
         with open(tar_path, "wb") as f:
             f.write(archive.stdout)
         with tarfile.open(tar_path) as tar:
-            tar.extractall(dest, filter="data")
+            tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         os.remove(tar_path)
     return dest
 
@@ -67,7 +68,7 @@ def steady(log_dir, skip, profiled):
 
 
 def loss_gap(losses, base):
-    """The largest relative difference of a launch's step losses from the base revision's first launch."""
+    """The largest relative difference of a launch's step losses from the first arm's first launch."""
     gaps = [abs(losses[s] - base[s]) / abs(base[s]) for s in losses if s in base]
     return f"within {max(gaps):.1e}" if gaps else "no common steps"
 
