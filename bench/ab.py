@@ -28,7 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from device_check import same_losses  # noqa: E402
 from measure import LEGEND, paired_ratios, ratio_text, value_text  # noqa: E402
+from metrics import read_metrics  # noqa: E402
 
 QUIET = ["--eval-every", "0", "--hellaswag-every", "0", "--sample-every", "0", "--no-export-hf", "--no-plot"]
 
@@ -37,7 +39,7 @@ def sources(rev, out):
     """The directory holding rev's files: the checkout itself for `worktree`, else an export under out."""
     if rev == "worktree":
         return ROOT
-    dest = os.path.join(out, "src", rev.replace("/", "_").replace("~", "-").replace("^", "-"))
+    dest = os.path.join(out, "src", file_name(rev))
     if not os.path.isdir(dest):
         os.makedirs(dest)
         archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True)
@@ -53,11 +55,14 @@ def sources(rev, out):
     return dest
 
 
+def file_name(label):
+    """A revision or an arm as a file name: HEAD~1 -> HEAD-1, worktree:mb64 -> worktree.mb64."""
+    return label.replace(":", ".").replace("/", "_").replace("~", "-").replace("^", "-")
+
+
 def steady(log_dir, skip, profiled):
     """(median tokens/s, median MFU or None, seconds of step 0, {step: loss}) of a launch's train records."""
-    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    train = [r for r in records if r.get("kind") == "train"]
+    train = read_metrics(log_dir)["train"]
     kept = [r for r in train if r["step"] >= skip and r["step"] not in profiled]
     if not kept:
         raise SystemExit(f"{log_dir}: no train steps from step {skip} on; raise --steps")
@@ -65,12 +70,6 @@ def steady(log_dir, skip, profiled):
     first = next((r["dt_ms"] / 1e3 for r in train if r["step"] == 0), None)
     return (statistics.median(r["tok_per_s"] for r in kept), statistics.median(mfus) if mfus else None, first,
             {r["step"]: r["loss"] for r in train})
-
-
-def loss_gap(losses, base):
-    """The largest relative difference of a launch's step losses from the first arm's first launch."""
-    gaps = [abs(losses[s] - base[s]) / abs(base[s]) for s in losses if s in base]
-    return f"within {max(gaps):.1e}" if gaps else "no common steps"
 
 
 def profiled_steps(extra):
@@ -108,7 +107,7 @@ def main(argv=None):
     results = {label: [] for label, _, _ in arms}  # per repeat: (tok/s, mfu, step-0 s, {step: loss}, launch s)
     for r in range(args.repeats):
         for label, files, flags in arms:
-            name = f"{label.replace(':', '.').replace('/', '_').replace('~', '-').replace('^', '-')}-{r}"
+            name = f"{file_name(label)}-{r}"
             log_dir = os.path.join(args.out, "runs", name)
             cmd = [sys.executable, "train_gpt2.py", "--data-dir", os.path.abspath(args.data_dir), "--log-dir", log_dir,
                    "--max-steps", str(args.steps)] + QUIET + extra + flags
@@ -123,15 +122,17 @@ def main(argv=None):
                                   + (time.time() - t0,))
     base_label = arms[0][0]
     base = [t for t, *_ in results[base_label]]
-    base_losses = results[base_label][0][3]
+    first_run = {label: os.path.join(args.out, "runs", f"{file_name(label)}-0") for label in results}
     print(f"\narm{'':17s} tok/s (median of steps {args.skip_steps}+){'':6s} MFU      step 0 s   launch s   "
           f"losses vs {base_label}   speed vs {base_label}")
     for label, rows in results.items():
         toks = [t for t, *_ in rows]
         mfus = [m for _, m, *_ in rows if m is not None]
         mfu = value_text([100 * m for m in mfus], "{:.1f}%") if mfus else "n/a"
+        _, gap = same_losses(first_run[base_label], first_run[label])
+        losses = f"within {gap:.1e}" if gap is not None else "no common steps"
         print(f"{label:20s} {value_text(toks):32s} {mfu:8s} {value_text([s for _, _, s, _, _ in rows], '{:.1f}'):10s} "
-              f"{value_text([w for *_, w in rows], '{:.0f}'):10s} {loss_gap(rows[0][3], base_losses):20s} "
+              f"{value_text([w for *_, w in rows], '{:.0f}'):10s} {losses:20s} "
               f"{ratio_text(paired_ratios(toks, base))}")
     print(LEGEND)
     with open(os.path.join(args.out, "ab.json"), "w") as f:
