@@ -28,8 +28,7 @@ from torch.utils._pytree import tree_map_only
 import metrics
 import parallel
 from optim import Optimizers
-# the log directory's checkpoint files and the command that goes on (metrics.py says them for every reader)
-from metrics import checkpoint_path, latest_checkpoint, list_checkpoints, resume_command, step_of  # noqa: F401
+from metrics import checkpoint_path, list_checkpoints, step_of  # the log directory's checkpoints, by name
 from common import UserError, atomic_directory, atomic_write, first_line, hub_unreachable, out_of_space
 from model import GPT, GPTConfig
 from tokenizer import gpt2_bpe_files

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import checkpoint  # noqa: E402
 import common  # noqa: E402
+import metrics  # noqa: E402
 import tokenizer  # noqa: E402
 from device_check import flags  # noqa: E402  (the same settings-to-flags rule as the GPU check's commands)
 TRAIN = os.path.join(ROOT, "train_gpt2.py")
@@ -128,7 +129,7 @@ def records(log_dir, kind):
 
 
 def final_state(log_dir):
-    ckpt = checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))
+    ckpt = checkpoint.load_file(metrics.latest_checkpoint(log_dir))
     return ckpt["step"], ckpt["model"], ckpt["optimizer"]
 
 

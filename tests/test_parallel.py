@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 import checkpoint
 import memory
+import metrics
 import optim
 import parallel
 import runs
@@ -309,7 +310,7 @@ def worker(rank, world, tmp):
         out["holds_after_save"] = saver.holds(RESUME_AT)
         out["optimizer_at_resume"] = checkpoint.optimizer_state(model, opt)
         tdist.barrier()
-        saved = checkpoint.load_file(checkpoint.checkpoint_path(f"{tmp}/ckpt", RESUME_AT))
+        saved = checkpoint.load_file(metrics.checkpoint_path(f"{tmp}/ckpt", RESUME_AT))
         raw = tiny_gpt(seed=1)
         model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
         opt = optim.configure(raw, 0.1, 1e-3, device_type="cpu")
@@ -774,7 +775,7 @@ def test_restore_across_a_change_of_dtype(tmp_path, saved_fp16):
         made = checkpoint.Checkpointer(str(tmp_path / "log"), 1, one, RunLog(str(tmp_path / "log"), False), resume)
         return made, made.attach(model=model, optimizer=opt, scaler=scaler, train_loader=data, config={}, fsdp=False)
     checkpointer(saved_fp16)[0].save(1)
-    path = checkpoint.checkpoint_path(str(tmp_path / "log"), 1)
+    path = metrics.checkpoint_path(str(tmp_path / "log"), 1)
     restorer, step = checkpointer(not saved_fp16, checkpoint.Resume(path, checkpoint.load_file(path), []))
     assert step == 1
     assert restorer.scaler.is_enabled() != saved_fp16

@@ -14,7 +14,6 @@ import sys
 import pytest
 
 import common
-import checkpoint
 import metrics
 import plot
 
@@ -65,7 +64,7 @@ def write_log(log_dir, records, tail="", checkpoints=()):
         f.writelines(json.dumps(r) + "\n" for r in records)
         f.write(tail)
     for step in checkpoints:
-        open(checkpoint.checkpoint_path(log_dir, step), "wb").close()
+        open(metrics.checkpoint_path(log_dir, step), "wb").close()
     return str(log_dir)
 
 
@@ -112,9 +111,9 @@ def logs(tmp_path_factory):
             "hellaswag_final_step": hs[name][-1]["step"] if hs[name] else None,
         }
     expected["full"].update(status="finished", stop_step=50, checkpoint_step=50,
-                            checkpoint=checkpoint.checkpoint_path(dirs["full"], 50))
+                            checkpoint=metrics.checkpoint_path(dirs["full"], 50))
     expected["resumed"].update(status="stopped", stop_step=39, checkpoint_step=30,
-                               checkpoint=checkpoint.checkpoint_path(dirs["resumed"], 30))
+                               checkpoint=metrics.checkpoint_path(dirs["resumed"], 30))
     expected["cpu"].update(status="finished", stop_step=30, checkpoint=None)
     return dirs, expected
 

@@ -13,6 +13,7 @@ import torch
 
 import checkpoint
 import evaluation
+import metrics
 import optim
 import train_config
 from core_bundle import TASKS, write_bundle
@@ -208,7 +209,7 @@ def test_fsdp_in_bf16_compiled_evaluates_samples_resumes_and_exports(data_dir, t
         assert all(c["graphs"] == 0 for c in compiled[1:]), compiled  # nothing new after the first
     stopped = str(tmp_path / "stopped")
     trainer(base + ["--log-dir", stopped], FAULT="term:0:4")
-    assert checkpoint.step_of(checkpoint.latest_checkpoint(stopped)) == 5
+    assert metrics.step_of(metrics.latest_checkpoint(stopped)) == 5
     trainer(["--log-dir", stopped, "--resume"])
     assert [r["loss"] for r in records(stopped, "train")] == [r["loss"] for r in records(whole, "train")]
     _, model_a, optim_a = final_state(whole)
@@ -295,7 +296,7 @@ def test_a_closed_stdout_does_not_end_the_run(data_dir, tmp_path):
     assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
     assert head.startswith("run: new run")
     assert err.count("stdout was closed") == 1
-    assert checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))["step"] == 24
+    assert checkpoint.load_file(metrics.latest_checkpoint(log_dir))["step"] == 24
     with open(os.path.join(log_dir, "log.txt")) as f:
         text = f.read()
     assert len(text) > 4096 + len(head)  # more than the pipe held
@@ -341,7 +342,7 @@ def test_nonfinite_stop_under_muon_before_any_checkpoint_names_both_rates(data_d
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     assert ("non-finite; stopping. No checkpoint was written yet: start the run again (--resume) with a lower "
             "--max-lr or --muon-lr, or pass --on-nonfinite skip") in p.stdout
-    assert "none" not in p.stdout.split("non-finite; stopping")[1] and checkpoint.list_checkpoints(log_dir) == []
+    assert "none" not in p.stdout.split("non-finite; stopping")[1] and metrics.list_checkpoints(log_dir) == []
 
 
 def test_running_out_of_gpu_memory_mid_run_is_one_line_and_keeps_the_checkpoints(data_dir, tmp_path, monkeypatch):
@@ -363,7 +364,7 @@ def test_running_out_of_gpu_memory_mid_run_is_one_line_and_keeps_the_checkpoints
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert p.stderr.startswith("error: out of GPU memory at a micro-batch of 2 x 32 tokens (CUDA out of memory. "
                                "Tried to allocate 6.00 GiB") and "--micro-batch-size" in p.stderr
-    assert [checkpoint.step_of(c) for c in checkpoint.list_checkpoints(log_dir)] == [2, 4]
+    assert [metrics.step_of(c) for c in metrics.list_checkpoints(log_dir)] == [2, 4]
 
 
 def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, capsys, train_in_process):
@@ -397,7 +398,7 @@ def test_float16_resumes_with_the_loss_scale_of_its_checkpoint(data_dir, tmp_pat
     monkeypatch.setattr(device, "pick_dtype", lambda requested, dev: "float16")
     log_dir = str(tmp_path / "log")
     assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=3, eval_every=0)) == 0
-    saved = checkpoint.load_file(checkpoint.latest_checkpoint(log_dir))["scaler"]
+    saved = checkpoint.load_file(metrics.latest_checkpoint(log_dir))["scaler"]
     assert saved != torch.amp.GradScaler("cpu").state_dict()
     first_step = []
     real = train_gpt2.train_step
@@ -441,7 +442,7 @@ def bad_input_setup(data_dir, tmp_path_factory, reference_run):
     junk.write_bytes(b"this is not a checkpoint")
     notes = base / "notes.txt"  # a text file: its first letter is the unpickler's float opcode
     notes.write_text("For the record, these are notes.\n")
-    good = checkpoint.latest_checkpoint(reference_run)
+    good = metrics.latest_checkpoint(reference_run)
     truncated = base / "ckpt_000009.pt"
     with open(good, "rb") as f:
         truncated.write_bytes(f.read()[:2000])
