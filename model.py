@@ -241,15 +241,13 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        generator=None, eos_token=None, use_cache=True):
-        """Yield one (B,) tensor of new token ids per step after the (B, T) prompt idx; temperature 0 is
-        greedy. Rows that produced eos_token keep yielding it; the stream ends when every row has."""
+                        generator=None, use_cache=True):
+        """Yield one (B,) tensor of new token ids per step after the (B, T) prompt idx; temperature 0 is greedy."""
         block_size = self.config.block_size
         cache = None
         if use_cache and idx.size(1) < block_size:
             # the prompt and the new tokens, up to the context: sampling while training adds megabytes
             cache = KVCache(self.config.n_layer, min(block_size, idx.size(1) + max_new_tokens))
-        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
             if cache is not None and cache.pos < cache.max_len:
                 logits, _ = self(idx[:, cache.pos:], cache=cache, last_only=True)  # the prompt, then each new token
@@ -257,13 +255,8 @@ class GPT(nn.Module):
                 cache = None
                 logits, _ = self(idx[:, -block_size:], last_only=True)
             nxt = sample_next(logits[:, -1, :].float(), temperature, top_k, top_p, generator)
-            if eos_token is not None:
-                nxt = nxt.masked_fill(done, eos_token)
-                done |= nxt == eos_token
             idx = torch.cat((idx, nxt[:, None]), dim=1)
             yield nxt
-            if eos_token is not None and bool(done.all()):
-                return
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
