@@ -12,16 +12,8 @@ holds their random baselines in percent, eval_data/ one JSONL per task. Three ki
     multiple_choice    one question, several answers: the lowest mean loss per answer token wins
     schema             several contexts, one continuation: the context giving it the lowest mean loss wins
     language_modeling  right if every continuation token is the model's greedy prediction
-Prompts are rendered as nanochat renders them, so the numbers compare: few-shot examples drawn per item with
-random.Random(1234 + index), never the item itself, each followed by a blank line; every sequence starts with
-<|endoftext|> and keeps its last block_size tokens; the scored tokens are where the answers' sequences part
-(multiple choice), what the contexts' sequences share at the end (schema), or what the continuation adds
-(language modelling). Each task's items are shuffled with random.Random(1337) before --limit takes the first N
-(at or below a task's few-shot count, fewer examples are left to show: a note says so). Degenerate items are
-judged as nanochat judges them: a multiple-choice answer whose tokens begin every other answer's has nothing
-scored and a NaN mean, which nanochat's min() and list.index pick when it comes first and never otherwise;
-schema options with identical contexts all have nothing scored, so the first is picked; of equal means the
-first is picked.
+Prompts are rendered, and degenerate items judged, as nanochat does, so the numbers compare: docs/evaluation.md
+says how.
 """
 
 import csv

@@ -90,13 +90,6 @@ class TokenLoader:
 
     def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1,
                  vocab_size=GPT2_VOCAB_SIZE, shuffle_seed=None, device="cpu", prefetch=None, whole_batches=True):
-        if split not in ("train", "val"):
-            raise UserError(f"split must be 'train' or 'val', not {split!r}")
-        for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
-            if not isinstance(v, int) or v < 1:
-                raise UserError(f"{name} must be a positive integer (got {v!r})")
-        if not 0 <= rank < world_size:
-            raise UserError(f"rank {rank} is outside 0..{world_size - 1} (world_size {world_size})")
         self.data_dir, self.split = data_dir, split
         self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.vocab_size, self.shuffle_seed = vocab_size, shuffle_seed

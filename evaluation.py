@@ -65,7 +65,7 @@ class Scored(Evaluation):
             result = self.hook(run.raw_model, run.dtype, stop_check(stop, run.ranks))
         if result is None:
             return None
-        text, fields = self.hook.report(result)
+        text, fields = self.hook.bench.report(result)
         run.log.line(f"step {step} | {self.hook.name} {text}")
         run.log.record(self.hook.name, step=step, tokens=step * run.cfg.total_batch_size, **fields)
         return True

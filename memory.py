@@ -14,12 +14,6 @@ ALLOCATION_FAILURES = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITI
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # per value in the autocast dtype
 
 
-def micro_batch_candidates(total_batch_size, block_size, world_size, cap=128):
-    """Micro-batch sizes that divide the per-rank share of the batch, ascending; beyond `cap` only memory is spent."""
-    per_rank, rem = divmod(total_batch_size, block_size * world_size)
-    return [] if rem else [b for b in range(1, min(per_rank, cap) + 1) if per_rank % b == 0]
-
-
 def is_allocation_failure(e):
     return isinstance(e, torch.OutOfMemoryError) or (
         isinstance(e, RuntimeError) and any(m in str(e) for m in ALLOCATION_FAILURES))
@@ -59,11 +53,12 @@ def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_
     """--micro-batch-size auto (8 or fewer off CUDA): the largest size whose plan fits under (1 - margin) of the GPU,
     checked by a trial of micro_step(model, x, y, sync); where its peak is over, the largest size its growth allows
     (tried again, except under FSDP). The ranks take the smallest by one all-reduce. 1 where none divides the batch."""
-    cands = micro_batch_candidates(total_batch_size, block_size, ranks.world_size)
+    per_rank, rem = divmod(total_batch_size, block_size * ranks.world_size)
+    # the sizes that divide this rank's share of the batch, ascending; beyond 128 only memory is spent
+    cands = [] if rem else [b for b in range(1, min(per_rank, 128) + 1) if per_rank % b == 0]
     memory = memory or (CudaMemory(ranks.device) if ranks.device_type == "cuda" else None)
     if not cands or memory is None:
         return max([b for b in cands if b <= 8], default=1)  # the same on every rank
-    per_rank = total_batch_size // (block_size * ranks.world_size)
     room = (1 - margin) * memory.capacity()
     budget = room - 8 * sum(local_part(p).numel() for p in unwrap(model).parameters())  # AdamW's moments come later
     planned = [b for b in cands if step_footprint(model, ranks.world_size, dtype, block_size, b) <= room]
@@ -95,11 +90,6 @@ def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_
     return b
 
 
-def block_params(n_embd):
-    """Parameters of one GPT-2 block: attention 4h^2 + 4h, MLP 8h^2 + 5h, two LayerNorms 4h."""
-    return 12 * n_embd * n_embd + 13 * n_embd
-
-
 def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, n_layer, n_embd,
                 activation_checkpointing=False, vocab_size=PADDED_VOCAB_SIZE, muon_params=0):
     """Estimated bytes each GPU holds at the peak of a training step, to choose settings by: it leaves out the
@@ -117,7 +107,8 @@ def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, 
     shards = world_size if sharding == "fsdp" else 1
     params = 4 * n_params / shards
     if sharding == "fsdp":
-        params += cb * (n_params - (n_layer - 2) * block_params(n_embd))  # the root and two blocks
+        # the root and two blocks; a block: attention 4h^2 + 4h, MLP 8h^2 + 5h, two LayerNorms 4h
+        params += cb * (n_params - (n_layer - 2) * (12 * n_embd ** 2 + 13 * n_embd))
     elif cb == 2:
         params += cb * n_params
     grads = 4 * n_params / shards

@@ -16,9 +16,6 @@ import common
 from common import UserError
 from device import pick_device
 
-SHARDINGS = ("none", "fsdp")
-
-
 @dataclass(frozen=True)
 class Ranks:
     """This process's place in the run, the same with and without torchrun (a world of one)."""
@@ -130,8 +127,6 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
                compile=False):
     """The model to train. "none": the (compiled) GPT, DDP-wrapped in a world of several processes. "fsdp": the
     GPT sharded in place (each Block, then the root), whose forward every rank must run, evaluation included."""
-    if sharding not in SHARDINGS:
-        raise ValueError(f"sharding must be one of {SHARDINGS}, not {sharding!r}")
     world = tdist.get_world_size() if tdist.is_initialized() else 1
     if sharding == "none":
         _set_block_forwards(raw_model, activation_checkpointing, compile_blocks=False)

@@ -239,9 +239,6 @@ class TrainingHook:
         return evaluate(raw_model, self.bench, ranks.device, dtype, rank=ranks.rank, world_size=ranks.world_size,
                         progress=bar, should_stop=should_stop, lockstep=self.lockstep, share=self.share)
 
-    def report(self, result):
-        return self.bench.report(result)
-
 
 def parse_args(p, argv, json_holds, cache):
     """A scoring script's command line, checked: p holds its data flags; cache: cache_dir's env and name."""

@@ -29,7 +29,9 @@ import evaluation
 import memory
 import optim
 import parallel
+import plot
 import train_config
+import trackers
 from common import UserError
 from metrics import RunLog, git_commit, resume_command, versions
 from model import GPT, GPTConfig, PRESETS
@@ -54,7 +56,6 @@ def train(argv=None):
         return 0
     evaluation.check_inputs(cfg)  # what the evaluations will read, where the run has steps to go
     if cfg.wandb or cfg.tensorboard:
-        import trackers
         trackers.check_installed(cfg)
     ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
     log = RunLog(cfg.log_dir, ranks.is_master)
@@ -156,7 +157,6 @@ def setup(cfg, ranks, log, resume, changes):
     optim.apply_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
     schedule = optim.schedule_of(cfg)
     if ranks.is_master and (cfg.wandb or cfg.tensorboard):  # W&B and TensorBoard, fed by the log's records
-        import trackers
         name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
         log.trackers = trackers.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
     checkpoints.begin()  # every check passed: a resume from an older step may set the later checkpoints aside
@@ -164,7 +164,8 @@ def setup(cfg, ranks, log, resume, changes):
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
               optimizer=optimizer, scaler=scaler, schedule=schedule, train_loader=train_loader,
               evaluations=evaluations, checkpoints=checkpoints, start_step=start_step,
-              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)), plotter=plotter(cfg, ranks))
+              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)),
+              plotter=plot.PlotWriter(cfg.log_dir) if cfg.plot and ranks.is_master else None)
     write_header(run, origin, resume, changes)
     return run
 
@@ -190,14 +191,6 @@ def build_model(cfg, resumed):
     except ValueError as e:
         raise UserError(str(e))
     return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
-
-
-def plotter(cfg, ranks):
-    """plot.PlotWriter of the log directory, on rank 0 with --plot; else None."""
-    if not (cfg.plot and ranks.is_master):
-        return None
-    import plot
-    return plot.PlotWriter(cfg.log_dir)
 
 
 def build_data(cfg, ranks, micro_batch, vocab_size):

@@ -664,8 +664,6 @@ def test_grad_sync_and_clip_on_one_process():
         model(x, x)[1].backward()
     norm = parallel.clip_grad_norm(model, float("inf"))
     assert type(norm) is torch.Tensor and norm.item() > 0
-    with pytest.raises(ValueError, match="sharding"):
-        parallel.wrap_model(tiny_gpt(), "zero3", "cpu", 0, "float32")
 
 
 def saved_for_backward_bytes(model, x):
@@ -705,7 +703,6 @@ def test_gpt2_xl_parameter_count():
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=48, n_head=25, n_embd=1600))
     assert sum(p.numel() for p in model.parameters()) == n
-    assert memory.block_params(1600) * 48 == 48 * (12 * 1600 ** 2 + 13 * 1600)
 
 
 def test_memory_plan_ddp_gpt2_xl_fp32_does_not_shard():
