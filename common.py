@@ -2,6 +2,7 @@
 file-system helpers and the connection probe asked before a download. Imports nothing from the project."""
 
 import argparse
+import contextlib
 import errno
 import os
 import shutil
@@ -113,10 +114,8 @@ class StopFlag:
     def __init__(self):
         self.signal = None
         for sig in STOP_SIGNALS:
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread (e.g. imported in a notebook worker)
                 signal.signal(sig, self._handler)
-            except ValueError:  # not the main thread (e.g. imported in a notebook worker)
-                pass
 
     def _handler(self, signum, frame):
         if self.signal is None:  # the first request is the one the run reports

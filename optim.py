@@ -137,8 +137,6 @@ class Schedule:
         min_lr = peak * self.min_lr_ratio
         if step < self.warmup_steps:  # warmup_steps > 0 here
             return peak * (step + 1) / self.warmup_steps
-        if step >= self.max_steps:
-            return min_lr
         if self.shape == "wsd":
             decay_start = max(self.warmup_steps, self.max_steps - round(self.WSD_DECAY * self.max_steps))
             if step < decay_start:

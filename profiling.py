@@ -25,15 +25,14 @@ class PhaseTimer:
         self._t = None
 
     def start(self):
-        if self.every:
-            device.synchronize(self.device)
-            self._t = time.perf_counter()
+        self.mark(None)
 
     def mark(self, phase):
         if self.every:
             device.synchronize(self.device)
             now = time.perf_counter()
-            self.totals[phase] += now - self._t
+            if phase is not None:
+                self.totals[phase] += now - self._t
             self._t = now
 
     def step_done(self, log, step):

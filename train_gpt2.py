@@ -299,8 +299,7 @@ def loop(run):
 
 
 def diverged(run, loss, finite):
-    """Under fp16 the gradient scaler skips a step whose gradients overflowed, which is normal; a loss
-    that is not finite in the forward pass is divergence in any dtype."""
+    """fp16's gradient scaler skips a step whose gradients overflowed, which is normal; a non-finite loss diverged."""
     return not math.isfinite(loss) or (not finite and run.dtype != "float16")
 
 
