@@ -23,6 +23,8 @@ class Ranks:
     local_rank: int = 0
     world_size: int = 1
     device: str = "cpu"
+    per_node: int = 1  # processes on each node (torchrun's --nproc_per_node): how a resume is launched
+    restart: int = 0   # how many times torchrun --max-restarts started the group again (0: the first launch)
 
     is_master = property(lambda self: self.rank == 0)  # writes the logs, checkpoints and exports
     multi = property(lambda self: self.world_size > 1)  # collectives are needed
@@ -41,17 +43,19 @@ def setup_distributed(requested_device="auto", timeout_s=None):
     # under torchrun each rank takes the GPU of its LOCAL_RANK (below): a GPU index asked for would make every
     # rank open a context on that one GPU first
     device = pick_device(requested_device.partition(":")[0] if multi and requested_device else requested_device)
+    restart = torchrun_restart()
     if not multi:
-        return Ranks(device=device)  # plain python, or torchrun with one process
+        return Ranks(device=device, restart=restart)  # plain python, or torchrun with one process
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if device.startswith("cuda"):
         # before the rendezvous: every rank stops at once instead of waiting for the ones that cannot start
         gpus = torch.cuda.device_count()
-        per_node = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local_rank + 1)  # torchrun's --nproc_per_node
-        if per_node > gpus:
-            raise UserError(f"torchrun starts {per_node} processes on this machine, one per GPU, "
+        here = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local_rank + 1)  # processes on this machine
+        if here > gpus:
+            raise UserError(f"torchrun starts {here} processes on this machine, one per GPU, "
                             f"but it has {gpus} GPU(s) visible: use --nproc_per_node={gpus}")
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
@@ -60,13 +64,13 @@ def setup_distributed(requested_device="auto", timeout_s=None):
         # after a torchrun restart the failed attempt's keys are still in its store, where a rank could read a
         # dead peer's address (pytorch/pytorch#135712): one key prefix per attempt keeps them apart
         store, rank, world_size = next(tdist.rendezvous("env://", rank, world_size, timeout=timeout))
-        store = tdist.PrefixStore(f"attempt_{torchrun_restart()}", store)
+        store = tdist.PrefixStore(f"attempt_{restart}", store)
         backend = "nccl" if device.startswith("cuda") else "gloo"
         extra = dict(device_id=torch.device(device)) if backend == "nccl" else {}  # NCCL bound to this GPU at once
         tdist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                  **extra)
         common.mark_joined_process_group()
-    return Ranks(rank, local_rank, world_size, device)
+    return Ranks(rank, local_rank, world_size, device, per_node, restart)
 
 
 def teardown_distributed():

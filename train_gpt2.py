@@ -100,12 +100,11 @@ class Run:
     start_step: int              # steps already done when this launch began
     evaluations: list            # those that are on (evaluation.build): validation, HellaSwag, CORE, samples
     plotter: object              # plot.PlotWriter, on rank 0 with --plot
-    per_node: int                # processes per node (torchrun's LOCAL_WORLD_SIZE): how to launch a resume
 
     dtype = property(lambda self: self.choice.dtype)  # the autocast dtype: float32, bfloat16 or float16
 
     def resume_command(self):
-        return resume_command(self.cfg.log_dir, self.ranks.world_size, self.per_node)
+        return resume_command(self.cfg.log_dir, self.ranks.world_size, self.ranks.per_node)
 
 
 # Set-up, one job at a time: device, model, batch, data, optimizer, restore, trackers, header
@@ -164,7 +163,6 @@ def setup(cfg, ranks, log, resume, changes):
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
               optimizer=optimizer, scaler=scaler, schedule=schedule, train_loader=train_loader,
               evaluations=evaluations, checkpoints=checkpoints, start_step=start_step,
-              per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world_size)),
               plotter=plot.PlotWriter(cfg.log_dir) if cfg.plot and ranks.is_master else None)
     write_header(run, origin, resume, changes)
     return run
@@ -215,7 +213,6 @@ def write_header(run, origin, resume, changes):
     blocker = None if choice.compile else choice.compile_blocker
     fp16_muon = cfg.muon_lr and choice.muon_dtype != torch.bfloat16
     warnings = choice.warnings(cfg.deterministic, run.micro_batch * cfg.block_size)
-    restart = parallel.torchrun_restart()
     params = model.num_params(non_embedding=False)
     muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if cfg.muon_lr else 0  # the block matrices
     plan = memory.memory_plan(params, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,
@@ -227,11 +224,11 @@ def write_header(run, origin, resume, changes):
     log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
                compile=choice.compile, world_size=ranks.world_size, grad_accum=run.grad_accum, versions=versions(),
-               git=commit, config=train_config.stored(cfg, run.micro_batch), changes=changes, restart=restart,
-               per_node=run.per_node)
+               git=commit, config=train_config.stored(cfg, run.micro_batch), changes=changes,
+               restart=ranks.restart, per_node=ranks.per_node)
     start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
-    if restart:
-        start += f" | torchrun restart {restart} (after a worker failed)"
+    if ranks.restart:
+        start += f" | torchrun restart {ranks.restart} (after a worker failed)"
     log.line(f"run: {start} | model {origin}, {model.num_params() / 1e6:.1f}M parameters")
     for change in changes:
         log.line(f"resume: {change}")
