@@ -210,11 +210,14 @@ class Choice:
         return warn
 
 
-def choose(device, dtype="auto", compile=None, compile_typed=False):
+def choose(device, dtype="auto", compile=None, compile_typed=False, memory_snapshot=False):
     """The Choice for a device pick_device gave: the dtype from --dtype, compile from --compile (None: on where
-    CUDA can compile); compile_typed: --compile was typed (not a resumed run's), so a blocker refuses it."""
+    CUDA can compile); compile_typed: --compile was typed (not a resumed run's), so a blocker refuses it. Refuses
+    --memory-snapshot off CUDA."""
     dtype = pick_dtype(dtype, device)
     cuda = device.startswith("cuda")
+    if memory_snapshot and not cuda:
+        raise UserError(f"--memory-snapshot records what CUDA's allocator holds, and this run is on {device}: drop it")
     blocker = compile_blocker(device)
     if compile and blocker and compile_typed:
         raise UserError(f"--compile: {blocker}; leave it out (compile is off by default there)")

@@ -11,9 +11,7 @@ def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, d
               muon_lr=None, muon_momentum=0.95, muon_dtype=torch.bfloat16):
     """AdamW for a GPT, weight decay on 2-D weights (matmuls, embeddings) only; fused on CUDA. With muon_lr, an
     Optimizers pair: Muon (Nesterov, no weight decay) for the blocks' matrices, as modded-nanogpt trains them."""
-    matrices = []
-    if muon_lr is not None:
-        matrices = [p for block in model.transformer.h for p in block.parameters() if p.dim() == 2]
+    matrices = muon_matrices(model) if muon_lr is not None else []
     rest = [p for p in model.parameters() if not any(p is m for m in matrices)]
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
@@ -25,6 +23,11 @@ def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, d
     muon = Muon(matrices, lr=muon_lr, momentum=muon_momentum, nesterov=True, weight_decay=0.0,
                 ortho_dtype=muon_dtype)
     return Optimizers(muon, adamw)
+
+
+def muon_matrices(model):
+    """What Muon trains: the blocks' matrices (attention and MLP)."""
+    return [p for block in model.transformer.h for p in block.parameters() if p.dim() == 2]
 
 
 def apply_settings(optimizer, weight_decay, betas, eps, muon_momentum=None):

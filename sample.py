@@ -18,7 +18,7 @@ import torch
 
 import checkpoint
 import common
-from device import autocast, choose, pick_device
+from device import autocast, choose, configure_backends, pick_device
 from tokenizer import EOT_TOKEN, get_tokenizer
 
 SEPARATOR = "\n" + "-" * 40 + "\n"  # printed between samples
@@ -138,6 +138,7 @@ def main(argv=None, stdin=None, stdout=None):
         raise common.UserError("no log/ directory here: train a model first (python train_gpt2.py) "
                                "or pass --model (a checkpoint, a log directory or a name such as gpt2)")
     choice = choose(pick_device(args.device), args.dtype, compile=False)
+    configure_backends(choice, deterministic=False)
     device, dtype = choice.device, choice.dtype
     prompt = read_prompt(args, stdin)
     model, what = checkpoint.load_model(args.model, device)

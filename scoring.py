@@ -37,7 +37,7 @@ import checkpoint
 import common
 import parallel
 from common import UserError
-from device import autocast, choose, keep_compiled_graphs_apart
+from device import autocast, choose, configure_backends
 
 SEQ_BUCKET = 32  # a compiled model's sequence lengths are padded to a multiple of this: few shapes
 LOGIT_CHUNK = 2 ** 27  # at most this many logits are upcast to float32 at once (512 MB)
@@ -269,8 +269,8 @@ def run_script(args, load, describe_data, show):
         dtype = choice.dtype
         bench = load()
         model, what = checkpoint.load_model(args.model, ranks.device)
+        configure_backends(choice, deterministic=False)
         if choice.compile:
-            keep_compiled_graphs_apart(choice)
             model = torch.compile(model)
         common.print0(f"{bench.name}: {describe_data(bench)}, {what}, {ranks.world_size} process(es) on "
                       f"{choice.name}, {dtype}", file=summary)

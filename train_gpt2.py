@@ -114,16 +114,13 @@ def setup(cfg, ranks, log, resume, changes):
     """The Run of this launch, new or continuing `resume`. Every check that can refuse the launch comes before its
     first write into the log directory, and before an old branch's later checkpoints are set aside."""
     checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, resume)
-    choice = device.choose(ranks.device, cfg.dtype, cfg.compile, "compile" in cfg.given)
+    choice = device.choose(ranks.device, cfg.dtype, cfg.compile, "compile" in cfg.given, cfg.memory_snapshot)
     device.configure_backends(choice, cfg.deterministic)
     dtype = choice.dtype
     fsdp = cfg.sharding == "fsdp"
     if fsdp and not ranks.multi:
         raise UserError("--sharding fsdp shards the model over several processes: launch it with "
                         "torchrun --nproc_per_node=N (N >= 2), or drop it on one GPU")
-    if cfg.memory_snapshot and ranks.device_type != "cuda":
-        raise UserError(f"--memory-snapshot records what CUDA's allocator holds, and this run is on {ranks.device}: "
-                        "drop it")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -214,7 +211,7 @@ def write_header(run, origin, resume, changes):
     fp16_muon = cfg.muon_lr and choice.muon_dtype != torch.bfloat16
     warnings = choice.warnings(cfg.deterministic, run.micro_batch * cfg.block_size)
     params = model.num_params(non_embedding=False)
-    muon_params = model.config.n_layer * 12 * model.config.n_embd ** 2 if cfg.muon_lr else 0  # the block matrices
+    muon_params = sum(p.numel() for p in optim.muon_matrices(model)) if cfg.muon_lr else 0
     plan = memory.memory_plan(params, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,
                               model.config.n_layer, model.config.n_embd, cfg.activation_checkpointing,
                               muon_params=muon_params)
@@ -297,7 +294,7 @@ def loop(run):
 
 def diverged(run, loss, finite):
     """fp16's gradient scaler skips a step whose gradients overflowed, which is normal; a non-finite loss diverged."""
-    return not math.isfinite(loss) or (not finite and run.dtype != "float16")
+    return not math.isfinite(loss) or (not finite and not run.scaler.is_enabled())
 
 
 def stop_on_nonfinite(run, step, loss, norm):
