@@ -304,10 +304,12 @@ class Resume:
 
     step = property(lambda self: self.checkpoint["step"])
 
-    def owes_export(self, log_dir):
-        """Whether LOG_DIR/hf has no weights written after this checkpoint (an export cut short by a full disk)."""
+    def finished(self, max_steps, export_hf, log_dir):
+        """Whether nothing is left to do: max_steps are done and, with export_hf, LOG_DIR/hf holds weights written
+        after this checkpoint (an export cut short by a full disk is still owed)."""
         weights = os.path.join(log_dir, "hf", "model.safetensors")
-        return not (os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(self.path))
+        exported = os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(self.path)
+        return self.step == max_steps and (exported or not export_hf)
 
 
 def resume_point(resume, log_dir):

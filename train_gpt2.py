@@ -49,8 +49,7 @@ def train(argv=None):
     args = train_config.parse_args(argv, description=__doc__)
     resume = checkpoint.resume_point(args.resume, args.log_dir)
     cfg, changes = train_config.resolve(args, resume)
-    owes_export = resume is not None and cfg.export_hf and resume.owes_export(cfg.log_dir)
-    if resume is not None and resume.step == cfg.max_steps and not owes_export:
+    if resume is not None and resume.finished(cfg.max_steps, cfg.export_hf, cfg.log_dir):
         common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "
                       "pass a larger --max-steps to train on")
         return 0
