@@ -192,6 +192,13 @@ class Choice:
     peak_flops: Optional[float]     # dense peak FLOP/s in dtype, what MFU divides by; None where unknown
     capacity: Optional[int]         # bytes this process may allocate on the GPU; None off CUDA
 
+    @property
+    def mfu_basis(self):
+        """What the run header says the step lines' MFU divides by."""
+        if self.peak_flops is None:
+            return f"MFU n/a (no {self.dtype} peak known for {self.name})"
+        return f"MFU of {self.peak_flops / 1e12:g} TFLOP/s ({self.dtype} dense peak)"
+
     def warnings(self, deterministic, micro_batch_tokens):
         """The settings that make training slow on this device, each as one line of advice."""
         warn = []

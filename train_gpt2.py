@@ -228,9 +228,9 @@ def write_header(run, origin, resume, changes):
     log.line(f"run: {start} | model {origin}, {model.num_params() / 1e6:.1f}M parameters")
     for change in changes:
         log.line(f"resume: {change}")
-    log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | world size {ranks.world_size} | "
-             f"compile {'on' if choice.compile else 'off'}{f' ({blocker})' if blocker else ''} | git {commit} | "
-             f"torch {torch.__version__}")
+    log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | {choice.mfu_basis} | world size "
+             f"{ranks.world_size} | compile {'on' if choice.compile else 'off'}{f' ({blocker})' if blocker else ''} | "
+             f"git {commit} | torch {torch.__version__}")
     notes = "".join(f" | {note}" for e in run.evaluations if (note := e.note(ranks, cfg.block_size)))
     log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {run.micro_batch} x {cfg.block_size} "
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"

@@ -65,7 +65,7 @@ def test_the_set_up_on_a_gpu_for_every_way_of_naming_it(naming, monkeypatch, tmp
     fp16 = capability < (8, 0)
     assert choice.name == name and choice.dtype == ("float16" if fp16 else "bfloat16")
     assert choice.muon_dtype == (torch.float16 if fp16 else torch.bfloat16)
-    assert choice.peak_flops == PEAKS[name]
+    assert choice.peak_flops == PEAKS[name] and f"{PEAKS[name] / 1e12:g} TFLOP/s" in choice.mfu_basis
     assert choice.capacity == total // 2  # the auto-fit's and the header's capacity, of this GPU
     assert choice.compile == (choice.compile_blocker is None)  # on, unless Triton is missing (as on this CPU)
     assert choice.warnings(False, 64 * 1024) == []

@@ -66,6 +66,8 @@ def test_the_run_is_logged_one_greppable_line_per_step(logged_run):
     assert len(lines) == 30
     for key in ("loss", "lr", "grad_norm", "dt_ms", "tok_per_s", "mfu"):
         assert f"| {key} " in lines[-1]
+    assert lines[-1].endswith("| mfu n/a")  # and the header says why
+    assert [l for l in stdout if l.startswith("device cpu")][0].split(" | ")[2] == "MFU n/a (no float32 peak known for cpu)"
     with open(os.path.join(log_dir, "log.txt")) as f:
         assert sum(1 for l in f if l.startswith("step ") and "| loss" in l) == 30
     assert sum(1 for l in stdout if l.startswith("sample ")) == 4  # steps 15 and 29
