@@ -8,6 +8,7 @@ import os
 import torch
 
 import common
+import dataloader
 import device
 import parallel
 from common import UserError
@@ -32,11 +33,17 @@ class Evaluation:
 
 
 class Validation(Evaluation):
-    """The mean loss over the val split's first `sequences` sequences of each rank."""
+    """The mean loss over the val split's first sequences: --val-tokens, at most the whole split, counted in
+    sequences of each rank, so that a resume with another micro-batch validates the same tokens."""
 
-    def __init__(self, every, loader, sequences):
+    def __init__(self, every, data_dir, val_tokens, micro_batch, block_size, vocab_size, ranks):
         super().__init__(every)
-        self.loader, self.sequences = loader, sequences
+        self.loader = dataloader.TokenLoader(data_dir, "val", micro_batch, block_size, ranks.rank, ranks.world_size,
+                                             vocab_size, device=ranks.device,
+                                             whole_batches=False)  # a short last batch is filled: one sequence will do
+        split = self.loader.num_sequences // ranks.world_size
+        self.sequences = max(1, min(val_tokens // block_size, self.loader.num_sequences) // ranks.world_size)
+        self.whole = self.sequences == split
 
     def run(self, run, step, stop):
         model = getattr(run.model, "module", run.model)  # compiled, without DDP's gradient hooks
@@ -48,9 +55,8 @@ class Validation(Evaluation):
         return True
 
     def note(self, ranks, block_size):
-        whole = self.sequences == self.loader.num_sequences // ranks.world_size
         tokens = self.sequences * block_size * ranks.world_size
-        return f"val: {tokens:,} tokens{' (the whole split)' if whole else ''}"
+        return f"val: {tokens:,} tokens{' (the whole split)' if self.whole else ''}"
 
 
 class Scored(Evaluation):
@@ -108,11 +114,11 @@ class Samples(Evaluation):
         return True
 
 
-def build(cfg, ranks, log, fsdp, val_loader, val_sequences, block_size):
+def build(cfg, ranks, log, fsdp, micro_batch, block_size, vocab_size):
     """The evaluations that are on, in the order they run."""
     out = []
-    if val_loader is not None:
-        out.append(Validation(cfg.eval_every, val_loader, val_sequences))
+    if cfg.eval_every:
+        out.append(Validation(cfg.eval_every, cfg.data_dir, cfg.val_tokens, micro_batch, block_size, vocab_size, ranks))
     if cfg.hellaswag_every:
         import hellaswag
         out.append(Scored(cfg.hellaswag_every,

@@ -140,8 +140,10 @@ def setup(cfg, ranks, log, resume, changes):
     if cfg.total_batch_size % tokens_per_micro:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
                         f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
-    train_loader, val_loader, val_sequences = build_data(cfg, ranks, micro_batch, raw_model.config.vocab_size)
-    evaluations = evaluation.build(cfg, ranks, log, fsdp, val_loader, val_sequences, raw_model.config.block_size)
+    train_loader = dataloader.TokenLoader(cfg.data_dir, "train", micro_batch, cfg.block_size, ranks.rank,
+                                          ranks.world_size, raw_model.config.vocab_size, cfg.shuffle_seed, ranks.device)
+    evaluations = evaluation.build(cfg, ranks, log, fsdp, micro_batch, raw_model.config.block_size,
+                                   raw_model.config.vocab_size)
     optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
                                 ranks.device_type, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
                                 muon_dtype=choice.muon_dtype)
@@ -185,20 +187,6 @@ def build_model(cfg, resumed):
     except ValueError as e:
         raise UserError(str(e))
     return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
-
-
-def build_data(cfg, ranks, micro_batch, vocab_size):
-    """The train and val loaders (None without validation) and the sequences each rank validates on, counted in
-    sequences so that a resume with another micro-batch validates the same tokens, at most the whole split."""
-    loader = functools.partial(dataloader.TokenLoader, cfg.data_dir, batch_size=micro_batch,
-                               seq_len=cfg.block_size, rank=ranks.rank, world_size=ranks.world_size,
-                               vocab_size=vocab_size, device=ranks.device)
-    train_loader = loader("train", shuffle_seed=cfg.shuffle_seed)
-    if not cfg.eval_every:
-        return train_loader, None, 0
-    val_loader = loader("val", whole_batches=False)  # a short last batch is filled: one sequence per rank will do
-    sequences = min(cfg.val_tokens // cfg.block_size, val_loader.num_sequences) // ranks.world_size
-    return train_loader, val_loader, max(1, sequences)
 
 
 def write_header(run, origin, resume, changes):
