@@ -49,11 +49,12 @@ def setup_distributed(requested_device="auto", timeout_s=None):
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ["WORLD_SIZE"])
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0))  # torchrun's --nproc_per_node; 0 without torchrun
+    per_node = local_world or world_size
     if device.startswith("cuda"):
         # before the rendezvous: every rank stops at once instead of waiting for the ones that cannot start
         gpus = torch.cuda.device_count()
-        here = max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local_rank + 1)  # processes on this machine
+        here = max(local_world, local_rank + 1)  # processes on this machine, at least
         if here > gpus:
             raise UserError(f"torchrun starts {here} processes on this machine, one per GPU, "
                             f"but it has {gpus} GPU(s) visible: use --nproc_per_node={gpus}")
