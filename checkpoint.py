@@ -211,14 +211,13 @@ class Checkpointer:
         """LOG_DIR/hf: the final model and the GPT-2 tokenizer in Hugging Face's format, written by rank 0 (under FSDP
         every rank helps gather the shards); command: how to export again after a failure. The folder, on rank 0."""
         from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
-        model = parallel.unwrap(self.model)
-        if self.fsdp:  # rank 0 exports a plain copy
-            state = model_state(self.model)
-            model = GPT(model.config) if self.ranks.is_master else None
-            if model is not None:
-                model.load_state_dict(state)
+        state = model_state(self.model) if self.fsdp else None  # a collective under FSDP
         if not self.ranks.is_master:
             return None
+        model = parallel.unwrap(self.model)
+        if state is not None:  # the gathered weights in a plain copy
+            model = GPT(model.config)
+            model.load_state_dict(state)
         out = os.path.join(self.log_dir, "hf")
         try:
             atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))

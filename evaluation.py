@@ -41,9 +41,8 @@ class Validation(Evaluation):
         self.loader = dataloader.TokenLoader(data_dir, "val", micro_batch, block_size, ranks.rank, ranks.world_size,
                                              vocab_size, device=ranks.device,
                                              whole_batches=False)  # a short last batch is filled: one sequence will do
-        split = self.loader.num_sequences // ranks.world_size
         self.sequences = max(1, min(val_tokens // block_size, self.loader.num_sequences) // ranks.world_size)
-        self.whole = self.sequences == split
+        self.whole = self.sequences == self.loader.num_sequences // ranks.world_size
 
     def run(self, run, step, stop):
         model = getattr(run.model, "module", run.model)  # compiled, without DDP's gradient hooks
