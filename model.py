@@ -134,7 +134,8 @@ class GPT(nn.Module):
         return n
 
     def forward(self, idx, targets=None, cache=None, pos=None, mask=None, last_only=False):
-        """idx (B, T) token ids -> (logits (B, T, padded_vocab), detached where targets give a loss; loss or None).
+        """idx (B, T) token ids -> (logits (B, T, padded_vocab), loss or None). Without targets the padded columns
+        are -inf; with them the logits come back detached and as the LM head made them (the loss masks the columns).
         pos (B, T), each token's position in its own sequence, and mask (B, 1, T, T), True where a token attends,
         pack several sequences into one row (hellaswag.py). last_only: the last position's logits, for generation."""
         B, T = idx.size()
@@ -154,11 +155,16 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C): the LM head is the larger part of a small model's forward
         logits = self.lm_head(x)  # (B, T, padded_vocab)
-        logits[..., self.config.vocab_size:] = float("-inf")  # padded ids are not tokens: no probability, ever
+        # padded ids are not tokens: no probability, ever
+        padded = torch.arange(logits.size(-1), device=logits.device) >= self.config.vocab_size  # (padded_vocab,)
         if targets is None:
-            return logits, None
+            return logits.masked_fill_(padded, float("-inf")), None
+        # masked out of place, inside the loss: written into the matrix product's output, the mask made the compiled
+        # forward write every column back and read each row twice
+        masked = torch.where(padded, float("-inf"), logits)
+        loss = F.cross_entropy(masked.view(-1, masked.size(-1)), targets.reshape(-1), ignore_index=-1)
         # the loss carries the gradient: logits requiring one too cost a compiled backward a zero gradient their size
-        return logits.detach(), F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits.detach(), loss
 
     @classmethod
     def from_pretrained(cls, name_or_path, local_files_only=False):

@@ -6,6 +6,8 @@ import stat
 
 import pytest
 import torch
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tokenizer
 from model import GPT, GPTConfig, PRESETS, sample_next
@@ -128,6 +130,82 @@ def test_a_compiled_backward_builds_no_gradient_of_the_logits():
     assert not [f for f in filled if f[1] == [2, 16, 50304]], filled
     assert abs(loss.item() - model(idx, targets)[1].item()) < 1e-4  # the same loss as eager
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def in_place_loss(model, idx, targets):
+    """The loss as the forward computed it before the mask moved into it: the padded columns written to -inf in the
+    LM head's output, then cross-entropy over every column."""
+    x = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(idx.size(1)))
+    for block in model.transformer.h:
+        x = block(x)
+    logits = model.lm_head(model.transformer.ln_f(x))
+    logits[..., model.config.vocab_size:] = float("-inf")
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+
+
+def loss_and_grads(loss_fn, model, idx, targets, dtype):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        loss = loss_fn(model, idx, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype,compiled", [("float32", False), ("bfloat16", True)])
+def test_the_loss_masks_the_padded_columns_as_the_in_place_write_did(dtype, compiled):
+    """The mask out of place inside the loss gives the very loss and gradients of the in-place write into the logits,
+    bit for bit, in eager fp32 and in a compiled bf16 forward and backward."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16))
+    idx, targets = torch.randint(0, 50257, (2, 16)), torch.randint(0, 50257, (2, 16))
+    targets[0, :3] = -1  # ignored positions too
+
+    def ours(m, i, t):
+        return m(i, t)[1]
+    fns = (torch.compile(ours), torch.compile(in_place_loss)) if compiled else (ours, in_place_loss)
+    loss, grads = loss_and_grads(fns[0], model, idx, targets, dtype)
+    ref_loss, ref_grads = loss_and_grads(fns[1], model, idx, targets, dtype)
+    assert torch.equal(loss, ref_loss)
+    for name in ref_grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+
+
+class InPlaceWrites(TorchDispatchMode):
+    """The operations that write into a tensor in place (a mutable schema's written arguments), with the number of
+    values in the storage written into: a write into a slice of the logits writes into the logits' storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+                self.writes.append((str(func), value.untyped_storage().nbytes() // value.element_size()))
+        return func(*args, **kwargs)
+
+    def into(self, numel):
+        return [op for op, values in self.writes if values == numel]
+
+
+def test_the_training_forward_writes_nothing_into_the_logits():
+    """A write into the LM head's output makes the compiled forward store every column back; without targets the
+    padded columns still come back -inf."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16))
+    idx, targets = torch.randint(0, 50257, (2, 16)), torch.randint(0, 50257, (2, 16))
+    with InPlaceWrites() as writes:
+        logits, loss = model(idx, targets)
+    assert logits.shape == (2, 16, 50304) and loss.requires_grad
+    assert writes.into(logits.numel()) == []
+    with InPlaceWrites() as writes:  # the check sees such a write where there is one
+        in_place_loss(model, idx, targets)
+    assert writes.into(logits.numel())
+    with torch.no_grad():
+        logits, loss = model(idx)
+    assert loss is None and torch.isneginf(logits[..., 50257:]).all() and torch.isfinite(logits[..., :50257]).all()
 
 
 def test_presets_and_custom_sizes():
