@@ -8,12 +8,14 @@ per record, each with "kind" and "time" (Unix seconds). The kinds and their othe
               tokens_per_step, resumed_from (checkpoint path or null), device, device_name, dtype, compile,
               world_size, grad_accum, versions, git (commit, "-dirty" if changed, or null), config (every resolved
               setting), changes (the settings a resume's command line changed), restart (torchrun's restart count),
-              per_node (processes per node: what a resume launches)
+              per_node (processes per node: what a resume launches), environment (the variables set that change
+              how torch compiles and runs: TORCHINDUCTOR_*, NCCL_*, ...)
   memory      one per launch, after run: step, params, grads, optimizer, activations, total: the bytes each GPU
               (or process) is planned to hold (memory.memory_plan)
   train       one per optimizer step: step, loss, lr, grad_norm, dt_ms, tok_per_s (all ranks), mfu (a fraction,
               null where the device's peak is unknown), tokens (seen after the step: (step + 1) * tokens_per_step),
-              skipped (true: a non-finite step not applied)
+              skipped (true: a non-finite step not applied), peak_mem (bytes rank 0's GPU has held at most since
+              the launch's first step; null off CUDA)
   val         step, val_loss, tokens (seen before the step: step * tokens_per_step)
   hellaswag   step, acc, acc_norm, n (items scored), tokens (as for val)
   core        step, core (the mean centred accuracy), centered ({task: centred accuracy}), tokens
@@ -57,7 +59,8 @@ REQUIRED = {"run": {"step": int},
             "core": {"step": int, "core": float, "tokens": int},
             "checkpoint": {"step": int, "path": str},
             "end": {"step": int, "reason": str}}
-NUMBERS = ("time", "mfu", "max_steps", "tokens_per_step", "world_size", "per_node")  # optional: a number or null
+# optional: a number or null
+NUMBERS = ("time", "mfu", "max_steps", "tokens_per_step", "world_size", "per_node", "peak_mem")
 TYPE_WORDS = {int: "an integer", float: "a number", str: "text"}
 STEP_KINDS = ("train", "val", "hellaswag", "core", "checkpoint")  # read_metrics keeps one record per step
 
@@ -369,6 +372,16 @@ def versions(*extra):
         except ImportError:
             pass
     return out
+
+
+# variables that change how torch compiles, allocates and communicates: a run's record holds those set
+ENVIRONMENT_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_", "TRITON_", "PYTORCH_", "NCCL_", "CUBLAS_", "CUDNN_")
+ENVIRONMENT_NAMES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+
+
+def environment():
+    """{name: value} of the environment variables set here that change how torch compiles and runs."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENVIRONMENT_PREFIXES) or k in ENVIRONMENT_NAMES}
 
 
 def git_commit():

@@ -25,10 +25,13 @@ class Ranks:
     device: str = "cpu"
     per_node: int = 1  # processes on each node (torchrun's --nproc_per_node): how a resume is launched
     restart: int = 0   # how many times torchrun --max-restarts started the group again (0: the first launch)
+    backend: str = None  # the process group's: nccl or gloo (None: no group)
+    gpus: int = 0      # GPUs visible to this process (0 off CUDA): more processes than these share them
 
     is_master = property(lambda self: self.rank == 0)  # writes the logs, checkpoints and exports
     multi = property(lambda self: self.world_size > 1)  # collectives are needed
     device_type = property(lambda self: self.device.split(":")[0])  # cuda, mps or cpu
+    shares_gpus = property(lambda self: self.device_type == "cuda" and self.per_node > self.gpus)
 
 
 def torchrun_restart():
@@ -36,16 +39,32 @@ def torchrun_restart():
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def setup_distributed(requested_device="auto", timeout_s=None):
-    """Join the process group when launched by torchrun (NCCL on CUDA, gloo on CPU). A collective that
-    waits longer than timeout_s fails, so a dead or hung rank ends the group in bounded time."""
+def pick_backend(requested, device):
+    """--dist-backend: auto is NCCL on CUDA, gloo elsewhere; NCCL is CUDA's alone."""
+    if requested == "auto":
+        return "nccl" if device.startswith("cuda") else "gloo"
+    if requested == "nccl" and not device.startswith("cuda"):
+        raise UserError(f"--dist-backend nccl runs on CUDA GPUs, and this run is on {device}: drop it (gloo is the "
+                        "backend there)")
+    return requested
+
+
+def setup_distributed(requested_device="auto", timeout_s=None, backend="auto", group_of_one=False):
+    """Join the process group when launched by torchrun (--dist-backend: NCCL on CUDA, gloo on CPU). A collective that
+    waits longer than timeout_s fails, so a dead or hung rank ends the group in bounded time. group_of_one: a group
+    of this process alone where torchrun starts none (FSDP2 runs in a process group, even of one)."""
     multi = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
     # under torchrun each rank takes the GPU of its LOCAL_RANK (below): a GPU index asked for would make every
     # rank open a context on that one GPU first
     device = pick_device(requested_device.partition(":")[0] if multi and requested_device else requested_device)
+    backend = pick_backend(backend, device)
     restart = torchrun_restart()
-    if not multi:
-        return Ranks(device=device, restart=restart)  # plain python, or torchrun with one process
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    timeout = datetime.timedelta(seconds=timeout_s or 1800)
+    if not multi:  # plain python, or torchrun with one process
+        if group_of_one and not tdist.is_initialized():
+            join(backend, tdist.HashStore(), 0, 1, timeout, device)
+        return Ranks(device=device, restart=restart, backend=backend if tdist.is_initialized() else None, gpus=gpus)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ["WORLD_SIZE"])
@@ -53,25 +72,29 @@ def setup_distributed(requested_device="auto", timeout_s=None):
     per_node = local_world or world_size
     if device.startswith("cuda"):
         # before the rendezvous: every rank stops at once instead of waiting for the ones that cannot start
-        gpus = torch.cuda.device_count()
         here = max(local_world, local_rank + 1)  # processes on this machine, at least
-        if here > gpus:
+        if here > gpus and backend == "nccl":  # NCCL refuses two ranks on one GPU; gloo shares them
             raise UserError(f"torchrun starts {here} processes on this machine, one per GPU, "
-                            f"but it has {gpus} GPU(s) visible: use --nproc_per_node={gpus}")
-        device = f"cuda:{local_rank}"
+                            f"but it has {gpus} GPU(s) visible: use --nproc_per_node={gpus} (or, to try a "
+                            "node's paths on fewer GPUs, slowly: --dist-backend gloo)")
+        device = f"cuda:{local_rank % gpus}"
         torch.cuda.set_device(device)
     if not tdist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s or 1800)
         # after a torchrun restart the failed attempt's keys are still in its store, where a rank could read a
         # dead peer's address (pytorch/pytorch#135712): one key prefix per attempt keeps them apart
         store, rank, world_size = next(tdist.rendezvous("env://", rank, world_size, timeout=timeout))
-        store = tdist.PrefixStore(f"attempt_{restart}", store)
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        extra = dict(device_id=torch.device(device)) if backend == "nccl" else {}  # NCCL bound to this GPU at once
-        tdist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                 **extra)
-        common.mark_joined_process_group()
-    return Ranks(rank, local_rank, world_size, device, per_node, restart)
+        join(backend, tdist.PrefixStore(f"attempt_{restart}", store), rank, world_size, timeout, device)
+    return Ranks(rank, local_rank, world_size, device, per_node, restart, backend, gpus)
+
+
+def join(backend, store, rank, world_size, timeout, device):
+    """init_process_group; NCCL bound to this process's GPU at once."""
+    extra = {}
+    if backend == "nccl":
+        index = torch.device(device).index
+        extra = dict(device_id=torch.device("cuda", torch.cuda.current_device() if index is None else index))
+    tdist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **extra)
+    common.mark_joined_process_group()
 
 
 def teardown_distributed():
@@ -128,8 +151,7 @@ def _set_block_forwards(raw_model, activation_checkpointing, compile_blocks):
         block._checkpointed = activation_checkpointing  # what the micro-batch auto-fit's memory plan assumes
 
 
-def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_checkpointing=False,
-               compile=False):
+def wrap_model(raw_model, sharding, device, dtype, activation_checkpointing=False, compile=False):
     """The model to train. "none": the (compiled) GPT, DDP-wrapped in a world of several processes. "fsdp": the
     GPT sharded in place (each Block, then the root), whose forward every rank must run, evaluation included."""
     world = tdist.get_world_size() if tdist.is_initialized() else 1
@@ -139,12 +161,14 @@ def wrap_model(raw_model, sharding, device_type, local_rank, dtype, activation_c
         if world > 1:
             for p in raw_model.parameters():
                 p.grad = torch.zeros_like(p)  # DDP makes each gradient a view of its bucket at once (see zero_grad)
-            model = DistributedDataParallel(model, device_ids=[local_rank] if device_type == "cuda" else None,
+            # the GPU this rank runs on: not its local rank where ranks share GPUs (--dist-backend gloo)
+            gpu = torch.device(device)
+            model = DistributedDataParallel(model, device_ids=[gpu] if gpu.type == "cuda" else None,
                                             gradient_as_bucket_view=True)
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(device_type, (world,))
+    mesh = init_device_mesh(torch.device(device).type, (world,))
     policy = MixedPrecisionPolicy()  # fp32 throughout
     if dtype in ("bfloat16", "float16"):  # 16-bit all-gathers; fp32 reduce-scatter and master weights
         policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)

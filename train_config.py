@@ -98,6 +98,9 @@ def build_parser(description=None):
     a("--fsdp", dest="sharding", action="store_const", const="fsdp", help="the same as --sharding fsdp")
     a("--activation-checkpointing", action="store_true",
       help="recompute each block's activations in backward: ~30%% more compute, far less memory")
+    a("--dist-backend", choices=["auto", "nccl", "gloo"], default="auto",
+      help="the process group's backend under torchrun: auto (default) is NCCL on CUDA, gloo elsewhere; gloo on CUDA "
+           "lets several processes share a GPU, slowly: to try a node's paths on the GPUs at hand")
     a("--dist-timeout", type=float, default=15.0, help="minutes a collective waits for the other ranks before the "
                                                        "group fails (default: 15; more if checkpoints take longer)")
     a("--deterministic", action="store_true", help="deterministic kernels, for reproducibility studies (slower)")

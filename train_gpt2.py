@@ -33,7 +33,7 @@ import plot
 import train_config
 import trackers
 from common import UserError
-from metrics import RunLog, git_commit, resume_command, versions
+from metrics import RunLog, environment, git_commit, resume_command, versions
 from model import GPT, GPTConfig, PRESETS
 from profiling import PhaseTimer, StepProfiler
 
@@ -56,7 +56,8 @@ def train(argv=None):
     evaluation.check_inputs(cfg)  # what the evaluations will read, where the run has steps to go
     if cfg.wandb or cfg.tensorboard:
         trackers.check_installed(cfg)
-    ranks = parallel.setup_distributed(cfg.device, timeout_s=60 * cfg.dist_timeout)
+    ranks = parallel.setup_distributed(cfg.device, 60 * cfg.dist_timeout, cfg.dist_backend,
+                                       group_of_one=cfg.sharding == "fsdp")
     log = RunLog(cfg.log_dir, ranks.is_master)
     try:
         run = setup(cfg, ranks, log, resume, changes)
@@ -117,17 +118,18 @@ def setup(cfg, ranks, log, resume, changes):
     device.configure_backends(choice, cfg.deterministic)
     dtype = choice.dtype
     fsdp = cfg.sharding == "fsdp"
-    if fsdp and not ranks.multi:
-        raise UserError("--sharding fsdp shards the model over several processes: launch it with "
-                        "torchrun --nproc_per_node=N (N >= 2), or drop it on one GPU")
+    if fsdp and ranks.backend == "gloo" and ranks.device_type == "cuda":
+        raise UserError("--sharding fsdp over gloo on CUDA: gloo has no CUDA path for the whole-tensor gathers of "
+                        "FSDP2's checkpoints, export and Muon (pytorch/pytorch#152645); drop --dist-backend gloo "
+                        "(NCCL, one process per GPU)")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     raw_model, origin = build_model(cfg, checkpoints.resumed_model())
     raw_model.to(ranks.device)
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
-    model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device_type, ranks.local_rank, dtype,
-                                cfg.activation_checkpointing, choice.compile)
+    model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device, dtype, cfg.activation_checkpointing,
+                                choice.compile)
     # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not
     scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
     if cfg.micro_batch_size == "auto":  # the largest that fits, tried on the model as it trains
@@ -136,6 +138,8 @@ def setup(cfg, ranks, log, resume, changes):
         micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size, trial_step)
     else:
         micro_batch = cfg.micro_batch_size
+    if ranks.device_type == "cuda":  # the steps' peak from here on, not the auto-fit's trials (eager)
+        torch.cuda.reset_peak_memory_stats(ranks.device)
     tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
     if cfg.total_batch_size % tokens_per_micro:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
@@ -197,6 +201,12 @@ def write_header(run, origin, resume, changes):
     blocker = None if choice.compile else choice.compile_blocker
     fp16_muon = cfg.muon_lr and choice.muon_dtype != torch.bfloat16
     warnings = choice.warnings(cfg.deterministic, run.micro_batch * cfg.block_size)
+    if ranks.shares_gpus:
+        warnings.append(f"{ranks.per_node} processes share {ranks.gpus} GPU(s) over gloo, their collectives through "
+                        "host memory: a way to try a node's paths, far slower than one process per GPU over NCCL")
+    if run.fsdp and not ranks.multi:
+        warnings.append("--sharding fsdp with one process shards nothing (a group of one runs FSDP2's paths): launch "
+                        "it with torchrun --nproc_per_node=N to shard over N GPUs")
     params = model.num_params(non_embedding=False)
     muon_params = sum(p.numel() for p in optim.muon_matrices(model)) if cfg.muon_lr else 0
     plan = memory.memory_plan(params, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,
@@ -209,7 +219,7 @@ def write_header(run, origin, resume, changes):
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
                compile=choice.compile, world_size=ranks.world_size, grad_accum=run.grad_accum, versions=versions(),
                git=commit, config=train_config.stored(cfg, run.micro_batch), changes=changes,
-               restart=ranks.restart, per_node=ranks.per_node)
+               restart=ranks.restart, per_node=ranks.per_node, environment=environment())
     start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
     if ranks.restart:
         start += f" | torchrun restart {ranks.restart} (after a worker failed)"
@@ -306,8 +316,9 @@ def log_step(run, step, loss, lr, norm, dt, finite):
                " | skipped (float16 gradient overflow: the loss scale is lowered)")
     run.log.line(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | grad_norm {norm:.4f} | "
                  f"dt_ms {1000 * dt:.1f} | tok_per_s {tok_per_s:.0f} | mfu {mfu_text}{skipped}")
+    peak = torch.cuda.max_memory_allocated(run.ranks.device) if run.ranks.device_type == "cuda" else None
     run.log.record("train", step=step, loss=loss, lr=lr, grad_norm=norm, dt_ms=1000 * dt, tok_per_s=tok_per_s,
-                   mfu=mfu, tokens=(step + 1) * run.cfg.total_batch_size, skipped=not finite)
+                   mfu=mfu, tokens=(step + 1) * run.cfg.total_batch_size, skipped=not finite, peak_mem=peak)
 
 
 def stopped(run, done, stop):
@@ -322,6 +333,9 @@ def stopped(run, done, stop):
 def end(run, reason, step):
     """The end record (step: max_steps when finished, else the last step that ran, -1 for none), the last plot."""
     run.log.record("end", step=step, reason=reason)
+    if run.choice.capacity:  # on CUDA: what the steps took, beside the plan in the header
+        run.log.line(f"peak GPU memory {torch.cuda.max_memory_allocated(run.ranks.device) / 2 ** 30:.1f} GiB of "
+                     f"{run.choice.capacity / 2 ** 30:.1f} GiB (rank {run.ranks.rank})")
     if run.plotter:
         run.plotter.kick()
         run.plotter.join()

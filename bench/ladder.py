@@ -337,7 +337,7 @@ def run_rung(spec):
         raw_model = build_model(spec["model_config"], s["padded_vocab"], spec["seed"], device)
         # as train_gpt2.setup builds them; a compile mode the trainer has no flag for is applied here
         default_mode = s["compile_mode"] == "default"
-        model = parallel.wrap_model(raw_model, "none", kind, 0, dtype, compile=s["compile"] and default_mode)
+        model = parallel.wrap_model(raw_model, "none", device, dtype, compile=s["compile"] and default_mode)
         if s["compile"] and not default_mode:
             model = torch.compile(model, mode=s["compile_mode"])
         optimizer = optim.configure(raw_model, TRAIN.weight_decay, TRAIN.max_lr, (TRAIN.beta1, TRAIN.beta2),

@@ -98,3 +98,27 @@ def test_the_default_command_reaches_the_models_move_to_the_gpu(monkeypatch, dat
     frames = traceback.extract_tb(e.value.__traceback__)
     assert any(f.name == "setup" and "raw_model.to(ranks.device)" in f.line for f in frames), frames
     assert not (tmp_path / "log").exists()  # nothing written before the run could start
+
+
+@pytest.mark.parametrize("backend", ["auto", "gloo"])
+def test_two_processes_on_one_gpu_share_it_over_gloo_and_nccl_refuses(backend, monkeypatch):
+    """torchrun --nproc_per_node=2 on a machine with one GPU: NCCL cannot put two ranks on one device, so the launch
+    is refused before the rendezvous, naming the way out; over gloo (--dist-backend gloo) rank 1 takes cuda:0, the
+    GPU there is, not cuda:1, which is not."""
+    for k, v in TORCHRUN.items():
+        monkeypatch.setenv(k, v)
+    driver = fake_cuda.install(monkeypatch, [fake_cuda.H100])
+    if backend == "auto":
+        with pytest.raises(common.UserError, match="one per GPU, but it has 1 GPU.*--dist-backend gloo"):
+            parallel.setup_distributed("auto", backend=backend)
+        assert not tdist.is_initialized()
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    tdist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)  # as torchrun's rendezvous forms it
+    try:
+        ranks = parallel.setup_distributed("auto", backend=backend)
+    finally:
+        tdist.destroy_process_group()
+    assert ranks.device == "cuda:0" and driver.current == 0 and ranks.local_rank == 1
+    assert {i for call, i in driver.calls if call == "set_device"} == {0}
+    assert ranks.shares_gpus and ranks.backend == "gloo" and ranks.gpus == 1

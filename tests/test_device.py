@@ -186,7 +186,8 @@ def test_more_processes_than_gpus_is_one_line_before_the_rendezvous(monkeypatch)
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("LOCAL_RANK", str(rank))
         with pytest.raises(common.UserError, match=r"^torchrun starts 2 processes on this machine, one per GPU, but "
-                                                   r"it has 1 GPU\(s\) visible: use --nproc_per_node=1$"):
+                                                   r"it has 1 GPU\(s\) visible: use --nproc_per_node=1 \(or, to try a node's "
+                                                   r"paths on fewer GPUs, slowly: --dist-backend gloo\)$"):
             parallel.setup_distributed("auto")
 
 

@@ -77,7 +77,7 @@ def train(model, optimizer, data, steps, ranks):
 
 def run(raw, sharding, data_dir, ranks, steps=STEPS, checkpointing=False, compile=False, muon=None):
     """muon: the dtype of Muon's Newton-Schulz iteration (None: AdamW alone)."""
-    model = parallel.wrap_model(raw, sharding, "cpu", ranks.rank, "float32", checkpointing, compile)
+    model = parallel.wrap_model(raw, sharding, "cpu", "float32", checkpointing, compile)
     assert parallel.is_fsdp(model) == (sharding == "fsdp")
     optimizer = optim.configure(raw, 0.1, 1e-3, device_type="cpu", muon_lr=0.02 if muon else None,
                                 muon_dtype=muon)
@@ -229,7 +229,7 @@ def ddp_probe_against_the_step(ranks, data_dir):
     T, per_rank = CONFIG["block_size"], 4
     torch.manual_seed(0)
     raw = GPT(GPTConfig(**CONFIG))  # fp32, the bytes the plan's arithmetic assumes
-    model = parallel.wrap_model(raw, "none", "cpu", ranks.rank, "float32")
+    model = parallel.wrap_model(raw, "none", "cpu", "float32")
     optimizer = torch.optim.SGD(raw.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     step = {}
@@ -255,7 +255,7 @@ def fsdp_plan_against_the_trial(ranks, checkpointing):
     trial there allocates on top of the weights."""
     torch.manual_seed(0)
     raw = GPT(GPTConfig(**CONFIG))
-    model = parallel.wrap_model(raw, "fsdp", "cpu", ranks.rank, "float32", activation_checkpointing=checkpointing)
+    model = parallel.wrap_model(raw, "fsdp", "cpu", "float32", activation_checkpointing=checkpointing)
     counter = CountedMemory(model)
     for b in (1, 2, 4):
         memory.trial_peak(model, trial_step(ranks), b, 4 // b, CONFIG["block_size"], "cpu", counter)
@@ -288,7 +288,7 @@ def worker(rank, world, tmp):
 
         # DDP with accumulation: where the gradients are between its micro-steps
         raw = tiny_gpt()
-        model = parallel.wrap_model(raw, "none", "cpu", rank, "float32")
+        model = parallel.wrap_model(raw, "none", "cpu", "float32")
         opt = optim.configure(raw, 0.1, 1e-3, device_type="cpu")
         watched = Watched(loader(data_dir, rank, world), raw)
         out["ddp_grad_storages"] = []
@@ -312,7 +312,7 @@ def worker(rank, world, tmp):
         tdist.barrier()
         saved = checkpoint.load_file(metrics.checkpoint_path(f"{tmp}/ckpt", RESUME_AT))
         raw = tiny_gpt(seed=1)
-        model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
+        model = parallel.wrap_model(raw, "fsdp", "cpu", "float32")
         opt = optim.configure(raw, 0.1, 1e-3, device_type="cpu")
         data = loader(data_dir, rank, world)
         restorer = checkpoint.Checkpointer(f"{tmp}/ckpt", 1, ranks, RunLog(f"{tmp}/ckpt", False),
@@ -337,7 +337,7 @@ def worker(rank, world, tmp):
 
         # fp16 loss scaling: an inf in one rank's shard of the gradients must skip the step on every rank
         raw = tiny_gpt()
-        model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
+        model = parallel.wrap_model(raw, "fsdp", "cpu", "float32")
         opt = optim.configure(raw, 0.1, 1e-3, device_type="cpu")
         scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
         x, _ = loader(data_dir, 0, 1).next_batch()
@@ -350,7 +350,7 @@ def worker(rank, world, tmp):
         # what a rank holds between micro-steps: its shard of each gradient, reduce-scattered at once,
         # never the full fp32 gradient kept until the last micro-step
         raw = tiny_gpt()
-        model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
+        model = parallel.wrap_model(raw, "fsdp", "cpu", "float32")
         with parallel.grad_sync(model, False):  # a micro-step that is not the last
             model(x, x)[1].backward()
         out["between_micro_steps"] = [(p.to_local().numel(), p.numel(), None if p.grad is None else
@@ -362,7 +362,7 @@ def worker(rank, world, tmp):
         out["probe"] = {}
         for name in ("ddp", "fsdp"):
             raw = tiny_gpt()
-            model = parallel.wrap_model(raw, name if name == "fsdp" else "none", "cpu", rank, "float32")
+            model = parallel.wrap_model(raw, name if name == "fsdp" else "none", "cpu", "float32")
             capacity = 2 ** 40
             if rank == 1 and name == "fsdp":
                 capacity = (memory.step_footprint(model, world, "float32", T, 2) + 1) / 0.9
@@ -466,7 +466,7 @@ def test_muon_under_fsdp_gathers_each_matrix_once(dtype):
     tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
     try:
         raw = GPT(GPTConfig(**CONFIG))
-        parallel.wrap_model(raw, "fsdp", "cpu", 0, "float32")
+        parallel.wrap_model(raw, "fsdp", "cpu", "float32")
         muon, _ = optim.configure(raw, 0.1, 1e-3, muon_lr=0.02, muon_dtype=dtype).optimizers
         matrices = [p for group in muon.param_groups for p in group["params"]]
         for p in matrices:
@@ -571,7 +571,7 @@ def stranded_worker(rank, world, tmp):
                              timeout=datetime.timedelta(seconds=20))
     ranks = parallel.Ranks(rank, rank, world, "cpu")
     raw = tiny_gpt()
-    model = parallel.wrap_model(raw, "fsdp", "cpu", rank, "float32")
+    model = parallel.wrap_model(raw, "fsdp", "cpu", "float32")
     if rank == 1:
         raw.forward = functools.partial(out_of_memory_in_backward, raw)
     T = CONFIG["block_size"]
@@ -657,7 +657,7 @@ def test_fsdp_grad_scaler_skips_on_every_rank_when_one_shard_overflows(two_ranks
 
 def test_grad_sync_and_clip_on_one_process():
     raw = tiny_gpt()
-    model = parallel.wrap_model(raw, "none", "cpu", 0, "float32", activation_checkpointing=True)
+    model = parallel.wrap_model(raw, "none", "cpu", "float32", activation_checkpointing=True)
     assert model is raw  # no DDP in a world of one
     x = some_tokens()
     with parallel.grad_sync(model, False):
@@ -684,7 +684,7 @@ def test_activation_checkpointing_keeps_less_for_backward():
     plain = saved_for_backward_bytes(tiny_gpt(), x)
     raw = tiny_gpt()
     names = list(raw.state_dict())
-    parallel.wrap_model(raw, "none", "cpu", 0, "float32", activation_checkpointing=True)
+    parallel.wrap_model(raw, "none", "cpu", "float32", activation_checkpointing=True)
     assert list(raw.state_dict()) == names
     checkpointed = saved_for_backward_bytes(raw, x)
     assert checkpointed < 0.5 * plain  # 0.26 here: the logits stay, the blocks do not
@@ -751,7 +751,7 @@ def test_whole_model_compile_with_checkpointing_matches_eager(monkeypatch):
     x = some_tokens()
     _, want = tiny_gpt()(x, x)
     raw = tiny_gpt()
-    model = parallel.wrap_model(raw, "none", "cpu", 0, "float32", activation_checkpointing=True, compile=True)
+    model = parallel.wrap_model(raw, "none", "cpu", "float32", activation_checkpointing=True, compile=True)
     assert parallel.unwrap(model) is raw and list(raw.state_dict()) == list(tiny_gpt().state_dict())
     _, loss = model(x, x)
     loss.backward()

@@ -17,7 +17,7 @@ import metrics
 import optim
 import train_config
 from core_bundle import TASKS, write_bundle
-from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, tiny, torchrun
+from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, run_process, tiny, torchrun
 
 
 HS_ITEMS = [{"ctx": f"The cat sees a red ball number {i}.", "endings": ["It runs.", "The dog likes books.", "A.",
@@ -170,6 +170,18 @@ def test_fsdp_matches_one_process_and_evaluates_samples_and_exports_in_step(data
     idx = torch.randint(0, 50257, (2, 32))
     with torch.no_grad():
         assert torch.equal(exported(idx)[0][..., :50257], model.eval()(idx)[0][..., :50257])
+
+
+def test_fsdp_in_one_process_shards_nothing_and_trains_as_one_process(data_dir, tmp_path, one_process):
+    """--sharding fsdp without torchrun: a process group of one runs FSDP2's paths (the sharded step, the gathered
+    checkpoint), the header says it shards nothing, and the steps are one process's."""
+    log_dir = str(tmp_path / "fsdp1")
+    p = run_process(tiny(data_dir=data_dir, max_steps=4, eval_every=2, log_dir=log_dir, fsdp=True))
+    assert "warning: --sharding fsdp with one process shards nothing" in p.stdout
+    assert "memory (fsdp): per process" in p.stdout
+    assert_same_training(one_process, log_dir)
+    model, _ = checkpoint.load_model(log_dir)  # the full checkpoint, whole and tied
+    assert model.lm_head.weight is model.transformer.wte.weight
 
 
 def hellaswag_items(path, n):
@@ -503,7 +515,7 @@ BAD = {
     "empty log dir": (["--log-dir", ""], "--log-dir is empty"),
     "resume with a larger block size": (["--log-dir", "{ref}", "--resume", "--block-size", "64"], "--block-size 32 and"),
     "negative warm-up": (["--warmup-steps", "-1"], "warmup-steps"),
-    "fsdp without torchrun": (["--fsdp"], "torchrun"),
+    "nccl on a cpu": (["--dist-backend", "nccl"], "--dist-backend nccl runs on CUDA GPUs"),
     "zero dist timeout": (["--dist-timeout", "0"], "dist-timeout"),
     "beta1 above 1": (["--beta1", "2"], "--beta1 must be at least 0 and below 1"),
     "beta2 not a number": (["--beta2", "nan"], "--beta2 must be"),
