@@ -122,3 +122,17 @@ def test_two_processes_on_one_gpu_share_it_over_gloo_and_nccl_refuses(backend, m
     assert ranks.device == "cuda:0" and driver.current == 0 and ranks.local_rank == 1
     assert {i for call, i in driver.calls if call == "set_device"} == {0}
     assert ranks.shares_gpus and ranks.backend == "gloo" and ranks.gpus == 1
+
+
+def test_fsdp_over_gloo_on_cuda_is_refused_before_the_model_is_built(monkeypatch, data_dir, tmp_path, fake_group):
+    """gloo has no CUDA path for the gathers of a DTensor's whole (FSDP2's full checkpoints, the export, Muon):
+    --fsdp with --dist-backend gloo on GPUs stops with one line before anything is built or written."""
+    for k, v in TORCHRUN.items():
+        monkeypatch.setenv(k, v)
+    fake_cuda.install(monkeypatch, [fake_cuda.H100])
+    monkeypatch.setattr(common, "_joined_process_group", False)
+    p = run(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log"), device="auto", fsdp=True, dist_backend="gloo"),
+            check=False)
+    assert p.returncode == 2 and p.stderr.startswith("error: --sharding fsdp over gloo on CUDA") \
+        and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "log").exists()
