@@ -29,8 +29,10 @@ Steps, each a subprocess with its own time limit; a failure is reported and the 
   micro_a, micro_b   the eager run's recipe compiled (its losses must be eager's), then its middle
              checkpoint resumed with --micro-batch-size 4 (a GPU with less memory): same data, same
              losses (within 1e-2, relative: the result 'losses' where they are not)
-  fsdp       FSDP over 2 GPUs (bf16 where they have it, compiled where they can), sampling after a training
-             step (only on a machine with 2 or more GPUs)
+  two_ranks, fsdp, activation_checkpointing, peer   a node's paths on the GPUs at hand (bench/node_paths.py):
+             torchrun with 2 processes sharing one GPU over gloo against one process, FSDP2 in a group of one (and
+             over 2 devices where there are 2) with an exact resume and the export, the recipe with activation
+             checkpointing against without, and build-nanogpt's own trainer beside ours (with --peer-src)
 HellaSwag uses synthetic items written next to the results (the machine may be offline).
 Every step's command, exit status, time and output tail go to --out as JSON and text files.
 """
@@ -114,10 +116,19 @@ def last_timing(log_path):
 
 def first_line(log_path, prefix):
     """The first line of a step's log that starts with prefix, or ''."""
+    return (lines_of(log_path, prefix) or [""])[0]
+
+
+def last_line(log_path, prefix):
+    """The last line of a step's log that starts with prefix, or ''."""
+    return (lines_of(log_path, prefix) or [""])[-1]
+
+
+def lines_of(log_path, prefix):
     if not os.path.isfile(log_path):
-        return ""
+        return []
     with open(log_path) as f:
-        return next((line.strip() for line in f if line.startswith(prefix)), "")
+        return [line.strip() for line in f if line.startswith(prefix)]
 
 
 def same_losses(log_a, log_b):
@@ -274,6 +285,24 @@ def on_the_run(args, out, compiles):
     }
 
 
+NODE_PATHS = ("two_ranks", "fsdp", "activation_checkpointing", "peer")  # bench/node_paths.py's steps
+
+
+def node_paths(args, out, limits=None):
+    """{name: Step} of a node's paths on this machine; the peer's where --peer-src names build-nanogpt's trainer."""
+    limits = limits or {}
+    common_flags = ["--data-dir", args.data_dir, "--out", out, "--device", args.device] + (["--small"] if args.small
+                                                                                            else [])
+    steps = {name: Step([PY, os.path.join("bench", "node_paths.py"), name] + common_flags, timeout=limits.get(name))
+             for name in NODE_PATHS}
+    if args.peer_src:
+        steps["peer"].cmd.extend(["--peer-src", args.peer_src, "--steps", str(args.peer_steps)]
+                                 + (["--peer-script", args.peer_script] if args.peer_script else []))
+    else:
+        del steps["peer"]
+    return steps
+
+
 def plan(args, machine, out):
     """{name: Step} of every step this machine runs, in order; args: parse_args()'s, out: the results
     folder. The commands name each setting once."""
@@ -321,13 +350,10 @@ def plan(args, machine, out):
         "micro_b": Step([PY, "train_gpt2.py", "--log-dir", os.path.join(out, "micro_b"), "--resume",
                          os.path.join(out, "micro_a", "ckpt_000006.pt"), "--micro-batch-size", "4"],
                         same_as="micro_a"),
-        "fsdp": Step([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
-                     + trainer("fsdp", sharding="fsdp", max_steps=6, sample_every=3, num_samples=2)),
+        **node_paths(args, out),
     }
     if not cuda:  # float16 autocast, the memory fraction, the allocator's snapshots and sync debugging are CUDA's
         del steps["fp16"], steps["probe"], steps["oom_snapshot"], steps["syncs"]
-    if machine.gpus < 2:  # NCCL needs one GPU per rank
-        del steps["fsdp"]
     return steps
 
 
@@ -337,8 +363,10 @@ QUICK_STEPS = 20  # the quick run: evaluations, a checkpoint and the resume poin
 def quick_plan(args, machine, out):
     """{name: Step} of --quick, the first call on a GPU, most telling first: the default recipe (compile, the
     device's dtype, the micro-batch auto-fit) trained 20 steps with every evaluation and a checkpoint at step 10,
-    resumed from that checkpoint with its micro-batch, the other scripts on it, Muon and an out-of-memory
-    snapshot. Each step's limit is what it takes on a cold H100 with room to spare (BENCHMARKS.md)."""
+    resumed from that checkpoint with its micro-batch, a node's paths (two ranks on one GPU, FSDP2, activation
+    checkpointing, build-nanogpt beside us), the syncs of a step and samples from the checkpoint; then, where the
+    --budget leaves time, HellaSwag, Muon alone, an out-of-memory snapshot and the auto-fit under memory pressure.
+    Each step's limit is what it takes on a cold H200 with room to spare (BENCHMARKS.md)."""
     cuda = machine.device.startswith("cuda")
     compiles = cuda and machine.capability >= TRITON_MIN_CAPABILITY  # on a CPU only the commands are checked
     items, log_dir, half = os.path.join(out, ITEMS), os.path.join(out, "run"), QUICK_STEPS // 2
@@ -356,6 +384,7 @@ def quick_plan(args, machine, out):
         "resume": Step([PY, "train_gpt2.py", "--resume", ckpt, "--log-dir", os.path.join(out, "resume"),
                         "--max-steps", str(half + 1), "--eval-every", "0", "--hellaswag-every", "0",
                         "--sample-every", "0", "--no-plot"], timeout=120),
+        **node_paths(args, out, dict(two_ranks=150, fsdp=150, activation_checkpointing=150, peer=240)),
         "syncs": shared["syncs"],
         "sample": shared["sample"],
         "hellaswag": shared["hellaswag"],
@@ -386,6 +415,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=40, help="optimizer steps of the train/resume run (default 40)")
     p.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
     p.add_argument("--step-timeout", type=int, default=240, help="seconds per step (default 240)")
+    p.add_argument("--peer-src", help="build-nanogpt's train_gpt2.py, fetched into an ignored folder: the peer step "
+                                      "runs it beside ours (without it, no peer step)")
+    p.add_argument("--peer-script", help="the peer script that runs it (default: build_nanogpt_speed.py beside "
+                                         "--peer-src)")
+    p.add_argument("--peer-steps", type=int, default=15, help="steps of each peer launch (default 15)")
     args = p.parse_args(argv)
     if args.budget is None and args.quick:
         args.budget = 510
@@ -410,8 +444,8 @@ def main(argv=None):
     import torch
     print(f"{machine.gpus} x {machine.gpu} (capability {machine.capability})" if machine.gpus else machine.device,
           f"| torch {torch.__version__} CUDA {torch.version.cuda}", flush=True)
-    if "fsdp" not in steps and not args.quick:
-        print(f"fsdp: skipped, {machine.gpus} GPU(s) here", flush=True)
+    if "peer" not in steps:
+        print("peer: skipped, no --peer-src (build-nanogpt's train_gpt2.py)", flush=True)
     deadline = time.time() + args.budget if args.budget else None
     results = []
     for name, step in steps.items():
@@ -458,9 +492,11 @@ def main(argv=None):
     for name, prefix in (("compile_gate", "capability"), ("probe", "batch "), ("oom_snapshot", "out of memory at"),
                          ("syncs", "syncs per step")):
         figures[name] = first_line(os.path.join(out, f"{name}.log"), prefix)
-    table = [f"{'step':16s} {'result':8s} {'seconds':>8s}  figure"]
+    for name in NODE_PATHS:  # the figure each prints last
+        figures[name] = last_line(os.path.join(out, f"{name}.log"), f"{name} | ").partition(" | ")[2]
+    table = [f"{'step':24s} {'result':8s} {'seconds':>8s}  figure"]
     for r in results:
-        table.append(f"{r['name']:16s} {r['result']:8s} {r['seconds']:8.1f}  {figures.get(r['name'], '')}")
+        table.append(f"{r['name']:24s} {r['result']:8s} {r['seconds']:8.1f}  {figures.get(r['name'], '')}")
     with open(os.path.join(out, "device_check.txt"), "w") as f:
         f.write("\n".join(table) + "\n")
     if args.results:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ import fake_cuda  # noqa: E402
 import hellaswag  # noqa: E402
 import ladder  # noqa: E402
 import measure  # noqa: E402
+import node_paths  # noqa: E402
 import memory  # noqa: E402
 import sample  # noqa: E402
 import train_config  # noqa: E402
@@ -267,9 +269,11 @@ def test_rungs_that_compile_are_skipped_where_compile_cannot_run(tmp_path, monke
 PARSERS = {"train_gpt2.py": train_config.parse_args, "hellaswag.py": hellaswag.parse_args,
            "sample.py": sample.parse_args, "bench/bench_hellaswag.py": bench_hellaswag.parse_args,
            "bench/bench_sample.py": bench_sample.parse_args, "bench/bench_core.py": bench_core.parse_args,
-           "bench/ladder.py": ladder.parse_args}
+           "bench/ladder.py": ladder.parse_args, "bench/node_paths.py": node_paths.parse_args}
 MACHINES = {  # the command line of device_check.py there, and the machine as it finds it
     "H100": (["--device", "cuda"], Machine("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 1)),
+    "H200 with build-nanogpt": (["--device", "cuda", "--peer-src", "/peer/train_gpt2.py"],
+                                Machine("cuda", "NVIDIA H200", (9, 0), 1)),
     "T4": (["--device", "cuda"], Machine("cuda", "Tesla T4", (7, 5), 1)),
     "P100": (["--device", "cuda"], Machine("cuda", "Tesla P100-PCIE-16GB", (6, 0), 1)),
     "2 x T4": (["--device", "cuda"], Machine("cuda", "Tesla T4", (7, 5), 2)),
@@ -301,7 +305,9 @@ def test_every_device_check_command_parses_for_its_machine(machine, tmp_path):
     args = device_check.parse_args(["--data-dir", data, "--out", out] + argv)
     steps = device_check.plan(args, found, out)
     cuda = found.device == "cuda"
-    assert ("fsdp" in steps) == (found.gpus >= 2) and ("probe" in steps) == ("fp16" in steps) == cuda
+    assert ("probe" in steps) == ("fp16" in steps) == cuda
+    assert {"two_ranks", "fsdp", "activation_checkpointing"} <= set(steps)  # a node's paths, on one GPU or a CPU
+    assert ("peer" in steps) == ("--peer-src" in argv)
     parsed = {}
     for name, step in steps.items():
         script, script_argv = script_and_args(step.cmd)
@@ -323,9 +329,11 @@ def test_every_device_check_command_parses_for_its_machine(machine, tmp_path):
         assert parsed["probe"].max_steps == 3 and parsed["fp16"].dtype == "float16"
         assert parsed["oom_snapshot"].memory_snapshot and steps["oom_snapshot"].rc == 2
     assert parsed["train"].profile_steps[1] < args.steps
-    if "fsdp" in steps:
-        fsdp = parsed["fsdp"]
-        assert fsdp.sharding == "fsdp" and fsdp.sample_every == 3 and fsdp.eval_every == 0 and fsdp.max_steps == 6
+    for name in ("two_ranks", "fsdp", "activation_checkpointing") + (("peer",) if "peer" in steps else ()):
+        node = parsed[name]
+        assert node.step == name and node.data_dir == data and node.device == argv[1] and node.small == args.small
+    if "peer" in steps:
+        assert parsed["peer"].peer_src == "/peer/train_gpt2.py" and parsed["peer"].steps == args.peer_steps
     runs = [p.log_dir for name, p in parsed.items() if hasattr(p, "given") and name != "resume"]
     assert len(set(runs)) == len(runs)  # each run its own log directory
 
@@ -345,12 +353,12 @@ def test_the_sync_count_counts_syncs_not_the_modes_own_notice():
 
 
 def test_the_quick_device_check_runs_end_to_end_on_a_cpu(data_dir, tmp_path, capsys):
-    """--quick --small on the CPU: every step the CPU has runs and passes (the GPU's own, syncs, the
-    out-of-memory snapshot and the probe, are left out), the resume's loss at the checkpoint's step is
-    the first run's, and --results holds at most 8 files with the table last printed."""
+    """--quick --small on the CPU: the steps on the default recipe's run pass (the GPU's own, syncs, the
+    out-of-memory snapshot and the probe, are left out; a node's paths are the next test's), the resume's loss at
+    the checkpoint's step is the first run's, and --results holds at most 8 files with the table last printed."""
     out, results = tmp_path / "out", tmp_path / "results"
     rc = device_check.main(["--quick", "--small", "--device", "cpu", "--data-dir", data_dir, "--out", str(out),
-                            "--results", str(results)])
+                            "--results", str(results), "--only", "train,resume,sample,hellaswag,muon"])
     table = capsys.readouterr().out.rstrip().splitlines()[-6:]
     assert rc == 0, table
     assert [line.split()[:2] for line in table] == [["step", "result"], ["train", "ok"], ["resume", "ok"],
@@ -360,6 +368,42 @@ def test_the_quick_device_check_runs_end_to_end_on_a_cpu(data_dir, tmp_path, cap
     assert len(files) <= 8 and {"device_check.txt", "device_check.json", "logs.tgz"} <= set(files)
     assert any(f.endswith(".pt.trace.json.gz") for f in files)  # the trace of one warm step
     assert open(results / "device_check.txt").read().splitlines() == table
+
+
+PEER = os.path.join(ROOT, ".peer", "train_gpt2.py")  # build-nanogpt's trainer, where it was fetched (never committed)
+
+
+def node_steps(data_dir, out, steps, capsys, *extra):
+    """device_check's table rows of these steps, run tiny on the CPU, by name; and its exit status."""
+    rc = device_check.main(["--small", "--device", "cpu", "--data-dir", data_dir, "--out", str(out), "--only",
+                            ",".join(steps)] + list(extra))
+    lines = capsys.readouterr().out.rstrip().splitlines()[-len(steps):]
+    return rc, {line.split()[0]: line for line in lines}
+
+
+def test_a_nodes_paths_run_on_a_cpu(data_dir, tmp_path, capsys):
+    """The device check's node paths, tiny, on the CPU as on the one GPU: two ranks over gloo train as one process on
+    the same batches and resume exactly; FSDP2 in a group of one resumes exactly and exports, two ranks of it train
+    as one, and gloo carries each collective; activation checkpointing trains beside a run without."""
+    steps = ("two_ranks", "fsdp", "activation_checkpointing")
+    rc, table = node_steps(data_dir, tmp_path / "out", steps, capsys)
+    assert rc == 0 and all(table[name].split()[1] == "ok" for name in steps), table
+    assert "against one process: losses within" in table["two_ranks"] and "resumed at step 4" in table["two_ranks"]
+    assert "world 1, resumed at step 4: losses within 0.0e+00; exported; 2 ranks against world 1" in table["fsdp"]
+    assert "gloo on cpu: all_reduce sum float32 ok" in table["fsdp"] and "DTensor.full_tensor ok" in table["fsdp"]
+    assert "on: micro-batch 8" in table["activation_checkpointing"] and "off (activation_checkpointing_off): micro" \
+        in table["activation_checkpointing"]
+
+
+PEER = os.path.join(ROOT, ".peer", "train_gpt2.py")  # build-nanogpt's trainer, where it was fetched (never committed)
+
+
+@pytest.mark.skipif(not os.path.isfile(PEER), reason="build-nanogpt's train_gpt2.py is not at .peer/ (fetch it and "
+                                                      "copy the peer script beside it: BENCHMARKS.md)")
+def test_the_peer_runs_beside_ours_on_a_cpu(data_dir, tmp_path, capsys):
+    rc, table = node_steps(data_dir, tmp_path / "out", ("peer",), capsys, "--peer-src", PEER, "--peer-steps", "8")
+    assert rc == 0 and table["peer"].split()[1] == "ok", table
+    assert "build-nanogpt" in table["peer"] and "ours/peer" in table["peer"] and "losses within" in table["peer"]
 
 
 def test_device_check_fails_a_run_whose_losses_are_off_its_reference(data_dir, tmp_path, capsys, monkeypatch):
@@ -384,10 +428,51 @@ def test_device_check_fails_a_run_whose_losses_are_off_its_reference(data_dir, t
 
 
 def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
-    with pytest.raises(UserError, match="no step fsdp"):
+    with pytest.raises(UserError, match="no step probe"):
         device_check.main(["--data-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--device", "cpu",
-                           "--only", "fsdp"])
+                           "--only", "probe"])
     assert not (tmp_path / "out").exists()
+
+
+def test_an_arm_that_fails_is_one_line_and_the_others_are_tabled(data_dir, tmp_path, capsys):
+    """A launch that gives no result (here a flag the trainer refuses) is one line naming its log; the arms that
+    finished are in the table; the exit status says one failed."""
+    import ab
+    rc = ab.main(["--data-dir", data_dir, "--variant", "good=--micro-batch-size 2", "--variant",
+                  "bad=--micro-batch-size 3", "--repeats", "1", "--steps", "2", "--skip-steps", "1", "--out",
+                  str(tmp_path), "--"] + tiny(eval_every=0))
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 1
+    header = next(i for i, line in enumerate(lines) if line.startswith("arm "))
+    assert [line.split()[0] for line in lines[header + 1:header + 2]] == ["worktree:good"]  # one row, then the legend
+    assert lines[header + 2].startswith("ratios:") and "within" in lines[header + 1]
+    failed = [line for line in lines if line.startswith("worktree:bad (repeat 0): no result")]
+    assert failed[-1] == (f"worktree:bad (repeat 0): no result, train_gpt2.py exited 2; see "
+                          f"{tmp_path / 'worktree.bad-0.log'}")
+
+
+def test_a_launch_past_its_time_limit_is_stopped_with_what_it_started(tmp_path):
+    """ab.launch kills a launch that runs past its limit, the processes it started included (torchrun's workers,
+    compile's), and says so instead of raising."""
+    import ab
+    child = tmp_path / "child.pid"
+    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(600)']); open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(600)")
+    t0 = time.time()
+    why = ab.launch([sys.executable, "-c", code], str(tmp_path), dict(os.environ), str(tmp_path / "a.log"), 5)
+    assert why == "ran past --timeout 5 s" and time.time() - t0 < 60
+    pid = int(child.read_text())
+    for _ in range(50):  # the child is gone (killed with its group), or a zombie about to be
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        state = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "Z"
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {pid} outlived its launch")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -522,6 +607,21 @@ def test_ab_launches_each_revision_in_turn_and_compares_their_losses(data_dir, t
                                   .splitlines()[0])["grad_accum"] for arm in results}
     assert grad_accum == {"worktree:b2": 2, "worktree:b4": 1}  # (128 tokens a step of 32: 4 sequences)
     assert any(line.startswith("worktree:b4") and "within" in line for line in table)
+
+    # an arm that sets environment variables: they reach the trainer (its run record holds them), and each arm
+    # compiles into caches of its own, which its later repeats share
+    rc = ab.main(["--data-dir", data_dir, "--variant", "cdt=TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 --micro-batch-size 2",
+                  "--variant", "plain=--micro-batch-size 2", "--repeats", "2", "--steps", "2", "--skip-steps", "1",
+                  "--out", str(tmp_path / "e"), "--"] + extra)
+    assert rc == 0
+    env = {(arm, r): json.loads((tmp_path / "e" / "runs" / f"worktree.{arm}-{r}" / "metrics.jsonl").read_text()
+                                .splitlines()[0])["environment"] for arm in ("cdt", "plain") for r in (0, 1)}
+    assert env["cdt", 0]["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] == "1"
+    assert "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING" not in env["plain", 0]
+    caches = {key: (e["TORCHINDUCTOR_CACHE_DIR"], e["TRITON_CACHE_DIR"]) for key, e in env.items()}
+    assert caches["cdt", 0] == caches["cdt", 1] and caches["plain", 0] == caches["plain", 1]
+    assert not set(caches["cdt", 0]) & set(caches["plain", 0])
+    assert all(path.startswith(str(tmp_path / "e" / "cache")) for pair in caches.values() for path in pair)
     with pytest.raises(SystemExit, match="--variant: give NAME=FLAGS"):
         ab.main(["--data-dir", data_dir, "--variant", "--micro-batch-size 4", "--out", str(tmp_path / "bad")])
     with pytest.raises(SystemExit, match="--revs: git cannot export 'no-such-rev'"):
