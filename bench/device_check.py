@@ -363,8 +363,8 @@ QUICK_STEPS = 20  # the quick run: evaluations, a checkpoint and the resume poin
 def quick_plan(args, machine, out):
     """{name: Step} of --quick, the first call on a GPU, most telling first: the default recipe (compile, the
     device's dtype, the micro-batch auto-fit) trained 20 steps with every evaluation and a checkpoint at step 10,
-    resumed from that checkpoint with its micro-batch, a node's paths (two ranks on one GPU, FSDP2, activation
-    checkpointing, build-nanogpt beside us), the syncs of a step and samples from the checkpoint; then, where the
+    resumed from that checkpoint with its micro-batch, the syncs of a step, a node's paths (two ranks on one GPU,
+    FSDP2, activation checkpointing, build-nanogpt beside us) and samples from the checkpoint; then, where the
     --budget leaves time, HellaSwag, Muon alone, an out-of-memory snapshot and the auto-fit under memory pressure.
     Each step's limit is what it takes on a cold H200 with room to spare (BENCHMARKS.md)."""
     cuda = machine.device.startswith("cuda")
@@ -384,8 +384,8 @@ def quick_plan(args, machine, out):
         "resume": Step([PY, "train_gpt2.py", "--resume", ckpt, "--log-dir", os.path.join(out, "resume"),
                         "--max-steps", str(half + 1), "--eval-every", "0", "--hellaswag-every", "0",
                         "--sample-every", "0", "--no-plot"], timeout=120),
-        **node_paths(args, out, dict(two_ranks=150, fsdp=150, activation_checkpointing=150, peer=240)),
         "syncs": shared["syncs"],
+        **node_paths(args, out, dict(two_ranks=180, fsdp=180, activation_checkpointing=150, peer=240)),
         "sample": shared["sample"],
         "hellaswag": shared["hellaswag"],
         "muon": Step([PY, "train_gpt2.py"] + trainer("muon", optimizer="muon", max_steps=6), timeout=120),
@@ -404,10 +404,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", help="cuda (default), cpu, ...")
     p.add_argument("--small", action="store_true", help="a tiny model and batch: to try the script on CPU")
     p.add_argument("--quick", action="store_true",
-                   help="the first call on a GPU: the default recipe for 20 steps, its resume, the scripts on its "
-                        "checkpoint, Muon and an out-of-memory snapshot, in about 8 minutes")
+                   help="the first call on a GPU: the default recipe for 20 steps, its resume, the syncs of a step, a "
+                        "node's paths on the GPU at hand and the scripts on the checkpoint, in about 9 minutes")
     p.add_argument("--budget", type=int, default=None,
-                   help="seconds for all the steps; a step that would not fit is skipped (default: 510 with "
+                   help="seconds for all the steps; a step that would not fit is skipped (default: 540 with "
                         "--quick, else none)")
     p.add_argument("--results", default=None,
                    help="also copy the table, the JSON, the logs (one .tgz), the trace and the memory snapshot "
@@ -422,7 +422,7 @@ def parse_args(argv=None):
     p.add_argument("--peer-steps", type=int, default=15, help="steps of each peer launch (default 15)")
     args = p.parse_args(argv)
     if args.budget is None and args.quick:
-        args.budget = 510
+        args.budget = 540  # 9 minutes: with the machine's start and the wheels, inside one 10-minute call
     return args
 
 

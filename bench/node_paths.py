@@ -15,8 +15,9 @@ checks does not hold.
              compute with fp32 reduction, Muon, the full checkpoint and an exact resume from it, the Hugging Face
              export; then two ranks of it where there are devices for two (a CPU, or 2 GPUs), and gloo's
              collectives on this device one by one (gloo_collectives)
-  activation_checkpointing   the default recipe with --activation-checkpointing: micro-batch, tokens/s and peak
-             memory against the recipe without it (OUT/run, the train step's run, where there is one)
+  activation_checkpointing   the default recipe with --activation-checkpointing, at the micro-batch the recipe
+             chose without it: tokens/s and peak memory against that run (OUT/run, the train step's, where there is
+             one; else a launch of its own)
   peer       build-nanogpt's own train_gpt2.py (--peer-src: fetched by you, never part of this project) run by the
              peer script on the same shards, in turns with ours on its shapes (B=64, T=1024): both median tokens/s
   gloo_collectives   (under torchrun) the collectives FSDP2 and DDP issue, over gloo on this device, each checked
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,24 +37,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from common import UserError  # noqa: E402
 from device_check import LOSS_TOLERANCE, PY, SMALL, first_line, flags, last_line, same_losses, trainer_flags  # noqa: E402,E501
+from metrics import read_metrics  # noqa: E402
 
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 NODE = dict(n_layer=4, n_head=4, n_embd=256, block_size=256)  # the GPU's model for the paths: small, quick to compile
 SAME = 1e-5  # relative: the precision the CPU tests hold runs of the same batches to (tests/test_train.py)
-# build-nanogpt's B, T, batch and warm-up; its schedule is ours (cosine to 10% at the last step)
-PEER_SHAPES = dict(micro_batch_size=64, block_size=1024, total_batch_size=524288, warmup_steps=715)
+# on CUDA, TF32 matmuls, the compiled graph split at DDP's buckets and attention's atomic backward round otherwise
+SAME_CUDA = 1e-4
+PEER_SHAPES = dict(micro_batch_size=64, block_size=1024, total_batch_size=524288)  # build-nanogpt's B, T and batch
 PEER_SMALL = dict(n_layer=2, n_head=2, n_embd=64, micro_batch_size=4, block_size=64, total_batch_size=512,
-                  warmup_steps=2, compile=False)  # the peer script's --small: B=4, T=64, 2 accumulation steps
+                  compile=False)  # the peer script's --small: B=4, T=64, 2 accumulation steps
+PEER_WARMUP, PEER_SMALL_WARMUP, PEER_LR = 715, 2, 6e-4  # its warm-up (--small: as the peer script patches it), peak
 
 
-def launch(name, cmd, out):
+def peer_schedule(steps, small):
+    """Our flags for the peer's learning rate at each of `steps` steps: its warm-up, where the run is shorter than
+    it, is ours stretched to the run's end with the peak scaled down to the rate the peer reaches there."""
+    warmup = PEER_SMALL_WARMUP if small else PEER_WARMUP
+    if warmup <= steps:
+        return dict(warmup_steps=warmup)
+    return dict(warmup_steps=steps, max_lr=PEER_LR * steps / warmup)
+
+
+def launch(name, cmd, out, timeout=None):
     """Run cmd, its output into OUT/name.launch.log (OUT/name.log is device_check's log of the whole step) and a
-    trainer's run into OUT/name, made anew; its exit status."""
+    trainer's run into OUT/name, made anew; its exit status, or "timeout" (killed with what it started)."""
     shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     with open(output(out, name), "w") as log:
         print(f"-- {name}: {' '.join(cmd)}", flush=True)
-        return subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=timeout is not None)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return "timeout"
 
 
 def output(out, name):
@@ -68,12 +90,27 @@ def losses_within(a, b, out, tolerance, what):
         worst <= tolerance
 
 
+def resumed_within(a, b, out, tolerance, what):
+    """losses_within for a resume (run b from run a's checkpoint): its first step's loss must be a's exactly (the
+    same weights, data and graph), the later ones within tolerance."""
+    phrase, ok = losses_within(a, b, out, tolerance, what)
+    try:
+        first, later = ({r["step"]: r["loss"] for r in read_metrics(os.path.join(out, d))["train"]} for d in (a, b))
+    except UserError:
+        return phrase, False
+    step = min(later, default=None)
+    if step is None or later[step] != first.get(step):
+        return f"{phrase}; step {step}'s loss is not the first run's", False
+    return f"{phrase}, step {step} equal", ok
+
+
 def report(name, parts, ok):
     print(f"{name} | " + "; ".join(parts), flush=True)
     return 0 if ok else 1
 
 
 def two_ranks(a):
+    tolerance = SAME_CUDA if a.device.startswith("cuda") else SAME
     shape = SMALL if a.small else NODE
     micro = 2 if a.small else 8
     settings = dict(shape, total_batch_size=2 * micro * shape["block_size"] * 2,  # 2 ranks x 2 accumulation steps
@@ -86,8 +123,8 @@ def two_ranks(a):
         "--resume", os.path.join(a.out, "two_ranks", "ckpt_000004.pt")], a.out))
     codes.append(launch("two_ranks_one", [PY, "train_gpt2.py"] + trainer_flags(a, a.out, "two_ranks_one", **settings),
                         a.out))  # one process, 4 accumulation steps: the same batches
-    same, same_ok = losses_within("two_ranks_one", "two_ranks", a.out, SAME, "against one process")
-    resumed, resumed_ok = losses_within("two_ranks", "two_ranks_resume", a.out, SAME, "resumed at step 4")
+    same, same_ok = losses_within("two_ranks_one", "two_ranks", a.out, tolerance, "against one process")
+    resumed, resumed_ok = resumed_within("two_ranks", "two_ranks_resume", a.out, tolerance, "resumed at step 4")
     shared = first_line(output(a.out, "two_ranks"), "warning: 2 processes share")
     return report("two_ranks", [f"exit {codes}", same, resumed] + (["GPU shared (the header warns)"] if shared else []),
                   codes == [0, 0, 0] and same_ok and resumed_ok)
@@ -95,25 +132,28 @@ def two_ranks(a):
 
 def fsdp(a):
     import torch
-    shape = SMALL if a.small else NODE
+    cuda = a.device.startswith("cuda")
+    shape = SMALL if a.small else dict(NODE, total_batch_size=64 * NODE["block_size"])
     settings = dict(shape, max_steps=8, checkpoint_every=4, eval_every=4, val_tokens=4 * shape["block_size"],
                     sharding="fsdp", optimizer="muon")
     codes = [launch("fsdp", [PY, "train_gpt2.py"] + trainer_flags(a, a.out, "fsdp", **settings, export_hf=True),
                     a.out)]
     codes.append(launch("fsdp_resume", [PY, "train_gpt2.py", "--log-dir", os.path.join(a.out, "fsdp_resume"),
                                          "--resume", os.path.join(a.out, "fsdp", "ckpt_000004.pt")], a.out))
-    resumed, ok = losses_within("fsdp", "fsdp_resume", a.out, SAME, "world 1, resumed at step 4")
+    resumed, ok = resumed_within("fsdp", "fsdp_resume", a.out, SAME_CUDA if cuda else SAME,
+                                 "world 1, resumed at step 4")
     exported = os.path.isfile(os.path.join(a.out, "fsdp", "hf", "model.safetensors"))
     parts = [resumed, "exported" if exported else "no export"]
     ok = ok and exported and bool(first_line(output(a.out, "fsdp"), "warning: --sharding fsdp with one"))
-    if not a.device.startswith("cuda") or torch.cuda.device_count() >= 2:  # two ranks, where there are two devices
+    print(f"fsdp | exit {codes}; " + "; ".join(parts), flush=True)  # before the probe, which may hang or crash
+    if not cuda or torch.cuda.device_count() >= 2:  # two ranks, where there are two devices
         codes.append(launch("fsdp_two", TORCHRUN + ["train_gpt2.py"] + trainer_flags(a, a.out, "fsdp_two", **settings),
                             a.out))
         phrase, two_ok = losses_within("fsdp", "fsdp_two", a.out, LOSS_TOLERANCE, "2 ranks against world 1")
         parts.append(phrase)
         ok = ok and two_ok
     probe = launch("fsdp_gloo", TORCHRUN + [os.path.join("bench", "node_paths.py"), "gloo_collectives",
-                                            "--device", a.device], a.out)
+                                            "--device", a.device], a.out, timeout=60)
     carried = last_line(output(a.out, "fsdp_gloo"), "gloo_collectives |").partition(" | ")[2]
     parts.append(f"{carried or f'gloo on {a.device}: no answer'} (exit {probe})")
     return report("fsdp", [f"exit {codes}"] + parts, ok and codes == [0] * len(codes))
@@ -188,8 +228,6 @@ def gloo_collectives(a):
 
 def metrics_figures(log_dir):
     """(micro-batch, median tok/s from step 3 on, peak memory in GiB or None) of a trainer's run, or None."""
-    from metrics import read_metrics
-    from common import UserError
     try:
         m = read_metrics(log_dir)
     except UserError:
@@ -211,15 +249,17 @@ def figures_text(figures):
 
 
 def activation_checkpointing(a):
-    code = launch("activation_checkpointing", [PY, "train_gpt2.py"] + trainer_flags(
-        a, a.out, "activation_checkpointing", activation_checkpointing=True), a.out)
     without = os.path.join(a.out, "run")  # the train step's: the default recipe
-    if not os.path.isdir(without):
+    if metrics_figures(without) is None:
         launch("activation_checkpointing_off", [PY, "train_gpt2.py"] + trainer_flags(
             a, a.out, "activation_checkpointing_off"), a.out)
         without = os.path.join(a.out, "activation_checkpointing_off")
-    on = metrics_figures(os.path.join(a.out, "activation_checkpointing"))
     off = metrics_figures(without)
+    # at the micro-batch the recipe chose without it: what checkpointing alone saves and costs
+    code = launch("activation_checkpointing", [PY, "train_gpt2.py"] + trainer_flags(
+        a, a.out, "activation_checkpointing", activation_checkpointing=True,
+        micro_batch_size=off[0] if off else None), a.out)
+    on = metrics_figures(os.path.join(a.out, "activation_checkpointing"))
     ratio = f" ({on[1] / off[1]:.2f}x)" if on and off and on[1] and off[1] else ""
     return report("activation_checkpointing", [f"on: {figures_text(on)}{ratio}",
                                                 f"off ({os.path.basename(without)}): {figures_text(off)}"],
@@ -250,7 +290,8 @@ def peer(a):
         log_dir = os.path.join(a.out, name)
         codes.append(launch(name, [PY, "train_gpt2.py"] + flags(dict(
             data_dir=a.data_dir, log_dir=log_dir, device=a.device, max_steps=a.steps, eval_every=0,
-            hellaswag_every=0, sample_every=0, export_hf=False, plot=False, checkpoint_every=0, **shapes)), a.out))
+            hellaswag_every=0, sample_every=0, export_hf=False, plot=False, checkpoint_every=0, **shapes,
+            **peer_schedule(a.steps, a.small))), a.out))
         ours.append((metrics_figures(log_dir) or (None, None, None))[1])
         gaps.append(loss_gap(result.get("steps", []), log_dir))
     peer_tok, our_tok = [t for t in peers if t], [t for t in ours if t]
@@ -266,8 +307,6 @@ def peer(a):
 
 def loss_gap(peer_steps, log_dir):
     """The largest relative gap between the peer's step losses and ours, or None."""
-    from metrics import read_metrics
-    from common import UserError
     try:
         ours = {r["step"]: r["loss"] for r in read_metrics(log_dir)["train"]}
     except UserError:

@@ -388,8 +388,9 @@ def test_a_nodes_paths_run_on_a_cpu(data_dir, tmp_path, capsys):
     steps = ("two_ranks", "fsdp", "activation_checkpointing")
     rc, table = node_steps(data_dir, tmp_path / "out", steps, capsys)
     assert rc == 0 and all(table[name].split()[1] == "ok" for name in steps), table
-    assert "against one process: losses within" in table["two_ranks"] and "resumed at step 4" in table["two_ranks"]
-    assert "world 1, resumed at step 4: losses within 0.0e+00; exported; 2 ranks against world 1" in table["fsdp"]
+    assert "against one process: losses within" in table["two_ranks"] and "step 4 equal" in table["two_ranks"]
+    assert "world 1, resumed at step 4: losses within 0.0e+00, step 4 equal; exported; 2 ranks against world 1" \
+        in table["fsdp"]
     assert "gloo on cpu: all_reduce sum float32 ok" in table["fsdp"] and "DTensor.full_tensor ok" in table["fsdp"]
     assert "on: micro-batch 8" in table["activation_checkpointing"] and "off (activation_checkpointing_off): micro" \
         in table["activation_checkpointing"]
