@@ -9,8 +9,10 @@ from model import PADDED_VOCAB_SIZE
 from optim import local_part
 from parallel import is_fsdp, smallest, unwrap, zero_grad
 
-# PyTorch's allocator raises OutOfMemoryError; cuBLAS and cuDNN say so in plain RuntimeErrors
-ALLOCATION_FAILURES = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED", "NOT_ENOUGH_WORKSPACE")
+# PyTorch's CUDA allocator raises OutOfMemoryError; cuBLAS and cuDNN say so in plain RuntimeErrors, and so does the
+# CPU's allocator ("[enforce fail at alloc_cpu.cpp:...] ... DefaultCPUAllocator: can't allocate memory")
+ALLOCATION_FAILURES = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED", "NOT_ENOUGH_WORKSPACE",
+                       "can't allocate memory")
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # per value in the autocast dtype
 
 
@@ -49,17 +51,30 @@ def trial_peak(model, micro_step, b, accumulation, block_size, device, memory):
         zero_grad(model)
 
 
+UNFITTED = 8  # --micro-batch-size auto off CUDA: the largest that divides the batch, up to this (no memory to fit)
+
+
+def how_chosen(micro_batch_size, device_type):
+    """What the run header says of how the micro-batch was chosen: '' where it was given."""
+    if micro_batch_size != "auto":
+        return ""
+    if device_type == "cuda":
+        return " (auto-fit)"
+    return f" (auto: the {device_type.upper()} default, the largest that divides the batch up to {UNFITTED})"
+
+
 def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_step, *, memory=None, margin=0.10):
-    """--micro-batch-size auto (8 or fewer off CUDA): the largest size whose plan fits under (1 - margin) of the GPU,
-    checked by a trial of micro_step(model, x, y, sync); where its peak is over, the largest size its growth allows
-    (tried again, except under FSDP). The ranks take the smallest by one all-reduce. 1 where none divides the batch."""
+    """--micro-batch-size auto (off CUDA: UNFITTED or fewer): the largest size whose plan fits under (1 - margin) of
+    the GPU (of its share, where processes share it), checked by a trial of micro_step(model, x, y, sync); where its
+    peak is over, the largest size its growth allows (tried again, except under FSDP). The ranks take the smallest by
+    one all-reduce. 1 where none divides the batch."""
     per_rank, rem = divmod(total_batch_size, block_size * ranks.world_size)
     # the sizes that divide this rank's share of the batch, ascending; beyond 128 only memory is spent
     cands = [] if rem else [b for b in range(1, min(per_rank, 128) + 1) if per_rank % b == 0]
     memory = memory or (CudaMemory(ranks.device) if ranks.device_type == "cuda" else None)
     if not cands or memory is None:
-        return max([b for b in cands if b <= 8], default=1)  # the same on every rank
-    room = (1 - margin) * memory.capacity()
+        return max([b for b in cands if b <= UNFITTED], default=1)  # the same on every rank
+    room = (1 - margin) * memory.capacity() / ranks.per_gpu  # processes that share a GPU share its memory
     budget = room - 8 * sum(local_part(p).numel() for p in unwrap(model).parameters())  # AdamW's moments come later
     planned = [b for b in cands if step_footprint(model, ranks.world_size, dtype, block_size, b) <= room]
     b = planned[-1] if planned else cands[0]
@@ -125,10 +140,17 @@ def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, 
 
 def format_memory_plan(plan, capacity=None, per="GPU"):
     """One line: 'per GPU: params 3.1 GiB + grads 3.1 GiB + AdamW 6.2 GiB + activations ~9.0 GiB = 21.4 GiB
-    of 24.0 GiB' (capacity: the GPU's bytes); in MiB for small models, whose figures would all be 0.0."""
-    unit, scale = ("GiB", 2 ** 30) if max(plan["total"], capacity or 0) >= 2 ** 30 else ("MiB", 2 ** 20)
-    size = lambda n: f"{n / scale:.1f} {unit}"  # noqa: E731
+    of 24.0 GiB' (capacity: the GPU's bytes); each figure in the largest unit that shows it (a small model's
+    parameters in MiB or KiB beside a GPU's GiB)."""
     of = f" of {size(capacity)}" if capacity else ""
     return (f"per {per}: params {size(plan['params'])} + grads {size(plan['grads'])} "
             f"+ {plan['optimizer_name']} {size(plan['optimizer'])} + activations ~{size(plan['activations'])} "
             f"= {size(plan['total'])}{of}")
+
+
+def size(n):
+    """Bytes as '3.1 GiB', '12.0 MiB' or '0.5 KiB': the largest unit in which the figure is 0.1 or more."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20)):
+        if n >= scale / 10:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2 ** 10:.1f} KiB"

@@ -31,7 +31,8 @@ class Ranks:
     is_master = property(lambda self: self.rank == 0)  # writes the logs, checkpoints and exports
     multi = property(lambda self: self.world_size > 1)  # collectives are needed
     device_type = property(lambda self: self.device.split(":")[0])  # cuda, mps or cpu
-    shares_gpus = property(lambda self: self.device_type == "cuda" and self.per_node > self.gpus)
+    per_gpu = property(lambda self: -(-self.per_node // self.gpus) if self.gpus else 1)  # processes on each GPU
+    shares_gpus = property(lambda self: self.per_gpu > 1)  # --dist-backend gloo, more processes than GPUs
 
 
 def torchrun_restart():

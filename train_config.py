@@ -39,7 +39,8 @@ def build_parser(description=None):
     # batch
     a("--total-batch-size", type=int, default=524288, help="tokens per optimizer step over all GPUs (default: 2**19)")
     a("--micro-batch-size", default="auto", help="sequences per forward pass per GPU, or auto (default): on CUDA the "
-                                                 "largest that fits and divides the batch, 8 or fewer elsewhere")
+                                                 "largest that fits and divides the batch; on a CPU (or MPS), with no "
+                                                 "memory to fit, the largest that divides it up to 8")
     # optimizer and schedule
     a("--max-steps", type=int, default=19073, help="optimizer steps (default: 19073 = 10B tokens / 2**19)")
     a("--max-lr", type=float, default=6e-4, help="peak learning rate (default: 6e-4)")

@@ -232,7 +232,7 @@ def write_header(run, origin, resume, changes):
     notes = "".join(f" | {note}" for e in run.evaluations if (note := e.note(ranks, cfg.block_size)))
     log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {run.micro_batch} x {cfg.block_size} "
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
-             f"{' (auto-fit)' if cfg.micro_batch_size == 'auto' else ''}{notes}")
+             f"{memory.how_chosen(cfg.micro_batch_size, ranks.device_type)}{notes}")
     auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < train_config.DEFAULT_WARMUP
     muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if cfg.muon_lr else ""
     if fp16_muon:

@@ -563,6 +563,22 @@ def test_one_process_auto_fit_takes_the_planned_size_or_what_its_trial_allows(ro
         assert counter.peaks[0] + moments > room
 
 
+def test_processes_that_share_a_gpu_fit_into_their_share_of_it():
+    """Two processes on one GPU (--dist-backend gloo) each fit their micro-batch into half of it: what one process
+    chooses on a card of half the memory, not what it chooses on the whole card."""
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(**CONFIG))
+    T, room = CONFIG["block_size"], 2.0e6
+    alone, shared = parallel.Ranks(), parallel.Ranks(per_node=2, gpus=1)
+    assert shared.per_gpu == 2 and shared.shares_gpus and not alone.shares_gpus
+
+    def chosen(ranks, capacity):
+        return memory.choose_micro_batch(16 * T, ranks, raw, "float32", T, trial_step(ranks),
+                                         memory=CountedMemory(raw, capacity=capacity))
+    half, whole = chosen(alone, room / 2 / 0.9), chosen(alone, room / 0.9)
+    assert half < whole and chosen(shared, room / 0.9) == half
+
+
 def stranded_worker(rank, world, tmp):
     """Rank 1 runs out of memory in the backward pass of the FSDP trial; the group's timeout is short, as
     rank 0 is left waiting until torchrun ends it."""
@@ -736,6 +752,16 @@ def test_memory_plan_fsdp_gpt2_xl_bf16_with_checkpointing():
     line = memory.format_memory_plan(plan, capacity=24 * GIB)
     assert line == ("per GPU: params 1.0 GiB + grads 0.7 GiB + AdamW 1.5 GiB + activations ~6.6 GiB "
                     "= 9.8 GiB of 24.0 GiB")
+
+
+def test_the_memory_line_shows_each_part_of_a_small_model_beside_a_gpu():
+    """A 3.3M-parameter model on an 80 GiB GPU: every part in a unit that shows it, none 0.0 GiB.
+    By hand: params 3.3M x (4 fp32 + 2 bf16) B = 18.9 MiB, grads 3.3M x 4 = 12.6 MiB, AdamW 3.3M x 8 = 25.2 MiB;
+    activations 2 layers x 34 x 64 x 8 x 64 B + the logits 64 x 8 x 50,304 x 10 B = 247.7 MiB = 0.2 GiB."""
+    plan = memory.memory_plan(3_300_000, 1, "none", "bfloat16", micro_batch=8, block_size=64, n_layer=2, n_embd=64)
+    assert memory.format_memory_plan(plan, capacity=80 * GIB) == (
+        "per GPU: params 18.9 MiB + grads 12.6 MiB + AdamW 25.2 MiB + activations ~0.2 GiB = 0.3 GiB of 80.0 GiB")
+    assert memory.size(512) == "0.5 KiB"
 
 
 def test_memory_plan_activations_without_checkpointing_and_ddp_autocast_copy():
