@@ -23,8 +23,8 @@ per record, each with "kind" and "time" (Unix seconds). The kinds and their othe
   sample      step, index, text: one of the samples printed at that step
   timing      step, data_ms, copy_ms, forward_ms, backward_ms, optimizer_ms, eval_ms: mean ms per step of each
               phase since the last timing record (--timing-breakdown)
-  end         step (max_steps when finished, else the last step that ran, -1 for none), reason: finished, signal
-              or nonfinite; absent when the process was killed or is still running
+  end         step (max_steps when finished, else the last step that ran, -1 for none), reason: finished, signal,
+              nonfinite or out_of_memory; absent when the process was killed or is still running
 
 Readers skip the kinds they do not use, so kinds can be added. A line that holds no usable record (a write cut
 short by a kill, damage, a used kind without one of its REQUIRED keys or with a value of another type) is skipped

@@ -113,7 +113,8 @@ def format_duration(seconds):
 
 
 STATUS_WORDS = {"finished": "finished", "signal": "stopped by a signal", "nonfinite": "stopped on a non-finite loss",
-                "error": "stopped by an error", "stopped": "stopped"}  # "stopped": no end record
+                "out_of_memory": "stopped: out of memory", "error": "stopped by an error",
+                "stopped": "stopped"}  # "stopped": no end record
 
 
 def format_summary(s):

@@ -62,14 +62,7 @@ def train(argv=None):
     try:
         run = setup(cfg, ranks, log, resume, changes)
         del resume  # the checkpoint it read is back in the model and optimizer: free its host memory
-        try:
-            status = loop(run)
-        except Exception as e:
-            if not memory.is_allocation_failure(e):
-                raise
-            raise UserError(f"out of GPU memory at a micro-batch of {run.micro_batch} x {cfg.block_size} tokens "
-                            f"({common.first_line(e, 60)}...): pass a smaller --micro-batch-size (auto fits one), or "
-                            f"--activation-checkpointing; the checkpoints written are kept") from e
+        status = loop(run)
     finally:
         log.close()
     # not after an error: a rank's destroy_process_group can wait there, in NCCL's finalize, for the
@@ -260,33 +253,49 @@ def loop(run):
     profiler = StepProfiler(cfg.profile_steps, ranks.device, os.path.join(cfg.log_dir, "profile"),
                             f"rank{ranks.rank}", run.log.line, cfg.memory_snapshot)
     done = run.start_step  # optimizer steps completed
-    for step in range(run.start_step, cfg.max_steps):
-        with profiler.step(step):
-            # ---- evaluation: validation loss, HellaSwag, CORE and samples, when due
-            timer.start()
-            if not evaluation.evaluate(run, step, stop):
-                return stopped(run, done, stop)
-            timer.mark("eval")
+    try:
+        for step in range(run.start_step, cfg.max_steps):
+            with profiler.step(step):
+                # ---- evaluation: validation loss, HellaSwag, CORE and samples, when due
+                timer.start()
+                if not evaluation.evaluate(run, step, stop):
+                    return stopped(run, done, stop)
+                timer.mark("eval")
 
-            # ---- one optimizer step over grad_accum micro-batches
-            t0 = time.perf_counter()
-            lr = optim.set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, cfg.muon_lr)
-            loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
-                                                      run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
-            if diverged(run, loss, finite) and cfg.on_nonfinite == "stop":
-                return stop_on_nonfinite(run, step, loss, norm)
-            done = step + 1
-            log_step(run, step, loss, lr, norm, time.perf_counter() - t0, finite)
-            timer.step_done(run.log, step)
+                # ---- one optimizer step over grad_accum micro-batches
+                t0 = time.perf_counter()
+                lr = optim.set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, cfg.muon_lr)
+                loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
+                                                          run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
+                if diverged(run, loss, finite) and cfg.on_nonfinite == "stop":
+                    return stop_on_nonfinite(run, step, loss, norm)
+                done = step + 1
+                log_step(run, step, loss, lr, norm, time.perf_counter() - t0, finite)
+                timer.step_done(run.log, step)
 
-            # ---- checkpoint: on schedule, at the end, and when a stop was asked for
-            if stopping:
-                return stopped(run, done, stop)
-            if done == cfg.max_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
-                run.checkpoints.save(done)
+                # ---- checkpoint: on schedule, at the end, and when a stop was asked for
+                if stopping:
+                    return stopped(run, done, stop)
+                if done == cfg.max_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+                    run.checkpoints.save(done)
+    except Exception as e:  # the allocator's error, raised anywhere in a step: one line, and the run's end
+        if not memory.is_allocation_failure(e):
+            raise
+        run.log.record("end", step=done - 1, reason="out_of_memory")
+        raise UserError(out_of_memory(run, e)) from e
     if cfg.export_hf:
         export_hf(run)
     return end(run, "finished", cfg.max_steps)
+
+
+def out_of_memory(run, e):
+    """What to say where a step ran out of the device's memory."""
+    cuda = run.ranks.device_type == "cuda"
+    where = "GPU" if cuda else run.ranks.device_type.upper()
+    fit = " (auto fits one)" if cuda else ""
+    return (f"out of {where} memory at a micro-batch of {run.micro_batch} x {run.cfg.block_size} tokens "
+            f"({common.first_line(e, 60)}...): pass a smaller --micro-batch-size{fit}, or "
+            f"--activation-checkpointing; the checkpoints written are kept")
 
 
 def diverged(run, loss, finite):

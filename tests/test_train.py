@@ -359,10 +359,12 @@ def test_nonfinite_stop_under_muon_before_any_checkpoint_names_both_rates(data_d
     assert "none" not in p.stdout.split("non-finite; stopping")[1] and metrics.list_checkpoints(log_dir) == []
 
 
-def test_running_out_of_gpu_memory_mid_run_is_one_line_and_keeps_the_checkpoints(data_dir, tmp_path, monkeypatch):
-    """An explicit micro-batch too large for the GPU ran out of memory on an H100 with a 40-line traceback. It is
-    one line that names the micro-batch and what to change, exit status 2, the checkpoints kept. The allocator's
-    error (what PyTorch raises when cudaMalloc fails) is raised by the step here, which a CPU cannot run out in."""
+def test_the_allocators_error_mid_run_is_one_line_an_end_record_and_keeps_the_checkpoints(data_dir, tmp_path,
+                                                                                           monkeypatch):
+    """A micro-batch too large for the GPU ran out of memory on an H100 with a 40-line traceback. The allocator's
+    error (what PyTorch raises when cudaMalloc fails, raised by the step here) is one line that names the device and
+    the micro-batch and what to change, exit status 2, an end record at the last step that ran, the checkpoints
+    kept."""
     import train_gpt2
     real_step, calls = train_gpt2.train_step, []
 
@@ -376,9 +378,32 @@ def test_running_out_of_gpu_memory_mid_run_is_one_line_and_keeps_the_checkpoints
     log_dir = str(tmp_path / "log")
     p = run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=8, checkpoint_every=2), check=False)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert p.stderr.startswith("error: out of GPU memory at a micro-batch of 2 x 32 tokens (CUDA out of memory. "
+    assert p.stderr.startswith("error: out of CPU memory at a micro-batch of 2 x 32 tokens (CUDA out of memory. "
                                "Tried to allocate 6.00 GiB") and "--micro-batch-size" in p.stderr
     assert [metrics.step_of(c) for c in metrics.list_checkpoints(log_dir)] == [2, 4]
+    assert records(log_dir, "end") == [dict(records(log_dir, "end")[0], step=3, reason="out_of_memory")]
+
+
+def test_running_out_of_cpu_memory_is_one_line_naming_the_cpu(data_dir, tmp_path):
+    """The CPU's allocator, out of memory (the process's address space capped as `ulimit -v` caps it), says
+    "DefaultCPUAllocator: can't allocate memory" in a RuntimeError, which was a 38-line traceback and exit 1: now one
+    line naming the CPU and the micro-batch, exit status 2, the end record, the checkpoint kept. A run checkpointed
+    at micro-batch 8 resumes with 256 x 32 tokens, whose logits and their masked copy (1.6 GB each in fp32) pass a
+    3 GB cap whatever the rest of the process takes."""
+    import resource
+    log_dir = str(tmp_path / "log")
+    shape = dict(data_dir=data_dir, log_dir=log_dir, total_batch_size=256 * 32, eval_every=0)
+    run_process(tiny(**shape, micro_batch_size=8, max_steps=1, warmup_steps=0))
+    cap = lambda: resource.setrlimit(resource.RLIMIT_AS, (3 * 10 ** 9, 3 * 10 ** 9))  # noqa: E731
+    p = run_process(["--log-dir", log_dir, "--resume", "--micro-batch-size", "256", "--max-steps", "3"], check=False,
+                    preexec_fn=cap)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr[-3000:]
+    assert p.stderr.startswith("error: out of CPU memory at a micro-batch of 256 x 32 tokens ([enforce fail at "
+                               "alloc_cpu.cpp") and "--micro-batch-size" in p.stderr and "(auto fits" not in p.stderr
+    launches = metrics.read_metrics(log_dir)["launches"]  # the resumed launch ended at the step before its first
+    assert [(launch["end"]["step"], launch["end"]["reason"]) for launch in launches] == [(1, "finished"),
+                                                                                         (0, "out_of_memory")]
+    assert [metrics.step_of(c) for c in metrics.list_checkpoints(log_dir)] == [1]
 
 
 def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, capsys, train_in_process):
