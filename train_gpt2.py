@@ -353,7 +353,8 @@ def end(run, reason, step):
 
 def export_hf(run):
     """LOG_DIR/hf: the final model in Hugging Face's format."""
-    out = run.checkpoints.export(run.resume_command())
+    # the command to export again carries the flag: a run trained with --no-export-hf stores it off
+    out = run.checkpoints.export(run.resume_command() + " --export-hf")
     if out is not None:
         run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 

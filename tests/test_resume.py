@@ -702,6 +702,28 @@ def test_full_disk_during_the_hf_export_keeps_the_earlier_export(data_dir, tmp_p
     assert open(os.path.join(hf, "model.safetensors"), "rb").read() != earlier["model.safetensors"]
 
 
+def test_the_command_to_export_again_exports_a_run_trained_without_the_export(data_dir, tmp_path, monkeypatch,
+                                                                              train_in_process):
+    """A run trained with --no-export-hf, finished, then --resume --export-hf on a full disk: the command the error
+    names exports it once there is space (a plain --resume would take the run's stored --no-export-hf and answer
+    that the run already finished)."""
+    import shlex
+    import transformers
+    log_dir = str(tmp_path / "log")
+    assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, max_steps=2)) == 0  # no export
+
+    def full_disk(self, out_dir, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with monkeypatch.context() as m:
+        m.setattr(transformers.GPT2LMHeadModel, "save_pretrained", full_disk)
+        with pytest.raises(common.UserError, match="could not export the final model") as e:
+            train_in_process(["--log-dir", log_dir, "--resume", "--export-hf"])
+    command = str(e.value).split("then ")[-1].removesuffix(" exports it")
+    assert command == f"python train_gpt2.py --log-dir {log_dir} --resume --export-hf"
+    assert train_in_process(shlex.split(command)[2:]) == 0
+    assert os.path.isfile(os.path.join(log_dir, "hf", "model.safetensors"))
+
+
 def test_weights_that_do_not_fit_the_config_name_the_first_misfit(reference_run):
     """One line naming the first weight that is missing, has another shape or is not the model's,
     in place of torch's "Error(s) in loading state_dict for GPT:"."""
