@@ -13,7 +13,7 @@ import torch
 
 from common import UserError, first_line
 from model import GPT2_VOCAB_SIZE
-from shard_format import SHARD_RE, TOKEN_DTYPE, read_manifest, remedy
+from shard_format import SHARD_RE, TOKEN_DTYPE, TOKENIZER, read_manifest, remedy, retokenize
 
 NPY_MAGIC = b"\x93NUMPY"  # how every .npy file begins
 
@@ -46,6 +46,13 @@ def find_shards(data_dir, split, vocab_size):
     else:
         if not manifest.get("complete"):
             raise UserError(f"preparation of {data_dir} has not finished: {fix}")
+        # another tokenizer's ids can fit under the model's vocabulary and train silently on the wrong tokens
+        tokenizer = manifest.get("tokenizer", TOKENIZER)
+        ids = manifest.get("vocab_size", GPT2_VOCAB_SIZE)
+        if tokenizer != TOKENIZER or ids != GPT2_VOCAB_SIZE:
+            raise UserError(f"{data_dir} holds the token ids of the {tokenizer} tokenizer ({ids} ids), and the model "
+                            f"reads {TOKENIZER}'s ({GPT2_VOCAB_SIZE}): tokenize the text again with GPT-2's, "
+                            f"{retokenize(manifest)}, and train with --data-dir NEW_DIR")
         entries = [s for s in manifest["shards"] if s["split"] == split]
         too_big = [s for s in entries if s["max_token"] >= vocab_size]
         if too_big:

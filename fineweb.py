@@ -27,7 +27,7 @@ import numpy as np
 from common import ArgumentParser, UserError, atomic_write, check_output_dir, out_of_space, run_main
 from fineweb_source import check_utf8, describe, describe_source, load_source, read_tasks, text_bytes
 from metrics import versions
-from shard_format import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, read_manifest, remedy, shard_name
+from shard_format import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, TOKENIZER, read_manifest, remedy, shard_name
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, get_tokenizer
 
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
@@ -352,7 +352,7 @@ def tokenize_into_shards(args, ds, pool, manifest):
 def prepare(args):
     out_dir = args.out_dir
     source = describe_source(args)
-    settings = {"source": source, "tokenizer": "gpt2", "vocab_size": VOCAB_SIZE, "eot_token": EOT_TOKEN,
+    settings = {"source": source, "tokenizer": TOKENIZER, "vocab_size": VOCAB_SIZE, "eot_token": EOT_TOKEN,
                 "dtype": np.dtype(TOKEN_DTYPE).name, "shard_size": args.shard_size, "val_tokens": args.val_tokens,
                 "prefix": args.prefix}
     previous, keep = previous_run(out_dir, settings, args.max_tokens)

@@ -15,6 +15,7 @@ from common import UserError, first_line
 
 MANIFEST = "manifest.json"
 FORMAT = "gpt2-token-shards-v1"
+TOKENIZER = "gpt2"  # whose token ids the shards hold: the model reads GPT-2's
 TOKEN_DTYPE = np.uint16
 SHARD_RE = re.compile(r"^(?P<prefix>.+)_(?P<split>val|train)_(?P<index>\d{6})\.npy$")
 
@@ -46,3 +47,16 @@ def remedy(data_dir, manifest):
         return (f"copy the shards again from {origin} ({data_dir} is a copy of {origin}, made by: "
                 f"{manifest['command']}), or re-run that command with --out-dir {shlex.quote(data_dir)}")
     return f"re-run the command that made it (it redoes only what is missing): {manifest['command']}"
+
+
+def retokenize(manifest):
+    """The fineweb.py command that tokenizes a manifest's source again, with GPT-2's tokenizer, into NEW_DIR."""
+    source = manifest.get("source") or {}
+    if source.get("data_files"):
+        what = "--data-files " + " ".join(shlex.quote(f) for f in source["data_files"])
+    elif source.get("dataset"):
+        what = f"--dataset {shlex.quote(source['dataset'])}" + (f" --name {shlex.quote(source['name'])}"
+                                                                  if source.get("name") else "")
+    else:
+        what = "--data-files YOUR_TEXT"
+    return f"python fineweb.py {what} --out-dir NEW_DIR"

@@ -362,6 +362,31 @@ def test_the_vocabulary_check_at_its_boundary(tmp_path, manifest):
             ld.next_batch()
 
 
+def test_shards_of_another_tokenizer_are_refused_with_the_command_that_retokenizes(tmp_path):
+    """A 32K-vocabulary tokenizer's ids all fit under GPT-2's 50,257, so no id check catches them: the manifest's
+    tokenizer and vocabulary do, in one line naming them and the command that tokenizes the same text again."""
+    d = make_shards(tmp_path, manifest=True)
+    m = json.load(open(os.path.join(d, shard_format.MANIFEST)))
+    m.update(tokenizer="llama", vocab_size=32000, source={"data_files": ["/books/a b.txt"], "kind": "text"})
+    with open(os.path.join(d, shard_format.MANIFEST), "w") as f:
+        json.dump(m, f)
+    with pytest.raises(UserError) as e:
+        TokenLoader(d, "train", 2, 3)
+    assert str(e.value) == (f"{d} holds the token ids of the llama tokenizer (32000 ids), and the model reads gpt2's "
+                            "(50257): tokenize the text again with GPT-2's, python fineweb.py --data-files "
+                            "'/books/a b.txt' --out-dir NEW_DIR, and train with --data-dir NEW_DIR")
+    m.update(tokenizer="gpt2", vocab_size=32000, source={"dataset": "HuggingFaceFW/fineweb-edu", "name": "sample-10BT"})
+    with open(os.path.join(d, shard_format.MANIFEST), "w") as f:
+        json.dump(m, f)
+    with pytest.raises(UserError, match=r"\(32000 ids\).*python fineweb.py --dataset HuggingFaceFW/fineweb-edu --name "
+                                        r"sample-10BT --out-dir NEW_DIR"):
+        TokenLoader(d, "val", 2, 3)
+    m.update(vocab_size=50257)  # fineweb.py's own: read
+    with open(os.path.join(d, shard_format.MANIFEST), "w") as f:
+        json.dump(m, f)
+    TokenLoader(d, "train", 2, 3)
+
+
 def test_token_ids_beyond_vocabulary(tmp_path):
     d = make_shards(tmp_path / "plain")  # no manifest: found when a batch holds one
     ld = TokenLoader(d, "train", 2, 3, vocab_size=100)
