@@ -167,13 +167,15 @@ def evaluate(run, step, stop):
     it is logged): the ranks agree on it after any evaluation that recorded nothing, and after one that not every
     rank runs."""
     evaluated = False
-    for ev in run.evaluations:
-        if not ev.due(step, run.cfg.max_steps):
-            continue
-        done = ev.run(run, step, stop)
-        if (done is None or ev.agree_after) and parallel.any_rank(stop.signal is not None, run.ranks):
-            return False
-        evaluated = evaluated or (done is not None and ev.plotted)
+    with run.log.round() as round_:  # a round a stop cuts short records nothing: the resume evaluates it again
+        for ev in run.evaluations:
+            if not ev.due(step, run.cfg.max_steps):
+                continue
+            done = ev.run(run, step, stop)
+            if (done is None or ev.agree_after) and parallel.any_rank(stop.signal is not None, run.ranks):
+                round_.cancel()
+                return False
+            evaluated = evaluated or (done is not None and ev.plotted)
     if evaluated and run.plotter:
         run.plotter.kick()
     return True

@@ -44,6 +44,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 from common import UserError, json_line_problem, out_of_space, to_devnull
 
@@ -115,6 +116,7 @@ class RunLog:
         self.trackers = None
         self.printing = True  # False once stdout is gone
         self.made = None  # what hold() made ("dir", "lock"): a launch refused before its first line removes it
+        self.held = None  # the records of a round in progress (round()), written when it completes
 
     def hold(self):
         """Take the lock before anything of this launch touches the directory: a launch it refuses changes nothing."""
@@ -161,9 +163,30 @@ class RunLog:
                         to_devnull(sys.stderr)
 
     def record(self, kind, **fields):
+        if self.held is not None:
+            self.held.append((kind, fields, time.time()))
+            return
+        self._write(kind, fields, time.time())
+
+    @contextmanager
+    def round(self):
+        """Records made inside are written at its end, or none of them where cancel() was called within: a round
+        of evaluations that a stop cuts short records nothing (its lines are printed as they come)."""
+        self.held = []
+        try:
+            yield self
+        finally:
+            held, self.held = self.held, None
+            for kind, fields, when in held or []:
+                self._write(kind, fields, when)
+
+    def cancel(self):
+        self.held = []
+
+    def _write(self, kind, fields, when):
         if self.active:
             self._open()
-            self._append(self.metrics, json.dumps(dict(kind=kind, **fields, time=time.time())) + "\n")
+            self._append(self.metrics, json.dumps(dict(kind=kind, **fields, time=when)) + "\n")
             if self.trackers is not None:
                 self.trackers.send(kind, fields)
 

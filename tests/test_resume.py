@@ -600,9 +600,12 @@ def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_
     monkeypatch.undo()
     assert "hellaswag: scoring 16 items" in p.stdout and "stopped by SIGTERM after 0 steps" in p.stdout, p.stdout
     assert records(log_dir, "hellaswag") == [] and records(log_dir, "end")[-1]["reason"] == "signal"
+    assert records(log_dir, "val") == []  # the round's validation finished, but the round did not: nothing of it
     assert [os.path.basename(p) for p in metrics.list_checkpoints(log_dir)] == ["ckpt_000000.pt"]
     run(args + ["--resume"])
     assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:  # step 0's validation recorded once, by the resume
+        assert [r["step"] for r in map(json.loads, f) if r["kind"] == "val"] == [0, 4, 8, 9]
 
 
 def test_sigterm_during_sampling_records_no_cut_sample_and_stops_before_the_step(data_dir, reference_run, tmp_path,
