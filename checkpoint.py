@@ -363,11 +363,10 @@ def in_log_dir(path, log_dir):
 
 
 def check_world_size(ckpt, path, ranks):
-    """The data position counts in the run's process count, which must not change: rank 0 says why, the rest exit."""
+    """The data position counts in the run's process count, which must not change (every rank says so: the line is
+    printed once, common.say_error)."""
     saved = ckpt.get("world_size", ckpt["config"].get("world_size"))  # older checkpoints: in the config
     if saved != ranks.world_size:
-        if not ranks.is_master:
-            raise SystemExit(2)
         raise UserError(f"cannot resume {path}: it was trained with {saved} process(es) (GPUs), this launch has "
                         f"{ranks.world_size}; launch it with {saved} in all (torchrun --nproc_per_node x --nnodes)")
 

@@ -29,19 +29,85 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose errors are one line (argparse's message, not the whole usage), exit status 2."""
 
     def error(self, message):
-        self.exit(2, f"error: {' '.join(message.split())} (see --help)\n")
+        say_error(f"error: {' '.join(message.split())} (see --help)")
+        sys.exit(2)
 
 
 _joined_process_group = False  # set by mark_joined_process_group(); decides how run_main exits
+_store = None  # the process group's key-value store (torchrun's), once joined: where the ranks compare errors
 # how gloo and NCCL say that a collective failed because another rank went away
 PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
                  "remote process exited")
 PEER_GRACE_S = 5.0
+ERROR_WAIT_S = 2.0  # how long a rank that met an error waits to hear which others met the same
 
 
-def mark_joined_process_group():
-    global _joined_process_group
-    _joined_process_group = True
+def mark_joined_process_group(store=None):
+    global _joined_process_group, _store
+    _joined_process_group, _store = True, store
+
+
+def attempt_store(store):
+    """The keys of this torchrun attempt: after a restart, the failed attempt's are still in the store, where a rank
+    could read a dead peer's address (pytorch/pytorch#135712)."""
+    import torch.distributed as tdist
+    return tdist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+# Errors under torchrun: every rank meets a bad flag or file, one rank a fault of its own part of the data
+def say_error(line):
+    """Print an error line once for the ranks that met it: the lowest of them prints it, prefixed with their ranks
+    unless every rank met it. The ranks compare through torchrun's store; without one each says its own, prefixed
+    with its rank."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and "RANK" in os.environ:
+        try:
+            store = error_store()
+            met = ranks_that_met(store, line, rank, world)
+        except Exception:  # noqa: BLE001  (no store to compare through: a launcher without torchrun's agent)
+            store, met = None, [rank]
+        if met[0] != rank:  # a lower rank says it: wait until it has (torchrun ends every rank once one leaves)
+            wait_for(store, [f"error/said/{met[0]}"])
+            return
+        if len(met) < world:
+            line = f"rank{'s' if len(met) > 1 else ''} {', '.join(map(str, met))}: {line}"
+        print(line, file=sys.stderr, flush=True)
+        if store is not None:
+            store.set(f"error/said/{rank}", "1")
+        return
+    print(line, file=sys.stderr, flush=True)
+
+
+def error_store():
+    """The group's store while the group lives (rank 0 may host it), else torchrun's agent's."""
+    import torch.distributed as tdist
+    return _store if _store is not None and tdist.is_initialized() else agent_store()
+
+
+def ranks_that_met(store, line, rank, world):
+    """The ranks that posted this same line to the store within ERROR_WAIT_S of this one's post (all, at once)."""
+    keys = [f"error/{r}" for r in range(world)]
+    store.set(keys[rank], line)
+    wait_for(store, keys)
+    return [r for r, key in enumerate(keys) if store.check([key]) and store.get(key).decode() == line]
+
+
+def wait_for(store, keys):
+    """Until the store holds every key, or ERROR_WAIT_S has passed."""
+    deadline = time.monotonic() + ERROR_WAIT_S
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def agent_store():
+    """torchrun's store before this process joins the group: its agent hosts it (TORCHELASTIC_USE_AGENT_STORE)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        raise RuntimeError("no torchrun agent's store")
+    import datetime
+    import torch.distributed as tdist
+    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=datetime.timedelta(seconds=10))
+    return attempt_store(store)
 
 
 def run_main(main):
@@ -54,7 +120,7 @@ def run_main(main):
         to_devnull(sys.stdout)  # the interpreter's own flush at exit would fail again
         exit_process(1)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        say_error(f"error: {e}")
         exit_process(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
@@ -64,10 +130,13 @@ def run_main(main):
     except BaseException as e:
         if not _joined_process_group:
             raise
-        traceback.print_exc()
-        if any(m in str(e) for m in PEER_FAILURES):  # torchrun first sees the rank whose failure caused this one
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # and ends this one at once, its error printed
-            time.sleep(PEER_GRACE_S)
+        if any(m in str(e) for m in PEER_FAILURES):  # another rank failed: its error says why, this one says so
+            print(f"rank {os.environ.get('RANK', '0')}: stopped, another rank failed ({first_line(e, 120)})",
+                  file=sys.stderr, flush=True)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun first sees the rank whose failure caused this
+            time.sleep(PEER_GRACE_S)                       # one, and ends this one at once
+        else:
+            traceback.print_exc()
         exit_process(1)
     if _joined_process_group:
         exit_process(0)

@@ -81,10 +81,8 @@ def setup_distributed(requested_device="auto", timeout_s=None, backend="auto", g
         device = f"cuda:{local_rank % gpus}"
         torch.cuda.set_device(device)
     if not tdist.is_initialized():
-        # after a torchrun restart the failed attempt's keys are still in its store, where a rank could read a
-        # dead peer's address (pytorch/pytorch#135712): one key prefix per attempt keeps them apart
         store, rank, world_size = next(tdist.rendezvous("env://", rank, world_size, timeout=timeout))
-        join(backend, tdist.PrefixStore(f"attempt_{restart}", store), rank, world_size, timeout, device)
+        join(backend, common.attempt_store(store), rank, world_size, timeout, device)
     return Ranks(rank, local_rank, world_size, device, per_node, restart, backend, gpus)
 
 
@@ -95,7 +93,7 @@ def join(backend, store, rank, world_size, timeout, device):
         index = torch.device(device).index
         extra = dict(device_id=torch.device("cuda", torch.cuda.current_device() if index is None else index))
     tdist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **extra)
-    common.mark_joined_process_group()
+    common.mark_joined_process_group(store)
 
 
 def teardown_distributed():

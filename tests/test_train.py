@@ -3,6 +3,7 @@ Muon, the non-finite stop, bad input, the schedule and the timing breakdown."""
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import metrics
 import optim
 import train_config
 from core_bundle import TASKS, write_bundle
+import runs
 from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, run_process, tiny, torchrun
 
 
@@ -182,6 +184,53 @@ def test_fsdp_in_one_process_shards_nothing_and_trains_as_one_process(data_dir, 
     assert_same_training(one_process, log_dir)
     model, _ = checkpoint.load_model(log_dir)  # the full checkpoint, whole and tied
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def said_lines(out):
+    """The lines a torchrun group's ranks said of an error: 'error: ...', 'rank N: ...' or 'ranks N, M: ...'."""
+    return [line for line in out.splitlines() if re.match(r"(error: |ranks? [\d, ]+: )", line)]
+
+
+def torchrun_output(args, timeout=300):
+    p = torchrun(["--standalone", "--nproc_per_node=2"], args)
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
+
+
+def test_under_torchrun_an_error_every_rank_meets_is_said_once(data_dir, tmp_path):
+    """A bad flag (argparse's error, before the process group) and a bad --init-from (every rank reads it, after
+    the group formed): each rank meets the same error, and the group says it once, without a rank."""
+    bad_flag = tiny(data_dir=data_dir, log_dir=str(tmp_path / "a")) + ["--max-steps", "ten"]
+    missing = str(tmp_path / "no-such-model")
+    bad_model = tiny(data_dir=data_dir, log_dir=str(tmp_path / "b"), init_from=missing, n_layer=None, n_head=None,
+                     n_embd=None)
+    for args, said in ((bad_flag, "error: argument --max-steps: invalid int value: 'ten' (see --help)"),
+                       (bad_model, f"error: model {missing!r} not found: pass a checkpoint file, a log directory, "
+                                   "a Hugging Face directory, or a name such as gpt2")):
+        code, out = torchrun_output(args)
+        assert code != 0 and said_lines(out) == [said], out[-3000:]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_under_torchrun_an_error_one_rank_meets_is_said_once_with_its_rank(tmp_path):
+    """A token id beyond the vocabulary in the part of a shard only rank 1 reads (shards without a manifest are
+    checked batch by batch): rank 1 says it once, with its rank, and stays a moment to hear whether others met it;
+    rank 0, whose collective broke when rank 1 left, says so in one line rather than a traceback; torchrun names
+    rank 1's error as the root cause."""
+    data = runs.write_shards(str(tmp_path / "data"))
+    first = os.path.join(data, "tiny_train_000001.npy")
+    tokens = np.load(first)
+    tokens[74] = 60000  # rank 1's first rows are sequences 2 and 3 of 32 tokens: tokens 64-128 (rank 0's end at 64)
+    np.save(first, tokens)
+    code, out = torchrun_output(tiny(data_dir=data, log_dir=str(tmp_path / "log"), eval_every=0, max_steps=4))
+    said = said_lines(out)
+    assert code != 0 and len(said) == 2, out[-3000:]
+    assert said[0] == (f"rank 1: error: token id 60000 in the train data of {data} is >= the model's vocab_size "
+                       "50257: the shards were made with another tokenizer; re-create them with python fineweb.py")
+    assert said[1].startswith("rank 0: stopped, another rank failed (")
+    assert "Traceback" not in out.split(" failed (exitcode: ")[0], out[-3000:]  # before torchrun's own summary
+    root = out.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 2" in root, out[-3000:]
 
 
 def hellaswag_items(path, n):
