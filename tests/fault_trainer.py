@@ -9,6 +9,7 @@ with any of these set:
         term   SIGTERM: a stop request that arrives while the step runs
         raise  an error; destroying the process group then waits until the timeout, as NCCL's
                finalize can for the ranks that wait for the failed one
+        evalterm   SIGTERM during the STEP-th validation (0-based), once its first batch is read
   COMPILE_BACKEND=NAME     torch.compile uses this Dynamo backend (aot_eager: inductor's graphs
                            without a C++ build on a small CPU)
   COMPILE_LOG=PATH         each rank appends one JSON line to PATH.rankN per evaluation at the top of
@@ -34,6 +35,8 @@ SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 
 def inject(spec):
     kind, rank, step = spec.split(":")
+    if kind == "evalterm":
+        return inject_in_validation(int(rank), int(step))
     real_step, calls = train_gpt2.train_step, []
 
     def faulty(model, optimizer, scaler, loader, grad_accum, ranks, *args, **kwargs):
@@ -42,6 +45,25 @@ def inject(spec):
         calls.append(1)
         return real_step(model, optimizer, scaler, loader, grad_accum, ranks, *args, **kwargs)
     train_gpt2.train_step = faulty
+
+
+def inject_in_validation(rank, nth):
+    real, calls = evaluation.validation_loss, []
+
+    def validation_loss(model, loader, sequences, ranks, *args):
+        here = len(calls) == nth and ranks.rank == rank and parallel.torchrun_restart() == 0
+        calls.append(1)
+        if here:
+            next_batch = loader.next_batch
+
+            def first_batch(*a, **k):
+                loader.next_batch = next_batch
+                batch = next_batch(*a, **k)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return batch
+            loader.next_batch = first_batch
+        return real(model, loader, sequences, ranks, *args)
+    evaluation.validation_loss = validation_loss
 
 
 def fault(kind, here):

@@ -136,3 +136,18 @@ def test_fsdp_over_gloo_on_cuda_is_refused_before_the_model_is_built(monkeypatch
     assert p.returncode == 2 and p.stderr.startswith("error: --sharding fsdp over gloo on CUDA") \
         and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "log").exists()
+
+
+def test_a_process_on_a_second_node_takes_its_local_gpu_and_resumes_with_the_nodes_processes(monkeypatch, fake_group):
+    """torchrun --nnodes=2 --nproc_per_node=8: global rank 9 is local rank 1 of the second node. It takes cuda:1 (its
+    rank, 9, names no GPU of an 8-GPU node), and the command that resumes the run starts 8 processes on each node."""
+    import train_gpt2
+    from types import SimpleNamespace
+    for k, v in {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(k, v)
+    driver = fake_cuda.install(monkeypatch, [fake_cuda.H100] * 8)
+    ranks = parallel.setup_distributed("auto")
+    assert ranks.device == "cuda:1" and driver.current == 1 and (ranks.rank, ranks.per_node) == (9, 8)
+    run = SimpleNamespace(cfg=SimpleNamespace(log_dir="log"), ranks=ranks)
+    assert train_gpt2.Run.resume_command(run) == ("torchrun --nnodes=2 --node_rank=N --nproc_per_node=8 "
+                                                  "--rdzv-endpoint=HOST:PORT train_gpt2.py --log-dir log --resume")

@@ -72,6 +72,7 @@ def test_dtype_and_device_choice(monkeypatch):
 
 @pytest.mark.parametrize("gpu,triton,default,explicit", [
     (("Tesla P100-PCIE-16GB", (6, 0)), True, False, "--compile: the Tesla P100-PCIE-16GB has compute capability 6.0"),
+    (("Tesla V100-SXM2-16GB", (7, 0)), True, True, None),  # the oldest GPU Triton runs on
     (("Tesla T4", (7, 5)), True, True, None),
     (("NVIDIA H100 80GB HBM3", (9, 0)), True, True, None),
     # Windows wheels, or Linux without the triton package: inductor would raise TritonMissing
@@ -102,6 +103,14 @@ def test_compile_by_default_only_where_triton_runs(monkeypatch, gpu, triton, def
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
+def test_a_micro_batch_of_8192_tokens_or_more_is_not_called_small(monkeypatch):
+    """The warning names micro-batches under 8,192 tokens (the GPU idles between their kernels): 8 x 1024 is not."""
+    fake_gpus(monkeypatch, [("NVIDIA H100 80GB HBM3", (9, 0))])
+    choice = device.choose("cuda", "auto", False, False)
+    small = [w for w in choice.warnings(False, 8191) if "micro-batch of 8191 tokens" in w]
+    assert len(small) == 1 and not [w for w in choice.warnings(False, 8192) if "micro-batch" in w]
+
+
 # torch.cuda.get_arch_list() of PyTorch's builds (PyTorch's RELEASE.md support matrix)
 CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 CU128_2_8 = ["sm_70", "sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
@@ -116,6 +125,7 @@ CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
     (("Tesla T4", (7, 5)), CU130, False),
     (("NVIDIA L4", (8, 9)), CU126, False),                  # sm_86's machine code runs on 8.9
     (("NVIDIA GeForce RTX 5090", (12, 0)), CU126, True),    # Blackwell needs CUDA 12.8 or newer
+    (("NVIDIA B200", (10, 0)), CU126, True),                # the data-centre Blackwell too: the cu130 wheels
     (("NVIDIA RTX PRO 6000 Blackwell", (12, 1)), CU130, False),  # sm_120's code, and its PTX
     (("Tesla K80", (3, 7)), CU126, True),                   # no wheels at all
 ])
@@ -189,6 +199,21 @@ def test_more_processes_than_gpus_is_one_line_before_the_rendezvous(monkeypatch)
                                                    r"it has 1 GPU\(s\) visible: use --nproc_per_node=1 \(or, to try a node's "
                                                    r"paths on fewer GPUs, slowly: --dist-backend gloo\)$"):
             parallel.setup_distributed("auto")
+
+
+def test_a_launcher_without_local_world_size_is_counted_by_its_local_rank(monkeypatch):
+    """A launcher that sets no LOCAL_WORLD_SIZE (not torchrun): LOCAL_RANK 1 on a machine of one GPU means two
+    processes there at least, one too many, refused before the rendezvous."""
+    import parallel
+    fake_gpus(monkeypatch, [("Tesla T4", (7, 5))])
+    for k, v in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(common, "_joined_process_group", False)
+    monkeypatch.setattr(torch.distributed, "rendezvous", lambda *a, **k: pytest.fail("rendezvous reached"))
+    with pytest.raises(common.UserError, match=r"^torchrun starts 2 processes on this machine, one per GPU, but it has "
+                                               r"1 GPU\(s\) visible"):
+        parallel.setup_distributed("auto")
 
 
 def test_synchronize_waits_on_the_device_it_is_given(monkeypatch):

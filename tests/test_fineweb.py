@@ -219,6 +219,24 @@ def test_max_tokens_then_continue_and_rerun(tmp_path, capsys):
     assert "nothing to do" in capsys.readouterr().out
 
 
+def test_a_rerun_whose_max_tokens_end_on_a_shard_boundary_has_nothing_to_do(tmp_path, capsys):
+    """--max-tokens that ends exactly where a train shard ends (the val split, then two whole shards): the run
+    writes those shards and nothing more, and the same command again says there is nothing to do."""
+    docs = big_docs(200, seed=1)
+    data = write_jsonl(tmp_path / "d.jsonl", docs)
+    size = len(expected_stream(docs)) // 6
+    args = ["--data-files", data, "--shard-size", str(size), "--val-tokens", str(size // 5)]
+    first = prepare(tmp_path, tmp_path / "out", *args)  # the val split's size, as a run of this source settles it
+    val = next(s["tokens"] for s in first["shards"] if s["split"] == "val")
+    bounded = [*args, "--max-tokens", str(val + 2 * size)]
+    prepare(tmp_path, tmp_path / "b", *bounded)
+    manifest = json.load(open(tmp_path / "b" / "manifest.json"))
+    assert [s["tokens"] for s in manifest["shards"]] == [val, size, size] and manifest["complete"]
+    capsys.readouterr()
+    prepare(tmp_path, tmp_path / "b", *bounded)
+    assert "nothing to do" in capsys.readouterr().out
+
+
 def test_killed_run_resumes_to_identical_bytes(tmp_path):
     """SIGKILL a real `python fineweb.py` (2 spawn workers, as on Windows/macOS) mid-way, then
     re-run with one worker: the shards equal those of an uninterrupted run with 2 (forked) workers."""

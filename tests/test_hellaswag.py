@@ -18,6 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import common  # noqa: E402
+from common import UserError  # noqa: E402
 import checkpoint  # noqa: E402
 import parallel  # noqa: E402
 import scoring  # noqa: E402
@@ -171,7 +172,7 @@ def rank_worker(rank, world_size, port, ckpt, data, out):
     """One of 2 ranks: gloo on loopback, set up by parallel.setup_distributed as under torchrun."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    ranks = parallel.setup_distributed("cpu")
+    ranks = parallel.setup_distributed("cpu", timeout_s=120)  # a collective the other rank never joins fails soon
     seen = []  # the items this rank renders: those it scores
     render = hellaswag.render
 
@@ -203,9 +204,18 @@ def rank_worker(rank, world_size, port, ckpt, data, out):
         outcome = evaluate(model, items, "cpu", batch_size=1, rank=ranks.rank, world_size=ranks.world_size,
                            should_stop=should_stop)
         stops.append({"calls": len(calls), "result": outcome})
+    # the benchmark in the loop, its data missing on rank 1 alone: off on both ranks, no collective left waiting
+    lines = []
+
+    def load():
+        if rank == 1:
+            raise UserError("HellaSwag file /data/hs.jsonl does not exist")
+        return hellaswag.HellaSwag(items)
+    hook = scoring.TrainingHook("hellaswag", load, ranks, SimpleNamespace(line=lines.append), lockstep=False)
+    hooked = [hook(model, "float32", lambda: False) for _ in range(2)]  # loaded at the first call; then still off
     parallel.teardown_distributed()
     with open(f"{out}{rank}.json", "w") as f:
-        json.dump({"seen": seen_before_stops, "result": result, "stops": stops}, f)
+        json.dump({"seen": seen_before_stops, "result": result, "stops": stops, "hooked": hooked, "lines": lines}, f)
 
 
 def test_two_gloo_ranks_split_reduce_and_stop(model, files, tmp_path, free_port):
@@ -230,6 +240,10 @@ def test_two_gloo_ranks_split_reduce_and_stop(model, files, tmp_path, free_port)
     # a collective should_stop: no hang with shares of 4 and 3 items, and a stop on one rank stops both
     for r in ranks:
         assert r["stops"] == [{"calls": 4, "result": ranks[0]["result"]}, {"calls": 2, "result": None}]
+    # a scored benchmark whose data one rank lacks is off on every rank, each saying why it is
+    assert ranks[0]["hooked"] == ranks[1]["hooked"] == [None, None]
+    assert ranks[0]["lines"] == ["hellaswag: skipped for this run (data missing on another rank)"]
+    assert ranks[1]["lines"] == ["hellaswag: skipped for this run (HellaSwag file /data/hs.jsonl does not exist)"]
 
 
 class StopAfter:

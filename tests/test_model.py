@@ -277,10 +277,16 @@ def test_cached_logits_match_full_forward():
 
 
 def test_padded_ids_never_sampled():
+    """Weights under which every padded id would win if the mask were gone: the final LayerNorm's bias b makes every
+    hidden state h = LN(x)g + b lean along b, and the padded rows of the tied embedding are 100 b, so their logits
+    h . 100b hold 100 |b|^2 = 3,200 where the real ones (rows of std 0.02) stay near 0."""
     torch.manual_seed(0)
     m = GPT(GPTConfig(**TINY)).eval()
-    with torch.no_grad():  # make the padded rows irresistible if they were not masked
-        m.transformer.wte.weight[50257:] = 100.0
+    with torch.no_grad():
+        m.transformer.ln_f.bias.fill_(1.0)
+        m.transformer.wte.weight[50257:] = 100.0 * m.transformer.ln_f.bias
+        unmasked = m.lm_head(m.transformer.ln_f(torch.randn(1, 3, 32)))  # what the head gives before the mask
+    assert (unmasked.argmax(-1) >= 50257).all()
     prompt = torch.randint(0, 50257, (4, 5))
     for kw in (dict(temperature=0), dict(temperature=1.0), dict(temperature=2.0, top_p=0.99)):
         out = generate(m, prompt, 20, **kw)

@@ -563,6 +563,39 @@ def test_one_process_auto_fit_takes_the_planned_size_or_what_its_trial_allows(ro
         assert counter.peaks[0] + moments > room
 
 
+def test_the_auto_fits_growth_per_sequence_leaves_out_the_gradients_and_leaves_none_behind():
+    """Many parameters and short sequences (1.7 MB of gradients, far more than a sequence's activations), 64
+    sequences a step, room for 19 parameter-sizes of bytes: the plan's first size is over in its trial, and the growth
+    per sequence that picks the next one leaves out the gradients the trial made, which do not grow with the
+    micro-batch (counted in, they would pick 2 where 4 fits: its trial's peak and AdamW's moments are under the room).
+    The trials leave no gradient behind: the first real step starts from none."""
+    config = dict(n_layer=2, n_head=2, n_embd=128, block_size=8, vocab_size=100, padded_vocab_size=128)
+    torch.manual_seed(0)
+    raw = GPT(GPTConfig(**config))
+    params = sum(p.numel() for p in raw.parameters())
+    room, T, ranks = 19 * params, config["block_size"], parallel.Ranks()
+    counter = CountedMemory(raw, capacity=room / 0.9)
+    assert memory.choose_micro_batch(64 * T, ranks, raw, "float32", T, trial_step(ranks), memory=counter) == 4
+    assert len(counter.peaks) == 2 and counter.peaks[0] + 8 * params > room >= counter.peaks[1] + 8 * params
+    assert all(p.grad is None for p in raw.parameters())
+
+
+def test_the_fsdp_plan_holds_its_two_largest_units_gathered():
+    """Under FSDP a step holds, beyond the plan, the two largest units gathered at once (the all-gather's output and
+    the unsharded gradients with their fp32 copy): here the two blocks, 12 x 32^2 + 13 x 32 = 12,704 parameters
+    each, larger than the root (wte 128 x 32, wpe 32 x 32, ln_f 2 x 32: 5,184), at 2 + 4 bytes in bf16."""
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)  # a group of one, as --fsdp alone
+    try:
+        torch.manual_seed(0)
+        raw = GPT(GPTConfig(**CONFIG))
+        model = parallel.wrap_model(raw, "fsdp", "cpu", "float32")
+        T, b = CONFIG["block_size"], 4
+        plan = memory.memory_plan(12_704 * 2 + 5_184, 1, "fsdp", "bfloat16", b, T, 2, 32, vocab_size=128)
+        assert memory.step_footprint(model, 1, "bfloat16", T, b) == plan["total"] + (2 + 4) * 2 * 12_704
+    finally:
+        tdist.destroy_process_group()
+
+
 def test_processes_that_share_a_gpu_fit_into_their_share_of_it():
     """Two processes on one GPU (--dist-backend gloo) each fit their micro-batch into half of it: what one process
     chooses on a card of half the memory, not what it chooses on the whole card."""

@@ -448,6 +448,21 @@ def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, t
                                                           "--resume")
 
 
+def test_sigterm_on_one_rank_during_validation_stops_every_rank_inside_it(data_dir, tmp_path):
+    """Under DDP a request that reaches rank 1 alone in the middle of step 4's validation (16 batches a rank, the
+    ranks asked every 8) stops both ranks inside it: nothing of that round is recorded, step 4 does not train, the
+    checkpoint holds 4 steps."""
+    log_dir = str(tmp_path / "log")
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=8, eval_every=4, val_tokens=64 * 32, dist_timeout=0.5)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        FAULT_TRAINER] + args, capture_output=True, text=True, env=dict(ENV, FAULT="evalterm:1:1"),
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "stopped by a signal on another rank after 4 steps" in p.stdout
+    assert [r["step"] for r in records(log_dir, "val")] == [0] and records(log_dir, "end")[-1]["reason"] == "signal"
+    assert final_state(log_dir)[0] == 4 and [r["step"] for r in records(log_dir, "train")] == [0, 1, 2, 3]
+
+
 def test_a_resume_with_another_process_count_is_refused_once(reference_run, tmp_path):
     """A run of one process resumed by two: every rank refuses it alike, and the group says so once, without a
     rank (torchrun used to print the line per rank); nothing is written."""

@@ -69,7 +69,8 @@ def test_the_run_is_logged_one_greppable_line_per_step(logged_run):
     for key in ("loss", "lr", "grad_norm", "dt_ms", "tok_per_s", "mfu"):
         assert f"| {key} " in lines[-1]
     assert lines[-1].endswith("| mfu n/a")  # and the header says why
-    assert [l for l in stdout if l.startswith("device cpu")][0].split(" | ")[2] == "MFU n/a (no float32 peak known for cpu)"
+    device_line = [l for l in stdout if l.startswith("device cpu")][0].split(" | ")
+    assert device_line[2] == "MFU n/a (no float32 peak known for cpu)" and device_line[4] == "compile off"
     with open(os.path.join(log_dir, "log.txt")) as f:
         assert sum(1 for l in f if l.startswith("step ") and "| loss" in l) == 30
     assert sum(1 for l in stdout if l.startswith("sample ")) == 4  # steps 15 and 29
@@ -195,6 +196,17 @@ def torchrun_output(args, timeout=300):
     p = torchrun(["--standalone", "--nproc_per_node=2"], args)
     out, _ = p.communicate(timeout=timeout)
     return p.returncode, out
+
+
+def test_a_ddp_run_with_samples_due_finishes(data_dir, tmp_path):
+    """Rank 0 alone draws the samples under DDP: the ranks meet after each round of them (else rank 1's next
+    collective pairs with another of rank 0's, and the run hangs until --dist-timeout), and the run finishes."""
+    log_dir = str(tmp_path / "log")
+    code, out = torchrun_output(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=4, sample_every=2, num_samples=1,
+                                     sample_tokens=4, dist_timeout=0.5))
+    assert code == 0, out[-3000:]
+    assert [r["step"] for r in records(log_dir, "sample")] == [2, 3] and records(log_dir, "end")[-1]["reason"] == \
+        "finished"
 
 
 def test_under_torchrun_an_error_every_rank_meets_is_said_once(data_dir, tmp_path):
@@ -478,6 +490,63 @@ def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, caps
             assert line.endswith("skipped (float16 gradient overflow: the loss scale is lowered)"), line
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_only_an_fp16_run_scales_its_loss(dtype, data_dir, tmp_path, monkeypatch, train_in_process):
+    """fp16's gradients need a loss scale (small ones flush to zero); bf16 and fp32 have the exponent range and
+    none. What the checkpoint holds says which ran: a scale for fp16, nothing for the others. fp16 is faked on the
+    CPU as above; bf16 autocast runs there."""
+    import device
+    if dtype == "float16":
+        monkeypatch.setattr(device, "pick_dtype", lambda requested, dev: "float16")
+    log_dir = str(tmp_path / "log")
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2, eval_every=0, dtype=None if dtype == "float16"
+                else dtype)
+    assert train_in_process(args) == 0
+    scaler = checkpoint.load_file(metrics.latest_checkpoint(log_dir))["scaler"]
+    assert ("scale" in scaler) == (dtype == "float16"), scaler
+
+
+def infinite_gradient_at(monkeypatch, step, grad_accum=2):
+    """A fault: in optimizer step `step` (its first micro-step) the tied embedding's gradient holds an inf while the
+    loss stays finite, as an overflow in the backward pass leaves it."""
+    import parallel
+    real, backwards = parallel.wrap_model, []
+
+    def wrap(raw_model, *args, **kwargs):
+        def hook(grad):
+            backwards.append(1)
+            at = len(backwards) - 1 == step * grad_accum
+            return grad.index_fill(0, torch.tensor([0]), float("inf")) if at else grad
+        raw_model.transformer.wte.weight.register_hook(hook)
+        return real(raw_model, *args, **kwargs)
+    monkeypatch.setattr(parallel, "wrap_model", wrap)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_a_finite_loss_with_an_infinite_gradient(dtype, data_dir, tmp_path, monkeypatch, capsys, train_in_process):
+    """fp16: an overflow in the gradients with a finite loss is what the loss scale is for: the step is skipped,
+    logged as an overflow, and the run goes on to its end. bf16 and fp32 have no scale to lower: a non-finite
+    gradient norm there is divergence, and the run stops with exit status 3 at that step."""
+    import device
+    if dtype == "float16":
+        monkeypatch.setattr(device, "pick_dtype", lambda requested, dev: "float16")
+    infinite_gradient_at(monkeypatch, step=2)
+    log_dir = str(tmp_path / "log")
+    status = train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=5, eval_every=0,
+                                   dtype=None if dtype == "float16" else dtype))
+    out = capsys.readouterr().out
+    step2 = next(line for line in out.splitlines() if re.match(r"step +2 \| loss", line))
+    assert math.isfinite(float(step2.split("| loss ")[1].split(" |")[0])), step2
+    if dtype == "float16":
+        assert status == 0 and step2.endswith("skipped (float16 gradient overflow: the loss scale is lowered)")
+        assert [r["step"] for r in records(log_dir, "train")] == [0, 1, 2, 3, 4]
+        assert records(log_dir, "end")[-1]["reason"] == "finished"
+        return
+    assert status == 3 and "non-finite; stopping" in step2 and "grad_norm inf" in step2, step2
+    assert records(log_dir, "end")[-1] == dict(records(log_dir, "end")[-1], step=2, reason="nonfinite")
+    assert [r["step"] for r in records(log_dir, "train")] == [0, 1]
+
+
 def test_float16_resumes_with_the_loss_scale_of_its_checkpoint(data_dir, tmp_path, monkeypatch, train_in_process):
     """A resumed fp16 run trains on with the gradient scaler's scale and growth count that its
     checkpoint saved, not a fresh scaler's. fp16 is faked on the CPU as above."""
@@ -658,6 +727,25 @@ class FixedBatches:
         return next(self.batches)
 
 
+def test_on_one_process_a_signal_during_the_update_stops_after_that_step(data_dir, tmp_path, monkeypatch,
+                                                                        train_in_process):
+    """A stop request that arrives during the optimizer's update, after the step's one sync read the flags: with no
+    other rank to agree with, it counts for this step, which is the last (not the one after it)."""
+    real, updates = torch.optim.AdamW.step, []
+
+    def update(self, *args, **kwargs):
+        updates.append(1)
+        if len(updates) == 3:  # step 2's
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.AdamW, "step", update)
+    log_dir = str(tmp_path / "log")
+    assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=8, eval_every=0)) == 0
+    assert [r["step"] for r in records(log_dir, "train")] == [0, 1, 2]
+    assert records(log_dir, "end")[-1]["reason"] == "signal"
+    assert [metrics.step_of(c) for c in metrics.list_checkpoints(log_dir)] == [3]
+
+
 def cosine_lr(step, peak, warmup=2, max_steps=5, floor=0.1):
     """Linear warm-up to peak, then cosine down to floor * peak at max_steps, as GPT-3's appendix B."""
     if step < warmup:
@@ -665,10 +753,12 @@ def cosine_lr(step, peak, warmup=2, max_steps=5, floor=0.1):
     return peak * floor + 0.5 * (1 + math.cos(math.pi * (step - warmup) / (max_steps - warmup))) * peak * (1 - floor)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_scheduled_rates(optimizer, one_thread):
+@pytest.mark.parametrize("optimizer,clip", [("adamw", 0.05), ("muon", 0.05), ("adamw", 0.0)])
+def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_scheduled_rates(optimizer, clip,
+                                                                                            one_thread):
     """Two optimizer steps of train_step (2 accumulation steps each) against torch's pieces by hand:
-    the gradient of the whole batch's mean loss, clip_grad_norm_, then torch.optim.AdamW with weight
+    the gradient of the whole batch's mean loss, clip_grad_norm_ (with --grad-clip 0, none: the unclipped
+    gradient, of a norm the default clip of 1.0 would cut), then torch.optim.AdamW with weight
     decay on its 2-D weights only and, with Muon, torch.optim.Muon on the blocks' matrices, each at
     the cosine schedule of its own peak. Both sides make the same float32 operations in the same
     order on one thread, so they agree to the last bit on any machine; the tolerance is a margin."""
@@ -679,8 +769,11 @@ def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_sch
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=8, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    if not clip:  # sharper logits: gradients the default clip would cut at both steps
+        with torch.no_grad():
+            model.transformer.wte.weight.mul_(10)
     ref = copy.deepcopy(model)
-    peak, muon_peak, decay, clip = 1e-2, 5e-2, 0.1, 0.05
+    peak, muon_peak, decay = 1e-2, 5e-2, 0.1
     muon = muon_peak if optimizer == "muon" else None
     opt = optim.configure(model, decay, peak, muon_lr=muon)
     params = dict(ref.named_parameters())
@@ -706,8 +799,10 @@ def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_sch
             [g.norm() for g in torch.autograd.grad(whole_loss, list(params.values()))]))
         for x, y in micro:
             (ref(x, y)[1] / 2).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        assert ref_norm > 2 * clip  # the clip changes the step
+        if clip:
+            assert torch.nn.utils.clip_grad_norm_(ref.parameters(), clip) > 2 * clip  # the clip changes the step
+        else:  # the norm the default --grad-clip 1.0 would have cut
+            assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])) > 1.5
         for o, p in zip(ref_opts, peaks):
             for group in o.param_groups:
                 group["lr"] = cosine_lr(step, p)
@@ -911,7 +1006,10 @@ def test_validation_asks_the_ranks_about_a_stop_every_few_batches(data_dir, monk
         assert math.isfinite(loss)
         asks = -(-10 // evaluation.STOP_CHECK_EVERY)
         assert evaluation.STOP_CHECK_EVERY > 1 and len(collectives) == asks + 1  # + the loss's own sum
-        stop.signal = "SIGTERM"
+        stop.signal = "SIGTERM"  # asked before the validation: it runs no batch at all
+        batches, next_batch = [], val.next_batch
+        monkeypatch.setattr(val, "next_batch", lambda *a, **k: batches.append(1) or next_batch(*a, **k))
         assert evaluation.validation_loss(model, val, 20, ranks, "float32", evaluation.stop_check(stop, ranks)) is None
+        assert batches == []
     finally:
         tdist.destroy_process_group()
