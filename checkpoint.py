@@ -19,7 +19,7 @@ import re
 import shlex
 import time
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,10 +27,9 @@ from torch.utils._pytree import tree_map_only
 
 import metrics
 import parallel
-from optim import Optimizers
 from metrics import checkpoint_path, list_checkpoints, step_of  # the log directory's checkpoints, by name
 from common import UserError, atomic_directory, atomic_write, first_line, hub_unreachable, out_of_space
-from model import GPT, GPTConfig
+from model import GPT
 from tokenizer import gpt2_bpe_files
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
@@ -103,9 +102,9 @@ def set_rng_state(state):
 
 class Checkpointer:
     """A run's checkpoints in log_dir, from the launch's set-up to its end: the one it continues (`resume`, from
-    resume_point), checked against the ranks; the model of its shape; restoring it into what trains (compiled, DDP or
-    FSDP); the branch a resume from an older step starts; saving and keeping the newest `keep`; the final export.
-    Every rank makes one and calls each method."""
+    resume_point), checked against the ranks; restoring it into what trains (compiled, DDP or FSDP); the branch a
+    resume from an older step starts; saving and keeping the newest `keep`; the final export. Every rank makes one and
+    calls each method."""
 
     def __init__(self, log_dir, keep, ranks, log, resume=None):
         if resume is not None:
@@ -118,27 +117,19 @@ class Checkpointer:
         self.last_path = self.last_step = None
         self.last_here = False  # whether last_step's checkpoint is in log_dir (not another run's)
 
-    def resumed_model(self):
-        """The GPT (on the CPU) of the resumed checkpoint's shape, its weights checked to fit (attach() loads them);
-        None for a new run."""
-        if self.resume is None:
-            return None
-        model = GPT(GPTConfig(**self.resume.checkpoint["model_config"]))
-        check_weights_fit(model, self.resume.checkpoint["model"], self.resume.path)
-        return model
-
-    def attach(self, *, model, optimizer, scaler, train_loader, config, fsdp):
-        """What is saved and restored; the resumed checkpoint's state put back into it (weights, optimizer, scaler,
-        this rank's data position and random state). Returns the step the launch starts at."""
+    def restore(self, *, model, optimizer, scaler, train_loader, config, fsdp):
+        """What is saved and restored from now on; the resumed checkpoint's state put back into it (weights, optimizer,
+        scaler, this rank's data position and random state). Returns the step the launch starts at."""
         self.model, self.optimizer, self.scaler, self.train_loader = model, optimizer, scaler, train_loader
         self.config, self.fsdp = config, fsdp
         if self.resume is None:
             return 0
         ckpt, path = self.resume.checkpoint, self.resume.path
+        check_weights_fit(parallel.unwrap(model), ckpt["model"], path)
         load_model_state(model, ckpt["model"])
         load_optimizer_state(model, optimizer, ckpt["optimizer"])
         # a CPU tensor stays a view of the memory-mapped file, whose disk space it would hold after the rotation
-        for opt in getattr(optimizer, "optimizers", [optimizer]):
+        for opt in optimizer.optimizers:
             for state in opt.state.values():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.device.type == "cpu":
@@ -155,8 +146,8 @@ class Checkpointer:
         return ckpt["step"]
 
     def begin(self):
-        """Once every check of the launch has passed on every rank: say which newer checkpoints did not load, and
-        where a resume of the run's own older checkpoint starts a branch, set the later ones aside."""
+        """Once every check of the launch has passed on every rank: say which newer checkpoints did not load, and where
+        a resume of the run's own older checkpoint starts a branch, set the later ones aside."""
         if self.resume is None:
             return
         parallel.gather(None, self.ranks)  # every rank got this far: only then may rank 0 move files
@@ -177,14 +168,18 @@ class Checkpointer:
         self.resume = None  # its state is in the model and optimizer now: the host memory it holds goes
 
     def save(self, step):
-        """Write ckpt_<step>.pt (step: steps completed) from rank 0."""
-        self.last_step, self.last_here = step, True  # on every rank, without a look at rank 0's files
+        """Write ckpt_<step>.pt (step: steps completed) from rank 0, unless this run's directory holds it already
+        (every rank answers alike, without a look at rank 0's files: a rank that answered otherwise would call the
+        save's collectives alone). A resume of another directory's checkpoint needs one of its own."""
+        if self.last_step == step and self.last_here:
+            return
+        self.last_step, self.last_here = step, True
         per_rank = parallel.gather({"train_loader": self.train_loader.state_dict(), "rng": rng_state()}, self.ranks)
         if self.ranks.is_master or self.fsdp:
             weights, moments = model_state(self.model), optimizer_state(self.model, self.optimizer)
         if not self.ranks.is_master:
             return
-        ckpt = {"step": step, "model_config": asdict(parallel.unwrap(self.model).config), "model": weights,
+        ckpt = {"step": step, "model_config": parallel.unwrap(self.model).shape(), "model": weights,
                 "optimizer": moments, "scaler": self.scaler.state_dict(), "ranks": per_rank,
                 "world_size": self.ranks.world_size, "config": self.config}
         path = checkpoint_path(self.log_dir, step)
@@ -203,10 +198,6 @@ class Checkpointer:
         self.log.line(f"checkpoint {path}")
         self.last_path = path
 
-    def holds(self, step):
-        """Whether this run's directory holds the checkpoint of `step` (a resume of another directory's does not)."""
-        return self.last_step == step and self.last_here
-
     def export(self, command):
         """LOG_DIR/hf: the final model and the GPT-2 tokenizer in Hugging Face's format, written by rank 0 (under FSDP
         every rank helps gather the shards); command: how to export again after a failure. The folder, on rank 0."""
@@ -216,7 +207,7 @@ class Checkpointer:
             return None
         model = parallel.unwrap(self.model)
         if state is not None:  # the gathered weights in a plain copy
-            model = GPT(model.config)
+            model = GPT.from_shape(model.shape())
             model.load_state_dict(state)
         out = os.path.join(self.log_dir, "hf")
         try:
@@ -259,15 +250,17 @@ def load_model_state(model, state):
 
 
 def optimizer_state(model, optimizer):
-    """The optimizer's full state dict as optimizer.state_dict() has it on the unsharded model, CPU tensors, so
-    that DDP and FSDP checkpoints are interchangeable. Under FSDP every rank calls it; rank 0 gets the dict."""
-    if isinstance(optimizer, Optimizers):
-        return {"optimizers": [optimizer_state(model, opt) for opt in optimizer.optimizers]}
+    """The optimizers' full state dict (optim.Optimizers.pack) as state_dict() has it on the unsharded model, CPU
+    tensors, so that DDP and FSDP checkpoints are interchangeable. Under FSDP every rank calls it; rank 0 gets it."""
+    return optimizer.pack([_optimizer_state(model, opt) for opt in optimizer.optimizers])
+
+
+def _optimizer_state(model, opt):
     raw = parallel.unwrap(model)
     if not parallel.is_fsdp(raw):
-        return _to_cpu(optimizer.state_dict())
+        return _to_cpu(opt.state_dict())
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    by_name = get_optimizer_state_dict(raw, optimizer, options=_options(cpu_offload=True))
+    by_name = get_optimizer_state_dict(raw, opt, options=_options(cpu_offload=True))
     if not by_name:
         return {}
     index = {name: i for i, name in enumerate(n for group in by_name["param_groups"] for n in group["params"])}
@@ -276,32 +269,38 @@ def optimizer_state(model, optimizer):
 
 
 def load_optimizer_state(model, optimizer, state):
-    """Load optimizer_state's format into the optimizer, sharding it under FSDP; before the first backward."""
-    if isinstance(optimizer, Optimizers):  # --optimizer is fixed on resume: the state holds these optimizers
-        for opt, s in zip(optimizer.optimizers, state["optimizers"]):
-            load_optimizer_state(model, opt, s)
-        return
+    """Load optimizer_state's format into the optimizers, sharding it under FSDP; before the first backward (the
+    optimizers are the run's: --optimizer is fixed on resume)."""
+    for opt, part in zip(optimizer.optimizers, optimizer.unpack(state)):
+        _load_optimizer_state(model, opt, part)
+
+
+def _load_optimizer_state(model, opt, state):
     raw = parallel.unwrap(model)
     if not parallel.is_fsdp(raw):
-        optimizer.load_state_dict(state)
+        opt.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     names = {p: name for name, p in raw.named_parameters()}  # the tied wte/lm_head weight once, as the optimizer
-    name_of = dict(enumerate(names[p] for group in optimizer.param_groups for p in group["params"]))
+    name_of = dict(enumerate(names[p] for group in opt.param_groups for p in group["params"]))
     by_name = {"state": {name_of[i]: s for i, s in state["state"].items()},
                "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in state["param_groups"]]}
-    set_optimizer_state_dict(raw, optimizer, by_name, options=_options())
+    set_optimizer_state_dict(raw, opt, by_name, options=_options())
 
 
 # Resuming: which checkpoint
 @dataclass(frozen=True)
 class Resume:
-    """The run a launch continues: its checkpoint's path and contents, and why newer ones were passed over."""
+    """The run a launch continues, as the other rooms see it: where its checkpoint is, the step it resumes at, the
+    settings it was trained with, its model's shape, and why newer checkpoints were passed over. What the checkpoint
+    holds beyond that is this room's (Checkpointer.restore puts it back)."""
     path: str
     checkpoint: dict
     skipped: list
 
     step = property(lambda self: self.checkpoint["step"])
+    settings = property(lambda self: self.checkpoint["config"])  # every setting of the run, as train_config stores them
+    shape = property(lambda self: self.checkpoint["model_config"])  # GPT.from_shape's
 
     def finished(self, max_steps, export_hf, log_dir):
         """Whether nothing is left to do: max_steps are done and, with export_hf, LOG_DIR/hf holds weights written
@@ -374,7 +373,7 @@ def check_world_size(ckpt, path, ranks):
 # Models for the other scripts
 def model_from_checkpoint(ckpt, path):
     try:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model = GPT.from_shape(ckpt["model_config"])
         check_weights_fit(model, ckpt["model"], path)
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:

@@ -277,16 +277,6 @@ class Core:
         return f"{result['core']:.4f} over {len(centred)} tasks", dict(core=result["core"], centered=centred)
 
 
-def training_hook(bundle_dir, limit, ranks, log, lockstep):
-    """CORE inside train_gpt2.py (--core-bundle, --core-limit), read at its first call."""
-    def load():
-        tasks = load_tasks(bundle_dir, None, limit, "--core-bundle")
-        for note in fewer_shots(tasks, "--core-limit"):
-            log.line(note)
-        return Core(tasks)
-    return scoring.TrainingHook(Core.name, load, ranks, log, lockstep)
-
-
 def main(argv=None):
     p = common.ArgumentParser(description="CORE (22 in-context tasks, DCLM) of a GPT-2 model.")
     p.add_argument("--bundle-dir", help="the unzipped DCLM eval_bundle (core.yaml, eval_meta_data.csv, eval_data/); "

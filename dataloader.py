@@ -110,9 +110,10 @@ class TokenLoader:
         # whole_batches=False (validation, which fills a short last batch): one sequence on every rank will do
         per_rank, what = (batch_size, "batch") if whole_batches else (1, "sequence")
         if self.num_sequences < world_size * per_rank:
+            need = world_size * per_rank * seq_len + 1
             raise UserError(f"the {split} split of {data_dir} has {self.num_tokens:,} tokens, fewer than one {what} "
-                            f"on every rank ({world_size}×{per_rank}×{seq_len}+1 = {world_size * per_rank * seq_len + 1:,}"
-                            "): use a smaller batch size / sequence length, or prepare more data with python fineweb.py")
+                            f"on every rank ({world_size}×{per_rank}×{seq_len}+1 = {need:,}): use a smaller batch "
+                            "size / sequence length, or prepare more data with python fineweb.py")
         self.fingerprint = hashlib.sha256(json.dumps([split, names, self.sizes]).encode()).hexdigest()[:16]
         self.position = 0  # sequences handed out so far, over all ranks
         self._layout_cache = None

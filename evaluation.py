@@ -1,9 +1,16 @@
-"""What a training run evaluates at the top of a step: a list of evaluations (the validation loss, HellaSwag, CORE,
-samples), each built only where it is on, each run every N steps and at the last, each stoppable by a stop request.
-Adding one: a class here with its flags in train_config.py."""
+"""What a training run evaluates at the top of a step: the validation loss, HellaSwag, CORE and samples, each a class
+registered in REGISTRY. Each reads its inputs once, before the process group forms (prepare: a bad one is one line,
+nothing of an evaluation that is off is read), starts with what the run gives it (start: the ranks, the models, the
+log), runs every N steps and at the last, and is stoppable by a stop request. What it records describes itself
+(describe, in the run record): the log's checks, the plot, the summary and the trackers learn its kind from there.
 
+A new evaluation: a class deriving Evaluation in a file of its own, and one line that registers it (register()).
+"""
+
+import functools
 import itertools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -14,170 +21,284 @@ import parallel
 from common import UserError
 
 
+@dataclass
+class Context:
+    """What a run gives its evaluations when they start."""
+    ranks: object          # parallel.Ranks
+    log: object            # metrics.RunLog
+    model: object          # what trains: compiled, DDP-wrapped or FSDP-sharded
+    raw_model: object      # the GPT itself (sharded in place under FSDP)
+    fsdp: bool             # every forward is a collective: every rank evaluates
+    dtype: str             # the autocast dtype
+    micro_batch: int       # sequences per forward pass per rank
+    tokens_per_step: int   # what a record's "tokens" counts in: tokens seen before the step
+    seed: int
+    plotter: object = None  # plot.PlotWriter, redrawn after a round that recorded a plotted number
+
+
 class Evaluation:
-    """One evaluation, due every `every` steps and at the last step. run(run, step, stop) logs what it found and
-    returns True, or None where it recorded nothing: a stop request cut it short (stop: the run's common.StopFlag),
-    or it is skipped."""
-    agree_after = False  # True: the ranks meet after it, whatever it returned (not every rank runs it)
-    plotted = True       # what it records is on the plot
+    """One evaluation, due every `every` steps and at the last step. run(step, stop) logs what it found and returns
+    True, or None where it recorded nothing: a stop request cut it short (stop: the run's common.StopFlag), or it is
+    skipped. A plotted one records `kind` records holding its number `field`, of which `best` is the better way."""
+    kind = field = label = None  # its records' kind, their headline number, and the name the plot and summary use
+    best = "max"                 # or "min"
+    panel = None                 # the plot's panel it joins (None: one of its own)
+    agree_after = False          # True: the ranks meet after it, whatever it returned (not every rank runs it)
 
     def __init__(self, every):
         self.every = every
+        self.ctx = None
+
+    @classmethod
+    def prepare(cls, cfg):
+        """The evaluation the settings turn on, its inputs read, or None where it is off."""
+        raise NotImplementedError
+
+    def start(self, ctx):
+        self.ctx = ctx
 
     def due(self, step, max_steps):
         return bool(self.every) and (step % self.every == 0 or step == max_steps - 1)
 
-    def note(self, ranks, block_size):
+    def note(self):
         """What the run header says of it, or ''."""
         return ""
+
+    @classmethod
+    def describe(cls):
+        """What the run record says of its records (metrics.py, plot.py and trackers.py read it)."""
+        return dict(field=cls.field, best=cls.best, label=cls.label, panel=cls.panel or cls.kind)
+
+    def record(self, step, text, **fields):
+        """Its line and its record at step."""
+        self.ctx.log.line(f"step {step} | {text}")
+        self.ctx.log.record(self.kind, step=step, tokens=step * self.ctx.tokens_per_step, **fields)
+
+    def stop_check(self, stop):
+        return stop_check(stop, self.ctx.ranks)
 
 
 class Validation(Evaluation):
     """The mean loss over the val split's first sequences: --val-tokens, at most the whole split, counted in
     sequences of each rank, so that a resume with another micro-batch validates the same tokens."""
+    kind, field, label, best, panel = "val", "val_loss", "val loss", "min", "loss"
 
-    def __init__(self, every, data_dir, val_tokens, micro_batch, block_size, vocab_size, ranks):
+    def __init__(self, every, data_dir, val_tokens):
         super().__init__(every)
-        self.loader = dataloader.TokenLoader(data_dir, "val", micro_batch, block_size, ranks.rank, ranks.world_size,
-                                             vocab_size, device=ranks.device,
-                                             whole_batches=False)  # a short last batch is filled: one sequence will do
-        self.sequences = max(1, min(val_tokens // block_size, self.loader.num_sequences) // ranks.world_size)
-        self.whole = self.sequences == self.loader.num_sequences // ranks.world_size
+        self.data_dir, self.val_tokens = data_dir, val_tokens
 
-    def run(self, run, step, stop):
-        model = getattr(run.model, "module", run.model)  # compiled, without DDP's gradient hooks
-        val_loss = validation_loss(model, self.loader, self.sequences, run.ranks, run.dtype, stop_check(stop, run.ranks))
+    @classmethod
+    def prepare(cls, cfg):
+        return cls(cfg.eval_every, cfg.data_dir, cfg.val_tokens) if cfg.eval_every else None
+
+    def start(self, ctx):
+        super().start(ctx)
+        ranks, config = ctx.ranks, ctx.raw_model.config
+        self.loader = dataloader.TokenLoader(self.data_dir, "val", ctx.micro_batch, config.block_size, ranks.rank,
+                                             ranks.world_size, config.vocab_size, device=ranks.device,
+                                             whole_batches=False)  # a short last batch is filled: one sequence will do
+        split = self.loader.num_sequences
+        self.sequences = max(1, min(self.val_tokens // config.block_size, split) // ranks.world_size)
+        self.whole = self.sequences == split // ranks.world_size
+        self.tokens = self.sequences * config.block_size * ranks.world_size
+
+    def run(self, step, stop):
+        model = getattr(self.ctx.model, "module", self.ctx.model)  # compiled, without DDP's gradient hooks
+        val_loss = validation_loss(model, self.loader, self.sequences, self.ctx.ranks, self.ctx.dtype,
+                                   self.stop_check(stop))
         if val_loss is None:
             return None
-        run.log.line(f"step {step} | val_loss {val_loss:.4f}")
-        run.log.record("val", step=step, val_loss=val_loss, tokens=step * run.cfg.total_batch_size)
+        self.record(step, f"val_loss {val_loss:.4f}", val_loss=val_loss)
         return True
 
-    def note(self, ranks, block_size):
-        tokens = self.sequences * block_size * ranks.world_size
-        return f"val: {tokens:,} tokens{' (the whole split)' if self.whole else ''}"
+    def note(self):
+        return f"val: {self.tokens:,} tokens{' (the whole split)' if self.whole else ''}"
 
 
 class Scored(Evaluation):
-    """A benchmark scored through scoring.TrainingHook (HellaSwag, CORE) on the uncompiled model."""
+    """A benchmark scored through scoring.TrainingHook on the uncompiled model: its data read once, at prepare where
+    the command line names it (a bad one is one line), else at its first call (a download; or a file a resumed run
+    stored that is gone: then it says it is skipped). every_flag and data_flag name its settings; read(cfg) reads its
+    data, bench(data) makes the scoring.TrainingHook benchmark of it."""
+    every_flag = data_flag = None
 
-    def __init__(self, every, hook):
+    def __init__(self, every, load):
         super().__init__(every)
-        self.hook = hook
+        self.load = load
 
-    def run(self, run, step, stop):
-        with parallel.uncompiled(run.raw_model):
-            result = self.hook(run.raw_model, run.dtype, stop_check(stop, run.ranks))
+    @classmethod
+    def prepare(cls, cfg):
+        every, now = getattr(cfg, cls.every_flag), named(cfg, cls.data_flag, cls.every_flag)
+        if not (every or now):
+            return None
+        read = functools.partial(cls.read, cfg)
+        if now:
+            try:
+                data = read()
+            except UserError as e:
+                raise UserError(f"--{cls.data_flag.replace('_', '-')}: {e}")
+            read = lambda: data  # noqa: E731
+        return cls(every, lambda: cls.bench(read())) if every else None
+
+    def start(self, ctx):
+        super().start(ctx)
+        from scoring import TrainingHook
+        self.hook = TrainingHook(self.kind, self.load, ctx.ranks, ctx.log, ctx.fsdp)
+
+    def run(self, step, stop):
+        with parallel.uncompiled(self.ctx.raw_model):
+            result = self.hook(self.ctx.raw_model, self.ctx.dtype, self.stop_check(stop))
         if result is None:
             return None
         text, fields = self.hook.bench.report(result)
-        run.log.line(f"step {step} | {self.hook.name} {text}")
-        run.log.record(self.hook.name, step=step, tokens=step * run.cfg.total_batch_size, **fields)
+        self.record(step, f"{self.kind} {text}", **fields)
         return True
 
 
+def named(cfg, flag, every):
+    """Whether a data flag is to be read now: typed on this command line, or a resumed run's whose file is there."""
+    path = getattr(cfg, flag)
+    return path is not None and (flag in cfg.given or (getattr(cfg, every) and os.path.exists(path)))
+
+
+class HellaSwag(Scored):
+    kind, field, label = "hellaswag", "acc_norm", "HellaSwag"
+    every_flag, data_flag = "hellaswag_every", "hellaswag_file"
+
+    @staticmethod
+    def read(cfg):
+        import hellaswag
+        return hellaswag.load_items(cfg.hellaswag_file, limit=cfg.hellaswag_limit, flag="--hellaswag-file")
+
+    @staticmethod
+    def bench(items):
+        import hellaswag
+        return hellaswag.HellaSwag(items)
+
+
+class Core(Scored):
+    kind, field, label = "core", "core", "CORE"
+    every_flag, data_flag = "core_every", "core_bundle"
+
+    @staticmethod
+    def read(cfg):
+        import core
+        return core.load_tasks(cfg.core_bundle, None, cfg.core_limit, "--core-bundle")
+
+    @staticmethod
+    def bench(tasks):
+        import core
+        return core.Core(tasks)
+
+    def start(self, ctx):
+        load = self.load
+        self.load = lambda: self._noted(load())  # a task with fewer examples than shots: said once, in the log
+        super().start(ctx)
+
+    def _noted(self, bench):
+        import core
+        for note in core.fewer_shots(bench.tasks, "--core-limit"):
+            self.ctx.log.line(note)
+        return bench
+
+
 class Samples(Evaluation):
-    """Text continuing `prompt` (token ids), from rank 0, or from every rank under FSDP, where every forward is a
+    """Text continuing the prompt (token ids), from rank 0, or from every rank under FSDP, where every forward is a
     collective (and so unstoppable). A failure is one line and training goes on, but under FSDP, where the ranks would
     no longer meet in the same collectives, it ends the run. After step 0: the untrained model's text says nothing."""
-    agree_after, plotted = True, False
+    agree_after = True
 
-    def __init__(self, every, prompt):
+    def __init__(self, every, prompt, num_samples, sample_tokens):
         super().__init__(every)
-        self.prompt = prompt
+        self.prompt, self.num_samples, self.sample_tokens = prompt, num_samples, sample_tokens
+
+    @classmethod
+    def prepare(cls, cfg):
+        if not (cfg.sample_every or "sample_prompt" in cfg.given):  # a prompt typed is checked though sampling is off
+            return None
+        import sample
+        from tokenizer import get_tokenizer
+        try:
+            prompt = sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, cfg.block_size)
+        except UserError as e:
+            raise UserError(f"--sample-prompt: {e}")
+        return cls(cfg.sample_every, prompt, cfg.num_samples, cfg.sample_tokens) if cfg.sample_every else None
 
     def due(self, step, max_steps):
         return step > 0 and super().due(step, max_steps)
 
-    def run(self, run, step, stop):
-        if not (run.ranks.is_master or run.fsdp):
+    def run(self, step, stop):
+        ctx = self.ctx
+        if not (ctx.ranks.is_master or ctx.fsdp):
             return None
         import sample
-        cfg = run.cfg
         try:
-            with parallel.uncompiled(run.raw_model):
-                texts = sample.training_samples(run.raw_model, self.prompt, cfg.num_samples, cfg.sample_tokens,
-                                                cfg.seed + step, run.ranks.device, run.dtype,
-                                                None if run.fsdp else stop)
+            with parallel.uncompiled(ctx.raw_model):
+                texts = sample.training_samples(ctx.raw_model, self.prompt, self.num_samples, self.sample_tokens,
+                                                ctx.seed + step, ctx.ranks.device, ctx.dtype,
+                                                None if ctx.fsdp else stop)
         except Exception as e:  # noqa: BLE001
-            if run.fsdp:  # the other ranks may be inside a collective forward: this rank cannot go on alone
+            if ctx.fsdp:  # the other ranks may be inside a collective forward: this rank cannot go on alone
                 raise
-            run.log.line(f"step {step} | samples failed, training goes on ({type(e).__name__}: "
+            ctx.log.line(f"step {step} | samples failed, training goes on ({type(e).__name__}: "
                          f"{common.first_line(e)})")
             return None
         if texts is None:  # a stop request cut them short
             return None
         for i, text in enumerate(texts):
-            run.log.line(f"sample {i} | {text}")
-            run.log.record("sample", step=step, index=i, text=text)
+            ctx.log.line(f"sample {i} | {text}")
+            ctx.log.record("sample", step=step, index=i, text=text)
         return True
 
 
-def build(cfg, ranks, log, fsdp, micro_batch, block_size, vocab_size):
-    """The evaluations that are on, in the order they run."""
-    out = []
-    if cfg.eval_every:
-        out.append(Validation(cfg.eval_every, cfg.data_dir, cfg.val_tokens, micro_batch, block_size, vocab_size, ranks))
-    if cfg.hellaswag_every:
-        import hellaswag
-        out.append(Scored(cfg.hellaswag_every,
-                          hellaswag.training_hook(cfg.hellaswag_file, cfg.hellaswag_limit, ranks, log, fsdp)))
-    if cfg.core_every:
-        import core
-        out.append(Scored(cfg.core_every, core.training_hook(cfg.core_bundle, cfg.core_limit, ranks, log, fsdp)))
-    if cfg.sample_every:
-        out.append(Samples(cfg.sample_every, sample_prompt(cfg, block_size)))
-    return out
+REGISTRY = []  # the evaluations a run may have, in the order they run at a step
 
 
-def sample_prompt(cfg, block_size):
-    import sample
-    from tokenizer import get_tokenizer
-    try:
-        return sample.encode_prompt(get_tokenizer(), cfg.sample_prompt, block_size)
-    except UserError as e:
-        raise UserError(f"--sample-prompt: {e}")
+def register(cls):
+    """Make an Evaluation class part of every run that its prepare() turns on."""
+    REGISTRY.append(cls)
+    return cls
 
 
-def check_inputs(cfg):
-    """--hellaswag-file, --core-bundle and --sample-prompt, read now as far as the run will read them: one that
-    cannot be used is bad input, not a "skipped" found hours into the run. A file a resumed run stored but that is
-    gone (a copied run) is no reason to refuse the resume: that evaluation says it is skipped."""
-    def named(flag, every):
-        path = getattr(cfg, flag)
-        return path is not None and (flag in cfg.given or (getattr(cfg, every) and os.path.exists(path)))
-    if named("hellaswag_file", "hellaswag_every"):
-        import hellaswag
-        try:
-            hellaswag.load_items(cfg.hellaswag_file, limit=cfg.hellaswag_limit, flag="--hellaswag-file")
-        except UserError as e:
-            raise UserError(f"--hellaswag-file: {e}")
-    if named("core_bundle", "core_every"):
-        import core
-        try:
-            core.load_tasks(cfg.core_bundle, None, cfg.core_limit, "--core-bundle")
-        except UserError as e:
-            raise UserError(f"--core-bundle: {e}")
-    if cfg.sample_every or "sample_prompt" in cfg.given:
-        sample_prompt(cfg, cfg.block_size)
+class Evaluations(list):
+    """Those that are on, in the order they run, and what the run header and record say of them."""
+
+    def start(self, ctx):
+        self.ctx = ctx
+        for ev in self:
+            ev.start(ctx)
+
+    def notes(self):
+        return [note for ev in self if (note := ev.note())]
+
+    def describe(self):
+        return {ev.kind: ev.describe() for ev in self if ev.kind}
 
 
-def evaluate(run, step, stop):
+def prepare(cfg):
+    """The evaluations the settings turn on, their inputs read (before the process group forms)."""
+    return Evaluations(ev for cls in REGISTRY if (ev := cls.prepare(cfg)) is not None)
+
+
+def evaluate(evaluations, step, max_steps, stop):
     """The evaluations due at the top of this step, in turn. False if a stop request cut one short (then nothing of
-    it is logged): the ranks agree on it after any evaluation that recorded nothing, and after one that not every
-    rank runs."""
+    the round is logged): the ranks agree on it after any evaluation that recorded nothing, and after one that not
+    every rank runs."""
+    if not evaluations:
+        return True
+    ctx = evaluations.ctx
     evaluated = False
-    with run.log.round() as round_:  # a round a stop cuts short records nothing: the resume evaluates it again
-        for ev in run.evaluations:
-            if not ev.due(step, run.cfg.max_steps):
+    with ctx.log.round() as round_:  # a round a stop cuts short records nothing: the resume evaluates it again
+        for ev in evaluations:
+            if not ev.due(step, max_steps):
                 continue
-            done = ev.run(run, step, stop)
-            if (done is None or ev.agree_after) and parallel.any_rank(stop.signal is not None, run.ranks):
+            done = ev.run(step, stop)
+            if (done is None or ev.agree_after) and parallel.any_rank(stop.signal is not None, ctx.ranks):
                 round_.cancel()
                 return False
-            evaluated = evaluated or (done is not None and ev.plotted)
-    if evaluated and run.plotter:
-        run.plotter.kick()
+            evaluated = evaluated or (done is not None and ev.kind is not None)
+    if evaluated and ctx.plotter:
+        ctx.plotter.kick()
     return True
 
 
@@ -222,3 +343,7 @@ def padded(x, y, size):
     xs[:len(x), :-1] = x
     ys[:len(y), 1:] = y
     return xs[:, :-1], ys[:, 1:]
+
+
+for _evaluation in (Validation, HellaSwag, Core, Samples):
+    register(_evaluation)

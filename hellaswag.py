@@ -125,13 +125,6 @@ class HellaSwag:
         return f"acc_norm {result['acc_norm']:.4f} acc {result['acc']:.4f} n {result['n']}", result
 
 
-def training_hook(data_file, limit, ranks, log, lockstep):
-    """HellaSwag inside train_gpt2.py (--hellaswag-file, --hellaswag-limit), read at its first call."""
-    return scoring.TrainingHook(HellaSwag.name,
-                                lambda: HellaSwag(load_items(data_file, limit=limit, flag="--hellaswag-file")),
-                                ranks, log, lockstep)
-
-
 def parse_args(argv=None):
     p = common.ArgumentParser(description="HellaSwag accuracy of a GPT-2 model (completion style).")
     p.add_argument("--data-file", help=f"local copy of {HELLASWAG_FILE} (offline use); default: download it once")

@@ -5,7 +5,6 @@ import torch
 
 from common import UserError
 from device import CudaMemory
-from model import PADDED_VOCAB_SIZE
 from optim import local_part
 from parallel import is_fsdp, smallest, unwrap, zero_grad
 
@@ -25,15 +24,12 @@ def step_footprint(model, world_size, dtype, block_size, micro_batch):
     """Bytes one GPU holds at the peak of a step: the memory plan's total plus, under FSDP, for the two largest units
     the all-gather's output and the unsharded gradients with their fp32 copy (fsdp/_fully_shard/_fsdp_collectives)."""
     raw = unwrap(model)
-    c = raw.config
     sharding = "fsdp" if is_fsdp(raw) else "none"
-    checkpointing = any(getattr(block, "_checkpointed", False) for block in raw.transformer.h)
-    plan = memory_plan(raw.num_params(non_embedding=False), world_size, sharding, dtype, micro_batch, block_size,
-                       c.n_layer, c.n_embd, checkpointing, c.padded_vocab_size)
+    checkpointing = any(getattr(block, "_checkpointed", False) for block in raw.blocks)
+    plan = memory_plan(raw, world_size, sharding, dtype, micro_batch, block_size, checkpointing)
     if sharding == "none":
         return plan["total"]
-    blocks = [sum(p.numel() for p in block.parameters()) for block in raw.transformer.h]
-    root = raw.num_params(non_embedding=False) - sum(blocks)
+    root, blocks = raw.units()
     return plan["total"] + (BYTES[dtype] + 4) * sum(sorted(blocks + [root], reverse=True)[:2])
 
 
@@ -87,7 +83,8 @@ def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_
         except Exception as e:
             if not is_allocation_failure(e):
                 raise
-            if is_fsdp(model) and ranks.multi:  # its collectives and the other ranks' no longer match: torchrun ends them
+            if is_fsdp(model) and ranks.multi:  # its collectives and the other ranks' no longer match: torchrun
+                # ends them
                 raise UserError(f"the micro-batch auto-fit ran out of GPU memory on rank {ranks.rank} at {b} x "
                                 f"{block_size} tokens under FSDP: pass a --micro-batch-size below {b}")
             b = max([c for c in cands if c < b], default=0)
@@ -105,37 +102,32 @@ def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_
     return b
 
 
-def memory_plan(n_params, world_size, sharding, dtype, micro_batch, block_size, n_layer, n_embd,
-                activation_checkpointing=False, vocab_size=PADDED_VOCAB_SIZE, muon_params=0):
-    """Estimated bytes each GPU holds at the peak of a training step, to choose settings by: it leaves out the
-    CUDA context, allocator fragmentation and communication buffers (plan a ~10% margin).
-    - params: fp32, 1/world under FSDP, plus there the root (embeddings, ln_f) and two blocks (the current and
-      the prefetched) unsharded in the compute dtype; under DDP with 16-bit autocast, its copy of every weight.
+def memory_plan(model, world_size, sharding, dtype, micro_batch, block_size, activation_checkpointing=False,
+                optimizer=None):
+    """Estimated bytes each GPU holds at the peak of a training step of `model` (a GPT: it says what a step holds in
+    activations and how its parameters fall into units), to choose settings by: it leaves out the CUDA context,
+    allocator fragmentation and communication buffers (plan a ~10% margin).
+    - params: fp32, 1/world under FSDP, plus there the root unit and the two largest blocks (the current and the
+      prefetched) unsharded in the compute dtype; under DDP with 16-bit autocast, its copy of every weight.
     - grads: fp32, 1/world under FSDP (DDP's buckets are the gradients: gradient_as_bucket_view).
-    - optimizer: AdamW's two fp32 moments, Muon's one (momentum) for muon_params; 1/world under FSDP.
-    - activations (s = block_size, b = micro_batch, h = n_embd): per layer 34*s*b*h bytes in 16-bit, twice that
-      in fp32 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", without
-      the s x s scores flash attention does not store; GPT-2 has no dropout masks, so 34 is a little generous).
-      With activation checkpointing each block's fp32 input, 4*s*b*h, plus one block recomputed in backward.
-      Plus the logits: s*b*V*(2 for 16-bit + 4 for cross_entropy's fp32 copy + 4 for log-softmax), 8 in fp32."""
+    - optimizer: the optimizer's state (optim.Optimizers; AdamW's two fp32 moments where there is none yet); 1/world
+      under FSDP.
+    - activations: GPT.activation_bytes at the compute dtype, with or without activation checkpointing."""
     cb = BYTES[dtype]
+    n_params = model.num_params(non_embedding=False)
     shards = world_size if sharding == "fsdp" else 1
     params = 4 * n_params / shards
     if sharding == "fsdp":
-        # the root and two blocks; a block: attention 4h^2 + 4h, MLP 8h^2 + 5h, two LayerNorms 4h
-        params += cb * (n_params - (n_layer - 2) * (12 * n_embd ** 2 + 13 * n_embd))
+        root, blocks = model.units()
+        params += cb * (root + sum(sorted(blocks, reverse=True)[:2]))
     elif cb == 2:
         params += cb * n_params
     grads = 4 * n_params / shards
-    optimizer = (8 * (n_params - muon_params) + 4 * muon_params) / shards
-    sbh = block_size * micro_batch * n_embd
-    per_layer = 34 * sbh * cb // 2  # 34 sbh bytes in 16-bit, 68 sbh in fp32
-    layers = n_layer * per_layer
-    if activation_checkpointing:
-        layers = n_layer * 4 * sbh + per_layer
-    activations = layers + block_size * micro_batch * vocab_size * (10 if cb == 2 else 8)  # + the logits
-    return dict(params=params, grads=grads, optimizer=optimizer, activations=activations,
-                total=params + grads + optimizer + activations, optimizer_name="Muon+AdamW" if muon_params else "AdamW")
+    state = optimizer.state_bytes() if optimizer is not None else 8 * n_params
+    activations = model.activation_bytes(micro_batch, block_size, cb, activation_checkpointing)
+    return dict(params=params, grads=grads, optimizer=state / shards, activations=activations,
+                total=params + grads + state / shards + activations,
+                optimizer_name=optimizer.name if optimizer is not None else "AdamW")
 
 
 def format_memory_plan(plan, capacity=None, per="GPU"):

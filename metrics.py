@@ -9,16 +9,19 @@ per record, each with "kind" and "time" (Unix seconds). The kinds and their othe
               world_size, grad_accum, versions, git (commit, "-dirty" if changed, or null), config (every resolved
               setting), changes (the settings a resume's command line changed), restart (torchrun's restart count),
               per_node (processes per node: what a resume launches), environment (the variables set that change
-              how torch compiles and runs: TORCHINDUCTOR_*, NCCL_*, ...)
+              how torch compiles and runs: TORCHINDUCTOR_*, NCCL_*, ...), evaluations ({kind: {field, best, label,
+              panel}}: the evaluation records of the run and their headline number, which readers learn them from;
+              a run record without it: val, hellaswag and core as below, EVALUATIONS)
   memory      one per launch, after run: step, params, grads, optimizer, activations, total: the bytes each GPU
               (or process) is planned to hold (memory.memory_plan)
   train       one per optimizer step: step, loss, lr, grad_norm, dt_ms, tok_per_s (all ranks), mfu (a fraction,
               null where the device's peak is unknown), tokens (seen after the step: (step + 1) * tokens_per_step),
               skipped (true: a non-finite step not applied), peak_mem (bytes rank 0's GPU has held at most since
               the launch's first step; null off CUDA)
-  val         step, val_loss, tokens (seen before the step: step * tokens_per_step)
+  val         an evaluation's (evaluation.py): step, val_loss, tokens (seen before the step: step * tokens_per_step)
   hellaswag   step, acc, acc_norm, n (items scored), tokens (as for val)
   core        step, core (the mean centred accuracy), centered ({task: centred accuracy}), tokens
+  (any kind a run record describes: step, tokens and its headline number, at least)
   checkpoint  step (steps completed: a resume starts there), path
   sample      step, index, text: one of the samples printed at that step
   timing      step, data_ms, copy_ms, forward_ms, backward_ms, optimizer_ms, eval_ms: mean ms per step of each
@@ -27,7 +30,7 @@ per record, each with "kind" and "time" (Unix seconds). The kinds and their othe
               nonfinite or out_of_memory; absent when the process was killed or is still running
 
 Readers skip the kinds they do not use, so kinds can be added. A line that holds no usable record (a write cut
-short by a kill, damage, a used kind without one of its REQUIRED keys or with a value of another type) is skipped
+short by a kill, damage, a used kind without one of its required keys or with a value of another type) is skipped
 with one warning naming it; a file in which no line is a record is an error.
 """
 
@@ -52,18 +55,19 @@ METRICS_FILE = "metrics.jsonl"
 TEXT_LOG_FILE = "log.txt"
 LOCK_FILE = "trainer.lock"  # held by the writing trainer for its whole run; says who holds it
 
-# the keys a reader relies on, per kind, and their types; the other keys above are optional for a reader
+# the keys a reader relies on, per kind, and their types; the other keys above are optional for a reader. An
+# evaluation's kind is described in the run record: step, tokens and its headline number are required of it
 REQUIRED = {"run": {"step": int},
             "train": {"step": int, "loss": float, "tokens": int, "tok_per_s": float, "dt_ms": float},
-            "val": {"step": int, "val_loss": float, "tokens": int},
-            "hellaswag": {"step": int, "acc_norm": float, "tokens": int},
-            "core": {"step": int, "core": float, "tokens": int},
             "checkpoint": {"step": int, "path": str},
             "end": {"step": int, "reason": str}}
+# the evaluations of runs logged before run records described them
+EVALUATIONS = {"val": dict(field="val_loss", best="min", label="val loss", panel="loss"),
+               "hellaswag": dict(field="acc_norm", best="max", label="HellaSwag", panel="hellaswag"),
+               "core": dict(field="core", best="max", label="CORE", panel="core")}
 # optional: a number or null
 NUMBERS = ("time", "mfu", "max_steps", "tokens_per_step", "world_size", "per_node", "peak_mem")
 TYPE_WORDS = {int: "an integer", float: "a number", str: "text"}
-STEP_KINDS = ("train", "val", "hellaswag", "core", "checkpoint")  # read_metrics keeps one record per step
 
 
 # Writing
@@ -293,27 +297,40 @@ def _decode(line):
                 break
             except ValueError:
                 pass
-    if rec is None:
-        return None, why
-    if not (isinstance(rec, dict) and isinstance(rec.get("kind"), str)):
+    if rec is not None and not (isinstance(rec, dict) and isinstance(rec.get("kind"), str)):
         return None, 'not a record (a JSON object with a "kind")'
-    kind = rec["kind"]
-    if kind not in REQUIRED:
-        return rec, why
-    for key, want in dict(REQUIRED[kind], **{k: float for k in NUMBERS if rec.get(k) is not None}).items():
-        value = rec.get(key)
-        if value is None:
-            return None, f"a {kind!r} record without {key!r}"
-        if isinstance(value, bool) or not isinstance(value, (int, float) if want is float else want):
-            return None, f"{key!r} is {value!r}, not {TYPE_WORDS[want]}"
     return rec, why
 
 
+def _check(rec, required):
+    """What is wrong with a record of a kind a reader uses (required: {kind: {key: type}}), or None."""
+    kind = rec["kind"]
+    for key, want in dict(required[kind], **{k: float for k in NUMBERS if rec.get(k) is not None}).items():
+        value = rec.get(key)
+        if value is None:
+            return f"a {kind!r} record without {key!r}"
+        if isinstance(value, bool) or not isinstance(value, (int, float) if want is float else want):
+            return f"{key!r} is {value!r}, not {TYPE_WORDS[want]}"
+    return None
+
+
+def described(records):
+    """{kind: description} of the evaluations the run records describe, in their order (EVALUATIONS for a run
+    record that predates descriptions)."""
+    found = {}
+    for rec in records:
+        if rec["kind"] == "run":
+            evaluations = rec.get("evaluations")
+            found.update(evaluations if isinstance(evaluations, dict) else EVALUATIONS)
+    return found or dict(EVALUATIONS)
+
+
 def read_records(path):
-    """The records of a metrics file, every kind, in file order; what no reader can use is skipped with a warning."""
+    """(the records of a metrics file, every kind, in file order; {kind: description} of its evaluations). What no
+    reader can use is skipped with a warning."""
     with open(path, "rb") as f:
         lines = f.read().decode("utf-8", errors="replace").split("\n")
-    records, skipped = [], []
+    decoded, skipped = [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -321,20 +338,32 @@ def read_records(path):
         if why is not None:
             skipped.append(f"line {n}: {why}")
         if rec is not None:
+            decoded.append((n, rec))
+    evaluations = described(rec for _, rec in decoded)
+    required = dict(REQUIRED, **{kind: {"step": int, "tokens": int, d["field"]: float}
+                                 for kind, d in evaluations.items() if isinstance(d, dict) and d.get("field")})
+    records = []
+    for n, rec in decoded:
+        why = _check(rec, required) if rec["kind"] in required else None
+        if why is None:
             records.append(rec)
+        else:
+            skipped.append(f"line {n}: {why}")
     if skipped and not records:
         raise UserError(f"{path} is not JSON records of a run ({skipped[0]}): pass the --log-dir of a "
                         "train_gpt2.py run")
     if skipped and path not in _warned:
         _warned.add(path)
         more = f", and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-        print(f"warning: {path}: skipped what no reader can use: {'; '.join(skipped[:3])}{more}",
-              file=sys.stderr, flush=True)
-    return records
+        first = sorted(skipped, key=lambda note: int(note.split(":")[0][5:]))[:3]  # "line N: ..."
+        print(f"warning: {path}: skipped what no reader can use: {'; '.join(first)}{more}", file=sys.stderr,
+              flush=True)
+    return records, evaluations
 
 
 def read_metrics(log_dir):
-    """{"path", "launches", and per STEP_KINDS a list sorted by step}; a launch is {"run", "start", "last_time",
+    """{"path", "launches", "evaluations" ({kind: description}, read_records'), and per kind of step record (train,
+    checkpoint and each evaluation's) a list sorted by step}; a launch is {"run", "start", "last_time",
     "first_train_step", "end" (its end record or None)}. Where a resumed launch starts at step s, the later record
     for a step wins, and what the earlier launch logged past s (an abandoned branch) is dropped."""
     path = os.path.join(log_dir, METRICS_FILE)
@@ -348,18 +377,13 @@ def read_metrics(log_dir):
     return metrics
 
 
-def read_launches(log_dir):
-    """read_metrics(log_dir)["launches"], or [] where the trainer has written no record there yet."""
-    path = os.path.join(log_dir, METRICS_FILE)
-    return _read(path)["launches"] if os.path.isfile(path) else []
-
-
 def _read(path):
-    by_step = {kind: {} for kind in STEP_KINDS}
+    records, evaluations = read_records(path)
+    by_step = {kind: {} for kind in ["train", *evaluations, "checkpoint"]}  # one record per step of these
     launches = []
-    for rec in read_records(path):
+    for rec in records:
         kind = rec["kind"]
-        if kind not in REQUIRED:
+        if kind not in REQUIRED and kind not in by_step:
             continue
         if kind == "run" or not launches:
             launches.append({"run": rec if kind == "run" else None, "start": rec.get("time"),
@@ -378,7 +402,7 @@ def _read(path):
         if kind == "end":
             launch["end"] = rec
     metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
-    return dict(metrics, path=path, launches=launches)
+    return dict(metrics, path=path, launches=launches, evaluations=evaluations)
 
 
 # What produced a run or a data set, as its run header and fineweb.py's manifest record it

@@ -3,7 +3,7 @@ Parameter names follow Hugging Face's, so importing weights is a key-for-key cop
 
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
@@ -89,6 +89,10 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+# The transformer blocks a GPT can be built of (--block): a variant of the block is a class and a line here.
+BLOCKS = {"gpt2": Block}  # GPT-2's: pre-LayerNorm, causal self-attention and a tanh-GELU MLP
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 1024                 # longest context, in tokens
@@ -97,10 +101,20 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
+    block: str = "gpt2"                    # the kind of transformer block: a key of BLOCKS
 
     def __post_init__(self):
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.block not in BLOCKS:
+            raise ValueError(f"no block {self.block!r}: the blocks are {', '.join(sorted(BLOCKS))}")
+
+
+def config_of(preset, block_size, n_layer=None, n_head=None, n_embd=None, block="gpt2"):
+    """A GPTConfig from a preset's shape (PRESETS) and the sizes given over it; ValueError for one that cannot be."""
+    shape = dict(PRESETS[preset], block=block)
+    shape.update({k: v for k, v in dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd).items() if v is not None})
+    return GPTConfig(block_size=block_size, **shape)
 
 
 class GPT(nn.Module):
@@ -110,7 +124,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([BLOCKS[config.block](config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
@@ -125,6 +139,42 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    @classmethod
+    def from_shape(cls, shape):
+        """The GPT of a stored shape (shape(): what checkpoints keep)."""
+        return cls(GPTConfig(**shape))
+
+    def shape(self):
+        return asdict(self.config)
+
+    @property
+    def blocks(self):
+        """The repeated units: what FSDP shards one by one, activation checkpointing recomputes and compile compiles
+        under FSDP."""
+        return self.transformer.h
+
+    def matrices(self):
+        """The blocks' 2-D weights, attention's and the MLP's: what Muon trains."""
+        return [p for block in self.blocks for p in block.parameters() if p.dim() == 2]
+
+    def units(self):
+        """(parameters outside the blocks: the embeddings, the tied head and the final norm; each block's)."""
+        blocks = [sum(p.numel() for p in block.parameters()) for block in self.blocks]
+        return self.num_params(non_embedding=False) - sum(blocks), blocks
+
+    def activation_bytes(self, micro_batch, seq_len, value_bytes, checkpointing=False):
+        """Bytes a training step holds for the backward pass at value_bytes per value (2 in 16-bit, 4 in fp32): per
+        layer 17 * s * b * h values (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+        Models", without the s x s scores flash attention does not store; GPT-2 has no dropout masks, so a little
+        generous); with activation checkpointing each block's fp32 input, 4 * s * b * h bytes, plus one block
+        recomputed in backward. Plus the logits: s * b * V * (2 for 16-bit + 4 for the loss's fp32 copy + 4 for its
+        log-softmax), 8 in fp32."""
+        c = self.config
+        sbh = seq_len * micro_batch * c.n_embd
+        per_layer = 17 * sbh * value_bytes
+        layers = c.n_layer * 4 * sbh + per_layer if checkpointing else c.n_layer * per_layer
+        return layers + seq_len * micro_batch * c.padded_vocab_size * (10 if value_bytes == 2 else 8)
 
     def num_params(self, non_embedding=True):
         """Parameter count; position embeddings excluded by default (they do no matmul FLOPs)."""
@@ -194,6 +244,8 @@ class GPT(nn.Module):
         """A transformers.GPT2LMHeadModel with the same weights (vocabulary sliced back to the real one)."""
         from transformers import GPT2Config, GPT2LMHeadModel
         c = self.config
+        if c.block != "gpt2":
+            raise ValueError(f"a GPT of {c.block!r} blocks is not GPT-2's architecture, which the export writes")
         hf = GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
                                         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # bos, eos: 50256 by default

@@ -1,5 +1,6 @@
-"""The optimizers, AdamW (GPT-2's recipe) or Muon for the blocks' matrices beside AdamW (--optimizer muon), and
-their learning-rate schedule. Build them after parallel.wrap_model: FSDP replaces the parameters with shards."""
+"""The optimizers, AdamW (GPT-2's recipe) or Muon for the blocks' matrices beside AdamW (--optimizer muon), as one
+Optimizers, and their learning-rate schedule. Build them after parallel.wrap_model: FSDP replaces the parameters with
+shards."""
 
 import math
 from dataclasses import dataclass
@@ -9,9 +10,9 @@ import torch
 
 def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, device_type="cpu", fused=None,
               muon_lr=None, muon_momentum=0.95, muon_dtype=torch.bfloat16):
-    """AdamW for a GPT, weight decay on 2-D weights (matmuls, embeddings) only; fused on CUDA. With muon_lr, an
-    Optimizers pair: Muon (Nesterov, no weight decay) for the blocks' matrices, as modded-nanogpt trains them."""
-    matrices = muon_matrices(model) if muon_lr is not None else []
+    """The Optimizers of a GPT: AdamW, weight decay on 2-D weights (matmuls, embeddings) only, fused on CUDA; with
+    muon_lr, Muon (Nesterov, no weight decay) for the model's matrices beside it, as modded-nanogpt trains them."""
+    matrices = model.matrices() if muon_lr is not None else []
     rest = [p for p in model.parameters() if not any(p is m for m in matrices)]
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
@@ -19,27 +20,70 @@ def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, d
         fused = device_type == "cuda"
     adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
     if not matrices:
-        return adamw
+        return Optimizers(adamw)
     muon = Muon(matrices, lr=muon_lr, momentum=muon_momentum, nesterov=True, weight_decay=0.0,
                 ortho_dtype=muon_dtype)
     return Optimizers(muon, adamw)
 
 
-def muon_matrices(model):
-    """What Muon trains: the blocks' matrices (attention and MLP)."""
-    return [p for block in model.transformer.h for p in block.parameters() if p.dim() == 2]
+class Optimizers:
+    """The run's optimizers as one, the same shape whether AdamW trains alone or Muon trains the model's matrices
+    beside it: every other room steps, unscales, schedules and checkpoints them through this."""
 
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
 
-def apply_settings(optimizer, weight_decay, betas, eps, muon_momentum=None):
-    """Put these settings into an optimizer from configure() over what a loaded state dict brought back: a
-    resume that changes them trains with the new ones. AdamW's first group is the decayed one."""
-    for opt in getattr(optimizer, "optimizers", [optimizer]):
-        if isinstance(opt, torch.optim.AdamW):
+    name = property(lambda self: "+".join(type(opt).__name__ for opt in self.optimizers))  # AdamW, Muon+AdamW
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+    def unscale_(self, scaler):
+        """The gradient scaler's unscale_ of each (a no-op where it is off)."""
+        for opt in self.optimizers:
+            scaler.unscale_(opt)
+
+    def set_lrs(self, schedule, step, max_lr, muon_lr=None):
+        """Every group's learning rate at step, from its optimizer's peak (muon_lr or max_lr); AdamW's, for the log."""
+        for opt in self.optimizers:
+            peak = muon_lr if isinstance(opt, Muon) else max_lr
+            for group in opt.param_groups:
+                group["lr"] = schedule.lr(step, peak)
+        return schedule.lr(step, max_lr)
+
+    def apply_settings(self, weight_decay, betas, eps, muon_momentum=None):
+        """These settings over what a loaded state dict brought back: a resume that changes them trains with the new
+        ones. AdamW's first group is the decayed one."""
+        for opt in self.optimizers:
+            if isinstance(opt, Muon):
+                if muon_momentum is not None:
+                    for group in opt.param_groups:
+                        group["momentum"] = muon_momentum
+                continue
             for i, group in enumerate(opt.param_groups):
                 group.update(weight_decay=weight_decay if i == 0 else 0.0, betas=tuple(betas), eps=eps)
-        elif muon_momentum is not None:
-            for group in opt.param_groups:
-                group["momentum"] = muon_momentum
+
+    def state_bytes(self):
+        """Bytes of state for the whole model, unsharded: AdamW's two fp32 moments, Muon's one momentum buffer."""
+        return sum((4 if isinstance(opt, Muon) else 8) * p.numel() for opt in self.optimizers
+                   for group in opt.param_groups for p in group["params"])
+
+    def pack(self, states):
+        """One state dict from each optimizer's: AdamW's own where it trains alone (as checkpoints have always held
+        it), else {"optimizers": [...]} in order."""
+        return states[0] if len(self.optimizers) == 1 else {"optimizers": list(states)}
+
+    def unpack(self, state):
+        """pack's inverse: each optimizer's state dict, in order."""
+        return [state] if len(self.optimizers) == 1 else state["optimizers"]
+
+    def state_dict(self):
+        return self.pack([opt.state_dict() for opt in self.optimizers])
+
+    def load_state_dict(self, state):
+        for opt, part in zip(self.optimizers, self.unpack(state)):
+            opt.load_state_dict(part)
 
 
 class Muon(getattr(torch.optim, "Muon", torch.optim.Optimizer)):  # before 2.9, device.py stops with one line
@@ -103,25 +147,6 @@ def orthogonalize(g, coefficients, steps, eps, dtype):
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
-
-
-class Optimizers:
-    """Several optimizers, checkpointed as one; the trainer steps each through the gradient scaler in order."""
-
-    def __init__(self, *optimizers):
-        self.optimizers = optimizers
-
-    def state_dict(self):
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
-
-
-def set_lrs(optimizer, schedule, step, max_lr, muon_lr=None):
-    """Every group's learning rate at step, from its optimizer's peak (muon_lr or max_lr); AdamW's, for the log."""
-    for opt in getattr(optimizer, "optimizers", [optimizer]):
-        peak = muon_lr if isinstance(opt, torch.optim.Muon) else max_lr
-        for group in opt.param_groups:
-            group["lr"] = schedule.lr(step, peak)
-    return schedule.lr(step, max_lr)
 
 
 @dataclass(frozen=True)

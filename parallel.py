@@ -139,7 +139,7 @@ def unwrap(model):
 def _set_block_forwards(raw_model, activation_checkpointing, compile_blocks):
     """Replace each Block's forward by an instance attribute rather than wrap the module: wrappers add
     '_checkpoint_wrapped_module.' or '_orig_mod.' to the parameter names, and so to the checkpoints."""
-    for block in raw_model.transformer.h:
+    for block in raw_model.blocks:
         forward = block.forward
         if activation_checkpointing:  # non-reentrant: works with keyword arguments, FSDP2's hooks and compile
             forward = functools.partial(checkpoint, forward, use_reentrant=False)
@@ -173,7 +173,7 @@ def wrap_model(raw_model, sharding, device, dtype, activation_checkpointing=Fals
         policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
     # compile each block rather than the whole model, as torchtitan does with FSDP2: its hooks run between blocks
     _set_block_forwards(raw_model, activation_checkpointing, compile_blocks=compile)
-    blocks = raw_model.transformer.h
+    blocks = raw_model.blocks
     for i, block in enumerate(blocks):
         # each block a unit of its own; the last stays gathered after forward, as backward starts with it
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
@@ -201,7 +201,7 @@ def uncompiled(raw_model):
     """The blocks' plain forwards for a while: HellaSwag's packed rows and KV-cache sampling would make the
     per-block compile under FSDP (wrap_model) compile again for every new shape until it gave up."""
     saved = {}
-    for block in raw_model.transformer.h:
+    for block in raw_model.blocks:
         if getattr(block, "_compiled", False):
             saved[block] = block.__dict__.pop("forward")  # Block.forward (the class's) shows through
     try:

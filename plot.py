@@ -20,7 +20,7 @@ import threading
 
 import common
 from common import UserError
-from metrics import latest_checkpoint, read_metrics, resume_command, step_of
+from metrics import EVALUATIONS, latest_checkpoint, read_metrics, resume_command, step_of
 
 GPT2_VAL_LOSS = 3.2924   # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as measured by build-nanogpt
 GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, HellaSwag acc_norm on the 10,042 validation examples (build-nanogpt)
@@ -37,6 +37,9 @@ REFERENCES = {  # each panel's reference lines: value, legend, colour
              (GPT2_CORE_124M, f"OpenAI GPT-2 124M CORE {GPT2_CORE_124M} (nanochat)", "black")],
 }
 LEGEND_WIDTH = 30  # characters per legend line: longer labels wrap, so legends stay narrow
+# the evaluations every summary and plot shows, scored or not (the others where a run recorded them)
+SHOWN = {kind: d for kind, d in EVALUATIONS.items() if kind in ("val", "hellaswag")}
+MISSING = {"val": "no evaluation logged", "hellaswag": "not evaluated"}  # what the summary says without them
 
 
 def warmed_up(metrics):
@@ -80,17 +83,18 @@ def summarize(log_dir):
         "tok_per_s_mean": sum(r["tok_per_s"] * r["dt_ms"] for r in train) / step_time if step_time > 0 else None,
         "tok_per_s_steady": _median([r["tok_per_s"] for r in steady]),
         "mfu": _median([r.get("mfu") for r in steady]),
-        "custom_core_tasks": custom_core_tasks(m["core"]),
+        "custom_core_tasks": custom_core_tasks(m.get("core", [])),
         "status": end["reason"] if end else "stopped",
         "stop_step": end["step"] if end else (train[-1]["step"] if train else None),
+        "evaluations": {kind: d["label"] for kind, d in {**SHOWN, **m["evaluations"]}.items()},
     }
-    for key, kind, field, pick in (("val_loss", "val", "val_loss", min), ("hellaswag", "hellaswag", "acc_norm", max),
-                                   ("core", "core", "core", max)):
-        records = m[kind]
+    for kind, d in {**SHOWN, **m["evaluations"]}.items():  # KIND_best, KIND_best_step, KIND_final, KIND_final_step
+        records, field = m.get(kind, []), d["field"]
+        pick = min if d["best"] == "min" else max
         best = pick((r for r in records if math.isfinite(r[field])), key=lambda r: r[field], default={})
         last = records[-1] if records else {}
-        s.update({f"{key}_best": best.get(field), f"{key}_best_step": best.get("step"),
-                  f"{key}_final": last.get(field), f"{key}_final_step": last.get("step")})
+        s.update({f"{kind}_best": best.get(field), f"{kind}_best_step": best.get("step"),
+                  f"{kind}_final": last.get(field), f"{kind}_final_step": last.get("step")})
     s["checkpoint"] = latest_checkpoint(log_dir)  # what --resume continues from
     s["checkpoint_step"] = step_of(s["checkpoint"]) if s["checkpoint"] else None
     return s
@@ -136,15 +140,15 @@ def format_summary(s):
                                       else "n/a (peak FLOPs of this device unknown)"))
     core_references = (f"GPT-2 124M: {GPT2_CORE_124M}, 1.5B: {GPT2_CORE_XL}" if s["custom_core_tasks"] is None
                        else f"over {s['custom_core_tasks']} tasks: not comparable with GPT-2's, over {N_CORE_TASKS}")
-    for name, key, references, missing in (
-            ("val loss", "val_loss", f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}", "no evaluation logged"),
-            ("HellaSwag", "hellaswag", f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}", "not evaluated"),
-            ("CORE", "core", core_references, None)):
-        if s[f"{key}_best"] is not None:
-            lines.append(f"  {name:<11} best {s[f'{key}_best']:.4f} at step {s[f'{key}_best_step']}, "
-                         f"final {s[f'{key}_final']:.4f} at step {s[f'{key}_final_step']} ({references})")
-        elif missing is not None:  # CORE is off by default: no line for it then
-            lines.append(f"  {name:<11} n/a ({missing})")
+    references = {"val": f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}",
+                  "hellaswag": f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}", "core": core_references}
+    for kind, name in s["evaluations"].items():
+        against = f" ({references[kind]})" if kind in references else ""
+        if s[f"{kind}_best"] is not None:
+            lines.append(f"  {name:<11} best {s[f'{kind}_best']:.4f} at step {s[f'{kind}_best_step']}, "
+                         f"final {s[f'{kind}_final']:.4f} at step {s[f'{kind}_final_step']}{against}")
+        elif kind in MISSING:  # the others (CORE, off by default) have no line where they recorded nothing
+            lines.append(f"  {name:<11} n/a ({MISSING[kind]})")
     words = STATUS_WORDS.get(s["status"], f"ended ({s['status']})")
     at = f"at step {s['stop_step']}" if s["stop_step"] is not None and s["stop_step"] >= 0 else "before its first step"
     status = f"  status      {words} {at}"
@@ -234,15 +238,19 @@ def build_figure(log_dirs, labels=None, smooth=None):
     # one span for every run, so that an ablation and its baseline are smoothed alike: about 4% of the longest
     span = smooth or max(1, min(100, max(len(m["train"]) for m in runs) // 25))
     smoothing = f"EMA over {span} steps" if span > 1 else "per step"
-    scored_core = any(m["core"] for m in runs)  # a fifth panel, for CORE, when a run scored it
-    fig = Figure(figsize=(17, 13 if scored_core else 9), dpi=100, layout="constrained")
-    ax = fig.subplot_mosaic([["loss", "hellaswag"], ["tps", "mfu"]] + ([["core", "."]] if scored_core else []))
+    kinds = {kind: d for m in runs for kind, d in {**SHOWN, **m["evaluations"]}.items()}
+    # a panel of its own for each other evaluation a run recorded (CORE when scored), two panels a row
+    extra = [d["panel"] for kind, d in kinds.items() if d["panel"] not in ("loss", "hellaswag")
+             and any(m.get(kind) for m in runs)]
+    extra = list(dict.fromkeys(extra))
+    rows = [["loss", "hellaswag"], ["tps", "mfu"]] + [(extra[i:i + 2] + ["."])[:2] for i in range(0, len(extra), 2)]
+    fig = Figure(figsize=(17, 9 + 4 * len(rows[2:])), dpi=100, layout="constrained")
+    ax = fig.subplot_mosaic(rows)
     loss_late, loss_all = [GPT2_VAL_LOSS], [GPT2_VAL_LOSS]
     for i, (m, label) in enumerate(zip(runs, labels)):
-        color, train, val = f"C{i}", m["train"], m["val"]
+        color, train = f"C{i}", m["train"]
         loss = [r["loss"] for r in train]
         smoothed = _curve(ax["loss"], train, loss, color, f"{label} train", span)
-        _points(ax["loss"], val, "val_loss", color, f"{label} val", style="--o")
         # step -> tokens seen there, each step once; a launch that trained no step (an export) resumed nothing
         resumed = [launch["run"] for launch in m["launches"][1:]
                    if launch["run"] and launch["first_train_step"] is not None]
@@ -250,31 +258,42 @@ def build_figure(log_dirs, labels=None, smooth=None):
         for j, tokens in enumerate(resumes.values()):
             ax["loss"].axvline(tokens, color=color, linestyle=(0, (1, 3)),
                                label=None if j else f"{label}: resumed at step {', '.join(map(str, resumes))}")
-        _points(ax["hellaswag"], m["hellaswag"], "acc_norm", color, label)
-        n_tasks = custom_core_tasks(m["core"])
-        _points(ax.get("core"), m["core"], "core", color, label if n_tasks is None
-                else f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)")
+        for kind, d in kinds.items():
+            records = m.get(kind, [])
+            if d["panel"] == "loss":  # validation, dashed beside the train curve
+                _points(ax["loss"], records, d["field"], color, f"{label} {d['label']}", style="--o")
+                loss_late += _late([r[d["field"]] for r in records])
+                loss_all += [r[d["field"]] for r in records if math.isfinite(r[d["field"]])]
+                continue
+            n_tasks = custom_core_tasks(records) if kind == "core" else None
+            _points(ax.get(d["panel"]), records, d["field"], color, label if n_tasks is None
+                    else f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)")
         steps = warmed_up(m)
         _curve(ax["tps"], steps, [r["tok_per_s"] for r in steps], color, label, span)
         steps = [r for r in steps if r.get("mfu") is not None]
         _curve(ax["mfu"], steps, [100 * r["mfu"] for r in steps], color, label, span)
-        loss_late += _late(smoothed) + _late([r["val_loss"] for r in val])
-        loss_all += [v for v in loss + [r["val_loss"] for r in val] if math.isfinite(v)]
-    comparable = [custom_core_tasks(m["core"]) is None for m in runs if m["core"]]
+        loss_late += _late(smoothed)
+        loss_all += [v for v in loss if math.isfinite(v)]
+    comparable = [custom_core_tasks(m["core"]) is None for m in runs if m.get("core")]
     references = dict(REFERENCES, core=REFERENCES["core"] if any(comparable) else [])  # GPT-2's: over all 22 tasks
     for name, lines in references.items():
         for value, text, color in lines:
-            ax[name].axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
+            if name in ax:
+                ax[name].axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
     # from the lowest loss up to where the curves are past their first drop: where runs differ and GPT-2 sits
     low, high = min(loss_all), max(loss_late)
     ax["loss"].set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
-    scores = [r["acc_norm"] for m in runs for r in m["hellaswag"]]
+    scores = [r["acc_norm"] for m in runs for r in m.get("hellaswag", [])]
     ax["hellaswag"].set_ylim(min([0.24] + scores) - 0.005, max([0.35] + scores) + 0.01)
-    if scored_core:
+    if "core" in ax:
         cores = [r["core"] for m in runs for r in m["core"]]
         ax["core"].set_ylim(min([0.0] + cores) - 0.01, max([v for v, _, _ in references["core"]] + cores) + 0.02)
         ax["core"].set(ylabel="CORE", title=f"CORE ({N_CORE_TASKS} in-context tasks, centred accuracy: 0 = chance)"
                        if all(comparable) else "CORE (centred accuracy: 0 = chance)")
+    for kind, d in kinds.items():  # the others' panels: named by what they record
+        if d["panel"] in ax and d["panel"] not in ("loss", "hellaswag", "core"):
+            ax[d["panel"]].set(title=f"{d['label']} ({d['field']}, {'lower' if d['best'] == 'min' else 'higher'} "
+                                     "is better)", ylabel=d["field"])
     ax["loss"].set(ylabel="cross-entropy loss (nats/token)",
                    title=f"Loss (train: faint per step, solid {smoothing}; val: dashed)" if span > 1
                    else "Loss (train: per step; val: dashed)")
@@ -289,7 +308,7 @@ def build_figure(log_dirs, labels=None, smooth=None):
     if not ax["mfu"].lines:
         ax["mfu"].text(0.5, 0.5, "MFU not measured (peak FLOPs of the device unknown, e.g. CPU)",
                        transform=ax["mfu"].transAxes, ha="center", color="gray")
-    max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m[k]])
+    max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m.get(k)])
     for panel in ax.values():
         panel.set(xlim=(-0.02 * max_tokens, 1.02 * max_tokens), xlabel="tokens seen")
         panel.xaxis.set_major_formatter(lambda v, _: human(v))

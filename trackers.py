@@ -24,7 +24,6 @@ class Trackers:
     launches logged from start_step on (purge_step), and W&B gets no step below the last one its run holds."""
 
     CONFIG_KINDS = ("run", "memory")  # what the run is, not something that changes with the steps
-    REPLAYED_KINDS = ("val", "hellaswag", "core", "train")  # in the trainer's order within a step
 
     def __init__(self, log_dir, wandb_project=None, wandb_run=None, wandb_id=None, tensorboard=False, start_step=0):
         self.wandb = self.writer = None
@@ -51,8 +50,9 @@ class Trackers:
             end = launch["end"]
             if end is not None:  # its end record's step: max_steps when finished, else its last step
                 held = max(held, end["step"] + (end["reason"] != "finished"))
-        records = [r for kind in self.REPLAYED_KINDS for r in m[kind] if held <= r["step"] < start_step]
-        for r in sorted(records, key=lambda r: r["step"]):  # stable: a step's kinds stay in REPLAYED_KINDS order
+        kinds = [*m["evaluations"], "train"]  # in the trainer's order within a step: its evaluations, then the step
+        records = [r for kind in kinds for r in m[kind] if held <= r["step"] < start_step]
+        for r in sorted(records, key=lambda r: r["step"]):  # stable: a step's kinds stay in that order
             self.queue.put((r["kind"], {k: v for k, v in r.items() if k not in ("kind", "time")}, ("wandb",)))
 
     def send(self, kind, fields):

@@ -13,7 +13,7 @@ import secrets
 
 import common
 from common import UserError
-from model import PRESETS
+from model import BLOCKS, PRESETS
 
 DEFAULT_WARMUP = 715  # build-nanogpt's 375M tokens of warm-up, as in the GPT-3 paper, at 2**19 tokens/step
 DEFAULT_VAL_TOKENS = 10485760
@@ -29,6 +29,8 @@ def build_parser(description=None):
     a("--n-layer", type=int, help="override the preset's number of layers")
     a("--n-head", type=int, help="override the preset's number of attention heads")
     a("--n-embd", type=int, help="override the preset's embedding width")
+    a("--block", default="gpt2", choices=sorted(BLOCKS),
+      help="the transformer block (default: gpt2, GPT-2's); model.py's BLOCKS holds the variants")
     a("--block-size", type=int, default=1024, help="context length T in tokens (default: 1024)")
     a("--init-from", help="start from pretrained weights (a Hugging Face name or directory, a checkpoint or a log "
                           "directory), whose architecture it takes")
@@ -143,8 +145,9 @@ RANGES = [
 # micro-batch does not change the math (the total batch does, and the data position is counted in sequences): a run
 # whose micro-batch was fitted fits it again on the GPU it resumes on, and another value may be given. Where the run
 # is written, which checkpoint continues it and what is profiled are this launch's own.
-FIXED_ON_RESUME = ("model", "n_layer", "n_head", "n_embd", "block_size", "init_from", "total_batch_size",
-                   "shuffle_seed", "seed", "optimizer")
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block")  # the flags over --model's preset (model.config_of's)
+FIXED_ON_RESUME = ("model", *ARCHITECTURE, "block_size", "init_from", "total_batch_size", "shuffle_seed", "seed",
+                   "optimizer")
 LAUNCH_ONLY = ("log_dir", "resume", "profile_steps", "memory_snapshot")
 # stored absolute, as resolved where the launch ran: a resume from another working directory reads the
 # same files, and a --resume given again is known for the same path (resolve)
@@ -195,13 +198,16 @@ def check_relations(cfg, resumed=False):
         if flag in cfg.given and cfg.optimizer != "muon":
             raise UserError(f"--{flag.replace('_', '-')} is a setting of --optimizer muon, and this run uses "
                             f"{cfg.optimizer}: add --optimizer muon, or drop it")
-    for flag in ("model", "n_layer", "n_head", "n_embd"):
+    for flag in ("model",) + ARCHITECTURE:
         if flag in cfg.given and cfg.init_from:
             raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "
                             f"from {cfg.init_from}; drop it")
     if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
         raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
                         f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
+    if cfg.export_hf and cfg.block != "gpt2":
+        raise UserError(f"--export-hf writes GPT-2's Hugging Face format, and {said('block')} is another architecture: "
+                        "pass --no-export-hf")
     if cfg.warmup_steps > cfg.max_steps:
         raise UserError(f"{said('warmup_steps')} is more than {said('max_steps')}: the run would end before the "
                         f"learning rate reaches its peak; pass --warmup-steps {cfg.max_steps // 10} (or another of at "
@@ -224,35 +230,34 @@ class Settings(argparse.Namespace):
 def resolve(args, resume=None):
     """The launch's Settings, and what the command line changed of a resumed run (checkpoint.Resume, or None for a
     new run): its own settings under the flags the command line names, then every check between them."""
-    ckpt, path = (resume.checkpoint, resume.path) if resume is not None else (None, None)
     values = dict(vars(args))
-    changes = stored_run(values, args.given, ckpt, path) if ckpt is not None else []
+    changes = stored_run(values, args.given, resume) if resume is not None else []
     if values["optimizer"] != "muon":
         values["muon_lr"] = None  # Muon's peak rate only where Muon trains: what every reader asks
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
         values["wandb_id"] = secrets.token_hex(4)
     cfg = Settings(values)
-    check_relations(cfg, resumed=ckpt is not None)
-    if ckpt is not None and cfg.max_steps < ckpt["step"]:
-        raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {ckpt['step']} steps {path} has "
+    check_relations(cfg, resumed=resume is not None)
+    if resume is not None and cfg.max_steps < resume.step:
+        raise UserError(f"--max-steps {cfg.max_steps} is fewer than the {resume.step} steps {resume.path} has "
                         "done: give more, or leave it out to keep the run's")
-    if ckpt is not None and cfg.profile_steps and cfg.profile_steps[0] < ckpt["step"]:
+    if resume is not None and cfg.profile_steps and cfg.profile_steps[0] < resume.step:
         raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} starts before step "
-                        f"{ckpt['step']}, where this launch resumes {path}: profile steps from {ckpt['step']} on")
+                        f"{resume.step}, where this launch resumes {resume.path}: profile steps from {resume.step} on")
     return cfg, changes
 
 
-def stored_run(values, given, ckpt, path):
-    """The run's settings from its checkpoint into values; a flag the command line named that differs is
-    refused where it is FIXED_ON_RESUME, else applied and returned as a line. Settings an older checkpoint
-    does not hold keep their defaults."""
-    stored, changes = ckpt["config"], []
+def stored_run(values, given, resume):
+    """The run's settings (resume.settings) into values; a flag the command line named that differs is refused where
+    it is FIXED_ON_RESUME, else applied and returned as a line. Settings an older run did not store keep their
+    defaults."""
+    stored, changes = resume.settings, []
     for key, now in sorted(values.items()):
         if key in LAUNCH_ONLY or key not in stored:
             continue
         was = stored[key]
         if key in ("n_layer", "n_head", "n_embd"):  # None in a preset's run: its shape says the value
-            was = ckpt["model_config"][key]
+            was = resume.shape[key]
         if key == "micro_batch_size" and key not in given and stored.get("micro_batch_auto"):
             continue  # fitted: fit again, on the device this launch has ("auto", as parsed)
         if key not in given or now == was:
@@ -261,11 +266,16 @@ def stored_run(values, given, ckpt, path):
         flag = "--" + key.replace("_", "-")
         if key in FIXED_ON_RESUME:
             trained = f"without {flag}" if was is None else f"with {flag} {was}"
-            raise UserError(f"cannot resume {path}: the run was trained {trained} and this command asks for "
+            raise UserError(f"cannot resume {resume.path}: the run was trained {trained} and this command asks for "
                             f"{flag} {now}; drop {flag} to continue the run as it was, or use a new --log-dir for "
                             "a new run")
         changes.append(f"{flag} {was} -> {now} (from the command line)")
     return changes
+
+
+def architecture(cfg):
+    """The flags that set the architecture over --model's preset, by name (model.config_of's keywords)."""
+    return {key: getattr(cfg, key) for key in ARCHITECTURE}
 
 
 def stored(cfg, micro_batch):

@@ -33,8 +33,8 @@ import plot
 import train_config
 import trackers
 from common import UserError
-from metrics import RunLog, environment, git_commit, resume_command, versions
-from model import GPT, GPTConfig, PRESETS
+from metrics import RunLog, environment, git_commit, latest_checkpoint, resume_command, versions
+from model import GPT, config_of
 from profiling import PhaseTimer, StepProfiler
 
 
@@ -53,14 +53,14 @@ def train(argv=None):
         common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "
                       "pass a larger --max-steps to train on")
         return 0
-    evaluation.check_inputs(cfg)  # what the evaluations will read, where the run has steps to go
+    evaluations = evaluation.prepare(cfg)  # what they read, read once: where the run has steps to go
     if cfg.wandb or cfg.tensorboard:
         trackers.check_installed(cfg)
     ranks = parallel.setup_distributed(cfg.device, 60 * cfg.dist_timeout, cfg.dist_backend,
                                        group_of_one=cfg.sharding == "fsdp")
     log = RunLog(cfg.log_dir, ranks.is_master)
     try:
-        run = setup(cfg, ranks, log, resume, changes)
+        run = setup(cfg, ranks, log, resume, changes, evaluations)
         del resume  # the checkpoint it read is back in the model and optimizer: free its host memory
         status = loop(run)
     finally:
@@ -85,13 +85,13 @@ class Run:
     grad_accum: int              # micro-batches per optimizer step
     raw_model: GPT               # the GPT itself: checkpoints, samples, HellaSwag (sharded in place under FSDP)
     model: torch.nn.Module       # what trains: compiled, DDP-wrapped or FSDP-sharded
-    optimizer: torch.optim.Optimizer
+    optimizer: optim.Optimizers
     scaler: torch.amp.GradScaler
     schedule: optim.Schedule
     train_loader: dataloader.TokenLoader
     checkpoints: checkpoint.Checkpointer
     start_step: int              # steps already done when this launch began
-    evaluations: list            # those that are on (evaluation.build): validation, HellaSwag, CORE, samples
+    evaluations: evaluation.Evaluations  # those that are on: validation, HellaSwag, CORE, samples
     plotter: object              # plot.PlotWriter, on rank 0 with --plot
 
     dtype = property(lambda self: self.choice.dtype)  # the autocast dtype: float32, bfloat16 or float16
@@ -103,7 +103,7 @@ class Run:
 # Set-up, one job at a time: device, model, batch, data, optimizer, restore, trackers, header
 
 
-def setup(cfg, ranks, log, resume, changes):
+def setup(cfg, ranks, log, resume, changes, evaluations):
     """The Run of this launch, new or continuing `resume`. Every check that can refuse the launch comes before its
     first write into the log directory, and before an old branch's later checkpoints are set aside."""
     checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, resume)
@@ -118,7 +118,7 @@ def setup(cfg, ranks, log, resume, changes):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw_model, origin = build_model(cfg, checkpoints.resumed_model())
+    raw_model, origin = build_model(cfg, resume)
     raw_model.to(ranks.device)
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device, dtype, cfg.activation_checkpointing,
@@ -139,16 +139,17 @@ def setup(cfg, ranks, log, resume, changes):
                         f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
     train_loader = dataloader.TokenLoader(cfg.data_dir, "train", micro_batch, cfg.block_size, ranks.rank,
                                           ranks.world_size, raw_model.config.vocab_size, cfg.shuffle_seed, ranks.device)
-    evaluations = evaluation.build(cfg, ranks, log, fsdp, micro_batch, raw_model.config.block_size,
-                                   raw_model.config.vocab_size)
+    plotter = plot.PlotWriter(cfg.log_dir) if cfg.plot and ranks.is_master else None
+    evaluations.start(evaluation.Context(ranks, log, model, raw_model, fsdp, dtype, micro_batch, cfg.total_batch_size,
+                                         cfg.seed, plotter))
     optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
                                 ranks.device_type, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
                                 muon_dtype=choice.muon_dtype)
     log.hold()  # the lock first: a launch it refuses must not touch the directory
-    start_step = checkpoints.attach(model=model, optimizer=optimizer, scaler=scaler, train_loader=train_loader,
-                                    config=train_config.stored(cfg, micro_batch), fsdp=fsdp)
+    start_step = checkpoints.restore(model=model, optimizer=optimizer, scaler=scaler, train_loader=train_loader,
+                                     config=train_config.stored(cfg, micro_batch), fsdp=fsdp)
     # the settings of this launch, over the param groups the checkpoint brought back
-    optim.apply_settings(optimizer, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
+    optimizer.apply_settings(cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
     schedule = optim.schedule_of(cfg)
     if ranks.is_master and (cfg.wandb or cfg.tensorboard):  # W&B and TensorBoard, fed by the log's records
         name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
@@ -158,16 +159,16 @@ def setup(cfg, ranks, log, resume, changes):
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
               optimizer=optimizer, scaler=scaler, schedule=schedule, train_loader=train_loader,
               evaluations=evaluations, checkpoints=checkpoints, start_step=start_step,
-              plotter=plot.PlotWriter(cfg.log_dir) if cfg.plot and ranks.is_master else None)
+              plotter=plotter)
     write_header(run, origin, resume, changes)
     return run
 
 
-def build_model(cfg, resumed):
-    """The GPT on the CPU and where it came from: `resumed`, the one of the checkpoint's shape (whose weights
-    Checkpointer.attach puts back), pretrained weights (--init-from, cut to --block-size) or a preset."""
-    if resumed is not None:
-        return resumed, "resumed"
+def build_model(cfg, resume):
+    """The GPT on the CPU and where it came from: of the resumed run's shape (whose weights Checkpointer.restore puts
+    back), pretrained weights (--init-from, cut to --block-size) or a preset."""
+    if resume is not None:
+        return GPT.from_shape(resume.shape), "resumed"
     if cfg.init_from:
         model, what = checkpoint.load_model(cfg.init_from)
         if cfg.block_size > model.config.block_size:
@@ -177,13 +178,11 @@ def build_model(cfg, resumed):
         if cfg.block_size < model.config.block_size:
             model.crop_block_size(cfg.block_size)
         return model.train(), what
-    shape = dict(PRESETS[cfg.model])
-    shape.update({k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k) is not None})
     try:
-        config = GPTConfig(block_size=cfg.block_size, **shape)
+        config = config_of(cfg.model, cfg.block_size, **train_config.architecture(cfg))
     except ValueError as e:
         raise UserError(str(e))
-    return GPT(config), f"{cfg.model} preset" if shape == PRESETS[cfg.model] else "custom shape"
+    return GPT(config), f"{cfg.model} preset" if config == config_of(cfg.model, cfg.block_size) else "custom shape"
 
 
 def write_header(run, origin, resume, changes):
@@ -200,11 +199,8 @@ def write_header(run, origin, resume, changes):
     if run.fsdp and not ranks.multi:
         warnings.append("--sharding fsdp with one process shards nothing (a group of one runs FSDP2's paths): launch "
                         "it with torchrun --nproc_per_node=N to shard over N GPUs")
-    params = model.num_params(non_embedding=False)
-    muon_params = sum(p.numel() for p in optim.muon_matrices(model)) if cfg.muon_lr else 0
-    plan = memory.memory_plan(params, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,
-                              model.config.n_layer, model.config.n_embd, cfg.activation_checkpointing,
-                              muon_params=muon_params)
+    plan = memory.memory_plan(model, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,
+                              cfg.activation_checkpointing, run.optimizer)
     memory_line = memory.format_memory_plan(plan, choice.capacity, "GPU" if choice.capacity else "process")
     commit = git_commit()
     resume_path = resume.path if resume is not None else None
@@ -212,7 +208,8 @@ def write_header(run, origin, resume, changes):
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
                compile=choice.compile, world_size=ranks.world_size, grad_accum=run.grad_accum, versions=versions(),
                git=commit, config=train_config.stored(cfg, run.micro_batch), changes=changes,
-               restart=ranks.restart, per_node=ranks.per_node, environment=environment())
+               restart=ranks.restart, per_node=ranks.per_node, environment=environment(),
+               evaluations=run.evaluations.describe())
     start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
     if ranks.restart:
         start += f" | torchrun restart {ranks.restart} (after a worker failed)"
@@ -222,7 +219,7 @@ def write_header(run, origin, resume, changes):
     log.line(f"device {ranks.device} ({name}) | dtype {run.dtype} | {choice.mfu_basis} | world size "
              f"{ranks.world_size} | compile {'on' if choice.compile else 'off'}{f' ({blocker})' if blocker else ''} | "
              f"git {commit} | torch {torch.__version__}")
-    notes = "".join(f" | {note}" for e in run.evaluations if (note := e.note(ranks, cfg.block_size)))
+    notes = "".join(f" | {note}" for note in run.evaluations.notes())
     log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {run.micro_batch} x {cfg.block_size} "
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
              f"{memory.how_chosen(cfg.micro_batch_size, ranks.device_type)}{notes}")
@@ -258,13 +255,13 @@ def loop(run):
             with profiler.step(step):
                 # ---- evaluation: validation loss, HellaSwag, CORE and samples, when due
                 timer.start()
-                if not evaluation.evaluate(run, step, stop):
+                if not evaluation.evaluate(run.evaluations, step, cfg.max_steps, stop):
                     return stopped(run, done, stop)
                 timer.mark("eval")
 
                 # ---- one optimizer step over grad_accum micro-batches
                 t0 = time.perf_counter()
-                lr = optim.set_lrs(run.optimizer, run.schedule, step, cfg.max_lr, cfg.muon_lr)
+                lr = run.optimizer.set_lrs(run.schedule, step, cfg.max_lr, cfg.muon_lr)
                 loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
                                                           run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
                 if diverged(run, loss, finite) and cfg.on_nonfinite == "stop":
@@ -306,8 +303,9 @@ def diverged(run, loss, finite):
 def stop_on_nonfinite(run, step, loss, norm):
     """--on-nonfinite stop: say where to go back to, and end with exit status 3."""
     rates = "--max-lr or --muon-lr" if run.cfg.muon_lr else "--max-lr"  # under Muon, either may be the cause
-    if run.checkpoints.last_path:
-        advice = f"The last good checkpoint is {run.checkpoints.last_path}: resume from it with a lower {rates}"
+    last = latest_checkpoint(run.cfg.log_dir)
+    if last:
+        advice = f"The last good checkpoint is {last}: resume from it with a lower {rates}"
     else:  # --resume with no checkpoint starts the run afresh
         advice = f"No checkpoint was written yet: start the run again (--resume) with a lower {rates}"
     run.log.line(f"step {step} | loss {loss} | grad_norm {norm}: non-finite; stopping. {advice}, "
@@ -332,8 +330,7 @@ def log_step(run, step, loss, lr, norm, dt, finite):
 
 def stopped(run, done, stop):
     """A stop request ended the run after `done` steps: checkpoint them unless that is done, say how to go on."""
-    if not run.checkpoints.holds(done):
-        run.checkpoints.save(done)  # (resumed from another directory's checkpoint: this one needs its own)
+    run.checkpoints.save(done)  # unless the directory holds it
     run.log.line(f"stopped by {stop.signal or 'a signal on another rank'} after {done} steps; "
                  f"continue with: {run.resume_command()}")
     return end(run, "signal", done - 1)
@@ -376,9 +373,7 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     for i in range(grad_accum):
         x, y = loader.next_batch(timer=timer)  # marks the "data" and "copy" phases
         loss_accum += micro_step(model, x, y, ranks, dtype, scaler, grad_accum, i == grad_accum - 1, timer)
-    optimizers = getattr(optimizer, "optimizers", [optimizer])  # each unscaled by the scaler
-    for opt in optimizers:
-        scaler.unscale_(opt)
+    optimizer.unscale_(scaler)
     # the gradients are already all-reduced, so every rank computes the same global norm
     norm = parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
     asked = stop is not None and stop.signal is not None
@@ -390,8 +385,7 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     loss_val, norm_val, stop_any = stats.tolist()
     finite = math.isfinite(loss_val) and math.isfinite(norm_val)
     if finite:  # every optimizer or none: an overflow in one's gradients makes the global norm inf
-        for opt in optimizers:
-            opt.step()  # unscaled above and known finite: GradScaler.step would only check found_inf again
+        optimizer.step()  # unscaled above and known finite: GradScaler.step would only check found_inf again
     scaler.update()  # fp16: the scale comes down after an overflow (a no-op when the scaler is off)
     parallel.zero_grad(model)
     timer.mark("optimizer")

@@ -356,7 +356,7 @@ def run_rung(spec):
         schedule = optim.schedule_of(TRAIN)
 
         def step(i):  # as train_gpt2.py's loop calls it
-            optim.set_lrs(optimizer, schedule, i, TRAIN.max_lr, TRAIN.muon_lr)
+            optimizer.set_lrs(schedule, i, TRAIN.max_lr, TRAIN.muon_lr)
             return train_gpt2.train_step(model, optimizer, scaler, loader, accum, ranks, dtype, TRAIN.grad_clip)
 
         warmup, steps, window = spec["warmup_steps"], spec["steps"], spec["profile_steps"]

@@ -94,10 +94,10 @@ def count_compiles(backend, log_path):
         return
     real_evaluate = evaluation.evaluate
 
-    def evaluate(run, step, stop):
+    def evaluate(evaluations, step, max_steps, stop):
         before = graphs[0]
-        result = real_evaluate(run, step, stop)
-        with open(f"{log_path}.rank{run.ranks.rank}", "a") as f:
+        result = real_evaluate(evaluations, step, max_steps, stop)
+        with open(f"{log_path}.rank{evaluations.ctx.ranks.rank}", "a") as f:
             f.write(json.dumps({"step": step, "graphs": graphs[0] - before}) + "\n")
         return result
     evaluation.evaluate = evaluate

@@ -362,7 +362,7 @@ def test_the_trainer_reads_and_checks_the_bundle_before_it_starts(tmp_path):
 
     def resolve(argv):  # the settings, with the evaluations' files checked as the trainer checks them at start
         cfg, _ = train_config.resolve(train_config.parse_args(argv))
-        evaluation.check_inputs(cfg)
+        evaluation.prepare(cfg)
         return cfg
     for name, (bundle, expect) in bad_bundle_cases(tmp_path).items():
         with pytest.raises(common.UserError) as e:

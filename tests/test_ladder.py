@@ -139,7 +139,7 @@ def test_ladder_times_the_trainers_step(tmp_path, monkeypatch):
     calls, real = [], ladder.train_gpt2.train_step
 
     def counted(model, optimizer, *args, **kwargs):
-        calls.append(optimizer.param_groups[0]["lr"])
+        calls.append(optimizer.optimizers[-1].param_groups[0]["lr"])  # AdamW's
         return real(model, optimizer, *args, **kwargs)
     monkeypatch.setattr(ladder.train_gpt2, "train_step", counted)
     rc, _, r = run(tmp_path, "--in-process", "--rungs", "fp32")

@@ -12,11 +12,12 @@ def test_optimizer_groups_and_step_match_adamw():
     torch.manual_seed(0)
     m = GPT(GPTConfig(**TINY))
     opt = optim.configure(m, weight_decay=0.1, learning_rate=1e-3, device_type="cpu")
-    decay, no_decay = opt.param_groups
+    adamw, = opt.optimizers  # AdamW alone: the same shape as the Muon+AdamW pair
+    decay, no_decay = adamw.param_groups
     assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
     assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))
-    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+    assert adamw.defaults["betas"] == (0.9, 0.95) and adamw.defaults["eps"] == 1e-8 and opt.name == "AdamW"
     # one step equals a hand-configured torch.optim.AdamW on a copy
     import copy
     m2 = copy.deepcopy(m)

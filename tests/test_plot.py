@@ -105,8 +105,8 @@ def logs(tmp_path_factory):
             "tok_per_s_mean": len(t) * TPS / sum(r["dt_ms"] / 1000 for r in t),
             "tok_per_s_steady": statistics.median(r["tok_per_s"] for r in steady),
             "mfu": statistics.median(mfus) if mfus else None,
-            "val_loss_best": min((r["val_loss"] for r in val[name]), default=None),
-            "val_loss_final": val[name][-1]["val_loss"] if val[name] else None,
+            "val_best": min((r["val_loss"] for r in val[name]), default=None),
+            "val_final": val[name][-1]["val_loss"] if val[name] else None,
             "hellaswag_best": max((r["acc_norm"] for r in hs[name]), default=None),
             "hellaswag_final_step": hs[name][-1]["step"] if hs[name] else None,
         }

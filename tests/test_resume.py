@@ -87,7 +87,7 @@ def test_a_refusal_says_where_a_value_it_names_came_from(data_dir, tmp_path, mon
     refusal names the warm-up as the run's own (the user never typed it) and a value that would do."""
     log_dir = str(tmp_path / "log")
     evaluate = evaluation.evaluate
-    monkeypatch.setattr(evaluation, "evaluate", lambda run, step, stop: step < 2 and evaluate(run, step, stop))
+    monkeypatch.setattr(evaluation, "evaluate", lambda evs, step, *a: step < 2 and evaluate(evs, step, *a))
     run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=50, warmup_steps=None, eval_every=0))  # stops at 2
     monkeypatch.undo()
     p = run(["--log-dir", log_dir, "--resume", "--max-steps", "3"], check=False)
@@ -164,7 +164,7 @@ def test_a_fitted_micro_batch_is_fitted_again_on_resume():
     for fitted, expected in ((True, "auto"), (False, 16)):
         ckpt["config"].update(micro_batch_size=16, micro_batch_auto=fitted)
         values = dict(vars(train_config.parse_args(["--resume"])))
-        train_config.stored_run(values, frozenset({"resume"}), ckpt, "ckpt")
+        train_config.stored_run(values, frozenset({"resume"}), checkpoint.Resume("ckpt", ckpt, []))
         assert values["micro_batch_size"] == expected
 
 
@@ -266,7 +266,7 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     old = {s: checkpoint.load_file(metrics.checkpoint_path(log_dir, s))["model"] for s in (4, 6)}
     branch = ["--log-dir", log_dir, "--resume", metrics.checkpoint_path(log_dir, 2), "--max-lr", "1e-3"]
     evaluate = evaluation.evaluate
-    monkeypatch.setattr(evaluation, "evaluate", lambda run, step, stop: step < 4 and evaluate(run, step, stop))
+    monkeypatch.setattr(evaluation, "evaluate", lambda evs, step, *a: step < 4 and evaluate(evs, step, *a))
     p = run(branch)  # a stop request at the top of step 4: it stops after step 3
     monkeypatch.undo()
     moved = [line for line in p.stdout.splitlines() if "a new branch from step 2" in line]
@@ -381,7 +381,7 @@ def test_a_stop_before_the_first_step_of_a_moved_run_keeps_a_checkpoint_in_its_d
     printed command continues, not left in the other directory, where that command finds none."""
     import train_gpt2
     moved = str(tmp_path / "moved")
-    monkeypatch.setattr(evaluation, "evaluate", lambda run, step, stop: False)  # a stop request there
+    monkeypatch.setattr(evaluation, "evaluate", lambda *args: False)  # a stop request there
     p = run(["--log-dir", moved, "--resume", metrics.checkpoint_path(reference_run, 9)])
     assert "stopped by a signal on another rank after 9 steps" in p.stdout
     assert [os.path.basename(c) for c in metrics.list_checkpoints(moved)] == ["ckpt_000009.pt"]

@@ -705,12 +705,12 @@ def test_bad_input_is_one_clear_line(case, bad_input_setup, tmp_path):
 
 
 def test_hellaswag_file_is_read_at_start_as_far_as_the_limit(tmp_path):
-    """--hellaswag-file is read when the settings are resolved, before the run starts (evaluation.check_inputs), up
+    """--hellaswag-file is read when the settings are resolved, before the run starts (evaluation.prepare), up
     to --hellaswag-limit: what lies past the items a run scores does not stop it."""
     hs = tmp_path / "hs.jsonl"
     hs.write_text('{"ctx": "A cat", "endings": ["sat.", "ran.", "is.", "a."], "label": 0}\nnot json\n')
     log_dir = str(tmp_path / "log")
-    check = lambda argv: evaluation.check_inputs(train_config.resolve(train_config.parse_args(argv))[0])  # noqa: E731
+    check = lambda argv: evaluation.prepare(train_config.resolve(train_config.parse_args(argv))[0])  # noqa: E731
     check(["--hellaswag-file", str(hs), "--hellaswag-limit", "1", "--log-dir", log_dir])
     with pytest.raises(train_config.UserError, match="line 2: malformed HellaSwag line"):
         check(["--hellaswag-file", str(hs), "--log-dir", log_dir])
@@ -790,7 +790,7 @@ def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_sch
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for step in (0, 3):  # in the warm-up, then on the cosine
         micro = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(2)]
-        optim.set_lrs(opt, schedule, step, peak, muon)
+        opt.set_lrs(schedule, step, peak, muon)
         loss, norm, _, finite = train_gpt2.train_step(model, opt, scaler, FixedBatches(micro), 2, parallel.Ranks(),
                                                       "float32", grad_clip=clip)
 
@@ -862,7 +862,7 @@ def test_a_launch_decays_the_matrices_only(optimizer, data_dir, tmp_path, monkey
     run = seen["run"]
     names = {p: n for n, p in run.raw_model.named_parameters()}
     decay = {}
-    for opt in getattr(run.optimizer, "optimizers", [run.optimizer]):
+    for opt in run.optimizer.optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
                 decay[names[p]] = (type(opt).__name__, group["weight_decay"])
