@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as tdist
+from torch import nn
 
 import checkpoint
 import memory
 import metrics
+import model
 import optim
 import parallel
 import runs
@@ -406,6 +408,49 @@ def fsdp_overflow_in_one_shard(ranks, tmp):
 def test_fsdp_grad_scaler_skips_on_every_rank_when_one_shard_overflows(two_ranks):
     found_inf = two_ranks(fsdp_overflow_in_one_shard)
     assert found_inf[0] > 0 and found_inf[1] > 0
+
+
+class RMSNormBlock(model.Block):
+    """A variant of the model defined here: GPT-2's block with RMSNorm (no bias, no mean) in place of LayerNorm."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.ln_1, self.ln_2 = nn.RMSNorm(config.n_embd), nn.RMSNorm(config.n_embd)
+
+
+def rmsnorm_gpt(seed=0):
+    model.BLOCKS["rmsnorm"] = RMSNormBlock  # registered where it is used: in this process, or a rank's
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**CONFIG, block="rmsnorm")).double()
+
+
+def trained_variant(ranks, tmp, sharding):
+    model_, _, _, losses, norms = run(rmsnorm_gpt(), sharding, f"{tmp}/data", ranks)
+    return dict(losses=losses, norms=norms, state=checkpoint.model_state(model_))
+
+
+def test_a_variant_defined_in_a_test_trains_checkpoints_resumes_and_shards(two_ranks, data_dir, tmp_path,
+                                                                        monkeypatch):
+    """Nothing outside this test changes for a model of another block: sharded by FSDP2 over two ranks it trains
+    as one process does (every room asks the model for its blocks, matrices and units); through the trainer's
+    command line (--block) it trains, checkpoints and resumes to the losses of the run that never stopped, and its
+    checkpoint keeps the variant's own weights."""
+    one = parallel.Ranks()
+    write_shard(str(tmp_path))
+    _, _, _, losses, norms = run(rmsnorm_gpt(), "none", str(tmp_path), one)
+    r0, r1 = two_ranks(trained_variant, "fsdp")
+    assert r0["losses"] == r1["losses"] and r0["losses"] == pytest.approx(losses, rel=1e-5)
+    assert r0["norms"] == pytest.approx(norms, rel=1e-5)
+    assert "transformer.h.0.ln_1.weight" in r0["state"] and "transformer.h.0.ln_1.bias" not in r0["state"]
+
+    monkeypatch.setitem(model.BLOCKS, "rmsnorm", RMSNormBlock)
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    assert runs.train(runs.tiny(data_dir=data_dir, log_dir=whole, block="rmsnorm", max_steps=6)) == 0
+    assert runs.train(runs.tiny(data_dir=data_dir, log_dir=part, block="rmsnorm", max_steps=3)) == 0
+    assert runs.train(["--log-dir", part, "--resume", "--max-steps", "6"]) == 0
+    assert [r["loss"] for r in runs.records(part, "train")] == [r["loss"] for r in runs.records(whole, "train")]
+    saved = checkpoint.load_model(part)[0]
+    assert isinstance(saved.blocks[0], RMSNormBlock) and saved.config.block == "rmsnorm"
 
 
 def test_grad_sync_and_clip_on_one_process():

@@ -206,3 +206,58 @@ def test_a_missing_package_is_one_line(monkeypatch):
                                                 r"pip install wandb$"):
         trackers.check_installed(argparse.Namespace(wandb="project", tensorboard=True))
     trackers.check_installed(argparse.Namespace(wandb=None, tensorboard=True))
+
+
+def test_a_registered_evaluation_is_logged_checked_replayed_summarised_and_plotted(data_dir, tmp_path, monkeypatch,
+                                                                                  capsys, train_in_process):
+    """An evaluation defined here, registered with one line, in a launch and a resume: its records are logged with
+    their kind described in the run record; metrics.py checks them (one without its number is skipped with a
+    warning); the resume after a kill (no end record) replays them to W&B in the trainer's order; the summary and
+    the plot show them, none of metrics.py, trackers.py or plot.py told of them."""
+    import evaluation
+    import plot
+
+    class Toy(evaluation.Evaluation):
+        kind, field, label = "toy", "score", "Toy"
+
+        @classmethod
+        def prepare(cls, cfg):
+            return cls(every=2)
+
+        def run(self, step, stop):
+            self.record(step, f"toy {step / 10:.1f}", score=step / 10)
+            return True
+    monkeypatch.setattr(evaluation, "REGISTRY", list(evaluation.REGISTRY))  # the registration undone after the test
+    evaluation.register(Toy)
+
+    log_dir = str(tmp_path / "log")
+    assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=6, checkpoint_every=3,
+                                 eval_every=0)) == 0
+    assert [r["score"] for r in records(log_dir, "toy")] == [0.0, 0.2, 0.4, 0.5]  # every 2 steps and the last
+    assert records(log_dir, "run")[0]["evaluations"]["toy"] == dict(field="score", best="max", label="Toy", panel="toy")
+    path = os.path.join(log_dir, metrics.METRICS_FILE)
+    lines = open(path).read().splitlines()
+    ended = [i for i, line in enumerate(lines) if json.loads(line)["kind"] == "end"]
+    bad = json.dumps({"kind": "toy", "step": 1, "tokens": 128})
+    with open(path, "w") as f:  # killed after its last step (no end record), and a toy record without its number
+        f.write("\n".join(line for i, line in enumerate(lines) if i not in ended) + "\n" + bad + "\n")
+    metrics._warned.clear()
+    capsys.readouterr()
+    assert [r["step"] for r in metrics.read_metrics(log_dir)["toy"]] == [0, 2, 4, 5]
+    assert f"line {len(lines) - len(ended) + 1}: a 'toy' record without 'score'" in capsys.readouterr().err
+
+    fake = FakeWandbRun(step=0)  # offline: the W&B run holds no step it can name
+    monkeypatch.setattr(trackers, "check_installed", lambda cfg: None)  # (W&B's own, replaced below)
+    monkeypatch.setattr(trackers, "start_wandb", lambda *a: fake)
+    assert train_in_process(["--log-dir", log_dir, "--resume", "--max-steps", "8", "--wandb", "project"]) == 0
+    replayed = [(step, fields) for step, fields in fake.logged if step < 6]
+    assert [step for step, fields in replayed if "toy/score" in fields] == [0, 2, 4, 5]
+    train_fields = [f"train/{k}" for k in ("dt_ms", "grad_norm", "loss", "lr", "skipped", "tok_per_s", "tokens")]
+    assert replayed[:3] == [(0, ["toy/score", "toy/tokens"]), (0, train_fields), (1, train_fields)]  # toy, then train
+    assert [step for step, fields in fake.logged if "toy/score" in fields] == [0, 2, 4, 5, 6, 7]
+
+    summary = plot.format_summary(plot.summarize(log_dir))
+    assert "  Toy         best 0.7000 at step 7, final 0.7000 at step 7" in summary
+    panel = next(ax for ax in plot.build_figure([log_dir]).axes if ax.get_title().startswith("Toy"))
+    assert panel.get_title() == "Toy (score, higher is better)"
+    assert [list(line.get_ydata()) for line in panel.lines] == [[0.0, 0.2, 0.4, 0.5, 0.6, 0.7]]
