@@ -273,6 +273,20 @@ def stored_run(values, given, resume):
     return changes
 
 
+def command_line(settings):
+    """The flags of {setting: value}, by name: True a bare flag, False its --no- form, None none (the default)."""
+    out = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            out.append("--no-" + flag[2:])
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
 def architecture(cfg):
     """The flags that set the architecture over --model's preset, by name (model.config_of's keywords)."""
     return {key: getattr(cfg, key) for key in ARCHITECTURE}

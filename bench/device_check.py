@@ -58,6 +58,7 @@ import common  # noqa: E402
 import plot  # noqa: E402
 from common import UserError  # noqa: E402
 from device import TRITON_MIN_CAPABILITY, pick_device  # noqa: E402
+from train_config import command_line as flags  # noqa: E402
 
 PY = sys.executable
 ITEMS = "hellaswag_synthetic.jsonl"  # in the results folder: the machine may be offline
@@ -182,20 +183,6 @@ class Step(NamedTuple):
 # relative: 16-bit runs of one recipe that differ in compile or micro-batch stay under 1e-3 (an H200, bf16 and fp16,
 # 12 steps); a graph compiled for the other dtype was 9e-2 off
 LOSS_TOLERANCE = 1e-2
-
-
-def flags(settings):
-    """Command-line flags from {setting: value}: True a bare flag, False its --no- form, None none."""
-    out = []
-    for name, value in settings.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is False:
-            out.append("--no-" + flag[2:])
-        elif value is not None:
-            out += [flag, str(value)]
-    return out
 
 
 def count_syncs(data_dir, device):

@@ -38,7 +38,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import UserError  # noqa: E402
-from device_check import LOSS_TOLERANCE, PY, SMALL, first_line, flags, last_line, same_losses, trainer_flags  # noqa: E402,E501
+from device_check import LOSS_TOLERANCE, PY, SMALL, first_line, last_line, same_losses, trainer_flags  # noqa: E402
+from train_config import command_line as flags  # noqa: E402
 from metrics import read_metrics  # noqa: E402
 
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

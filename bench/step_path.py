@@ -5,6 +5,7 @@ too), with the files entered and how often the path comes back to a file it had 
 
     python bench/step_path.py                 # from loop: the functions, then a one-line summary
     python bench/step_path.py --from main
+    python bench/step_path.py --from main --evaluations default   # HellaSwag, samples and the plot on too
 
 A function is counted once, where it is first called (a reader reads it once); generator
 expressions and lambdas belong to their function. Torch and the standard library are not the
@@ -20,19 +21,24 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+import fineweb  # noqa: E402
 import train_gpt2  # noqa: E402
-from runs import tiny, write_shards  # noqa: E402
+from train_config import command_line  # noqa: E402
+
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, micro_batch_size=2, total_batch_size=128, max_steps=2,
+            warmup_steps=1, max_lr=3e-3, eval_every=1, val_tokens=128, checkpoint_every=0, hellaswag_every=0,
+            sample_every=0, plot=False, export_hf=False, device="cpu")
 
 SKIPPED = ("<genexpr>", "<lambda>", "<listcomp>", "<dictcomp>", "<setcomp>")
 
 
-def trace(start, data_dir, log_dir):
+def trace(start, data_dir, log_dir, evaluations):
     """[(file, function, first line, lines)] in the order of first calls, from `start` (a function
-    name of train_gpt2.py, or main) to the second optimizer step."""
+    name of train_gpt2.py, or main) to the second optimizer step; evaluations: settings over TINY's."""
     order, seen = [], set()
     state = {"on": start == "main", "steps": 0}
 
@@ -59,7 +65,7 @@ def trace(start, data_dir, log_dir):
             lines = 0
         order.append((os.path.relpath(path, ROOT), code.co_qualname, code.co_firstlineno, lines))
 
-    argv = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2, warmup_steps=1, eval_every=1, checkpoint_every=0)
+    argv = command_line(dict(TINY, data_dir=data_dir, log_dir=log_dir, **evaluations))
     sys.setprofile(profile)
     try:
         train_gpt2.main(argv)
@@ -89,19 +95,32 @@ def summary(order):
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--from", dest="start", default="loop", help="loop (default) or main")
+    p.add_argument("--evaluations", choices=["validation", "default"], default="validation",
+                   help="validation alone (default), or the defaults' evaluations: HellaSwag (synthetic items), "
+                        "samples and the plot beside it")
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        data_dir = write_shards(os.path.join(tmp, "data"))
+        data_dir = os.path.join(tmp, "data")
         with open(os.devnull, "w") as quiet:
-            stdout, sys.stdout = sys.stdout, quiet  # the run's own lines
-            try:
-                order = trace(args.start, data_dir, os.path.join(tmp, "log"))
+            stdout, sys.stdout = sys.stdout, quiet  # the preparation's and the run's own lines
+            try:  # Shakespeare's plays, the README's try-out text
+                fineweb.main(["--data-files", os.path.join(ROOT, "data", "shakespeare.txt"), "--out-dir", data_dir,
+                              "--workers", "1"])
+                evaluations = {}
+                if args.evaluations == "default":
+                    from bench_hellaswag import synthetic_items
+                    items = os.path.join(tmp, "hellaswag.jsonl")
+                    with open(items, "w") as f:
+                        f.writelines(json.dumps(item) + "\n" for item in synthetic_items(8))
+                    evaluations = dict(hellaswag_every=1, hellaswag_file=items, sample_every=1, num_samples=1,
+                                       sample_tokens=4, plot=True)
+                order = trace(args.start, data_dir, os.path.join(tmp, "log"), evaluations)
             finally:
                 sys.stdout = stdout
     for path, name, line, lines in order:
         print(f"{path}:{line} {name} ({lines} lines)")
-    print(json.dumps(dict(start=args.start, **summary(order))))
+    print(json.dumps(dict(start=args.start, evaluations=args.evaluations, **summary(order))))
 
 
 if __name__ == "__main__":

@@ -16,13 +16,12 @@ import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import checkpoint  # noqa: E402
 import common  # noqa: E402
 import metrics  # noqa: E402
 import tokenizer  # noqa: E402
-from device_check import flags  # noqa: E402  (the same settings-to-flags rule as the GPU check's commands)
+from train_config import command_line  # noqa: E402  (the trainer's own settings-to-flags rule)
 TRAIN = os.path.join(ROOT, "train_gpt2.py")
 FAULT_TRAINER = os.path.join(ROOT, "tests", "fault_trainer.py")  # the trainer with one fault injected
 TINY_SETTINGS = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, micro_batch_size=2, total_batch_size=128,
@@ -34,7 +33,7 @@ def tiny(**overrides):
     """The tiny run's command line with overrides, by setting name: max_steps=10, log_dir=path; True is
     a bare flag (fsdp=True, resume=True), False the --no- form of an on/off flag (export_hf=False), None
     leaves the flag out (the default, or the architecture of --init-from)."""
-    return flags({**TINY_SETTINGS, **overrides})
+    return command_line({**TINY_SETTINGS, **overrides})
 
 
 TINY = tiny()
