@@ -377,6 +377,13 @@ def read_metrics(log_dir):
     return metrics
 
 
+def read_launches(log_dir):
+    """read_metrics(log_dir)["launches"], or [] where the trainer has written no record there yet. train_gpt2.sbatch
+    reads the trainer's launches through this, to tell how the latest one ended."""
+    path = os.path.join(log_dir, METRICS_FILE)
+    return _read(path)["launches"] if os.path.isfile(path) else []
+
+
 def _read(path):
     records, evaluations = read_records(path)
     by_step = {kind: {} for kind in ["train", *evaluations, "checkpoint"]}  # one record per step of these

@@ -181,7 +181,8 @@ def main(argv=None):
         print(line)
     with open(os.path.join(args.out, "ab.json"), "w") as f:
         json.dump({"arms": [label for label, *_ in arms], "extra": extra, "results": results,
-                   "env": {label: {k: v for k, v in env.items() if os.environ.get(k) != v} for label, _, env, _ in arms}},
+                   "env": {label: {k: v for k, v in env.items() if os.environ.get(k) != v}  # what each arm set
+                           for label, _, env, _ in arms}},
                   f, indent=1)
     return 1 if failures else 0
 

@@ -594,6 +594,28 @@ def test_sigusr1_is_a_stop_request_as_sigterm_is():
             signal.signal(sig, handler)
 
 
+def test_the_batch_scripts_reader_of_launches_runs_without_slurm(reference_run, tmp_path):
+    """train_gpt2.sbatch tells how the trainer's latest launch ended with a few lines of Python of its own (its
+    launches function), which read the log through metrics.py: they run here as the script runs them, on a log
+    directory with no records yet, on a finished run, and on a log that cannot be read."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "train_gpt2.sbatch")) as f:
+        script = f.read()
+    reader = script.split("python - \"$@\" <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+
+    def launches(*args):
+        p = subprocess.run([sys.executable, "-", *args], input=reader, cwd=root, capture_output=True, text=True)
+        return p.returncode, p.stdout.strip(), p.stderr.strip()
+    assert launches("", "--log-dir", str(tmp_path / "none")) == (0, "0", "")
+    assert launches("", "--max-steps", "10", "--log-dir", reference_run) == (0, "1", "")
+    assert launches("0", "--log-dir", reference_run) == (0, "1 finished 10", "")
+    assert launches("1", "--log-dir", reference_run) == (0, "1 none", "")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / metrics.METRICS_FILE).write_text('{"kind": "run", "step": "zero"}\n')
+    code, out, err = launches("", "--log-dir", str(tmp_path / "bad"))
+    assert code == 1 and out == "" and len(err.splitlines()) == 1 and err.startswith("error: "), err
+
+
 def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_path, monkeypatch):
     """A stop request during the evaluation at the top of a step (here SIGTERM once step 0's
     validation is done) ends it before HellaSwag's next batch: no figure is logged for it, the run
