@@ -242,7 +242,7 @@ GATE = ("import sys, torch, device; d = sys.argv[1]; "
         "'| compile', 'off: ' + device.compile_blocker(d) if device.compile_blocker(d) else 'allowed')")
 
 
-SMALL = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, total_batch_size=2048)  # --small: a tiny model
+SMALL = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, total_batch_size=1024)  # --small: a tiny model
 
 
 def trainer_flags(args, out, name, **settings):
@@ -501,15 +501,16 @@ def micro_batch(log_path):
 def same_step_loss(out, step):
     """Whether the resumed run's loss at `step` (the checkpoint's) equals the first run's, and both micro-batches."""
     try:
-        a, b = ({r["step"]: r["loss"] for r in plot.read_metrics(os.path.join(out, d))["train"]} for d in ("run", "resume"))
+        a, b = ({r["step"]: r["loss"] for r in plot.read_metrics(os.path.join(out, d))["train"]}
+                for d in ("run", "resume"))
     except UserError:
         return ""
     if step not in a or step not in b:
         return f"no step {step} in both runs"
     diff = abs(a[step] - b[step])
     verdict = "equal" if diff == 0 else f"differs by {diff:.2e}"
-    return (f"step {step} loss {b[step]:.6f}, {verdict} to the first run's; "
-            f"{micro_batch(os.path.join(out, 'resume.log'))} (first run: {micro_batch(os.path.join(out, 'train.log'))})")
+    resumed, first = (micro_batch(os.path.join(out, f"{name}.log")) for name in ("resume", "train"))
+    return f"step {step} loss {b[step]:.6f}, {verdict} to the first run's; {resumed} (first run: {first})"
 
 
 def collect(out, results):

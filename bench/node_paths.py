@@ -13,8 +13,8 @@ checks does not hold.
              (float32, as the CPU tests compare them)
   fsdp       --sharding fsdp in one process (a group of one, NCCL on CUDA): per-block compile, the device's 16-bit
              compute with fp32 reduction, Muon, the full checkpoint and an exact resume from it, the Hugging Face
-             export; then two ranks of it where there are devices for two (a CPU, or 2 GPUs), and gloo's
-             collectives on this device one by one (gloo_collectives)
+             export; then two ranks of it where there are 2 GPUs (on a CPU the suite holds FSDP over two ranks to
+             one process), and gloo's collectives on this device one by one (gloo_collectives)
   activation_checkpointing   the default recipe with --activation-checkpointing, at the micro-batch the recipe
              chose without it: tokens/s and peak memory against that run (OUT/run, the train step's, where there is
              one; else a launch of its own)
@@ -147,7 +147,7 @@ def fsdp(a):
     parts = [resumed, "exported" if exported else "no export"]
     ok = ok and exported and bool(first_line(output(a.out, "fsdp"), "warning: --sharding fsdp with one"))
     print(f"fsdp | exit {codes}; " + "; ".join(parts), flush=True)  # before the probe, which may hang or crash
-    if not cuda or torch.cuda.device_count() >= 2:  # two ranks, where there are two devices
+    if cuda and torch.cuda.device_count() >= 2:  # two ranks, where there are two GPUs
         codes.append(launch("fsdp_two", TORCHRUN + ["train_gpt2.py"] + trainer_flags(a, a.out, "fsdp_two", **settings),
                             a.out))
         phrase, two_ok = losses_within("fsdp", "fsdp_two", a.out, LOSS_TOLERANCE, "2 ranks against world 1")

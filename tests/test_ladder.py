@@ -370,9 +370,6 @@ def test_the_quick_device_check_runs_end_to_end_on_a_cpu(data_dir, tmp_path, cap
     assert open(results / "device_check.txt").read().splitlines() == table
 
 
-PEER = os.path.join(ROOT, ".peer", "train_gpt2.py")  # build-nanogpt's trainer, where it was fetched (never committed)
-
-
 def node_steps(data_dir, out, steps, capsys, *extra):
     """device_check's table rows of these steps, run tiny on the CPU, by name; and its exit status."""
     rc = device_check.main(["--small", "--device", "cpu", "--data-dir", data_dir, "--out", str(out), "--only",
@@ -383,13 +380,14 @@ def node_steps(data_dir, out, steps, capsys, *extra):
 
 def test_a_nodes_paths_run_on_a_cpu(data_dir, tmp_path, capsys):
     """The device check's node paths, tiny, on the CPU as on the one GPU: two ranks over gloo train as one process on
-    the same batches and resume exactly; FSDP2 in a group of one resumes exactly and exports, two ranks of it train
-    as one, and gloo carries each collective; activation checkpointing trains beside a run without."""
+    the same batches and resume exactly; FSDP2 in a group of one resumes exactly and exports (its two ranks need two
+    GPUs: tests/test_parallel.py holds FSDP over two CPU ranks to one process), and gloo carries each collective;
+    activation checkpointing trains beside a run without."""
     steps = ("two_ranks", "fsdp", "activation_checkpointing")
     rc, table = node_steps(data_dir, tmp_path / "out", steps, capsys)
     assert rc == 0 and all(table[name].split()[1] == "ok" for name in steps), table
     assert "against one process: losses within" in table["two_ranks"] and "step 4 equal" in table["two_ranks"]
-    assert "world 1, resumed at step 4: losses within 0.0e+00, step 4 equal; exported; 2 ranks against world 1" \
+    assert "exit [0, 0]; world 1, resumed at step 4: losses within 0.0e+00, step 4 equal; exported; gloo on cpu:" \
         in table["fsdp"]
     assert "gloo on cpu: all_reduce sum float32 ok" in table["fsdp"] and "DTensor.full_tensor ok" in table["fsdp"]
     assert "on: micro-batch 8" in table["activation_checkpointing"] and "off (activation_checkpointing_off): micro" \
@@ -598,31 +596,28 @@ def test_ab_launches_each_revision_in_turn_and_compares_their_losses(data_dir, t
         assert "within" in row and row.split()[-1].endswith("x?")
     assert (tmp_path / "src" / "HEAD" / "train_gpt2.py").is_file()  # HEAD's files, exported
 
-    # variants: every revision with each set of flags, the first the base
-    ab.main(["--data-dir", data_dir, "--variant", "b2=--micro-batch-size 2", "--variant", "b4=--micro-batch-size 4",
-             "--repeats", "1", "--steps", "4", "--skip-steps", "1", "--out", str(tmp_path / "v"), "--"] + extra)
+    # variants: every revision with each set of flags, the first the base; an arm may lead with environment
+    # variables, which reach the trainer (its run record holds them); each arm compiles into caches of its own, which
+    # its later repeats share
+    cdt = "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1"
+    rc = ab.main(["--data-dir", data_dir, "--variant", f"b2={cdt} --micro-batch-size 2",
+                  "--variant", "b4=--micro-batch-size 4",
+                  "--repeats", "2", "--steps", "4", "--skip-steps", "1", "--out", str(tmp_path / "v"), "--"] + extra)
     table = capsys.readouterr().out.splitlines()
+    assert rc == 0
     results = json.loads((tmp_path / "v" / "ab.json").read_text())["results"]
     assert sorted(results) == ["worktree:b2", "worktree:b4"]
-    grad_accum = {arm: json.loads((tmp_path / "v" / "runs" / f"worktree.{arm[-2:]}-0" / "metrics.jsonl").read_text()
-                                  .splitlines()[0])["grad_accum"] for arm in results}
-    assert grad_accum == {"worktree:b2": 2, "worktree:b4": 1}  # (128 tokens a step of 32: 4 sequences)
+    header = {(arm, r): json.loads((tmp_path / "v" / "runs" / f"worktree.{arm}-{r}" / "metrics.jsonl").read_text()
+                                   .splitlines()[0]) for arm in ("b2", "b4") for r in (0, 1)}
+    assert {arm: header[arm, 0]["grad_accum"] for arm in ("b2", "b4")} == {"b2": 2, "b4": 1}  # 128 tokens, 4 rows
     assert any(line.startswith("worktree:b4") and "within" in line for line in table)
-
-    # an arm that sets environment variables: they reach the trainer (its run record holds them), and each arm
-    # compiles into caches of its own, which its later repeats share
-    rc = ab.main(["--data-dir", data_dir, "--variant", "cdt=TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 --micro-batch-size 2",
-                  "--variant", "plain=--micro-batch-size 2", "--repeats", "2", "--steps", "2", "--skip-steps", "1",
-                  "--out", str(tmp_path / "e"), "--"] + extra)
-    assert rc == 0
-    env = {(arm, r): json.loads((tmp_path / "e" / "runs" / f"worktree.{arm}-{r}" / "metrics.jsonl").read_text()
-                                .splitlines()[0])["environment"] for arm in ("cdt", "plain") for r in (0, 1)}
-    assert env["cdt", 0]["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] == "1"
-    assert "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING" not in env["plain", 0]
+    env = {key: h["environment"] for key, h in header.items()}
+    assert env["b2", 0]["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] == "1"
+    assert "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING" not in env["b4", 0]
     caches = {key: (e["TORCHINDUCTOR_CACHE_DIR"], e["TRITON_CACHE_DIR"]) for key, e in env.items()}
-    assert caches["cdt", 0] == caches["cdt", 1] and caches["plain", 0] == caches["plain", 1]
-    assert not set(caches["cdt", 0]) & set(caches["plain", 0])
-    assert all(path.startswith(str(tmp_path / "e" / "cache")) for pair in caches.values() for path in pair)
+    assert caches["b2", 0] == caches["b2", 1] and caches["b4", 0] == caches["b4", 1]
+    assert not set(caches["b2", 0]) & set(caches["b4", 0])
+    assert all(path.startswith(str(tmp_path / "v" / "cache")) for pair in caches.values() for path in pair)
     with pytest.raises(SystemExit, match="--variant: give NAME=FLAGS"):
         ab.main(["--data-dir", data_dir, "--variant", "--micro-batch-size 4", "--out", str(tmp_path / "bad")])
     with pytest.raises(SystemExit, match="--revs: git cannot export 'no-such-rev'"):
