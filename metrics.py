@@ -378,8 +378,7 @@ def read_metrics(log_dir):
 
 
 def read_launches(log_dir):
-    """read_metrics(log_dir)["launches"], or [] where the trainer has written no record there yet. train_gpt2.sbatch
-    reads the trainer's launches through this, to tell how the latest one ended."""
+    """read_metrics(log_dir)["launches"] ([] before the first record): how train_gpt2.sbatch reads the launches."""
     path = os.path.join(log_dir, METRICS_FILE)
     return _read(path)["launches"] if os.path.isfile(path) else []
 
