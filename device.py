@@ -285,11 +285,17 @@ class CudaMemory:
     def allocated(self):
         return torch.cuda.memory_allocated(self.device)
 
+    def reset_peak(self):  # the peak counts from here on
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self):  # the most memory allocated since reset_peak
+        return torch.cuda.max_memory_allocated(self.device)
+
     def peak_of(self, run):  # run(); the most memory allocated while it ran, what was allocated before included
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.reset_peak()
         run()
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = self.peak()
         torch.cuda.empty_cache()  # blocks cached for this stream would not serve FSDP's collectives on theirs
         return peak
 

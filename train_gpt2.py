@@ -93,6 +93,7 @@ class Run:
     start_step: int              # steps already done when this launch began
     evaluations: evaluation.Evaluations  # those that are on: validation, HellaSwag, CORE, samples
     plotter: object              # plot.PlotWriter, on rank 0 with --plot
+    gpu: device.CudaMemory       # the GPU's memory counters (None off CUDA): the steps' peak
 
     dtype = property(lambda self: self.choice.dtype)  # the autocast dtype: float32, bfloat16 or float16
 
@@ -125,14 +126,16 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
                                 choice.compile)
     # fp16 needs loss scaling to keep small gradients from flushing to zero; bf16 and fp32 do not
     scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
+    gpu = device.CudaMemory(ranks.device) if ranks.device_type == "cuda" else None
     if cfg.micro_batch_size == "auto":  # the largest that fits, tried on the model as it trains
         trial_step = functools.partial(micro_step, ranks=ranks, dtype=dtype, scaler=scaler, grad_accum=1,
                                        timer=PhaseTimer(ranks.device))
-        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size, trial_step)
+        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size, trial_step,
+                                                memory=gpu)
     else:
         micro_batch = cfg.micro_batch_size
-    if ranks.device_type == "cuda":  # the steps' peak from here on, not the auto-fit's trials (eager)
-        torch.cuda.reset_peak_memory_stats(ranks.device)
+    if gpu:  # the steps' peak from here on, not the auto-fit's trials (eager)
+        gpu.reset_peak()
     tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
     if cfg.total_batch_size % tokens_per_micro:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
@@ -159,7 +162,7 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
               optimizer=optimizer, scaler=scaler, schedule=schedule, train_loader=train_loader,
               evaluations=evaluations, checkpoints=checkpoints, start_step=start_step,
-              plotter=plotter)
+              plotter=plotter, gpu=gpu)
     write_header(run, origin, resume, changes)
     return run
 
@@ -323,9 +326,9 @@ def log_step(run, step, loss, lr, norm, dt, finite):
                " | skipped (float16 gradient overflow: the loss scale is lowered)")
     run.log.line(f"step {step:5d} | loss {loss:.6f} | lr {lr:.4e} | grad_norm {norm:.4f} | "
                  f"dt_ms {1000 * dt:.1f} | tok_per_s {tok_per_s:.0f} | mfu {mfu_text}{skipped}")
-    peak = torch.cuda.max_memory_allocated(run.ranks.device) if run.ranks.device_type == "cuda" else None
     run.log.record("train", step=step, loss=loss, lr=lr, grad_norm=norm, dt_ms=1000 * dt, tok_per_s=tok_per_s,
-                   mfu=mfu, tokens=(step + 1) * run.cfg.total_batch_size, skipped=not finite, peak_mem=peak)
+                   mfu=mfu, tokens=(step + 1) * run.cfg.total_batch_size, skipped=not finite,
+                   peak_mem=run.gpu.peak() if run.gpu else None)
 
 
 def stopped(run, done, stop):
@@ -339,8 +342,8 @@ def stopped(run, done, stop):
 def end(run, reason, step):
     """The end record (step: max_steps when finished, else the last step that ran, -1 for none), the last plot."""
     run.log.record("end", step=step, reason=reason)
-    if run.choice.capacity:  # on CUDA: what the steps took, beside the plan in the header
-        run.log.line(f"peak GPU memory {torch.cuda.max_memory_allocated(run.ranks.device) / 2 ** 30:.1f} GiB of "
+    if run.gpu:  # what the steps took, beside the plan in the header
+        run.log.line(f"peak GPU memory {run.gpu.peak() / 2 ** 30:.1f} GiB of "
                      f"{run.choice.capacity / 2 ** 30:.1f} GiB (rank {run.ranks.rank})")
     if run.plotter:
         run.plotter.kick()

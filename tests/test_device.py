@@ -185,6 +185,25 @@ def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
     assert calls[0]["device_id"] == torch.device("cuda:1")
 
 
+def test_a_group_of_one_under_nccl_is_bound_to_the_current_gpu(monkeypatch):
+    """--fsdp in plain python: a process group of this process alone, NCCL bound to the GPU that plain 'cuda' is (the
+    current one, here cuda:1), not to cuda:0."""
+    import torch.distributed as tdist
+    import parallel
+    fake_gpus(monkeypatch, [("NVIDIA H100 80GB HBM3", (9, 0))] * 2)
+    torch.cuda.set_device(1)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(common, "_joined_process_group", False)  # put back after the test
+    calls = []  # NCCL is not in a CPU build: the group's forming is stood in for, to read what is asked
+    monkeypatch.setattr(tdist, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(tdist, "init_process_group", lambda **kw: calls.append(kw))
+    ranks = parallel.setup_distributed("auto", group_of_one=True)
+    assert ranks.device == "cuda" and ranks.backend == "nccl" and ranks.gpus == 2 and not ranks.multi
+    assert [(c["backend"], c["rank"], c["world_size"], c["device_id"]) for c in calls] == [
+        ("nccl", 0, 1, torch.device("cuda:1"))]
+
+
 def test_more_processes_than_gpus_is_one_line_before_the_rendezvous(monkeypatch):
     import parallel
     fake_gpus(monkeypatch, [("Tesla T4", (7, 5))])

@@ -236,6 +236,11 @@ def test_the_auto_fit_counts_the_memory_this_process_may_take(monkeypatch, name,
     assert gpu.peak_of(trial) == 7 << 30
     assert driver.calls == [("empty_cache", None), ("reset_peak", index), ("memory_stats", index),
                             ("empty_cache", None)]
+    # the steps' peak, which the trainer records in each train record: counted from its reset after the auto-fit
+    driver.calls.clear()
+    gpu.reset_peak()
+    driver.peak[index] = max(driver.peak[index], 5 << 30)
+    assert gpu.peak() == 5 << 30 and driver.calls == [("reset_peak", index), ("memory_stats", index)]
 
 
 def test_each_rung_process_compiles_into_a_cache_of_its_own(tmp_path):
