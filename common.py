@@ -47,11 +47,16 @@ def mark_joined_process_group(store=None):
     _joined_process_group, _store = True, store
 
 
+def torchrun_restart():
+    """How many times torchrun --max-restarts has started this group again (0: the first launch)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def attempt_store(store):
     """The keys of this torchrun attempt: after a restart, the failed attempt's are still in the store, where a rank
     could read a dead peer's address (pytorch/pytorch#135712)."""
     import torch.distributed as tdist
-    return tdist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return tdist.PrefixStore(f"attempt_{torchrun_restart()}", store)
 
 
 # Errors under torchrun: every rank meets a bad flag or file, one rank a fault of its own part of the data

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 import common
-from common import UserError
+from common import UserError, torchrun_restart
 from device import pick_device
 
 @dataclass(frozen=True)
@@ -33,11 +33,6 @@ class Ranks:
     device_type = property(lambda self: self.device.split(":")[0])  # cuda, mps or cpu
     per_gpu = property(lambda self: -(-self.per_node // self.gpus) if self.gpus else 1)  # processes on each GPU
     shares_gpus = property(lambda self: self.per_gpu > 1)  # --dist-backend gloo, more processes than GPUs
-
-
-def torchrun_restart():
-    """How many times torchrun --max-restarts has started this group again (0: the first launch)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def pick_backend(requested, device):
