@@ -128,12 +128,6 @@ class Checkpointer:
         check_weights_fit(parallel.unwrap(model), ckpt["model"], path)
         load_model_state(model, ckpt["model"])
         load_optimizer_state(model, optimizer, ckpt["optimizer"])
-        # a CPU tensor stays a view of the memory-mapped file, whose disk space it would hold after the rotation
-        for opt in optimizer.optimizers:
-            for state in opt.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                        state[key] = value.clone()
         if ckpt["scaler"] or not scaler.is_enabled():  # a bf16/fp32 run saved no scale: an fp16
             scaler.load_state_dict(ckpt["scaler"])      # resume of it (a T4, say) starts a fresh one
         try:  # every rank moves in lockstep, so any rank's loader state restores this one
@@ -273,6 +267,11 @@ def load_optimizer_state(model, optimizer, state):
     optimizers are the run's: --optimizer is fixed on resume)."""
     for opt, part in zip(optimizer.optimizers, optimizer.unpack(state)):
         _load_optimizer_state(model, opt, part)
+        # a CPU tensor stays a view of the memory-mapped file, whose disk space it would hold after the rotation
+        for values in opt.state.values():
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    values[key] = value.clone()
 
 
 def _load_optimizer_state(model, opt, state):

@@ -83,8 +83,8 @@ def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_
         except Exception as e:
             if not is_allocation_failure(e):
                 raise
-            if is_fsdp(model) and ranks.multi:  # its collectives and the other ranks' no longer match: torchrun
-                # ends them
+            # under FSDP its collectives and the other ranks' no longer match: torchrun ends them
+            if is_fsdp(model) and ranks.multi:
                 raise UserError(f"the micro-batch auto-fit ran out of GPU memory on rank {ranks.rank} at {b} x "
                                 f"{block_size} tokens under FSDP: pass a --micro-batch-size below {b}")
             b = max([c for c in cands if c < b], default=0)

@@ -336,7 +336,7 @@ def read_records(path):
             continue
         rec, why = _decode(line)
         if why is not None:
-            skipped.append(f"line {n}: {why}")
+            skipped.append((n, why))
         if rec is not None:
             decoded.append((n, rec))
     evaluations = described(rec for _, rec in decoded)
@@ -348,15 +348,15 @@ def read_records(path):
         if why is None:
             records.append(rec)
         else:
-            skipped.append(f"line {n}: {why}")
+            skipped.append((n, why))
+    skipped = [f"line {n}: {why}" for n, why in sorted(skipped)]  # in file order
     if skipped and not records:
         raise UserError(f"{path} is not JSON records of a run ({skipped[0]}): pass the --log-dir of a "
                         "train_gpt2.py run")
     if skipped and path not in _warned:
         _warned.add(path)
         more = f", and {len(skipped) - 3} more" if len(skipped) > 3 else ""
-        first = sorted(skipped, key=lambda note: int(note.split(":")[0][5:]))[:3]  # "line N: ..."
-        print(f"warning: {path}: skipped what no reader can use: {'; '.join(first)}{more}", file=sys.stderr,
+        print(f"warning: {path}: skipped what no reader can use: {'; '.join(skipped[:3])}{more}", file=sys.stderr,
               flush=True)
     return records, evaluations
 
