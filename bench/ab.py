@@ -9,7 +9,7 @@ model).
     python bench/ab.py --data-dir DIR --variant mb64='--micro-batch-size 64' --variant mb128='--micro-batch-size 128'
 
     python bench/ab.py --data-dir DIR --variant base='' --variant cdt='TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1'
-    python bench/ab.py --data-dir DIR --device cpu --steps 6 --skip-steps 2 -- --model gpt2 --n-layer 2 \
+    python bench/ab.py --data-dir DIR --steps 6 --skip-steps 2 -- --device cpu --model gpt2 --n-layer 2 \
         --n-embd 128 --n-head 2 --block-size 128 --total-batch-size 4096   # a try-out on a CPU
 
 A revision is anything `git archive` takes (a commit, a branch, HEAD~1), or `worktree` for the files as they are;
@@ -27,7 +27,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from device_check import same_losses  # noqa: E402
+from device_check import run_logged, same_losses  # noqa: E402
 from measure import LEGEND, paired_ratios, ratio_text, value_text  # noqa: E402
 from common import UserError  # noqa: E402
 from metrics import read_metrics  # noqa: E402
@@ -107,21 +106,15 @@ def arm_env(label, env, out):
     """The environment of an arm's launches: its variables, and compile caches of its own (Inductor's, where
     AOTAutograd's live too, and Triton's) unless it names them, so that no arm finds another's graphs."""
     cache = os.path.join(os.path.abspath(out), "cache", file_name(label))
-    return dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                TRITON_CACHE_DIR=os.path.join(cache, "triton"), **env)
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+            "TRITON_CACHE_DIR": os.path.join(cache, "triton"), **env}
 
 
 def launch(cmd, files, env, log_path, timeout):
     """Run one launch, its output into log_path; None, or why it gave no result (a failure, the time limit)."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=files, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own group: torchrun's workers and compile's go with it
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return f"ran past --timeout {timeout} s"
+    code = run_logged(cmd, log_path, files, env, timeout)  # past the limit, torchrun's and compile's workers go too
+    if code == "timeout":
+        return f"ran past --timeout {timeout} s"
     return f"train_gpt2.py exited {code}" if code else None
 
 

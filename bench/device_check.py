@@ -93,6 +93,20 @@ def run_step(name, cmd, out_dir, timeout, env, stop_at=None):
             "tail": lines[-15:]}
 
 
+def run_logged(cmd, log_path, cwd=ROOT, env=None, timeout=None):
+    """Run cmd, its output into log_path; its exit status, or "timeout" where it ran past timeout seconds (then it is
+    killed with what it started: with a timeout it runs in a process group of its own)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=timeout is not None)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return "timeout"
+
+
 def speed(log_dir):
     """Steady-state tok/s and MFU of a run, as plot.py summarises them ('' if it logged none)."""
     try:

@@ -28,9 +28,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,8 +36,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import UserError  # noqa: E402
-from device_check import LOSS_TOLERANCE, PY, SMALL, first_line, last_line, same_losses, trainer_flags  # noqa: E402
-from train_config import command_line as flags  # noqa: E402
+from device_check import (LOSS_TOLERANCE, PY, SMALL, first_line, last_line, run_logged, same_losses,  # noqa: E402
+                          trainer_flags)
 from metrics import read_metrics  # noqa: E402
 
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -50,6 +48,7 @@ SAME_CUDA = 1e-4
 PEER_SHAPES = dict(micro_batch_size=64, block_size=1024, total_batch_size=524288)  # build-nanogpt's B, T and batch
 PEER_SMALL = dict(n_layer=2, n_head=2, n_embd=64, micro_batch_size=4, block_size=64, total_batch_size=512,
                   compile=False)  # the peer script's --small: B=4, T=64, 2 accumulation steps
+PEER_SKIP = 5  # both sides' medians of tokens/s from this step on: compile and warm-up left out
 PEER_WARMUP, PEER_SMALL_WARMUP, PEER_LR = 715, 2, 6e-4  # its warm-up (--small: as the peer script patches it), peak
 
 
@@ -66,16 +65,8 @@ def launch(name, cmd, out, timeout=None):
     """Run cmd, its output into OUT/name.launch.log (OUT/name.log is device_check's log of the whole step) and a
     trainer's run into OUT/name, made anew; its exit status, or "timeout" (killed with what it started)."""
     shutil.rmtree(os.path.join(out, name), ignore_errors=True)
-    with open(output(out, name), "w") as log:
-        print(f"-- {name}: {' '.join(cmd)}", flush=True)
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=timeout is not None)
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return "timeout"
+    print(f"-- {name}: {' '.join(cmd)}", flush=True)
+    return run_logged(cmd, output(out, name), timeout=timeout)
 
 
 def output(out, name):
@@ -144,8 +135,9 @@ def fsdp(a):
     resumed, ok = resumed_within("fsdp", "fsdp_resume", a.out, SAME_CUDA if cuda else SAME,
                                  "world 1, resumed at step 4")
     exported = os.path.isfile(os.path.join(a.out, "fsdp", "hf", "model.safetensors"))
-    parts = [resumed, "exported" if exported else "no export"]
-    ok = ok and exported and bool(first_line(output(a.out, "fsdp"), "warning: --sharding fsdp with one"))
+    warned = bool(first_line(output(a.out, "fsdp"), "warning: --sharding fsdp with one"))
+    parts = [resumed, "exported" if exported else "no export"] + ([] if warned else ["no one-process warning"])
+    ok = ok and exported and warned
     print(f"fsdp | exit {codes}; " + "; ".join(parts), flush=True)  # before the probe, which may hang or crash
     if cuda and torch.cuda.device_count() >= 2:  # two ranks, where there are two GPUs
         codes.append(launch("fsdp_two", TORCHRUN + ["train_gpt2.py"] + trainer_flags(a, a.out, "fsdp_two", **settings),
@@ -227,14 +219,14 @@ def gloo_collectives(a):
     return 0
 
 
-def metrics_figures(log_dir):
-    """(micro-batch, median tok/s from step 3 on, peak memory in GiB or None) of a trainer's run, or None."""
+def metrics_figures(log_dir, skip=3):
+    """(micro-batch, median tok/s from step `skip` on, peak memory in GiB or None) of a trainer's run, or None."""
     try:
         m = read_metrics(log_dir)
     except UserError:
         return None
     run = next((launch["run"] for launch in m["launches"] if launch["run"]), {})
-    steady = [r for r in m["train"] if r["step"] >= 3]
+    steady = [r for r in m["train"] if r["step"] >= skip]
     peaks = [r["peak_mem"] for r in m["train"] if r.get("peak_mem") is not None]
     return (run.get("config", {}).get("micro_batch_size"),
             statistics.median(r["tok_per_s"] for r in steady) if steady else None,
@@ -251,11 +243,12 @@ def figures_text(figures):
 
 def activation_checkpointing(a):
     without = os.path.join(a.out, "run")  # the train step's: the default recipe
-    if metrics_figures(without) is None:
+    off = metrics_figures(without)
+    if off is None:
         launch("activation_checkpointing_off", [PY, "train_gpt2.py"] + trainer_flags(
             a, a.out, "activation_checkpointing_off"), a.out)
         without = os.path.join(a.out, "activation_checkpointing_off")
-    off = metrics_figures(without)
+        off = metrics_figures(without)
     # at the micro-batch the recipe chose without it: what checkpointing alone saves and costs
     code = launch("activation_checkpointing", [PY, "train_gpt2.py"] + trainer_flags(
         a, a.out, "activation_checkpointing", activation_checkpointing=True,
@@ -276,7 +269,7 @@ def peer(a):
                       False)
     shapes = dict(PEER_SMALL if a.small else PEER_SHAPES)
     peer_cmd = [PY, script, "--src", os.path.abspath(a.peer_src), "--data-dir", os.path.abspath(a.data_dir),
-                "--steps", str(a.steps), "--skip", "5", "--workdir", os.path.join(a.out, "peer_work")]
+                "--steps", str(a.steps), "--skip", str(PEER_SKIP), "--workdir", os.path.join(a.out, "peer_work")]
     peer_cmd += ["--small"] if a.small else []
     peers, ours, codes, gaps = [], [], [], []
     for turn in range(a.repeats):  # in turns: the peer, then ours
@@ -289,11 +282,10 @@ def peer(a):
         peers.append(result.get("tok_per_s"))
         name = f"peer_ours_{turn}"
         log_dir = os.path.join(a.out, name)
-        codes.append(launch(name, [PY, "train_gpt2.py"] + flags(dict(
-            data_dir=a.data_dir, log_dir=log_dir, device=a.device, max_steps=a.steps, eval_every=0,
-            hellaswag_every=0, sample_every=0, export_hf=False, plot=False, checkpoint_every=0, **shapes,
-            **peer_schedule(a.steps, a.small))), a.out))
-        ours.append((metrics_figures(log_dir) or (None, None, None))[1])
+        codes.append(launch(name, [PY, "train_gpt2.py"] + trainer_flags(
+            a, a.out, name, max_steps=a.steps, checkpoint_every=0, **shapes, **peer_schedule(a.steps, a.small)),
+            a.out))
+        ours.append((metrics_figures(log_dir, skip=PEER_SKIP) or (None, None, None))[1])  # the peer's steps
         gaps.append(loss_gap(result.get("steps", []), log_dir))
     peer_tok, our_tok = [t for t in peers if t], [t for t in ours if t]
     if not peer_tok or not our_tok:
@@ -301,7 +293,7 @@ def peer(a):
     p, o = statistics.median(peer_tok), statistics.median(our_tok)
     gap = max((g for g in gaps if g is not None), default=None)
     return report("peer", [f"build-nanogpt {p:,.0f} tok/s", f"ours {o:,.0f} tok/s", f"ours/peer {o / p:.2f}x",
-                           f"{a.repeats} turn(s) of {a.steps} steps, medians of steps 5+",
+                           f"{a.repeats} turn(s) of {a.steps} steps, medians of steps {PEER_SKIP}+",
                            "losses " + (f"within {gap:.1e} of the peer's (it leaves the padded columns unmasked)"
                                         if gap is not None else "not compared")], codes == [0] * len(codes))
 

@@ -109,10 +109,9 @@ def main():
                               "--workers", "1"])
                 evaluations = {}
                 if args.evaluations == "default":
-                    from bench_hellaswag import synthetic_items
+                    from device_check import write_items
                     items = os.path.join(tmp, "hellaswag.jsonl")
-                    with open(items, "w") as f:
-                        f.writelines(json.dumps(item) + "\n" for item in synthetic_items(8))
+                    write_items(items, 8)
                     evaluations = dict(hellaswag_every=1, hellaswag_file=items, sample_every=1, num_samples=1,
                                        sample_tokens=4, plot=True)
                 order = trace(args.start, data_dir, os.path.join(tmp, "log"), evaluations)

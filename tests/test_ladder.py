@@ -400,6 +400,11 @@ def test_a_nodes_path_runs_on_a_cpu(step, data_dir, tmp_path, capsys):
     rc, table = node_steps(data_dir, tmp_path / "out", (step,), capsys)
     assert rc == 0 and table[step].split()[1] == "ok", table
     assert [phrase for phrase in NODE_PATHS[step] if phrase not in table[step]] == [], table[step]
+    if step == "activation_checkpointing":  # the two runs differ in that alone, which the CPU's figures cannot show
+        runs = {name: json.loads((tmp_path / "out" / name / "metrics.jsonl").read_text().splitlines()[0])["config"]
+                for name in ("activation_checkpointing", "activation_checkpointing_off")}
+        assert {name: c["activation_checkpointing"] for name, c in runs.items()} == {
+            "activation_checkpointing": True, "activation_checkpointing_off": False}
 
 
 PEER = os.path.join(ROOT, ".peer", "train_gpt2.py")  # build-nanogpt's trainer, where it was fetched (never committed)
@@ -474,7 +479,10 @@ def test_a_launch_past_its_time_limit_is_stopped_with_what_it_started(tmp_path):
             os.kill(pid, 0)
         except ProcessLookupError:
             break
-        state = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "Z"
+        try:
+            state = open(f"/proc/{pid}/stat").read().split()[2]
+        except FileNotFoundError:  # gone since os.kill: the next one says so
+            continue
         if state == "Z":
             break
         time.sleep(0.1)
@@ -626,6 +634,8 @@ def test_ab_launches_each_revision_in_turn_and_compares_their_losses(data_dir, t
     assert caches["b2", 0] == caches["b2", 1] and caches["b4", 0] == caches["b4", 1]
     assert not set(caches["b2", 0]) & set(caches["b4", 0])
     assert all(path.startswith(str(tmp_path / "v" / "cache")) for pair in caches.values() for path in pair)
+    # an arm that names a cache of its own keeps it
+    assert ab.arm_env("mine", {"TRITON_CACHE_DIR": "/mine"}, str(tmp_path))["TRITON_CACHE_DIR"] == "/mine"
     with pytest.raises(SystemExit, match="--variant: give NAME=FLAGS"):
         ab.main(["--data-dir", data_dir, "--variant", "--micro-batch-size 4", "--out", str(tmp_path / "bad")])
     with pytest.raises(SystemExit, match="--revs: git cannot export 'no-such-rev'"):
