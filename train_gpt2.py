@@ -10,6 +10,7 @@ as a run goes: main and train, setup (everything the loop needs, on a Run), the 
 """
 
 import functools
+import gc
 import math
 import os
 import random
@@ -63,6 +64,12 @@ def train(argv=None):
         run = setup(cfg, ranks, log, resume, changes, evaluations)
         del resume  # the checkpoint it read is back in the model and optimizer: free its host memory
         status = loop(run)
+        # before the group goes: DDP's reducer must not hold the last reference to gloo's process group, whose
+        # destructor would then join gloo's threads with the GIL held while one of them waits for it to free a
+        # gathered tensor (a hang at the end of a run; pytorch/pytorch#56297). The run and the evaluations, which
+        # hold the model, go first.
+        del run, evaluations
+        gc.collect()
     finally:
         log.close()
     # not after an error: a rank's destroy_process_group can wait there, in NCCL's finalize, for the
