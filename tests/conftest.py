@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+import warm  # noqa: F401  (the environment the tests' processes start in, taken before any test adds to it)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -86,20 +88,39 @@ def model():
     return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
 
 
+def shared(tmp_path_factory, name, build):
+    """A folder that build(path) fills once for the whole session, every test worker included: the first worker to
+    ask builds it under a file lock, the others wait for it and read it. Tests only read it."""
+    import fcntl
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' common folder
+    path = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / ".built").exists():
+            if path.exists():  # a build cut short
+                import shutil
+                shutil.rmtree(path)
+            path.mkdir()
+            build(str(path))
+            (path / ".built").touch()
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
     """Shards of learnable text for the tiny trainer runs (runs.TINY)."""
     from runs import write_shards
-    return write_shards(str(tmp_path_factory.mktemp("data")))
+    return shared(tmp_path_factory, "data", write_shards)
 
 
 @pytest.fixture(scope="session")
 def reference_run(data_dir, tmp_path_factory):
     """An uninterrupted 10-step run that the resume tests must reproduce bit for bit."""
     from runs import run, tiny
-    log_dir = str(tmp_path_factory.mktemp("ref"))
-    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3))
-    return log_dir
+    return shared(tmp_path_factory, "ref", lambda log_dir: run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10,
+                                                                     checkpoint_every=3)))
 
 
 @pytest.fixture
@@ -107,6 +128,21 @@ def train_in_process():
     """runs.train: the trainer in this process, a bad input raised as its UserError."""
     from runs import train
     return train
+
+
+# Module fixtures that cost seconds (a run, a pair of ranks): the tests that use one go to one test worker, which
+# builds it once (pytest-xdist's --dist loadgroup hands a group to one worker; without xdist the mark does nothing)
+SHARED_IN_MODULE = ("two_ranks", "logged_run", "one_process", "bad_input_setup", "six_steps", "damaged_resume", "bundle",
+                    "files", "logs", "log_dir")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        fixture = next((f for f in SHARED_IN_MODULE if f in item.fixturenames), None)
+        if fixture is not None:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{fixture}"))
 
 
 def pytest_configure(config):

@@ -1,8 +1,8 @@
 """Running train_gpt2.py in the tests: a tiny configuration (tiny(), with overrides), shards of
 learnable text for it, the trainer in this process (run(), the default: no interpreter and torch
 import to pay for) or in one of its own (run_process(), where a process must die, be signalled or
-run beside others), and reading back what a run wrote (its metrics and its last checkpoint); and
-any script with its stdout closed."""
+run beside others: started warm, tests/warm.py, unless the process's start is the point), and reading
+back what a run wrote (its metrics and its last checkpoint); and any script with its stdout closed."""
 import contextlib
 import io
 import json
@@ -21,6 +21,7 @@ import checkpoint  # noqa: E402
 import common  # noqa: E402
 import metrics  # noqa: E402
 import tokenizer  # noqa: E402
+import warm  # noqa: E402
 from train_config import command_line  # noqa: E402  (the trainer's own settings-to-flags rule)
 TRAIN = os.path.join(ROOT, "train_gpt2.py")
 FAULT_TRAINER = os.path.join(ROOT, "tests", "fault_trainer.py")  # the trainer with one fault injected
@@ -37,7 +38,7 @@ def tiny(**overrides):
 
 
 TINY = tiny()
-ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+ENV = warm.environment()  # unbuffered, one OpenMP thread: tiny models gain nothing from more
 
 
 def make_text(n_docs, seed):
@@ -107,9 +108,10 @@ def run(args, check=True):
     return p
 
 
-def run_process(args, check=True, script=TRAIN, **kw):
-    """train_gpt2.py (or script, such as FAULT_TRAINER) with args in a process of its own."""
-    p = subprocess.run([sys.executable, script] + args, capture_output=True, text=True, env=kw.pop("env", ENV),
+def run_process(args, check=True, script=TRAIN, cold=False, **kw):
+    """train_gpt2.py (or script, such as FAULT_TRAINER) with args in a process of its own, started warm (cold: by the
+    interpreter itself)."""
+    p = subprocess.run([python(cold), script] + args, capture_output=True, text=True, env=kw.pop("env", ENV),
                        timeout=900, **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
@@ -132,8 +134,14 @@ def final_state(log_dir):
     return ckpt["step"], ckpt["model"], ckpt["optimizer"]
 
 
-def torchrun(extra, args, script=TRAIN, env=ENV, **kw):
-    cmd = [sys.executable, "-m", "torch.distributed.run"] + extra + [script] + args
+def python(cold=False):
+    """The interpreter to start a script's process with: warm (tests/warm.py) unless cold."""
+    return sys.executable if cold else warm.python()
+
+
+def torchrun(extra, args, script=TRAIN, env=ENV, cold=False, **kw):
+    """torchrun with its options `extra`, running script with args; it and its ranks started warm unless cold."""
+    cmd = [python(cold), "-m", "torch.distributed.run"] + extra + [script] + args
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw)
 
 

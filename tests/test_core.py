@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import checkpoint
 import common
 import core
+import runs
 import tokenizer
 from core_bundle import TASKS, task_items, write_bundle, write_items
 
@@ -270,8 +271,8 @@ def test_two_ranks_score_as_one_process(model, bundle, tmp_path):
     checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
     args = [os.path.join(REPO, "core.py"), "--model", ckpt, "--bundle-dir", bundle, "--device", "cpu", "--json",
             "--batch-size", "2"]
-    one = subprocess.run([sys.executable] + args, capture_output=True, text=True, env=ENV, timeout=600)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] + args,
+    one = subprocess.run([runs.python()] + args, capture_output=True, text=True, env=ENV, timeout=600)
+    two = subprocess.run([runs.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] + args,
                          capture_output=True, text=True, env=ENV, timeout=600)
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-1500:] + two.stderr[-1500:]
     assert "2 process(es)" in two.stderr

@@ -6,8 +6,11 @@ kernel inherits from this process."""
 import os
 import random
 import re
+import sys
 
 import pytest
+
+import runs
 
 WHY = "the notebook test needs nbformat, nbclient and ipykernel: pip install nbformat nbclient ipykernel"
 nbformat = pytest.importorskip("nbformat", reason=WHY)
@@ -22,7 +25,16 @@ WORDS = ("the a cat dog sat on mat ran to house and then saw big small red blue 
          "night sun moon went home played with friend ball park water ate food slept").split()
 
 
-def test_notebook_prepares_trains_plots_and_samples(tmp_path, monkeypatch):
+@pytest.fixture
+def warm_kernel(monkeypatch):
+    """The kernel, and the scripts the notebook starts with the kernel's sys.executable, started warm: real processes
+    running the real scripts, without torch's import in each (tests/warm.py). jupyter_client starts a kernel spec's
+    "python" as sys.executable; tiny models gain nothing from OpenMP's threads."""
+    monkeypatch.setattr(sys, "executable", runs.python())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def test_notebook_prepares_trains_plots_and_samples(tmp_path, monkeypatch, warm_kernel):
     rng = random.Random(0)
     corpus = tmp_path / "corpus.txt"  # ~13K tokens: a val split of ~1,300, more than one batch of 8 x 32
     corpus.write_text("\n\n".join(" ".join(rng.choices(WORDS, k=rng.randint(20, 60))) + "." for _ in range(300)))
@@ -32,8 +44,6 @@ def test_notebook_prepares_trains_plots_and_samples(tmp_path, monkeypatch):
                     SAMPLE_ARGS="--device cpu --max-new-tokens 20")
     for name, value in settings.items():
         monkeypatch.setenv("GPT2_NB_" + name, value)
-    # tiny models gain nothing from threads, and on a busy machine OpenMP's barriers make each op wait
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     for name in ("COLAB_RELEASE_TAG", "KAGGLE_KERNEL_RUN_TYPE"):  # as on a machine of one's own: ./log
         monkeypatch.delenv(name, raising=False)
     nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -62,7 +72,8 @@ def test_notebook_prepares_trains_plots_and_samples(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("gpu,legacy", [(("Tesla P100-PCIE-16GB", "6.0"), True), (("Tesla T4", "7.5"), False)])
-def test_install_takes_torch_from_wheels_with_kernels_for_the_gpu(tmp_path, monkeypatch, fake_nvidia_smi, gpu, legacy):
+def test_install_takes_torch_from_wheels_with_kernels_for_the_gpu(tmp_path, monkeypatch, fake_nvidia_smi, gpu, legacy,
+                                                                 warm_kernel):
     """Kaggle's P100: pip's default torch has no kernels for it, so the install cell, finding no torch
     here that trains on it (this one is a CPU build), takes one from PyTorch's CUDA 12.6 builds
     (device.LEGACY_WHEELS, which the cell names too) before the requirements. A T4 keeps pip's choice."""

@@ -16,6 +16,7 @@ import pytest
 import common
 import metrics
 import plot
+import runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPS = 8192  # tokens per step
@@ -224,7 +225,7 @@ def test_legends_hide_nothing(logs, tmp_path):
 def missing_dir_cli(tmp_path_factory):
     """The real command line on a directory that does not exist. It pays about 3 s for importing
     torch (through common), so it starts with the module's first test and runs beside the rest."""
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "plot.py"),
+    proc = subprocess.Popen([runs.python(), os.path.join(ROOT, "plot.py"),
                              str(tmp_path_factory.mktemp("cli") / "no_such_dir")],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield proc

@@ -27,6 +27,7 @@ import common
 import evaluation
 import train_config
 import train_gpt2
+import runs
 from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, tiny
 
 
@@ -432,7 +433,7 @@ def test_sigterm_on_one_rank_during_a_step_stops_every_rank_after_it(data_dir, t
     """Under DDP a request that reaches one rank while step 5 runs ends every rank after step 5."""
     log_dir = str(tmp_path / "log")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=8, eval_every=0)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    p = subprocess.run([runs.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         FAULT_TRAINER] + args, capture_output=True, text=True, env=dict(ENV, FAULT="term:1:5"),
                        timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -454,7 +455,7 @@ def test_sigterm_on_one_rank_during_validation_stops_every_rank_inside_it(data_d
     checkpoint holds 4 steps."""
     log_dir = str(tmp_path / "log")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=8, eval_every=4, val_tokens=64 * 32, dist_timeout=0.5)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    p = subprocess.run([runs.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         FAULT_TRAINER] + args, capture_output=True, text=True, env=dict(ENV, FAULT="evalterm:1:1"),
                        timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -467,7 +468,7 @@ def test_a_resume_with_another_process_count_is_refused_once(reference_run, tmp_
     """A run of one process resumed by two: every rank refuses it alike, and the group says so once, without a
     rank (torchrun used to print the line per rank); nothing is written."""
     path = metrics.latest_checkpoint(reference_run)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
+    p = subprocess.run([runs.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
                         "--log-dir", str(tmp_path / "two"), "--resume", path, "--max-steps", "12"], capture_output=True,
                        text=True, env=ENV, timeout=300)
     said = [line for line in (p.stdout + p.stderr).splitlines() if re.match(r"(error: |ranks? [\d, ]+: )", line)]
@@ -811,9 +812,9 @@ def test_torchrun_restart_after_a_killed_rank_resumes_by_itself(data_dir, tmp_pa
     run that never failed, under DDP and under FSDP."""
     args = tiny(data_dir=data_dir, max_steps=8, checkpoint_every=3, eval_every=0, resume=True, sharding=sharding)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    ref = str(tmp_path / "ref")
-    p = subprocess.run(launch + [TRAIN] + args + ["--log-dir", ref], capture_output=True, text=True, env=ENV,
-                       timeout=600)
+    ref = str(tmp_path / "ref")  # the run that never failed: warm (the restart, below, is the process's own)
+    p = subprocess.run([runs.python()] + launch[1:] + [TRAIN] + args + ["--log-dir", ref], capture_output=True,
+                       text=True, env=ENV, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     log_dir = str(tmp_path / "log")
     env = dict(ENV, FAULT="kill:1:5")  # rank 1 kills itself at step 5, two steps past a checkpoint

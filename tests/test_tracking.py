@@ -14,6 +14,7 @@ import pytest
 import checkpoint
 import metrics
 import trackers
+import runs
 from runs import ENV, FAULT_TRAINER, TRAIN, records, tiny, write_shards
 
 TRACKED = dict(ENV, WANDB_MODE="offline", WANDB_SILENT="true")
@@ -80,7 +81,7 @@ def test_wandb_and_tensorboard_hold_the_records_across_a_kill_and_two_resumes(tm
                        env=dict(TRACKED, FAULT="kill:0:4"), timeout=900)
     assert p.returncode == -9, p.stdout[-2000:] + p.stderr[-2000:]
     for max_steps in ([], ["--max-steps", "8"]):  # --resume alone (replays step 3), then two more steps
-        p = subprocess.run([sys.executable, TRAIN, "--log-dir", log_dir, "--resume"] + max_steps, capture_output=True,
+        p = subprocess.run([runs.python(), TRAIN, "--log-dir", log_dir, "--resume"] + max_steps, capture_output=True,
                            text=True, env=TRACKED, timeout=900)
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
     train = {r["step"]: r for r in records(log_dir, "train")}

@@ -263,7 +263,7 @@ def test_fsdp_in_bf16_compiled_evaluates_samples_resumes_and_exports(data_dir, t
                 hellaswag_every=4, hellaswag_file=hellaswag_items(tmp_path / "hs.jsonl", 5), sample_every=3,
                 num_samples=1, sample_tokens=4, checkpoint_every=0, export_hf=True, core_every=4,
                 core_bundle=write_bundle(tmp_path / "bundle"), core_limit=3)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULT_TRAINER]
+    launch = [runs.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULT_TRAINER]
     env = dict(ENV, COMPILE_BACKEND="aot_eager", COMPILE_LOG=str(tmp_path / "compiles"))
 
     def trainer(args, **extra):
@@ -457,7 +457,7 @@ def test_running_out_of_cpu_memory_is_one_line_naming_the_cpu(data_dir, tmp_path
     run_process(tiny(**shape, micro_batch_size=8, max_steps=1, warmup_steps=0))
     cap = lambda: resource.setrlimit(resource.RLIMIT_AS, (3 * 10 ** 9, 3 * 10 ** 9))  # noqa: E731
     p = run_process(["--log-dir", log_dir, "--resume", "--micro-batch-size", "256", "--max-steps", "3"], check=False,
-                    preexec_fn=cap)
+                    preexec_fn=cap, cold=True)  # the cap is this process's own
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr[-3000:]
     assert p.stderr.startswith("error: out of CPU memory at a micro-batch of 256 x 32 tokens ([enforce fail at "
                                "alloc_cpu.cpp") and "--micro-batch-size" in p.stderr and "(auto fits" not in p.stderr
