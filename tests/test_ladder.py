@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -31,6 +32,7 @@ import sample  # noqa: E402
 import train_config  # noqa: E402
 from common import UserError  # noqa: E402
 from device_check import Machine  # noqa: E402
+import runs  # noqa: E402
 from runs import run as run_trainer, tiny  # noqa: E402
 
 # 16 tokens per step: the 50257-wide LM head is most of the cost on CPU
@@ -44,6 +46,17 @@ def one_thread_in_rungs(monkeypatch, one_thread):
     small, shared machine two threads of tiny ops spend most of their time waiting for each other
     (8x slower under load)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def warm_launches(monkeypatch):
+    """The scripts' launches of the trainer and the other scripts started warm (tests/warm.py): real processes
+    running the real scripts, without torch's import to pay for in each."""
+    python = runs.python()
+    monkeypatch.setattr(sys, "executable", python)
+    monkeypatch.setattr(device_check, "PY", python)
+    monkeypatch.setattr(node_paths, "PY", python)
+    monkeypatch.setattr(node_paths, "TORCHRUN", [python] + node_paths.TORCHRUN[1:])
 
 
 def run(tmp_path, *extra):
@@ -148,7 +161,7 @@ def test_ladder_times_the_trainers_step(tmp_path, monkeypatch):
     assert calls == [schedule.lr(i, ladder.TRAIN.max_lr) for i in range(3)]  # 1 warm-up + 2 timed
 
 
-def test_ladder_rung_in_its_own_process(tmp_path):
+def test_ladder_rung_in_its_own_process(tmp_path, warm_launches):
     rc, doc, r = run(tmp_path, "--rungs", "bf16")  # cumulative: + TF32 + bf16 autocast, eager
     x = r["bf16"]
     assert rc == 0 and x["status"] == "ok", (x.get("reason"), x.get("log_tail"))
@@ -167,7 +180,7 @@ def test_hung_rung_is_killed_and_reported(tmp_path, capsys):
 def test_repeats_take_turns_and_speedups_show_their_spread(tmp_path, capsys):
     """--repeats 2: every rung runs twice, the rungs taking turns; a speed-up is the median of the
     pairs measured in the same turn, shown with their range."""
-    rc, doc, r = run(tmp_path, "--in-process", "--rungs", "fp32,flash", "--repeats", "2")
+    rc, doc, r = run(tmp_path, "--in-process", "--rungs", "fp32,flash", "--repeats", "2", "--override", "compile=false")
     assert rc == 0
     for x in r.values():
         assert x["status"] == "ok" and len(x["repeats"]) == 2 and len(x["tokens_per_s_all"]) == 2
@@ -357,7 +370,7 @@ def test_the_sync_count_counts_syncs_not_the_modes_own_notice():
     assert device_check.syncs_in(caught) == 3
 
 
-def test_the_quick_device_check_runs_end_to_end_on_a_cpu(data_dir, tmp_path, capsys):
+def test_the_quick_device_check_runs_end_to_end_on_a_cpu(data_dir, tmp_path, capsys, warm_launches):
     """--quick --small on the CPU: the steps on the default recipe's run pass (the GPU's own, syncs, the
     out-of-memory snapshot and the probe, are left out; a node's paths are the next test's), the resume's loss at
     the checkpoint's step is the first run's, and --results holds at most 8 files with the table last printed."""
@@ -383,28 +396,19 @@ def node_steps(data_dir, out, steps, capsys, *extra):
     return rc, {line.split()[0]: line for line in lines}
 
 
-NODE_PATHS = {  # what each of the device check's node paths says when it holds on the CPU
+NODE_PATHS = {  # what the device check's node path run for real says when it holds on the CPU
     "two_ranks": ["against one process: losses within", "resumed at step 4: losses within 0.0e+00, step 4 equal"],
-    "fsdp": ["exit [0, 0]; world 1, resumed at step 4: losses within 0.0e+00, step 4 equal; exported; gloo on cpu:",
-             "gloo on cpu: all_reduce sum float32 ok", "DTensor.full_tensor ok"],
-    "activation_checkpointing": ["on: micro-batch 8", "off (activation_checkpointing_off): micro-batch 8"],
 }
 
 
-@pytest.mark.parametrize("step", NODE_PATHS)
-def test_a_nodes_path_runs_on_a_cpu(step, data_dir, tmp_path, capsys):
-    """The device check's node paths, tiny, on the CPU as on the one GPU, each a test of its own: two ranks over gloo
-    train as one process on the same batches and resume exactly; FSDP2 in a group of one resumes exactly and exports
-    (its two ranks need two GPUs: tests/test_parallel.py holds FSDP over two CPU ranks to one process), and gloo
-    carries each collective; activation checkpointing trains beside a run without."""
+def test_a_nodes_path_runs_on_a_cpu(data_dir, tmp_path, capsys, warm_launches):
+    """The device check's node paths, tiny, on the CPU as on the one GPU, their launches real: two ranks over gloo
+    train as one process on the same batches and resume exactly. (The fsdp and activation checkpointing steps judge
+    recorded launches below; the trainer's own tests run those paths.)"""
+    step = "two_ranks"
     rc, table = node_steps(data_dir, tmp_path / "out", (step,), capsys)
     assert rc == 0 and table[step].split()[1] == "ok", table
     assert [phrase for phrase in NODE_PATHS[step] if phrase not in table[step]] == [], table[step]
-    if step == "activation_checkpointing":  # the two runs differ in that alone, which the CPU's figures cannot show
-        runs = {name: json.loads((tmp_path / "out" / name / "metrics.jsonl").read_text().splitlines()[0])["config"]
-                for name in ("activation_checkpointing", "activation_checkpointing_off")}
-        assert {name: c["activation_checkpointing"] for name, c in runs.items()} == {
-            "activation_checkpointing": True, "activation_checkpointing_off": False}
 
 
 PEER = os.path.join(ROOT, ".peer", "train_gpt2.py")  # build-nanogpt's trainer, where it was fetched (never committed)
@@ -412,31 +416,139 @@ PEER = os.path.join(ROOT, ".peer", "train_gpt2.py")  # build-nanogpt's trainer, 
 
 @pytest.mark.skipif(not os.path.isfile(PEER), reason="build-nanogpt's train_gpt2.py is not at .peer/ (fetch it and "
                                                       "copy the peer script beside it: BENCHMARKS.md)")
-def test_the_peer_runs_beside_ours_on_a_cpu(data_dir, tmp_path, capsys):
+def test_the_peer_runs_beside_ours_on_a_cpu(data_dir, tmp_path, capsys, warm_launches):
     rc, table = node_steps(data_dir, tmp_path / "out", ("peer",), capsys, "--peer-src", PEER, "--peer-steps", "8")
     assert rc == 0 and table["peer"].split()[1] == "ok", table
     assert "build-nanogpt" in table["peer"] and "ours/peer" in table["peer"] and "losses within" in table["peer"]
 
 
-def test_device_check_fails_a_run_whose_losses_are_off_its_reference(data_dir, tmp_path, capsys, monkeypatch):
-    """micro_a is the eager run's recipe and must reach its losses; here it is given ten times the learning rate (as
-    a graph compiled for the wrong dtype trains differently): the result says 'losses', and the check fails. micro_b,
-    resumed from micro_a's checkpoint with a smaller micro-batch, matches micro_a and passes."""
-    real_plan = device_check.plan
+def recorded(source, dest, scale=1.0, from_step=0):
+    """A run directory as a launch would have left it, made from a recorded one (a real tiny run): its train losses
+    times scale, its records from from_step on (a resume's), its log beside it as the launch's output."""
+    shutil.copytree(source, dest)
+    records = [json.loads(line) for line in open(os.path.join(source, "metrics.jsonl"))]
+    kept = [dict(r, loss=r["loss"] * scale) if r["kind"] == "train" else r for r in records
+            if r["kind"] == "run" or r.get("step", 0) >= from_step]
+    with open(os.path.join(dest, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    return open(os.path.join(source, "log.txt")).read().splitlines()
 
-    def plan(args, machine, out):
-        steps = real_plan(args, machine, out)
-        return dict(steps, micro_a=steps["micro_a"]._replace(cmd=steps["micro_a"].cmd + ["--max-lr", "6e-3"]))
-    monkeypatch.setattr(device_check, "plan", plan)
-    rc = device_check.main(["--small", "--device", "cpu", "--data-dir", data_dir, "--out", str(tmp_path / "out"),
+
+def test_device_check_fails_a_run_whose_losses_are_off_its_reference(reference_run, tmp_path, capsys, monkeypatch):
+    """On recorded launches (a real tiny run, as each step's launch would have left it): micro_a, the eager run's
+    recipe, must reach eager's losses; here its losses are half as large again (as a graph compiled for the wrong
+    dtype trains differently): the result says 'losses', and the check fails. micro_b, resumed from micro_a's
+    checkpoint, matches micro_a and passes. Without its reference the table says so rather than nothing. (The real
+    launches: test_the_quick_device_check_runs_end_to_end_on_a_cpu.)"""
+    launched = []
+
+    def replay(name, cmd, out_dir, timeout, env, stop_at=None):
+        launched.append((name, cmd))
+        lines = recorded(reference_run, os.path.join(out_dir, name), scale=1.5 if name != "eager" else 1.0,
+                         from_step=6 if name == "micro_b" else 0)
+        with open(os.path.join(out_dir, f"{name}.log"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return {"name": name, "cmd": " ".join(cmd), "rc": 0, "seconds": 1.0, "tail": lines[-15:]}
+    monkeypatch.setattr(device_check, "run_step", replay)
+    rc = device_check.main(["--small", "--device", "cpu", "--data-dir", str(tmp_path), "--out", str(tmp_path / "out"),
                             "--only", "eager,micro_a,micro_b"])
     table = {line.split()[0]: line for line in capsys.readouterr().out.rstrip().splitlines()[-3:]}
+    assert [name for name, _ in launched] == ["eager", "micro_a", "micro_b"]
+    assert launched[2][1][launched[2][1].index("--resume") + 1].endswith(os.path.join("micro_a", "ckpt_000006.pt"))
     assert rc == 1
-    assert table["micro_a"].split()[1] == "losses" and "(relative) of eager's" in table["micro_a"]
-    assert table["micro_b"].split()[1] == "ok" and "(relative) of micro_a's" in table["micro_b"]
-    alone = tmp_path / "alone"  # without its reference, the table says so rather than nothing
-    device_check.main(["--small", "--device", "cpu", "--data-dir", data_dir, "--out", str(alone), "--only", "micro_a"])
+    assert table["eager"].split()[1] == "ok"
+    assert table["micro_a"].split()[1] == "losses" and "steps 0-9: losses within 5.0e-01 (relative) of eager's" in \
+        table["micro_a"]
+    assert table["micro_b"].split()[1] == "ok" and "steps 6-9: losses within 0.0e+00 (relative) of micro_a's" in \
+        table["micro_b"]
+    alone = tmp_path / "alone"
+    device_check.main(["--small", "--device", "cpu", "--data-dir", str(tmp_path), "--out", str(alone), "--only",
+                       "micro_a"])
     assert capsys.readouterr().out.rstrip().splitlines()[-1].endswith(f"losses not compared: no eager run in {alone}")
+
+
+class Launches:
+    """node_paths.launch, replayed: each launch leaves the run directory and output it is given (a recorded run, or
+    none), with its exit status, and is noted; launches not given run for real."""
+
+    def __init__(self, monkeypatch, runs):
+        self.runs, self.names, self.real = runs, [], node_paths.launch
+        monkeypatch.setattr(node_paths, "launch", self)
+
+    def __call__(self, name, cmd, out, timeout=None):
+        self.names.append(name)
+        if name not in self.runs:
+            return self.real(name, cmd, out, timeout)
+        make, code = self.runs[name]
+        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+        lines = make(os.path.join(out, name))
+        with open(node_paths.output(out, name), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return code
+
+
+def node_path(step, tmp_path, capsys):
+    """(exit status, the figure line) of node_paths' step, run in this process on the tiny model."""
+    args = node_paths.parse_args([step, "--data-dir", str(tmp_path), "--out", str(tmp_path / "out"), "--device",
+                                  "cpu", "--small"])
+    code = node_paths.STEPS[step](args)
+    return code, capsys.readouterr().out.rstrip().splitlines()[-1]
+
+
+def test_the_fsdp_path_judges_its_launches(reference_run, tmp_path, capsys, monkeypatch):
+    """The fsdp step on recorded launches (the group of one, its resume; tests/test_train.py runs them for real):
+    an exact resume that exported and warned is ok, as its line says; a resume whose first loss is not the run's,
+    a run that did not export and one whose header lacks the one-process warning each fail, named. The probe of
+    gloo's collectives runs for real, under torchrun."""
+    def fsdp(exported=True, warned=True):
+        def make(path):
+            lines = recorded(reference_run, path)
+            if exported:
+                os.makedirs(os.path.join(path, "hf"))
+                open(os.path.join(path, "hf", "model.safetensors"), "w").close()
+            return (["warning: --sharding fsdp with one process shards nothing"] if warned else []) + lines
+        return make, 0
+
+    def resume(scale=1.0):
+        return (lambda path: recorded(reference_run, path, scale=scale, from_step=4)), 0
+    python = runs.python()
+    monkeypatch.setattr(node_paths, "TORCHRUN", [python] + node_paths.TORCHRUN[1:])
+    launches = Launches(monkeypatch, dict(fsdp=fsdp(), fsdp_resume=resume()))
+    code, line = node_path("fsdp", tmp_path, capsys)
+    assert launches.names == ["fsdp", "fsdp_resume", "fsdp_gloo"]
+    assert code == 0 and line.startswith("fsdp | exit [0, 0]; world 1, resumed at step 4: losses within 0.0e+00, "
+                                         "step 4 equal; exported; gloo on cpu: all_reduce sum float32 ok"), line
+    assert "DTensor.full_tensor ok (exit 0)" in line
+    launches.runs["fsdp_gloo"] = (lambda path: [], 0)  # the probe's answer is the real one above: not again
+    for runs_, said in ((dict(fsdp_resume=resume(scale=1.001)), "step 4's loss is not the first run's"),
+                        (dict(fsdp=fsdp(exported=False)), "; no export"),
+                        (dict(fsdp=fsdp(warned=False)), "no one-process warning")):
+        launches.runs.update(dict(fsdp=fsdp(), fsdp_resume=resume()), **runs_)
+        code, line = node_path("fsdp", tmp_path, capsys)
+        assert code == 1 and said in line, line
+
+
+def test_the_activation_checkpointing_path_judges_its_launches(reference_run, tmp_path, capsys, monkeypatch):
+    """The activation_checkpointing step on recorded launches: without the train step's run it launches the recipe
+    without checkpointing first, then with it at that run's micro-batch, and reports both; with the train step's run
+    (OUT/run) it launches only the run with; a launch that left no run fails."""
+    launches = Launches(monkeypatch, dict(activation_checkpointing_off=((lambda p: recorded(reference_run, p)), 0),
+                                          activation_checkpointing=((lambda p: recorded(reference_run, p)), 0)))
+    cmds = []
+    monkeypatch.setattr(node_paths, "trainer_flags", lambda *a, **settings: cmds.append(settings) or [])
+    code, line = node_path("activation_checkpointing", tmp_path, capsys)
+    assert launches.names == ["activation_checkpointing_off", "activation_checkpointing"]
+    assert code == 0 and line == ("activation_checkpointing | on: micro-batch 2, " + line.split("micro-batch 2, ")[1]
+                                  .split(";")[0] + "; off (activation_checkpointing_off): micro-batch 2, "
+                                  + line.split("off (activation_checkpointing_off): micro-batch 2, ")[1]), line
+    assert "peak n/a (CUDA only)" in line and "x)" in line
+    assert cmds == [{}, dict(activation_checkpointing=True, micro_batch_size=2)]  # they differ in that alone
+    recorded(reference_run, str(tmp_path / "out" / "run"))  # the train step's run: no launch without
+    launches.names.clear()
+    launches.runs["activation_checkpointing"] = ((lambda p: []), 1)
+    code, line = node_path("activation_checkpointing", tmp_path, capsys)
+    assert launches.names == ["activation_checkpointing"]
+    assert code == 1 and line.startswith("activation_checkpointing | on: no run; off (run): micro-batch 2"), line
 
 
 def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
@@ -446,7 +558,7 @@ def test_device_check_refuses_a_step_it_would_not_run(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_an_arm_that_fails_is_one_line_and_the_others_are_tabled(data_dir, tmp_path, capsys):
+def test_an_arm_that_fails_is_one_line_and_the_others_are_tabled(data_dir, tmp_path, capsys, warm_launches):
     """A launch that gives no result (here a flag the trainer refuses) is one line naming its log; the arms that
     finished are in the table; the exit status says one failed."""
     import ab
@@ -598,7 +710,7 @@ def test_ladder_profiles_the_first_repeat_of_each_rung(tmp_path, capsys):
         ladder.parse_args(TINY + ["--profile-steps", "2:3"])
 
 
-def test_ab_launches_each_revision_in_turn_and_compares_their_losses(data_dir, tmp_path, capsys):
+def test_ab_launches_each_revision_in_turn_and_compares_their_losses(data_dir, tmp_path, capsys, warm_launches):
     import ab
     extra = tiny(eval_every=0, device="cpu")
     ab.main(["--data-dir", data_dir, "--revs", "worktree,HEAD", "--repeats", "1", "--steps", "4", "--skip-steps", "1",
