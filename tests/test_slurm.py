@@ -1,5 +1,5 @@
 """
-train_gpt2.sbatch on a real SLURM: a job that needs ten allocations (stop requests before the time
+train_gpt2.sbatch on a real SLURM: a job that needs five allocations (stop requests before the time
 limit, a requeue from outside as a preempting partition does, a damaged line in its records), a
 two-node job, the time limit, the runs that must not be requeued and how they say so, and one
 process per GPU; every trainer on all the CPUs of its node, and a stop request that reaches the
@@ -302,25 +302,25 @@ def check_continued(log_dir, allocations):
 # The stories: each submits its job(s), stops them where it says, and returns what the tests check.
 
 
-def ten_allocations(cluster, data_dir, out_dir):
-    """One process on one node, held at the start of each of its first 9 steps and stopped there: by
+def five_allocations(cluster, data_dir, out_dir):
+    """One process on one node, held at the start of each of its first 4 steps and stopped there: by
     SLURM's warning before the time limit (scancel --batch --signal=USR1, as SLURM sends it), except
-    at step 4, where scontrol requeue stops it as a preempting partition does. After the third
+    at step 2, where scontrol requeue stops it as a preempting partition does. After the second
     allocation a line of zeros (what a power loss leaves) is appended to its metrics.jsonl, which
     the next allocations write after."""
     log_dir = out_dir / "log"
-    job = cluster.sbatch(out_dir, 1, trainer_args(data_dir, log_dir), hold=9, nice=0)
-    for step in range(9):
+    job = cluster.sbatch(out_dir, 1, trainer_args(data_dir, log_dir), hold=4, nice=0)
+    for step in range(4):
         wait_for_holds(out_dir, step, 1, job)
-        if step == 4:
+        if step == 2:
             cluster.run("scontrol", "requeue", job)
         else:
             cluster.run("scancel", "--batch", "--signal=USR1", job)
-        if step == 2:
-            wait_for(lambda: int(cluster.job(job)["Restarts"]) == 3, "the third requeue")
+        if step == 1:
+            wait_for(lambda: int(cluster.job(job)["Restarts"]) == 2, "the second requeue")
             with open(log_dir / metrics.METRICS_FILE, "a") as f:
                 f.write("\0" * 40 + "\n")
-    return log_dir, cluster.wait_state(job, ENDED, 9, out_dir), job_output(out_dir, job)
+    return log_dir, cluster.wait_state(job, ENDED, 4, out_dir), job_output(out_dir, job)
 
 
 def two_nodes(cluster, data_dir, out_dir):
@@ -409,7 +409,7 @@ def stories(cluster, data_dir, tmp_path_factory):
     reference run once it is made here): {name: its future}, and that reference's log directory."""
     pool = concurrent.futures.ThreadPoolExecutor(6)
     futures = {story.__name__: pool.submit(story, cluster, data_dir, tmp_path_factory.mktemp(story.__name__))
-               for story in (ten_allocations, two_nodes, cut, warned, gpus)}
+               for story in (five_allocations, two_nodes, cut, warned, gpus)}
     reference = str(tmp_path_factory.mktemp("one_process"))
     run(trainer_args(data_dir, reference))
     futures["cannot_go_on"] = pool.submit(cannot_go_on, cluster, data_dir, tmp_path_factory.mktemp("cannot_go_on"),
@@ -418,29 +418,29 @@ def stories(cluster, data_dir, tmp_path_factory):
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def test_a_job_requeues_itself_through_ten_allocations_as_one_process_runs(stories):
+def test_a_job_requeues_itself_through_five_allocations_as_one_process_runs(stories):
     """Each allocation trains its one step, writes its checkpoint and ends; the job requeues itself
     (SLURM requeues it where scontrol requeue stopped it, and the script does not again), and the
-    tenth finishes the run: its losses and weights are bit for bit those of one process that never
+    fifth finishes the run: its losses and weights are bit for bit those of one process that never
     stopped. The warnings reached the trainer alone (its child process lived on), and the damaged
     line in the records was skipped with a warning naming it, not taken for a finished run."""
     (futures, reference) = stories
-    log_dir, fields, out = futures["ten_allocations"].result()
+    log_dir, fields, out = futures["five_allocations"].result()
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), out[-3000:]
-    launches = check_continued(log_dir, 10)
-    assert [(l["end"]["reason"], l["end"]["step"]) for l in launches] == [("signal", s) for s in range(9)] + [
+    launches = check_continued(log_dir, 5)
+    assert [(l["end"]["reason"], l["end"]["step"]) for l in launches] == [("signal", s) for s in range(4)] + [
         ("finished", STEPS)]
     assert [r["loss"] for r in train_records(log_dir)] == [r["loss"] for r in train_records(reference)]
     a = checkpoint.load_file(metrics.latest_checkpoint(reference))["model"]
     b = checkpoint.load_file(metrics.latest_checkpoint(str(log_dir)))["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
-    for k in range(1, 10):
+    for k in range(1, 5):
         stopped = f"allocation {k}: the trainer stopped after {k} steps and wrote their checkpoint"
-        assert (f"{stopped}; SLURM requeued the job (scontrol requeue, or a preemption)" if k == 5 else
+        assert (f"{stopped}; SLURM requeued the job (scontrol requeue, or a preemption)" if k == 3 else
                 f"{stopped}: requeued ({k} of at most 20)") in out
-    assert out.count("requeued (") == 8 and last_line(out).endswith("allocation 10: the run finished its 12 steps")
+    assert out.count("requeued (") == 3 and last_line(out).endswith("allocation 5: the run finished its 12 steps")
     stops = [n for n in notes(log_dir.parent) if "stop" in n]
-    assert [n["stop"] for n in stops] == ["SIGUSR1"] * 4 + ["SIGTERM"] + ["SIGUSR1"] * 4 + [None]
+    assert [n["stop"] for n in stops] == ["SIGUSR1"] * 2 + ["SIGTERM"] + ["SIGUSR1"] + [None]
     assert all(n["child"] is None for n in stops if n["stop"] == "SIGUSR1")
     assert "metrics.jsonl: skipped what no reader can use: line " in out and ": not JSON (Expecting value)" in out
 
@@ -572,7 +572,7 @@ def test_every_trainer_may_run_on_every_cpu_of_its_node(stories):
     ends = []
     for future in futures.values():
         future.exception()  # every story over, however it went
-    out_dirs = [futures[name].result()[0].parent for name in ("ten_allocations", "two_nodes", "warned", "cut", "gpus")]
+    out_dirs = [futures[name].result()[0].parent for name in ("five_allocations", "two_nodes", "warned", "cut", "gpus")]
     for out_dir in out_dirs + [futures["cannot_go_on"].result()[1]["capped"].parent]:
         ends += [n for n in notes(out_dir) if "cpus" in n]
-    assert len(ends) >= 10 + 2 * 2 + 2 + 1 + 2 + 1 and {n["cpus"] for n in ends} == {2}
+    assert len(ends) >= 5 + 2 * 2 + 2 + 1 + 2 + 1 and {n["cpus"] for n in ends} == {2}
