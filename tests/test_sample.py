@@ -13,6 +13,7 @@ import torch
 
 import common
 import checkpoint
+import runs
 import tokenizer
 import sample
 
@@ -238,7 +239,7 @@ def test_hub_name_offline(model, tmp_path):
     env.pop("HF_HUB_OFFLINE", None)
     for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         env.pop(proxy, None)
-    cmd = [sys.executable, os.path.join(REPO, "sample.py"), "--device", "cpu", "--max-new-tokens", "4",
+    cmd = [runs.python(), os.path.join(REPO, "sample.py"), "--device", "cpu", "--max-new-tokens", "4",
            "--prompt", "Hi", "--seed", "1", "--model"]
     proc = subprocess.run(cmd + ["tiny-org/tiny-gpt2"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

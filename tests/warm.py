@@ -32,13 +32,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a fresh process reads at import or start-up: a request whose environment differs here starts cold
-IMPORT_TIME = ("TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA", "HF_", "TRANSFORMERS",
-               "PYTHONPATH", "PYTHONHASHSEED", "LD_")
+IMPORT_TIME = ("TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA", "PYTHONPATH", "PYTHONHASHSEED",
+               "LD_")
 # read as the process runs: torchrun's settings for its ranks, and the compile caches' folders (read at each use,
 # torch/_inductor/runtime/cache_dir_utils.py)
 RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.launcher.api", "numpy", "transformers", "train_gpt2",
-           "sample", "hellaswag", "core", "plot", "fineweb")  # not matplotlib: it reads MPLBACKEND as it is imported
+# not matplotlib, transformers or huggingface_hub: they read MPLBACKEND and HF_* as they are imported
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.launcher.api", "numpy", "train_gpt2", "sample", "hellaswag",
+           "core", "plot", "fineweb")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT,
              signal.SIGALRM, signal.SIGCONT)
 
