@@ -39,6 +39,15 @@ VAL_SHARE = 10  # a corpus under VAL_SHARE * val_tokens gives 1/VAL_SHARE of its
 # the least --max-tokens gives each split a batch of one 64-token context (plus the last target), val a tenth
 SMALLEST_BATCH_TOKENS = 64 * 1 + 1
 MIN_MAX_TOKENS = VAL_SHARE * SMALLEST_BATCH_TOKENS
+MIN_SHARD_SIZE = 1024  # a train shard holds one row of GPT-2's context at least: less only makes files
+
+
+def memory_bytes():
+    """This machine's memory, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def cpu_count():
@@ -95,6 +104,15 @@ def parse_args(argv=None):
     for flag in ("shard_size", "val_tokens", "workers"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    if args.shard_size < MIN_SHARD_SIZE:
+        raise UserError(f"--shard-size {args.shard_size} would write a file every {args.shard_size} tokens: give at "
+                        f"least {MIN_SHARD_SIZE} (one row of GPT-2's context; the default, {10 ** 8:,}, is 200 MB)")
+    memory, itemsize = memory_bytes(), np.dtype(TOKEN_DTYPE).itemsize
+    for flag in ("shard_size", "val_tokens"):  # each split's shard is built in memory before it is written
+        if memory is not None and getattr(args, flag) * itemsize > memory:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: a shard is held in memory while it "
+                            f"is written, and this machine has {memory / 2 ** 30:.1f} GiB: give at most "
+                            f"{memory // itemsize:,} tokens (the default, {10 ** 8:,}, is 200 MB)")
     cores = cpu_count()
     if args.workers > cores:  # more processes than cores only add switching and memory
         print(f"--workers {args.workers} is more than the {cores} CPU cores this process may use: using {cores}")

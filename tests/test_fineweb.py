@@ -91,7 +91,7 @@ def shard_bytes(out_dir):
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl", "txt"])
 def test_tokens_equal_tiktoken(tmp_path, kind):
-    docs = DOCS * 3
+    docs = DOCS * 15  # four train shards of at least fineweb.MIN_SHARD_SIZE tokens
     if kind == "parquet":  # two files: read in sorted order
         files = [write_parquet(tmp_path / "b.parquet", docs[10:]), write_parquet(tmp_path / "a.parquet", docs[:10])]
         docs = docs[:10] + docs[10:]
@@ -444,7 +444,7 @@ def test_corpus_smaller_than_a_shard_works_with_defaults(tmp_path, capsys):
     """A tenth of a small corpus is validation, the rest one train shard; stopping early with
     --max-tokens and going on later remakes the val shard (its size depends on where the stream
     ended) and gives the bytes of an uninterrupted run."""
-    docs = DOCS * 3
+    docs = DOCS * 15  # four train shards of at least fineweb.MIN_SHARD_SIZE tokens
     want = expected_stream(docs)
     data = write_jsonl(tmp_path / "d.jsonl", docs)
     prepare(tmp_path, tmp_path / "out", "--data-files", data)
@@ -473,7 +473,7 @@ def test_config_and_split_not_found(tmp_path):
     os.makedirs(tmp_path / "ds" / "data")
     write_parquet(tmp_path / "ds" / "data" / "a.parquet", DOCS)
     (tmp_path / "ds" / "README.md").write_text("---\nconfigs:\n- config_name: small\n  data_files: data/*.parquet\n---\n")
-    common = ["--dataset", str(tmp_path / "ds"), "--shard-size", "50"]
+    common = ["--dataset", str(tmp_path / "ds"), "--shard-size", "5000"]
     with pytest.raises(UserError, match=r"'nope' not found.*small.*--name"):
         prepare(tmp_path, tmp_path / "out", *common, "--name", "nope")
     with pytest.raises(UserError, match="--split"):
@@ -639,3 +639,19 @@ def test_data_files_directory_suggests_a_glob(tmp_path, capsys):
     err = fails(capsys, tmp_path, tmp_path / "out2", "--data-files", str(tmp_path / "nothing"))
     assert err == (f"error: --data-files {tmp_path / 'nothing'} is a directory with no .parquet, .json, .jsonl "
                    "or .txt files in it: pass a glob of such files")
+
+
+@pytest.mark.parametrize("size, said", [(1, "--shard-size 1 would write a file every 1 tokens: give at least 1024"),
+                                        (10 ** 14, "--shard-size 100000000000000: a shard is held in memory while it "
+                                                   "is written, and this machine has ")])
+def test_a_shard_size_out_of_range_is_one_line_before_anything_is_written(tmp_path, size, said):
+    """A shard of one token (a file per token) or of more tokens than the machine's memory (numpy's allocation
+    error, after the val shard and the manifest were written, which then refused the same command with a sane
+    size): one line, nothing in --out-dir, and the sane command runs."""
+    data = write_parquet(tmp_path / "d.parquet", DOCS)
+    with pytest.raises(UserError) as e:
+        prepare(tmp_path, tmp_path / "out", "--data-files", data, "--shard-size", str(size))
+    assert str(e.value).startswith(said) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+    prepare(tmp_path, tmp_path / "out", "--data-files", data, "--shard-size", "5000")
+    assert (tmp_path / "out" / "manifest.json").exists()
