@@ -44,13 +44,19 @@ def save_file(path, ckpt):
         raise
 
 
-def load_file(path):
-    """A checkpoint written by train_gpt2.py, on the CPU; UserError for anything else or damaged (its zip CRCs)."""
+def file_head(path):
+    """The first bytes of a file given as a checkpoint; UserError where they cannot be torch's (a text, a .jsonl)."""
     with open(path, "rb") as f:
         head = f.read(4)
     if head and not head.startswith(TORCH_FILE_MAGIC):  # the unpickler's complaints would say nothing useful
         raise UserError(f"{path} is not a checkpoint: not a torch zip or pickle file (it begins {head!r}); pass a "
                         "ckpt_*.pt written by train_gpt2.py")
+    return head
+
+
+def load_file(path):
+    """A checkpoint written by train_gpt2.py, on the CPU; UserError for anything else or damaged (its zip CRCs)."""
+    head = file_head(path)
     try:
         if head == TORCH_FILE_MAGIC[0]:
             with zipfile.ZipFile(path) as archive:
@@ -413,17 +419,34 @@ def model_from_hub(name):
                         "or pass a local checkpoint / directory")
 
 
+def model_kind(spec):
+    """What a --model / --init-from names, before anything is loaded: 'file' (a checkpoint, by its first bytes), 'hf'
+    (a Hugging Face directory), 'dir' (a log directory) or 'hub' (a hub name); UserError where it can be none."""
+    if os.path.isfile(spec):
+        file_head(spec)
+        return "file"
+    if os.path.isfile(os.path.join(spec, "config.json")):
+        return "hf"
+    if os.path.isdir(spec):
+        return "dir"
+    if re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", spec) and not spec.endswith(".pt"):
+        return "hub"
+    raise UserError(f"model {spec!r} not found: pass a checkpoint file, a log directory, "
+                    "a Hugging Face directory, or a name such as gpt2")
+
+
 def load_model(spec, device="cpu"):
     """(GPT in eval mode on device, where it came from) from a checkpoint file, a log directory (its newest
     checkpoint that loads), a Hugging Face directory, or a hub name such as gpt2."""
-    if os.path.isfile(spec):
+    kind = model_kind(spec)
+    if kind == "file":
         model, what = model_from_checkpoint(load_file(spec), spec), f"checkpoint {spec}"
-    elif os.path.isfile(os.path.join(spec, "config.json")):
+    elif kind == "hf":
         try:
             model, what = GPT.from_pretrained(spec), f"Hugging Face directory {spec}"
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"{spec} could not be loaded as a GPT-2 model: {str(e)[:200]}")
-    elif os.path.isdir(spec):
+    elif kind == "dir":
         path, ckpt, skipped = newest_that_loads(spec)
         if path is None:
             raise UserError(f"{spec} has no ckpt_*.pt checkpoint and no config.json; "
@@ -431,9 +454,6 @@ def load_model(spec, device="cpu"):
         model, what = model_from_checkpoint(ckpt, path), f"checkpoint {path}"
         if skipped:  # as the trainer's --resume does: the newest one may be cut short by a full disk
             what += f" (skipped {len(skipped)} newer that do not load: {skipped[0]})"
-    elif re.fullmatch(r"[\w.\-]+(/[\w.\-]+)?", spec) and not spec.endswith(".pt"):
-        model, what = model_from_hub(spec), f"Hugging Face model {spec}"
     else:
-        raise UserError(f"model {spec!r} not found: pass a checkpoint file, a log directory, "
-                        "a Hugging Face directory, or a name such as gpt2")
+        model, what = model_from_hub(spec), f"Hugging Face model {spec}"
     return model.to(device).eval(), what

@@ -6,6 +6,7 @@ import bisect
 import hashlib
 import json
 import os
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -35,9 +36,12 @@ def unlisted_shards(data_dir, split, fix):
 
 def find_shards(data_dir, split, vocab_size):
     """(names, memory maps, manifest or None) of a split's shards in order, checked against the manifest."""
+    if os.path.isfile(data_dir):  # a corpus file (text, parquet) given for its shards
+        raise UserError(f"data directory {data_dir} is a file, not a directory of shards: tokenize it with python "
+                        f"fineweb.py --data-files {shlex.quote(data_dir)} --out-dir NEW_DIR, and train with "
+                        "--data-dir NEW_DIR")
     if not os.path.isdir(data_dir):
-        what = "is a file, not a directory" if os.path.exists(data_dir) else "does not exist"
-        raise UserError(f"data directory {data_dir} {what}: {remedy(data_dir, None)}  "
+        raise UserError(f"data directory {data_dir} does not exist: {remedy(data_dir, None)}  "
                         "(or point --data-dir at your shards)")
     manifest = read_manifest(data_dir)
     fix = remedy(data_dir, manifest)

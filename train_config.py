@@ -20,6 +20,19 @@ DEFAULT_VAL_TOKENS = 10485760
 DEFAULT_MUON_LR = 0.02  # Keller Jordan's Muon and nanochat's matrix learning rate (BENCHMARKS.md: the sweep)
 
 
+class Sharding(argparse.Action):
+    """--sharding and --fsdp (--sharding fsdp), which must agree where both are given (else the last would win)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else values
+        said = vars(namespace).pop("_sharding_said", None)
+        if said is not None and said[1] != value:
+            parser.error(f"{said[0]} and {option_string}{'' if self.nargs == 0 else ' ' + value} contradict each "
+                         "other: give one")
+        setattr(namespace, self.dest, value)
+        namespace._sharding_said = (option_string if self.nargs == 0 else f"{option_string} {value}", value)
+
+
 def build_parser(description=None):
     p = common.ArgumentParser(prog="train_gpt2.py", description=description,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,9 +109,9 @@ def build_parser(description=None):
                                       "or float32")
     a("--compile", action=argparse.BooleanOptionalAction, default=None,
       help="torch.compile the model (default: on for CUDA, off elsewhere)")
-    a("--sharding", choices=["none", "fsdp"], default="none",
+    a("--sharding", choices=["none", "fsdp"], default="none", action=Sharding,
       help="none (default): DDP; fsdp: FSDP2 shards parameters, gradients and AdamW state over the GPUs")
-    a("--fsdp", dest="sharding", action="store_const", const="fsdp", help="the same as --sharding fsdp")
+    a("--fsdp", dest="sharding", nargs=0, const="fsdp", action=Sharding, help="the same as --sharding fsdp")
     a("--activation-checkpointing", action="store_true",
       help="recompute each block's activations in backward: ~30%% more compute, far less memory")
     a("--dist-backend", choices=["auto", "nccl", "gloo"], default="auto",
@@ -158,9 +171,10 @@ def parse_args(argv=None, description=None):
     """The command line, checked, with the defaults that scale with the run; .given: the flags it named."""
     parser = build_parser(description)
     args = parser.parse_args(argv)
+    vars(args).pop("_sharding_said", None)
     for action in parser._actions:
         action.default = argparse.SUPPRESS  # a second parse that keeps only what was given
-    args.given = frozenset(vars(parser.parse_args(argv)))
+    args.given = frozenset(vars(parser.parse_args(argv))) - {"_sharding_said"}
     if args.micro_batch_size != "auto":
         try:
             args.micro_batch_size = int(args.micro_batch_size)
@@ -198,6 +212,9 @@ def check_relations(cfg, resumed=False):
         if flag in cfg.given and cfg.optimizer != "muon":
             raise UserError(f"--{flag.replace('_', '-')} is a setting of --optimizer muon, and this run uses "
                             f"{cfg.optimizer}: add --optimizer muon, or drop it")
+    if cfg.init_from and not resumed:  # what it names exists, before a flag beside it is refused on its account
+        import checkpoint
+        checkpoint.model_kind(cfg.init_from)
     for flag in ("model",) + ARCHITECTURE:
         if flag in cfg.given and cfg.init_from:
             raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "

@@ -677,6 +677,17 @@ BAD = {
     "not a number": (["--max-steps", "ten"], "error: argument --max-steps: invalid int value: 'ten' (see --help)"),
     "negative seed": (["--seed", "-1"], "--seed must be between 0 and 2**32-1"),
     "seed above 32 bits": (["--seed", str(2 ** 32)], "--seed must be between 0 and 2**32-1"),
+    "fsdp and sharding none": (["--fsdp", "--sharding", "none"],
+                               "error: --fsdp and --sharding none contradict each other: give one (see --help)"),
+    "sharding none and fsdp": (["--sharding", "none", "--fsdp"],
+                               "error: --sharding none and --fsdp contradict each other: give one (see --help)"),
+    "data dir is a corpus file": (["--data-dir", "{notes}"], "data directory {notes} is a file, not a directory of "
+                                  "shards: tokenize it with python fineweb.py --data-files {notes} --out-dir NEW_DIR, "
+                                  "and train with --data-dir NEW_DIR"),
+    "init from a missing path beside a shape flag": (["--init-from", "{base}/nonexistent", "--n-layer", "2"],
+                                                     "error: model '{base}/nonexistent' not found: pass a checkpoint"),
+    "init from a .jsonl beside a shape flag": (["--init-from", "{malformed}", "--n-layer", "2"],
+                                               "error: {malformed} is not a checkpoint: not a torch zip or pickle"),
     "sample prompt longer than the context": (["--sample-prompt", "word " * 40],
                                               "--sample-prompt: the prompt is 41 tokens, longer than the model's "
                                               "context of 32: shorten it"),
