@@ -64,6 +64,7 @@ def say_error(line):
     """Print an error line once for the ranks that met it: the lowest of them prints it, prefixed with their ranks
     unless every rank met it. The ranks compare through torchrun's store; without one each says its own, prefixed
     with its rank."""
+    record_error(line)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and "RANK" in os.environ:
         try:
@@ -81,6 +82,21 @@ def say_error(line):
             store.set(f"error/said/{rank}", "1")
         return
     print(line, file=sys.stderr, flush=True)
+
+
+def record_error(line):
+    """Under torchrun, this rank's error file (TORCHELASTIC_ERROR_FILE) holds the one line, so that torchrun's summary
+    names it as the root cause in those words: torch's @record wrote the error's traceback there."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    try:
+        with open(path, "w") as f:  # the layout torch's ErrorHandler writes and torchrun reads
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # the summary then says less; the line is on stderr all the same
 
 
 def error_store():
@@ -136,8 +152,9 @@ def run_main(main):
         if not _joined_process_group:
             raise
         if any(m in str(e) for m in PEER_FAILURES):  # another rank failed: its error says why, this one says so
-            print(f"rank {os.environ.get('RANK', '0')}: stopped, another rank failed ({first_line(e, 120)})",
-                  file=sys.stderr, flush=True)
+            line = f"rank {os.environ.get('RANK', '0')}: stopped, another rank failed ({first_line(e, 120)})"
+            record_error(line)
+            print(line, file=sys.stderr, flush=True)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun first sees the rank whose failure caused this
             time.sleep(PEER_GRACE_S)                       # one, and ends this one at once
         else:

@@ -210,17 +210,23 @@ def test_a_ddp_run_with_samples_due_finishes(data_dir, tmp_path):
 
 
 def test_under_torchrun_an_error_every_rank_meets_is_said_once(data_dir, tmp_path):
-    """A bad flag (argparse's error, before the process group) and a bad --init-from (every rank reads it, after
-    the group formed): each rank meets the same error, and the group says it once, without a rank."""
+    """A bad flag (argparse's error, before the process group), flags that contradict each other and a bad
+    --init-from (every rank meets them): the group says the error once, without a rank; each rank exits 2 with that
+    line as its error record, which torchrun's summary shows as the root cause in place of our traceback."""
     bad_flag = tiny(data_dir=data_dir, log_dir=str(tmp_path / "a")) + ["--max-steps", "ten"]
+    bad_batch = tiny(data_dir=data_dir, log_dir=str(tmp_path / "a"), total_batch_size=1000)
     missing = str(tmp_path / "no-such-model")
     bad_model = tiny(data_dir=data_dir, log_dir=str(tmp_path / "b"), init_from=missing, n_layer=None, n_head=None,
                      n_embd=None)
     for args, said in ((bad_flag, "error: argument --max-steps: invalid int value: 'ten' (see --help)"),
+                       (bad_batch, "error: --total-batch-size 1000 is not a multiple of --block-size 32"),
                        (bad_model, f"error: model {missing!r} not found: pass a checkpoint file, a log directory, "
                                    "a Hugging Face directory, or a name such as gpt2")):
         code, out = torchrun_output(args)
         assert code != 0 and said_lines(out) == [said], out[-3000:]
+        summary = out.split("Failures:")[1]  # torchrun's own: each rank's exit status and error record
+        assert summary.count("exitcode  : 2 ") == 2 and summary.count(f"traceback : {said}\n") == 2, out[-3000:]
+        assert "common.UserError" not in out and 'File "' + TRAIN not in out, out[-3000:]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
