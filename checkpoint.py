@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map_only
 
+import common
 import metrics
 import parallel
 from metrics import checkpoint_path, list_checkpoints, step_of  # the log directory's checkpoints, by name
@@ -122,6 +123,7 @@ class Checkpointer:
         self.log_dir, self.keep, self.ranks, self.log, self.resume = log_dir, keep, ranks, log, resume
         self.last_path = self.last_step = None
         self.last_here = False  # whether last_step's checkpoint is in log_dir (not another run's)
+        self.warned = False  # that a checkpoint took too long for a launcher's grace (said once)
 
     def restore(self, *, model, optimizer, scaler, train_loader, config, fsdp):
         """What is saved and restored from now on; the resumed checkpoint's state put back into it (weights, optimizer,
@@ -186,6 +188,7 @@ class Checkpointer:
         os.makedirs(self.log_dir, exist_ok=True)
         for stale in glob.glob(os.path.join(glob.escape(self.log_dir), ".ckpt_*.pt.tmp*")):
             os.remove(stale)  # left by a process killed mid-write; never read, since never renamed
+        started = time.perf_counter()
         try:
             save_file(path, ckpt)
         except OSError as e:  # a full disk or a vanished mount: atomic_write left the earlier files whole
@@ -194,8 +197,13 @@ class Checkpointer:
                             f"{self.last_path or '(none yet)'} is intact: free space under --log-dir, then --resume")
         for old in list_checkpoints(self.log_dir)[:-self.keep]:
             os.remove(old)
-        self.log.record("checkpoint", step=step, path=path)
-        self.log.line(f"checkpoint {path}")
+        seconds = time.perf_counter() - started
+        self.log.record("checkpoint", step=step, path=path, seconds=seconds)
+        self.log.line(f"checkpoint {path} ({os.path.getsize(path) / 1e9:.2f} GB in {seconds:.1f} s)")
+        late = common.stop_grace_warning(None, common.stop_grace(), seconds)
+        if late and not self.warned:
+            self.log.line(f"warning: {late}")
+        self.warned = self.warned or bool(late)
         self.last_path = path
 
     def export(self, command):

@@ -214,6 +214,84 @@ class StopFlag:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
 
 
+# The grace a launcher gives a stop: torchrun passes a SIGTERM it gets to the ranks and kills those still running
+# --shutdown-timeout seconds later (30 by default); SLURM kills a job's processes KillWait seconds (30 by default)
+# after its SIGTERM. A stop's checkpoint has to be written within it.
+LAUNCHER_GRACE_S = 30
+CHECKPOINT_BYTES_PER_S = 250e6  # below bench/bench_stop.py's slowest write rate here (BENCHMARKS.md)
+
+
+def launcher_argv(pid=None):
+    """The command line of the nearest torchrun above this process (read from Linux's /proc), or None."""
+    pid = os.getppid() if pid is None else pid
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent's
+        except (OSError, ValueError, IndexError):
+            return None
+        if any(os.path.basename(a) == "torchrun" or a == "torch.distributed.run" for a in argv[:3]):
+            return argv
+    return None
+
+
+def _option(argv, name, env, default):
+    """torchrun's option --name (or --name_with_underscores, or its PET_ environment variable) as it reads it."""
+    spellings = (f"--{name}", f"--{name.replace('-', '_')}")
+    for i, a in enumerate(argv):
+        if a in spellings and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.split("=", 1)[0] in spellings and "=" in a:
+            return a.split("=", 1)[1]
+        if i > 0 and a.endswith(".py"):
+            break  # the training script: what follows is its own
+    return env.get("PET_" + name.upper().replace("-", "_"), default)
+
+
+def stop_grace(env=None, argv=None):
+    """(seconds, whose grace, how to lengthen it) a launcher leaves a stop between its SIGTERM and the kill that
+    follows, or None where nothing kills the process after a SIGTERM (a plain python launch)."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" in env:
+        argv = (launcher_argv() or []) if argv is None else argv
+        handled = _option(argv, "signals-to-handle", env, "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+        if "SIGTERM" in handled.split(","):  # else torchrun leaves it to the ranks (train_gpt2.sbatch's)
+            seconds = _option(argv, "shutdown-timeout", env, env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", ""))
+            try:
+                seconds = float(seconds) if seconds else LAUNCHER_GRACE_S
+            except ValueError:
+                seconds = LAUNCHER_GRACE_S
+            return seconds, "torchrun waits after passing a SIGTERM on", (
+                "give torchrun a longer --shutdown-timeout, or send the SIGTERM to the ranks (pkill -TERM -f "
+                "train_gpt2.py), which torchrun then waits for")
+    if "SLURM_JOB_ID" in env:
+        return LAUNCHER_GRACE_S, "SLURM waits after a SIGTERM by default (KillWait: preemption, scancel)", (
+            "ask for a longer KillWait where the cluster preempts, and keep the batch script's --signal=B:USR1@ lead "
+            "before the time limit (300 s in train_gpt2.sbatch) above it")
+    return None
+
+
+def stop_grace_warning(checkpoint_bytes, grace, seconds=None):
+    """A line where a stop's checkpoint of checkpoint_bytes may outlast the launcher's grace: estimated at
+    CHECKPOINT_BYTES_PER_S, or `seconds`, measured, more than half of it. None where it fits or nothing kills."""
+    if grace is None:
+        return None
+    limit, whose, remedy = grace
+    if seconds is None:
+        need = checkpoint_bytes / CHECKPOINT_BYTES_PER_S
+        if need <= limit:
+            return None
+        what = f"a stop's checkpoint (~{checkpoint_bytes / 1e9:.1f} GB, ~{need:.0f} s at " \
+               f"{CHECKPOINT_BYTES_PER_S / 1e6:.0f} MB/s) may not be written"
+    else:
+        if seconds <= limit / 2:
+            return None
+        what = f"this checkpoint took {seconds:.0f} s: a stop (its step, then its checkpoint) may not end"
+    return f"{what} within the {limit:g} s {whose}: {remedy}"
+
+
 # Files
 def check_output_dir(path, flag):
     """UserError unless `path` is, or can be made as, a directory this process may write in (made later)."""

@@ -11,7 +11,8 @@ per record, each with "kind" and "time" (Unix seconds). The kinds and their othe
               per_node (processes per node: what a resume launches), environment (the variables set that change
               how torch compiles and runs: TORCHINDUCTOR_*, NCCL_*, ...), evaluations ({kind: {field, best, label,
               panel}}: the evaluation records of the run and their headline number, which readers learn them from;
-              a run record without it: val, hellaswag and core as below, EVALUATIONS)
+              a run record without it: val, hellaswag and core as below, EVALUATIONS), stop_grace_s (seconds a
+              launcher leaves a stop before it kills the process: torchrun's --shutdown-timeout; null: none)
   memory      one per launch, after run: step, params, grads, optimizer, activations, total: the bytes each GPU
               (or process) is planned to hold (memory.memory_plan)
   train       one per optimizer step: step, loss, lr, grad_norm, dt_ms, tok_per_s (all ranks), mfu (a fraction,
@@ -22,7 +23,7 @@ per record, each with "kind" and "time" (Unix seconds). The kinds and their othe
   hellaswag   step, acc, acc_norm, n (items scored), tokens (as for val)
   core        step, core (the mean centred accuracy), centered ({task: centred accuracy}), tokens
   (any kind a run record describes: step, tokens and its headline number, at least)
-  checkpoint  step (steps completed: a resume starts there), path
+  checkpoint  step (steps completed: a resume starts there), path, seconds (the write's)
   sample      step, index, text: one of the samples printed at that step
   timing      step, data_ms, copy_ms, forward_ms, backward_ms, optimizer_ms, eval_ms: mean ms per step of each
               phase since the last timing record (--timing-breakdown)

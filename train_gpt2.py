@@ -209,6 +209,9 @@ def write_header(run, origin, resume, changes):
     if run.fsdp and not ranks.multi:
         warnings.append("--sharding fsdp with one process shards nothing (a group of one runs FSDP2's paths): launch "
                         "it with torchrun --nproc_per_node=N to shard over N GPUs")
+    grace = common.stop_grace()
+    late = common.stop_grace_warning(4 * model.num_params(non_embedding=False) + run.optimizer.state_bytes(), grace)
+    warnings += [late] if late else []
     plan = memory.memory_plan(model, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,
                               cfg.activation_checkpointing, run.optimizer)
     memory_line = memory.format_memory_plan(plan, choice.capacity, "GPU" if choice.capacity else "process")
@@ -219,7 +222,7 @@ def write_header(run, origin, resume, changes):
                compile=choice.compile, world_size=ranks.world_size, grad_accum=run.grad_accum, versions=versions(),
                git=commit, config=train_config.stored(cfg, run.micro_batch), changes=changes,
                restart=ranks.restart, per_node=ranks.per_node, environment=environment(),
-               evaluations=run.evaluations.describe())
+               evaluations=run.evaluations.describe(), stop_grace_s=grace and grace[0])
     start = f"resuming {resume_path} at step {run.start_step} with the run's settings" if resume_path else "new run"
     if ranks.restart:
         start += f" | torchrun restart {ranks.restart} (after a worker failed)"

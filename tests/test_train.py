@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import checkpoint
+import common
 import evaluation
 import metrics
 import optim
@@ -196,6 +197,87 @@ def torchrun_output(args, timeout=300):
     p = torchrun(["--standalone", "--nproc_per_node=2"], args)
     out, _ = p.communicate(timeout=timeout)
     return p.returncode, out
+
+
+STATUS_WRAPPER = """import os, signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun signals the rank's process group: the trainer answers it
+code = subprocess.call([sys.executable] + sys.argv[1:])
+with open(os.path.join(os.environ["STATUS_DIR"], "status" + os.environ["RANK"]), "w") as f:
+    f.write(str(code))
+sys.exit(code)
+"""
+
+
+def test_a_sigterm_to_torchrun_stops_the_ranks_cleanly_then_torchrun_fails(data_dir, tmp_path):
+    """kill -TERM of torchrun itself (a wrapper's, a spot instance's): it passes the signal to the ranks, which
+    finish their step, write its checkpoint, record the end and exit 0; torchrun then exits 1 with its
+    SignalException (its own: docs/clusters.md tells a wrapper to read the run's end record instead). The run record
+    holds the grace torchrun gives them (--shutdown-timeout, read from its command line)."""
+    wrapper = tmp_path / "status.py"
+    wrapper.write_text(STATUS_WRAPPER)
+    log_dir = tmp_path / "log"
+    args = [TRAIN] + tiny(data_dir=data_dir, log_dir=str(log_dir), max_steps=100000, eval_every=0)
+    p = torchrun(["--standalone", "--nproc_per_node=2", "--shutdown-timeout", "45"], args, script=str(wrapper),
+                 env=dict(ENV, STATUS_DIR=str(tmp_path)), cold=True)
+    out = ""
+    for line in p.stdout:  # once the ranks train
+        out += line
+        if line.startswith("step     2 |"):
+            p.send_signal(signal.SIGTERM)
+            break
+    out += p.communicate(timeout=300)[0]
+    assert p.returncode == 1 and "SignalException: Process" in out and "got signal: 15" in out, out[-3000:]
+    assert (tmp_path / "status0").read_text() == "0" and (tmp_path / "status1").read_text() == "0", out[-3000:]
+    end = records(str(log_dir), "end")[-1]
+    assert end["reason"] == "signal", end
+    last = (log_dir / "log.txt").read_text().splitlines()[-1]
+    assert last.startswith(f"stopped by SIGTERM after {end['step'] + 1} steps; continue with: "), last
+    assert checkpoint.load_file(metrics.latest_checkpoint(str(log_dir)))["step"] == end["step"] + 1
+    assert records(str(log_dir), "run")[0]["stop_grace_s"] == 45
+
+
+@pytest.mark.parametrize("argv, env, grace", [
+    ([], {}, None),  # a plain python launch: nothing kills it after a SIGTERM
+    (["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "train_gpt2.py"], {"TORCHELASTIC_RUN_ID": "1"},
+     30),
+    (["python", "/bin/torchrun", "--shutdown_timeout=90", "train_gpt2.py", "--shutdown-timeout", "5"],
+     {"TORCHELASTIC_RUN_ID": "1"}, 90),  # the script's own arguments are not torchrun's
+    (["torchrun", "train_gpt2.py"], {"TORCHELASTIC_RUN_ID": "1", "PET_SHUTDOWN_TIMEOUT": "120"}, 120),
+    (["torchrun", "train_gpt2.py"], {"TORCHELASTIC_RUN_ID": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"}, 60),
+    (["torchrun", "--signals-to-handle", "SIGINT", "train_gpt2.py"], {"TORCHELASTIC_RUN_ID": "1"}, None),
+    (["torchrun", "train_gpt2.py"], {"TORCHELASTIC_RUN_ID": "1", "PET_SIGNALS_TO_HANDLE": "SIGINT",
+                                     "SLURM_JOB_ID": "7"}, 30),  # train_gpt2.sbatch's torchrun: SLURM's KillWait
+])
+def test_the_grace_a_launcher_gives_a_stop(argv, env, grace):
+    got = common.stop_grace(env, argv)
+    assert (got and got[0]) == grace
+
+
+def test_a_checkpoint_that_may_outlast_the_launchers_grace_is_said():
+    """GPT-2 XL's checkpoint (weights and AdamW's moments, ~18.7 GB) under a plain torchrun: the estimate says so
+    (naming --shutdown-timeout), 124M's (~1.5 GB) does not; a checkpoint measured at over half the grace does."""
+    grace = common.stop_grace({"TORCHELASTIC_RUN_ID": "1"}, ["torchrun", "train_gpt2.py"])
+    xl, small = 12 * 1_557_611_200, 12 * 124_475_904
+    said = common.stop_grace_warning(xl, grace)
+    assert said.startswith("a stop's checkpoint (~18.7 GB, ~75 s at 250 MB/s) may not be written within the 30 s "
+                           "torchrun waits after passing a SIGTERM on: give torchrun a longer --shutdown-timeout"), said
+    assert common.stop_grace_warning(small, grace) is None and common.stop_grace_warning(xl, None) is None
+    assert common.stop_grace_warning(None, grace, seconds=14.0) is None
+    assert common.stop_grace_warning(None, grace, seconds=16.0).startswith("this checkpoint took 16 s: a stop")
+
+
+def test_the_header_and_a_checkpoint_say_when_a_stop_may_outlast_the_grace(data_dir, tmp_path, monkeypatch):
+    """Under a torchrun whose grace is shorter than any checkpoint (PET_SHUTDOWN_TIMEOUT, as torchrun reads it): the
+    header says the estimate, the first checkpoint its measured time, once."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "grace")
+    monkeypatch.setenv("PET_SHUTDOWN_TIMEOUT", "0.000001")
+    out = run(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log"), max_steps=4, checkpoint_every=2)).stdout
+    header = [line for line in out.splitlines() if line.startswith("warning: a stop's checkpoint (~0.0 GB")]
+    measured = [line for line in out.splitlines() if line.startswith("warning: this checkpoint took ")]
+    assert len(header) == 1 and "within the 1e-06 s torchrun waits" in header[0], out
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("checkpoint "))
+    assert len(measured) == 1 and lines[first + 1] == measured[0], out
 
 
 def test_a_ddp_run_with_samples_due_finishes(data_dir, tmp_path):
