@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import re
 import shlex
+import signal
 import sys
 import time
 from collections import deque
@@ -132,6 +133,32 @@ def _init_worker(encoding):
     # the parent's tokenizer, pickled: building it from the BPE files again costs seconds per spawned worker
     global _worker_encoding
     _worker_encoding = encoding
+    _stop_with_parent()
+
+
+def _stop_with_parent():
+    """A worker whose fineweb.py died (kill -9) stops with one line, rather than a BrokenPipeError traceback when it
+    hands back its next result: Linux sends it SIGUSR1 as its parent dies (prctl PR_SET_PDEATHSIG), and a result
+    handed back before that ends it as a write to a closed pipe ends a shell command (SIGPIPE), without a word."""
+    parent = os.getppid()
+
+    def gone(signum, frame):
+        if os.getppid() != parent:  # reparented: the main process is gone (else a SIGUSR1 meant for someone else)
+            print(f"\nfineweb.py: worker {os.getpid()} stopped: its main process is gone (killed?); the same command "
+                  "goes on from the last shard written", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a result handed to a dead parent ends the worker, silently
+    signal.signal(signal.SIGUSR1, gone)
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGUSR1)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the traceback it was
+        return
+    if os.getppid() != parent:  # died before the prctl
+        gone(signal.SIGUSR1, None)
 
 
 def encode_documents(task):
@@ -338,7 +365,11 @@ def tokenize_into_shards(args, ds, pool, manifest):
     # the bar closes on an error too, so that the error starts a line of its own
     with tqdm(initial=done, total=args.max_tokens, unit="tok", unit_scale=True, dynamic_ncols=True, smoothing=0.05,
               desc="tokenizing") as bar:
-        writer = ShardWriter(args.out_dir, manifest, bar.write)
+        def say(text):  # above the bar, at once: stdout may share a pipe with the bar's stderr (2>&1 | tee log)
+            with tqdm.external_write_mode(file=sys.stdout):
+                print(text, flush=True)
+
+        writer = ShardWriter(args.out_dir, manifest, say)
         try:
             tasks = read_tasks(ds, doc, manifest["source"])
             for tokens, lens, nbytes in ordered_map(encode_documents, tasks, pool, TASKS_PER_WORKER * args.workers):

@@ -262,6 +262,11 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
         _, err = proc.communicate()
     m = json.load(open(out / "manifest.json"))
     assert not m["complete"], f"the run ended before it could be killed: {err.decode()[-500:]}"
+    # each worker, left without its main process, says so in one line (no BrokenPipeError traceback)
+    gone = [line for line in err.decode().splitlines() if "main process is gone" in line]
+    assert "Traceback" not in err.decode() and len(gone) <= 2, err.decode()[-3000:]
+    assert all(re.fullmatch(r"fineweb\.py: worker \d+ stopped: its main process is gone \(killed\?\); the same "
+                            r"command goes on from the last shard written", line) for line in gone), gone
     (out / ".data_train_000099.npy.tmp12345").write_bytes(b"half a shard")  # a kill inside atomic_write
     prepare(tmp_path, out, "--data-files", data, "--shard-size", "20000", "--val-tokens", "2000")
     prepare(tmp_path, tmp_path / "ref", "--data-files", data, "--shard-size", "20000", "--val-tokens", "2000",
@@ -269,6 +274,22 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "ref"))
     assert shard_bytes(out) == shard_bytes(tmp_path / "ref")
     np.testing.assert_array_equal(stream_of(out), expected_stream(docs))
+
+
+def test_each_wrote_line_is_a_line_of_its_own_beside_the_bar(tmp_path):
+    """`python fineweb.py ... 2>&1 | tee log`: stdout a pipe (block-buffered) shared with the bar's stderr. Each
+    "wrote" line comes where the bar was cleared for it, not later in the middle of the bar's redraws."""
+    data = write_parquet(tmp_path / "d.parquet", big_docs(800, seed=3))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "fineweb.py"), "--data-files", data, "--out-dir",
+                        str(tmp_path / "out"), "--shard-size", "20000", "--val-tokens", "2000", "--workers", "1",
+                        "--cache-dir", str(tmp_path / "hf")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       env=env, cwd=str(tmp_path), timeout=600)
+    out = p.stdout.decode()  # as bytes: text mode would turn the bar's carriage returns into newlines
+    shards = json.load(open(tmp_path / "out" / "manifest.json"))["shards"]
+    assert p.returncode == 0 and len(shards) >= 3, out[-2000:]
+    placed = re.findall(r"\r +\r(wrote \S+) \(", out)
+    assert placed == [f"wrote {s['name']}" for s in shards], out[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------
