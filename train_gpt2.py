@@ -141,8 +141,6 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
                                                 memory=gpu)
     else:
         micro_batch = cfg.micro_batch_size
-    if gpu:  # the steps' peak from here on, not the auto-fit's trials (eager)
-        gpu.reset_peak()
     tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
     if cfg.total_batch_size % tokens_per_micro:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "

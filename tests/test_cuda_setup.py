@@ -139,16 +139,50 @@ def test_fsdp_over_gloo_on_cuda_is_refused_before_the_model_is_built(monkeypatch
     assert not (tmp_path / "log").exists()
 
 
-def test_a_process_on_a_second_node_takes_its_local_gpu_and_resumes_with_the_nodes_processes(monkeypatch, fake_group):
-    """torchrun --nnodes=2 --nproc_per_node=8: global rank 9 is local rank 1 of the second node. It takes cuda:1 (its
-    rank, 9, names no GPU of an 8-GPU node), and the command that resumes the run starts 8 processes on each node."""
+@pytest.mark.parametrize("rank, world, per_node", [(9, 16, 8), (5, 8, 4)])
+def test_a_process_on_a_second_node_takes_its_local_gpu_and_resumes_with_the_nodes_processes(monkeypatch, fake_group,
+                                                                                             rank, world, per_node):
+    """torchrun --nnodes=2 --nproc_per_node=8 (or 4, on nodes of 8 GPUs): global rank 9 (or 5) is local rank 1 of the
+    second node. It takes cuda:1 (its rank names no GPU of the node, or another rank's), and the command that resumes
+    the run starts as many processes on each node."""
     import train_gpt2
     from types import SimpleNamespace
-    for k, v in {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}.items():
+    for k, v in {"RANK": str(rank), "LOCAL_RANK": "1", "WORLD_SIZE": str(world),
+                 "LOCAL_WORLD_SIZE": str(per_node)}.items():
         monkeypatch.setenv(k, v)
     driver = fake_cuda.install(monkeypatch, [fake_cuda.H100] * 8)
     ranks = parallel.setup_distributed("auto")
-    assert ranks.device == "cuda:1" and driver.current == 1 and (ranks.rank, ranks.per_node) == (9, 8)
+    assert ranks.device == "cuda:1" and driver.current == 1 and (ranks.rank, ranks.per_node) == (rank, per_node)
+    assert not ranks.shares_gpus
     run = SimpleNamespace(cfg=SimpleNamespace(log_dir="log"), ranks=ranks)
-    assert train_gpt2.Run.resume_command(run) == ("torchrun --nnodes=2 --node_rank=N --nproc_per_node=8 "
+    assert train_gpt2.Run.resume_command(run) == (f"torchrun --nnodes=2 --node_rank=N --nproc_per_node={per_node} "
                                                   "--rdzv-endpoint=HOST:PORT train_gpt2.py --log-dir log --resume")
+
+
+def test_three_processes_on_two_gpus_share_them_over_gloo(monkeypatch):
+    """torchrun --nproc_per_node=3 --dist-backend gloo on two GPUs: local rank 2 takes cuda:0 beside rank 0, and each
+    process counts as sharing (the header's warning; the auto-fit plans for half a GPU, tests/test_memory.py)."""
+    for k, v in {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(k, v)
+    driver = fake_cuda.install(monkeypatch, [fake_cuda.H100] * 2)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    tdist.init_process_group("fake", store=FakeStore(), rank=2, world_size=3)
+    try:
+        ranks = parallel.setup_distributed("auto", backend="gloo")
+    finally:
+        tdist.destroy_process_group()
+    assert ranks.device == "cuda:0" and driver.current == 0 and ranks.per_gpu == 2 and ranks.shares_gpus
+
+
+def test_a_trials_peak_is_not_left_for_the_training_steps(monkeypatch):
+    """The auto-fit measures its trials with CudaMemory.peak_of; the train records' peak_mem (CudaMemory.peak) then
+    counts from the end of the last trial: what the steps allocate, not the trial's 30 GiB."""
+    driver = fake_cuda.install(monkeypatch, [fake_cuda.H100])
+    torch.cuda.init()  # as the model's move to the GPU has done (torch reports no statistics before)
+    gpu = device.CudaMemory("cuda:0")
+    driver.allocated[0] = driver.peak[0] = 2 * 2 ** 30  # the model
+
+    def trial():
+        driver.peak[0] = 30 * 2 ** 30  # the trial's activations, freed as it ends
+
+    assert gpu.peak_of(trial) == 30 * 2 ** 30 and gpu.peak() == 2 * 2 ** 30

@@ -77,13 +77,15 @@ def test_processes_that_share_a_gpu_fit_into_their_share_of_it():
     raw = GPT(GPTConfig(**CONFIG))
     T, room = CONFIG["block_size"], 2.0e6
     alone, shared = parallel.Ranks(), parallel.Ranks(per_node=2, gpus=1)
+    three_on_two = parallel.Ranks(per_node=3, gpus=2)  # one of the GPUs holds two of them: each plans for half
     assert shared.per_gpu == 2 and shared.shares_gpus and not alone.shares_gpus
+    assert three_on_two.per_gpu == 2 and three_on_two.shares_gpus
 
     def chosen(ranks, capacity):
         return memory.choose_micro_batch(16 * T, ranks, raw, "float32", T, trial_step(ranks),
                                          memory=CountedMemory(raw, capacity=capacity))
     half, whole = chosen(alone, room / 2 / 0.9), chosen(alone, room / 0.9)
-    assert half < whole and chosen(shared, room / 0.9) == half
+    assert half < whole and chosen(shared, room / 0.9) == half and chosen(three_on_two, room / 0.9) == half
 
 
 def stranded_worker(rank, world, tmp):

@@ -61,6 +61,9 @@ def test_the_run_is_logged_one_greppable_line_per_step(logged_run):
     log_dir, stdout = logged_run["log_dir"], logged_run["stdout"]
     for r in records(log_dir, "train"):
         assert r["tokens"] == (r["step"] + 1) * 128 and r["mfu"] is None and r["dt_ms"] > 0
+    for kind in ("val", "hellaswag", "core"):  # measured before the step: at the tokens seen by then (the plot's x)
+        assert [r["tokens"] for r in records(log_dir, kind)] == [r["step"] * 128 for r in records(log_dir, kind)]
+        assert records(log_dir, kind)[-1]["step"] == 29
     header = records(log_dir, "run")[0]
     assert header["grad_accum"] == 2 and header["world_size"] == 1
     assert header["versions"]["torch"] == torch.__version__
@@ -75,6 +78,18 @@ def test_the_run_is_logged_one_greppable_line_per_step(logged_run):
     with open(os.path.join(log_dir, "log.txt")) as f:
         assert sum(1 for l in f if l.startswith("step ") and "| loss" in l) == 30
     assert sum(1 for l in stdout if l.startswith("sample ")) == 4  # steps 15 and 29
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_header_counts_the_validation_tokens_of_every_process(data_dir, world):
+    """--val-tokens 256 at a 32-token context is 8 sequences, shared by N processes (8 // N each): the header says
+    the tokens all of them validate, N times one process's."""
+    from types import SimpleNamespace
+    import parallel
+    val = evaluation.Validation(4, data_dir, 256)
+    val.start(SimpleNamespace(ranks=parallel.Ranks(rank=world - 1, world_size=world), micro_batch=2,
+                              raw_model=SimpleNamespace(config=SimpleNamespace(block_size=32, vocab_size=50304))))
+    assert val.loader.num_sequences > 8 and val.note() == f"val: {8 // world * 32 * world:,} tokens"
 
 
 def test_hellaswag_in_the_loop_is_the_standalone_figure_on_the_limits_items(logged_run):
@@ -312,6 +327,23 @@ def test_under_torchrun_an_error_every_rank_meets_is_said_once(data_dir, tmp_pat
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def bad_token_said(data, rank, token):
+    return (f"rank {rank}: error: token id {token} in the train data of {data} is >= the model's vocab_size 50257: "
+            "the shards were made with another tokenizer; re-create them with python fineweb.py")
+
+
+def test_under_torchrun_errors_two_ranks_meet_differently_are_each_said_with_its_rank(tmp_path):
+    """Each rank finds another bad token id in its own rows: each says its own error, once, with its rank."""
+    data = runs.write_shards(str(tmp_path / "data"))
+    first = os.path.join(data, "tiny_train_000001.npy")
+    tokens = np.load(first)
+    tokens[10], tokens[74] = 61000, 60000  # rank 0's first rows are tokens 0-64, rank 1's 64-128
+    np.save(first, tokens)
+    code, out = torchrun_output(tiny(data_dir=data, log_dir=str(tmp_path / "log"), eval_every=0, max_steps=4))
+    assert code != 0 and sorted(said_lines(out)) == [bad_token_said(data, 0, 61000), bad_token_said(data, 1, 60000)], \
+        out[-3000:]
+
+
 def test_under_torchrun_an_error_one_rank_meets_is_said_once_with_its_rank(tmp_path):
     """A token id beyond the vocabulary in the part of a shard only rank 1 reads (shards without a manifest are
     checked batch by batch): rank 1 says it once, with its rank, and stays a moment to hear whether others met it;
@@ -325,8 +357,7 @@ def test_under_torchrun_an_error_one_rank_meets_is_said_once_with_its_rank(tmp_p
     code, out = torchrun_output(tiny(data_dir=data, log_dir=str(tmp_path / "log"), eval_every=0, max_steps=4))
     said = said_lines(out)
     assert code != 0 and len(said) == 2, out[-3000:]
-    assert said[0] == (f"rank 1: error: token id 60000 in the train data of {data} is >= the model's vocab_size "
-                       "50257: the shards were made with another tokenizer; re-create them with python fineweb.py")
+    assert said[0] == bad_token_said(data, 1, 60000)
     assert said[1].startswith("rank 0: stopped, another rank failed (")
     assert "Traceback" not in out.split(" failed (exitcode: ")[0], out[-3000:]  # before torchrun's own summary
     root = out.split("Root Cause (first observed failure):")[1]
