@@ -485,7 +485,7 @@ def test_jobs_past_their_time_limit_continue_in_the_next_allocation(stories):
     assert metrics.step_of(metrics.latest_checkpoint(str(log_dir))) == 1
     assert "DUE TO TIME LIMIT" in out and "stopped by SIGTERM after 1 steps" in out
     assert ("allocation 1: the trainer stopped after 1 steps and wrote their checkpoint, at the time limit (the "
-            "warning before it came too late: README, Clusters): requeued (1 of at most 20)") in out
+            "warning before it came too late: docs/clusters.md): requeued (1 of at most 20)") in out
 
 
 def test_a_finished_run_submitted_again_ends_at_once_in_the_trainers_words(stories):
