@@ -25,6 +25,8 @@ from metrics import EVALUATIONS, latest_checkpoint, read_metrics, resume_command
 GPT2_VAL_LOSS = 3.2924   # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as measured by build-nanogpt
 GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, HellaSwag acc_norm on the 10,042 validation examples (build-nanogpt)
 GPT3_HELLASWAG = 0.337   # GPT-3 Small (125M), zero-shot HellaSwag (Brown et al. 2020)
+HELLASWAG_ITEMS = 10042  # the validation set the baselines are over; fewer (--hellaswag-limit) is a sample
+HELLASWAG_CHANCE = 0.25  # four endings
 N_CORE_TASKS = 22  # in the DCLM bundle's core.yaml (core.py scores them)
 # OpenAI's GPT-2 as nanochat measured it: full data, bf16, 1024 tokens (dev/estimate_gpt3_core.ipynb; README)
 GPT2_CORE = {"124M": 0.1139, "355M": 0.1849, "774M": 0.2146, "1.5B": 0.2565}
@@ -32,7 +34,8 @@ GPT2_CORE_124M, GPT2_CORE_XL = GPT2_CORE["124M"], GPT2_CORE["1.5B"]
 REFERENCES = {  # each panel's reference lines: value, legend, colour
     "loss": [(GPT2_VAL_LOSS, f"OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: {GPT2_VAL_LOSS})", "black")],
     "hellaswag": [(GPT3_HELLASWAG, f"GPT-3 124M {GPT3_HELLASWAG} (Brown et al. 2020)", "firebrick"),
-                  (GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {GPT2_HELLASWAG}", "black")],
+                  (GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {GPT2_HELLASWAG}", "black"),
+                  (HELLASWAG_CHANCE, f"chance {HELLASWAG_CHANCE} (four endings)", "gray")],
     "core": [(GPT2_CORE_XL, f"OpenAI GPT-2 1.5B CORE {GPT2_CORE_XL} (nanochat)", "firebrick"),
              (GPT2_CORE_124M, f"OpenAI GPT-2 124M CORE {GPT2_CORE_124M} (nanochat)", "black")],
 }
@@ -46,6 +49,19 @@ def warmed_up(metrics):
     """Train records without the first step of each launch (torch.compile and CUDA warm-up)."""
     firsts = {launch["first_train_step"] for launch in metrics["launches"]}
     return [r for r in metrics["train"] if r["step"] not in firsts]
+
+
+def hellaswag_sample(records):
+    """How many items a run's HellaSwag scored where they are fewer than the whole set (--hellaswag-limit), else
+    None: a sample's accuracy is not comparable with the baselines over all 10,042."""
+    counts = [r["n"] for r in records if isinstance(r.get("n"), int)]
+    return min(counts) if counts and min(counts) < HELLASWAG_ITEMS else None
+
+
+def sample_note(n):
+    """What a sample of n HellaSwag items can say: chance, and the 95% half-width of an accuracy near it."""
+    return (f"a sample of {n} items: chance {HELLASWAG_CHANCE}, +/-{1.96 * math.sqrt(0.25 * 0.75 / n):.2f} at 95%; "
+            f"the baselines are over all {HELLASWAG_ITEMS:,}")
 
 
 def custom_core_tasks(records):
@@ -87,6 +103,7 @@ def summarize(log_dir):
         "status": end["reason"] if end else "stopped",
         "stop_step": end["step"] if end else (train[-1]["step"] if train else None),
         "evaluations": {kind: d["label"] for kind, d in {**SHOWN, **m["evaluations"]}.items()},
+        "hellaswag_sample": hellaswag_sample(m.get("hellaswag", [])),
     }
     for kind, d in {**SHOWN, **m["evaluations"]}.items():  # KIND_best, KIND_best_step, KIND_final, KIND_final_step
         records, field = m.get(kind, []), d["field"]
@@ -140,8 +157,9 @@ def format_summary(s):
                                       else "n/a (peak FLOPs of this device unknown)"))
     core_references = (f"GPT-2 124M: {GPT2_CORE_124M}, 1.5B: {GPT2_CORE_XL}" if s["custom_core_tasks"] is None
                        else f"over {s['custom_core_tasks']} tasks: not comparable with GPT-2's, over {N_CORE_TASKS}")
-    references = {"val": f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}",
-                  "hellaswag": f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}", "core": core_references}
+    hellaswag = (f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}" if s.get("hellaswag_sample") is None
+                 else sample_note(s["hellaswag_sample"]))
+    references = {"val": f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}", "hellaswag": hellaswag, "core": core_references}
     for kind, name in s["evaluations"].items():
         against = f" ({references[kind]})" if kind in references else ""
         if s[f"{kind}_best"] is not None:
@@ -175,9 +193,14 @@ def ema(values, span):
 
 
 def default_labels(log_dirs):
-    """Directory names, or the paths as given where two names would be the same."""
-    names = [os.path.basename(os.path.normpath(os.path.abspath(d))) for d in log_dirs]
-    return names if len(set(names)) == len(names) else [os.fspath(d) for d in log_dirs]
+    """The paths as given (tryout/log, not log), relative to here where they are below it, else their last two
+    parts (MyDrive/gpt2 for /content/drive/MyDrive/gpt2): a legend is 30 characters wide."""
+    labels = []
+    for d in log_dirs:
+        here = os.path.relpath(os.path.abspath(d))
+        parts = os.path.normpath(os.path.abspath(d)).split(os.sep)
+        labels.append(here if not here.startswith("..") else os.path.join(*parts[-2:]))
+    return labels
 
 
 def thin(x, y, buckets=1500):
@@ -204,10 +227,23 @@ def _curve(ax, records, values, color, label, span):
     return values
 
 
-def _points(ax, records, field, color, label, style="-o"):
-    if records:
-        ax.plot([r["tokens"] for r in records], [r[field] for r in records], style, color=color, markersize=3,
-                linewidth=1.2, label=label)
+def _points(ax, records, field, color, label, style="-o", hollow=False):
+    if records and ax is not None:
+        ax.plot([r["tokens"] for r in records], [r[field] for r in records], style, color=color,
+                markersize=5 if hollow else 3, markerfacecolor="none" if hollow else color, linewidth=1.2, label=label)
+
+
+def _reference(ax, value, text, color):
+    """A baseline across the panel, or, where it is off the panel's axis (a short run's loss, far above GPT-2's),
+    named at the edge it lies beyond: the axis fits the runs."""
+    bottom, top = ax.get_ylim()
+    if bottom <= value <= top:
+        ax.axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
+    else:  # bottom left (or top right, for one above): where a falling curve is not
+        below = value < bottom
+        ax.annotate(f"{'below' if below else 'above'} the axis: {text}", xy=(0.01, 0.015) if below else (0.99, 0.985),
+                    xycoords="axes fraction", ha="left" if below else "right", va="bottom" if below else "top",
+                    fontsize=8, color=color)
 
 
 def _late(values):
@@ -243,10 +279,15 @@ def build_figure(log_dirs, labels=None, smooth=None):
     extra = [d["panel"] for kind, d in kinds.items() if d["panel"] not in ("loss", "hellaswag")
              and any(m.get(kind) for m in runs)]
     extra = list(dict.fromkeys(extra))
-    rows = [["loss", "hellaswag"], ["tps", "mfu"]] + [(extra[i:i + 2] + ["."])[:2] for i in range(0, len(extra), 2)]
-    fig = Figure(figsize=(17, 9 + 4 * len(rows[2:])), dpi=100, layout="constrained")
+    # the panels of what some run measured: no HellaSwag panel for runs that never scored it, no MFU off a GPU
+    scored = any(m.get("hellaswag") for m in runs)
+    measured = any(r.get("mfu") is not None for m in runs for r in m["train"])
+    panels = ["loss"] + ["hellaswag"] * scored + ["tps"] + ["mfu"] * measured + extra
+    rows = [(panels[i:i + 2] + ["."])[:2] for i in range(0, len(panels), 2)]
+    fig = Figure(figsize=(17, 4.5 * len(rows)), dpi=100, layout="constrained")
     ax = fig.subplot_mosaic(rows)
-    loss_late, loss_all = [GPT2_VAL_LOSS], [GPT2_VAL_LOSS]
+    loss_late, loss_all = [], []
+    samples = [hellaswag_sample(m.get("hellaswag", [])) for m in runs]
     for i, (m, label) in enumerate(zip(runs, labels)):
         color, train = f"C{i}", m["train"]
         loss = [r["loss"] for r in train]
@@ -266,30 +307,34 @@ def build_figure(log_dirs, labels=None, smooth=None):
                 loss_all += [r[d["field"]] for r in records if math.isfinite(r[d["field"]])]
                 continue
             n_tasks = custom_core_tasks(records) if kind == "core" else None
-            _points(ax.get(d["panel"]), records, d["field"], color, label if n_tasks is None
-                    else f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)")
+            sample = samples[i] if kind == "hellaswag" else None  # hollow: not comparable with the baselines
+            _points(ax.get(d["panel"]), records, d["field"], color, label if n_tasks is None and sample is None
+                    else f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)" if sample is None
+                    else f"{label} (a sample of {sample} items)", hollow=sample is not None)
         steps = warmed_up(m)
         _curve(ax["tps"], steps, [r["tok_per_s"] for r in steps], color, label, span)
         steps = [r for r in steps if r.get("mfu") is not None]
-        _curve(ax["mfu"], steps, [100 * r["mfu"] for r in steps], color, label, span)
+        if "mfu" in ax:
+            _curve(ax["mfu"], steps, [100 * r["mfu"] for r in steps], color, label, span)
         loss_late += _late(smoothed)
         loss_all += [v for v in loss if math.isfinite(v)]
     comparable = [custom_core_tasks(m["core"]) is None for m in runs if m.get("core")]
-    references = dict(REFERENCES, core=REFERENCES["core"] if any(comparable) else [])  # GPT-2's: over all 22 tasks
-    for name, lines in references.items():
-        for value, text, color in lines:
-            if name in ax:
-                ax[name].axhline(value, color=color, linestyle=":", linewidth=1.2, label=text)
-    # from the lowest loss up to where the curves are past their first drop: where runs differ and GPT-2 sits
-    low, high = min(loss_all), max(loss_late)
+    # the runs' losses, from the lowest up to where the curves are past their first drop: where runs differ
+    low, high = min(loss_all or [GPT2_VAL_LOSS]), max(loss_late or [GPT2_VAL_LOSS])
     ax["loss"].set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
     scores = [r["acc_norm"] for m in runs for r in m.get("hellaswag", [])]
-    ax["hellaswag"].set_ylim(min([0.24] + scores) - 0.005, max([0.35] + scores) + 0.01)
+    if "hellaswag" in ax:
+        ax["hellaswag"].set_ylim(min([0.24] + scores) - 0.005, max([0.35] + scores) + 0.01)
+    references = dict(REFERENCES, core=REFERENCES["core"] if any(comparable) else [])  # GPT-2's: over all 22 tasks
     if "core" in ax:
         cores = [r["core"] for m in runs for r in m["core"]]
         ax["core"].set_ylim(min([0.0] + cores) - 0.01, max([v for v, _, _ in references["core"]] + cores) + 0.02)
         ax["core"].set(ylabel="CORE", title=f"CORE ({N_CORE_TASKS} in-context tasks, centred accuracy: 0 = chance)"
                        if all(comparable) else "CORE (centred accuracy: 0 = chance)")
+    for name, lines in references.items():  # each panel's range set: a baseline off it is named at its edge
+        for value, text, color in lines:
+            if name in ax:
+                _reference(ax[name], value, text, color)
     for kind, d in kinds.items():  # the others' panels: named by what they record
         if d["panel"] in ax and d["panel"] not in ("loss", "hellaswag", "core"):
             ax[d["panel"]].set(title=f"{d['label']} ({d['field']}, {'lower' if d['best'] == 'min' else 'higher'} "
@@ -297,17 +342,17 @@ def build_figure(log_dirs, labels=None, smooth=None):
     ax["loss"].set(ylabel="cross-entropy loss (nats/token)",
                    title=f"Loss (train: faint per step, solid {smoothing}; val: dashed)" if span > 1
                    else "Loss (train: per step; val: dashed)")
-    ax["hellaswag"].set(title="HellaSwag (acc_norm, 0-shot)", ylabel="accuracy")
+    if "hellaswag" in ax:
+        some = [n for n in samples if n is not None]
+        ax["hellaswag"].set(ylabel="accuracy", title="HellaSwag (acc_norm, 0-shot" + (
+            f"; hollow: a sample of {min(some)} items, +/-{1.96 * math.sqrt(0.25 * 0.75 / min(some)):.2f} at 95%)"
+            if some else ")"))
     ax["tps"].set(title=f"Throughput ({smoothing}; first step of each launch left out)", ylabel="tokens/s (all ranks)",
                   ylim=(0, None))
     ax["tps"].yaxis.set_major_formatter(lambda v, _: human(v))
-    ax["mfu"].set(title=f"Model FLOPs utilisation ({smoothing})", ylabel="MFU (% of the device's peak FLOPs)",
-                  ylim=(0, None))
-    if not scores:
-        ax["hellaswag"].text(0.5, 0.6, "not evaluated", transform=ax["hellaswag"].transAxes, ha="center", color="gray")
-    if not ax["mfu"].lines:
-        ax["mfu"].text(0.5, 0.5, "MFU not measured (peak FLOPs of the device unknown, e.g. CPU)",
-                       transform=ax["mfu"].transAxes, ha="center", color="gray")
+    if "mfu" in ax:
+        ax["mfu"].set(title=f"Model FLOPs utilisation ({smoothing})", ylabel="MFU (% of the device's peak FLOPs)",
+                      ylim=(0, None))
     max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m.get(k)])
     for panel in ax.values():
         panel.set(xlim=(-0.02 * max_tokens, 1.02 * max_tokens), xlabel="tokens seen")
@@ -349,7 +394,7 @@ def parse_args(argv=None):
     p = common.ArgumentParser(description="Summarise training runs and plot them against GPT-2's baselines.")
     p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="train_gpt2.py log directories, overlaid in one plot")
     p.add_argument("--out", help="PNG to write (default: LOG_DIR/plot.png for one run, runs.png for several)")
-    p.add_argument("--labels", nargs="+", metavar="NAME", help="legend names, one per LOG_DIR (default: dir names)")
+    p.add_argument("--labels", nargs="+", metavar="NAME", help="legend names, one per LOG_DIR (default: the paths as given)")
     p.add_argument("--smooth", type=int, metavar="N",
                    help="EMA span in steps for the per-step curves (default: 4%% of the run, at most 100; 1: none)")
     args = p.parse_args(argv)

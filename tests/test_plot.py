@@ -341,7 +341,8 @@ def test_a_core_over_other_tasks_is_not_set_against_gpt2(tmp_path):
     assert "over 5 tasks: not comparable with GPT-2's, over 22" in text and "GPT-2 124M: 0.1139" not in text
     ax = next(ax for ax in plot.build_figure([five]).axes if ax.get_title().startswith("CORE"))
     assert ax.get_title() == "CORE (centred accuracy: 0 = chance)" and "22" not in ax.get_title()
-    assert [line.get_label() for line in ax.lines] == ["five (over 5 tasks: not comparable with GPT-2's)"]
+    label = f"{os.path.basename(tmp_path)}/five"  # below no directory of here: the path's last two parts
+    assert [line.get_label() for line in ax.lines] == [f"{label} (over 5 tasks: not comparable with GPT-2's)"]
     full = write_log(tmp_path / "full", launch(0, 19, 0.0, seed=6, core=22, end="finished"))
     ax = next(ax for ax in plot.build_figure([five, full]).axes if ax.get_title().startswith("CORE"))
     assert sum("GPT-2" in line.get_label() and "1.5B" in line.get_label() for line in ax.lines) == 1
@@ -359,7 +360,8 @@ def test_launches_that_trained_nothing_are_no_resumes(tmp_path):
                "resumed_from": "ckpt_000020.pt"} for k in range(2)]
     log = write_log(tmp_path / "log", first + again + last + export)
     ax = next(ax for ax in plot.build_figure([log]).axes if ax.get_title().startswith("Loss"))
-    assert [t for t in ax.get_legend_handles_labels()[1] if "resumed" in t] == ["log: resumed at step 12"]
+    resumed = [t for t in ax.get_legend_handles_labels()[1] if "resumed" in t]
+    assert resumed == [f"{os.path.basename(tmp_path)}/log: resumed at step 12"]
     killed = write_log(tmp_path / "killed", launch(0, -1, 0.0, seed=4))
     text = plot.format_summary(plot.summarize(killed))
     assert "status      stopped before its first step (no end record" in text and "None" not in text
@@ -377,3 +379,35 @@ def test_a_record_of_the_wrong_type_is_one_line_naming_it(tmp_path, capsys):
     assert err == (f"warning: {os.path.join(log, 'metrics.jsonl')}: skipped what no reader can use: line {bad + 1}: "
                    "'loss' is 'nan-ish', not a number\n")
     assert [r["step"] for r in metrics.read_metrics(log)["train"]] == [0, 1, 2, 3, 4, 5, 7, 8, 9]
+
+
+def test_a_cpu_try_out_is_drawn_for_what_it_measured(tmp_path, monkeypatch):
+    """A short CPU run in tryout/log, HellaSwag on a sample of 16 items: the title and legend name tryout/log as
+    given; no MFU panel (never measured); the loss axis fits the run's 4-11, with GPT-2's 3.29 named at its bottom
+    edge; the sample's points hollow beside the chance line, and the summary says it is a sample, not GPT-2's set.
+    Without HellaSwag there is no HellaSwag panel."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    recs = launch(0, 29, 0.0, seed=8, max_steps=30, mfu=False, end="finished")
+    for r in of(recs, "hellaswag"):
+        r["n"] = 16
+    write_log(tmp_path / "tryout" / "log", recs)
+    fig = plot.build_figure(["tryout/log/"])
+    assert fig.get_suptitle() == "GPT-2 training: tryout/log"
+    panels = {ax.get_title().split(" (")[0]: ax for ax in fig.axes}
+    assert sorted(panels) == ["HellaSwag", "Loss", "Throughput"], sorted(panels)
+    loss = panels["Loss"]
+    assert loss.get_ylim()[0] > plot.GPT2_VAL_LOSS and "tryout/log train" in loss.get_legend_handles_labels()[1]
+    assert not [line for line in loss.lines if list(line.get_ydata()) == [plot.GPT2_VAL_LOSS] * 2]
+    assert [t.get_text() for t in loss.texts] == ["below the axis: " + plot.REFERENCES["loss"][0][1]]
+    hs = panels["HellaSwag"]
+    run_line = next(line for line in hs.lines if line.get_label().startswith("tryout/log"))
+    assert run_line.get_label() == "tryout/log (a sample of 16 items)" and run_line.get_markerfacecolor() == "none"
+    assert [line.get_ydata()[0] for line in hs.lines if "chance" in line.get_label()] == [0.25]
+    assert "hollow: a sample of 16 items, +/-0.21 at 95%" in hs.get_title()
+    text = plot.format_summary(plot.summarize("tryout/log"))
+    assert ("(a sample of 16 items: chance 0.25, +/-0.21 at 95%; the baselines are over all 10,042)" in text
+            and "GPT-2 124M: 0.2955" not in text), text
+    write_log(tmp_path / "plain", launch(0, 29, 0.0, seed=8, max_steps=30, val_every=0, end="finished"))
+    titles = [ax.get_title().split(" (")[0] for ax in plot.build_figure(["plain"]).axes]
+    assert sorted(titles) == ["Loss", "Model FLOPs utilisation", "Throughput"], titles

@@ -257,6 +257,7 @@ def test_a_sigterm_to_torchrun_stops_the_ranks_cleanly_then_torchrun_fails(data_
      30),
     (["python", "/bin/torchrun", "--shutdown_timeout=90", "train_gpt2.py", "--shutdown-timeout", "5"],
      {"TORCHELASTIC_RUN_ID": "1"}, 90),  # the script's own arguments are not torchrun's
+    (["torchrun", "train_gpt2.py", "--shutdown-timeout", "5"], {"TORCHELASTIC_RUN_ID": "1"}, 30),
     (["torchrun", "train_gpt2.py"], {"TORCHELASTIC_RUN_ID": "1", "PET_SHUTDOWN_TIMEOUT": "120"}, 120),
     (["torchrun", "train_gpt2.py"], {"TORCHELASTIC_RUN_ID": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"}, 60),
     (["torchrun", "--signals-to-handle", "SIGINT", "train_gpt2.py"], {"TORCHELASTIC_RUN_ID": "1"}, None),
@@ -292,6 +293,9 @@ def test_the_header_and_a_checkpoint_say_when_a_stop_may_outlast_the_grace(data_
     assert len(header) == 1 and "within the 1e-06 s torchrun waits" in header[0], out
     lines = out.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("checkpoint "))
+    written = records(str(tmp_path / "log"), "checkpoint")
+    assert [r["step"] for r in written] == [2, 4] and all(0 < r["seconds"] < 60 for r in written)
+    assert re.fullmatch(r"checkpoint \S+ckpt_000002\.pt \(0\.\d\d GB in \d+\.\d s\)", lines[first]), lines[first]
     assert len(measured) == 1 and lines[first + 1] == measured[0], out
 
 
