@@ -247,7 +247,8 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "fineweb.py"), *args, "--out-dir", str(out),
                              "--workers", "2", "--start-method", "spawn"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=str(tmp_path))
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=str(tmp_path),
+                            start_new_session=True)
     deadline = time.time() + 600  # left as soon as 3 shards exist: generous for a busy machine
     try:
         while time.time() < deadline and proc.poll() is None:
@@ -259,12 +260,16 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
             time.sleep(0.005)
     finally:
         proc.send_signal(signal.SIGKILL)
-        _, err = proc.communicate()
+        try:  # stderr ends when the workers have: they stop with their main process
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("the workers outlived their killed main process by 2 minutes")
     m = json.load(open(out / "manifest.json"))
     assert not m["complete"], f"the run ended before it could be killed: {err.decode()[-500:]}"
     # each worker, left without its main process, says so in one line (no BrokenPipeError traceback)
     gone = [line for line in err.decode().splitlines() if "main process is gone" in line]
-    assert "Traceback" not in err.decode() and len(gone) <= 2, err.decode()[-3000:]
+    assert "Traceback" not in err.decode() and 1 <= len(gone) <= 2, err.decode()[-3000:]
     assert all(re.fullmatch(r"fineweb\.py: worker \d+ stopped: its main process is gone \(killed\?\); the same "
                             r"command goes on from the last shard written", line) for line in gone), gone
     (out / ".data_train_000099.npy.tmp12345").write_bytes(b"half a shard")  # a kill inside atomic_write

@@ -408,6 +408,10 @@ def test_a_cpu_try_out_is_drawn_for_what_it_measured(tmp_path, monkeypatch):
     text = plot.format_summary(plot.summarize("tryout/log"))
     assert ("(a sample of 16 items: chance 0.25, +/-0.21 at 95%; the baselines are over all 10,042)" in text
             and "GPT-2 124M: 0.2955" not in text), text
+    write_log(tmp_path / "whole", launch(0, 29, 0.0, seed=8, max_steps=30, end="finished"))  # all 10,042 items
+    assert "(GPT-2 124M: 0.2955, GPT-3 124M: 0.337)" in plot.format_summary(plot.summarize("whole"))
+    hs = next(ax for ax in plot.build_figure(["whole"]).axes if ax.get_title().startswith("HellaSwag"))
+    assert hs.get_title() == "HellaSwag (acc_norm, 0-shot)" and hs.lines[0].get_markerfacecolor() != "none"
     write_log(tmp_path / "plain", launch(0, 29, 0.0, seed=8, max_steps=30, val_every=0, end="finished"))
     titles = [ax.get_title().split(" (")[0] for ax in plot.build_figure(["plain"]).axes]
     assert sorted(titles) == ["Loss", "Model FLOPs utilisation", "Throughput"], titles
