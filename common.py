@@ -67,21 +67,40 @@ def say_error(line):
     record_error(line)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and "RANK" in os.environ:
+        _saying.update(line=f"rank {rank}: {line}", mine=True)  # what a SIGTERM from torchrun says before exit 2
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(signal.SIGTERM, _leave_saying)
         try:
             store = error_store()
             met = ranks_that_met(store, line, rank, world)
         except Exception:  # noqa: BLE001  (no store to compare through: a launcher without torchrun's agent)
             store, met = None, [rank]
         if met[0] != rank:  # a lower rank says it: wait until it has (torchrun ends every rank once one leaves)
+            _saying["mine"] = False
             wait_for(store, [f"error/said/{met[0]}"])
             return
         if len(met) < world:
             line = f"rank{'s' if len(met) > 1 else ''} {', '.join(map(str, met))}: {line}"
+        _saying["line"] = line
         print(line, file=sys.stderr, flush=True)
+        _saying["mine"] = False
         if store is not None:
             store.set(f"error/said/{rank}", "1")
         return
     print(line, file=sys.stderr, flush=True)
+
+
+_saying = {"line": None, "mine": False}  # the error line this rank is to say, while it is still to say it
+
+
+def _leave_saying(signum, frame):
+    """torchrun ends the other ranks (SIGTERM) once one has left: a rank still saying its error leaves as it would
+    have, its line said where that is its part, with exit status 2, not as killed by a signal."""
+    with contextlib.suppress(Exception):
+        if _saying["mine"]:
+            print(_saying["line"], file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    os._exit(2)
 
 
 def record_error(line):

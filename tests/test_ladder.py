@@ -248,8 +248,8 @@ def test_the_auto_fit_counts_the_memory_this_process_may_take(monkeypatch, name,
         driver.peak[index] = max(driver.peak[index], 7 << 30)  # a peak only rises
     assert gpu.peak_of(trial) == 7 << 30
     assert driver.calls == [("empty_cache", None), ("reset_peak", index), ("memory_stats", index),
-                            ("empty_cache", None)]
-    # the steps' peak, which the trainer records in each train record: counted from its reset after the auto-fit
+                            ("empty_cache", None), ("reset_peak", index)]
+    # the steps' peak, which the trainer records in each train record: counted from the reset after the last trial
     driver.calls.clear()
     gpu.reset_peak()
     driver.peak[index] = max(driver.peak[index], 5 << 30)

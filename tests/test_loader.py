@@ -200,7 +200,7 @@ def test_reads_fineweb_output(tmp_path):
     docs = ["The quick brown fox jumps over the lazy dog. " * (i % 7 + 1) for i in range(200)]
     pq.write_table(pa.table({"text": docs}), str(tmp_path / "d.parquet"))
     out = tmp_path / "out"
-    fineweb.main(["--data-files", str(tmp_path / "d.parquet"), "--out-dir", str(out), "--shard-size", "700",
+    fineweb.main(["--data-files", str(tmp_path / "d.parquet"), "--out-dir", str(out), "--shard-size", "1024",
                   "--workers", "1", "--cache-dir", str(tmp_path / "hf")])
     m = json.load(open(out / "manifest.json"))
     train = np.concatenate([np.load(out / s["name"]) for s in m["shards"] if s["split"] == "train"])
