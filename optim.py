@@ -26,12 +26,26 @@ def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, d
     return Optimizers(muon, adamw)
 
 
+def build(model, cfg, device_type, choice=None):
+    """The run's Optimizers from the settings this room owns, read from the trainer's (cfg): max_lr, weight_decay,
+    beta1, beta2, eps, muon_lr and muon_momentum (--optimizer muon), and the schedule's; choice (device.Choice):
+    what the device's Newton-Schulz runs in (bfloat16 where there is no choice)."""
+    opt = configure(model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps, device_type,
+                    muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
+                    muon_dtype=choice.muon_dtype if choice is not None else torch.bfloat16)
+    opt.cfg, opt.schedule = cfg, schedule_of(cfg)
+    return opt
+
+
 class Optimizers:
     """The run's optimizers as one, the same shape whether AdamW trains alone or Muon trains the model's matrices
-    beside it: every other room steps, unscales, schedules and checkpoints them through this."""
+    beside it: every other room steps, unscales, schedules and checkpoints them through this. Made by build(), it
+    also holds the run's settings (cfg) and schedule, and answers for them: the rates at each step (at_step), the
+    settings over a resumed state (settle), the header's line (describe) and the rates a diverged run lowers."""
 
     def __init__(self, *optimizers):
         self.optimizers = optimizers
+        self.cfg = self.schedule = None
 
     name = property(lambda self: "+".join(type(opt).__name__ for opt in self.optimizers))  # AdamW, Muon+AdamW
 
@@ -51,6 +65,30 @@ class Optimizers:
             for group in opt.param_groups:
                 group["lr"] = schedule.lr(step, peak)
         return schedule.lr(step, max_lr)
+
+    def at_step(self, step):
+        """The run's rates at step (build's settings and schedule); AdamW's, for the log."""
+        return self.set_lrs(self.schedule, step, self.cfg.max_lr, self.cfg.muon_lr)
+
+    def settle(self):
+        """The run's settings over the param groups a checkpoint brought back (a resume may change them)."""
+        c = self.cfg
+        self.apply_settings(c.weight_decay, (c.beta1, c.beta2), c.eps, c.muon_momentum)
+
+    def describe(self, auto_warmup):
+        """The run header's line: the peak rates, the warm-up (auto_warmup: 10% of the run, by default) and the decay."""
+        c, muon = self.cfg, [opt for opt in self.optimizers if isinstance(opt, Muon)]
+        matrices = f" (AdamW), Muon {c.muon_lr:g} on the block matrices" if muon else ""
+        if muon and muon[0].ortho_dtype != torch.bfloat16:
+            matrices += " (Newton-Schulz in float16: no bfloat16 on this GPU)"
+        return (f"lr {c.max_lr:g}{matrices}: {c.warmup_steps} warm-up steps"
+                f"{' (10% of --max-steps; --warmup-steps sets it)' if auto_warmup else ''}"
+                f", {'cosine' if c.lr_schedule == 'cosine' else 'stable, then linear'} to "
+                f"{c.max_lr * c.min_lr_ratio:g} at step {c.max_steps}")
+
+    def rates(self):
+        """The flags a run that diverged lowers: under Muon, either rate may be the cause."""
+        return "--max-lr or --muon-lr" if any(isinstance(opt, Muon) for opt in self.optimizers) else "--max-lr"
 
     def apply_settings(self, weight_decay, betas, eps, muon_momentum=None):
         """These settings over what a loaded state dict brought back: a resume that changes them trains with the new

@@ -86,15 +86,14 @@ class Run:
     cfg: train_config.Settings   # every setting, resolved once and read-only
     ranks: parallel.Ranks
     log: RunLog
-    choice: device.Choice        # what the device allows: dtype, compile, Muon's dtype, peak FLOP/s, capacity
+    choice: device.Choice        # what the device allows: dtype, compile, peak FLOP/s, capacity, ...
     fsdp: bool
     micro_batch: int             # sequences per forward pass per rank (--micro-batch-size, or fitted)
     grad_accum: int              # micro-batches per optimizer step
     raw_model: GPT               # the GPT itself: checkpoints, samples, HellaSwag (sharded in place under FSDP)
     model: torch.nn.Module       # what trains: compiled, DDP-wrapped or FSDP-sharded
-    optimizer: optim.Optimizers
+    optimizer: optim.Optimizers  # with the run's optimizer settings and learning-rate schedule
     scaler: torch.amp.GradScaler
-    schedule: optim.Schedule
     train_loader: dataloader.TokenLoader
     checkpoints: checkpoint.Checkpointer
     start_step: int              # steps already done when this launch began
@@ -121,8 +120,8 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
     fsdp = cfg.sharding == "fsdp"
     if fsdp and ranks.backend == "gloo" and ranks.device_type == "cuda":
         raise UserError("--sharding fsdp over gloo on CUDA: gloo has no CUDA path for the whole-tensor gathers of "
-                        "FSDP2's checkpoints, export and Muon (pytorch/pytorch#152645); drop --dist-backend gloo "
-                        "(NCCL, one process per GPU)")
+                        "FSDP2's checkpoints, export and whole-matrix optimizers (pytorch/pytorch#152645); drop "
+                        "--dist-backend gloo (NCCL, one process per GPU)")
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -150,22 +149,18 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
     plotter = plot.PlotWriter(cfg.log_dir) if cfg.plot and ranks.is_master else None
     evaluations.start(evaluation.Context(ranks, log, model, raw_model, fsdp, dtype, micro_batch, cfg.total_batch_size,
                                          cfg.seed, plotter))
-    optimizer = optim.configure(raw_model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps,
-                                ranks.device_type, muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
-                                muon_dtype=choice.muon_dtype)
+    optimizer = optim.build(raw_model, cfg, ranks.device_type, choice)
     log.hold()  # the lock first: a launch it refuses must not touch the directory
     start_step = checkpoints.restore(model=model, optimizer=optimizer, scaler=scaler, train_loader=train_loader,
                                      config=train_config.stored(cfg, micro_batch), fsdp=fsdp)
-    # the settings of this launch, over the param groups the checkpoint brought back
-    optimizer.apply_settings(cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_momentum)
-    schedule = optim.schedule_of(cfg)
+    optimizer.settle()  # the settings of this launch, over the param groups the checkpoint brought back
     if ranks.is_master and (cfg.wandb or cfg.tensorboard):  # W&B and TensorBoard, fed by the log's records
         name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
         log.trackers = trackers.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
     checkpoints.begin()  # every check passed: a resume from an older step may set the later checkpoints aside
     run = Run(cfg=cfg, ranks=ranks, log=log, choice=choice, fsdp=fsdp, micro_batch=micro_batch,
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
-              optimizer=optimizer, scaler=scaler, schedule=schedule, train_loader=train_loader,
+              optimizer=optimizer, scaler=scaler, train_loader=train_loader,
               evaluations=evaluations, checkpoints=checkpoints, start_step=start_step,
               plotter=plotter, gpu=gpu)
     write_header(run, origin, resume, changes)
@@ -199,7 +194,6 @@ def write_header(run, origin, resume, changes):
     cfg, ranks, log, model, choice = run.cfg, run.ranks, run.log, run.raw_model, run.choice
     name = choice.name
     blocker = None if choice.compile else choice.compile_blocker
-    fp16_muon = cfg.muon_lr and choice.muon_dtype != torch.bfloat16
     warnings = choice.warnings(cfg.deterministic, run.micro_batch * cfg.block_size)
     if ranks.shares_gpus:
         warnings.append(f"{ranks.per_node} processes share {ranks.gpus} GPU(s) over gloo, their collectives through "
@@ -235,13 +229,7 @@ def write_header(run, origin, resume, changes):
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
              f"{memory.how_chosen(cfg.micro_batch_size, ranks.device_type)}{notes}")
     auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < train_config.DEFAULT_WARMUP
-    muon = f" (AdamW), Muon {cfg.muon_lr:g} on the block matrices" if cfg.muon_lr else ""
-    if fp16_muon:
-        muon += " (Newton-Schulz in float16: no bfloat16 on this GPU)"
-    log.line(f"lr {cfg.max_lr:g}{muon}: {cfg.warmup_steps} warm-up steps"
-             f"{' (10% of --max-steps; --warmup-steps sets it)' if auto_warmup else ''}"
-             f", {'cosine' if cfg.lr_schedule == 'cosine' else 'stable, then linear'} to "
-             f"{cfg.max_lr * cfg.min_lr_ratio:g} at step {cfg.max_steps}")
+    log.line(run.optimizer.describe(auto_warmup))
     log.line(f"memory ({cfg.sharding if run.fsdp else 'DDP' if ranks.multi else 'one process'}"
              f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): {memory_line}")
     log.record("memory", step=run.start_step, **plan)
@@ -272,7 +260,7 @@ def loop(run):
 
                 # ---- one optimizer step over grad_accum micro-batches
                 t0 = time.perf_counter()
-                lr = run.optimizer.set_lrs(run.schedule, step, cfg.max_lr, cfg.muon_lr)
+                lr = run.optimizer.at_step(step)
                 loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
                                                           run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
                 if diverged(run, loss, finite) and cfg.on_nonfinite == "stop":
@@ -313,7 +301,7 @@ def diverged(run, loss, finite):
 
 def stop_on_nonfinite(run, step, loss, norm):
     """--on-nonfinite stop: say where to go back to, and end with exit status 3."""
-    rates = "--max-lr or --muon-lr" if run.cfg.muon_lr else "--max-lr"  # under Muon, either may be the cause
+    rates = run.optimizer.rates()
     last = latest_checkpoint(run.cfg.log_dir)
     if last:
         advice = f"The last good checkpoint is {last}: resume from it with a lower {rates}"

@@ -168,3 +168,30 @@ def test_muon_without_bf16_orthogonalises_in_another_dtype_and_steps_as_torch_do
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert ours.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
     torch.testing.assert_close(ours.state[a]["momentum_buffer"], ref.state[a2]["momentum_buffer"])
+
+
+def test_the_optimizer_room_owns_its_settings_schedule_header_and_advice():
+    """optim.build reads its own settings from the run's: the header's line, each step's rates, the settings put back
+    over a resumed state and the rates a diverged run lowers all come from optim.py; train_gpt2.py names no
+    optimizer, so a new one is added here alone."""
+    import os
+    from types import SimpleNamespace
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_gpt2.py")) as f:
+        trainer = f.read().lower()
+    assert "muon" not in trainer and "adamw" not in trainer
+    cfg = SimpleNamespace(weight_decay=0.1, max_lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, muon_lr=0.02,
+                          muon_momentum=0.95, warmup_steps=10, max_steps=100, min_lr_ratio=0.1, lr_schedule="cosine")
+    model = GPT(GPTConfig(**TINY))
+    opt = optim.build(model, cfg, "cpu", SimpleNamespace(muon_dtype=torch.float16))
+    assert opt.describe(False) == ("lr 0.0006 (AdamW), Muon 0.02 on the block matrices (Newton-Schulz in float16: no "
+                                   "bfloat16 on this GPU): 10 warm-up steps, cosine to 6e-05 at step 100")
+    muon, adamw = opt.optimizers
+    assert opt.at_step(0) == adamw.param_groups[0]["lr"] == 6e-4 / 10 and muon.param_groups[0]["lr"] == 0.02 / 10
+    for group in adamw.param_groups + muon.param_groups:  # a resumed state's settings, then this launch's
+        group.update(weight_decay=0.5, eps=1.0, momentum=0.5)
+    opt.settle()
+    assert [g["weight_decay"] for g in adamw.param_groups] == [0.1, 0.0] and adamw.param_groups[0]["eps"] == 1e-8
+    assert muon.param_groups[0]["momentum"] == 0.95 and opt.rates() == "--max-lr or --muon-lr"
+    plain = optim.build(model, SimpleNamespace(**dict(vars(cfg), muon_lr=None, lr_schedule="wsd")), "cpu")
+    assert plain.describe(True) == ("lr 0.0006: 10 warm-up steps (10% of --max-steps; --warmup-steps sets it), "
+                                    "stable, then linear to 6e-05 at step 100") and plain.rates() == "--max-lr"
