@@ -42,7 +42,6 @@ REFERENCES = {  # each panel's reference lines: value, legend, colour
 LEGEND_WIDTH = 30  # characters per legend line: longer labels wrap, so legends stay narrow
 # the evaluations every summary and plot shows, scored or not (the others where a run recorded them)
 SHOWN = {kind: d for kind, d in EVALUATIONS.items() if kind in ("val", "hellaswag")}
-MISSING = {"val": "no evaluation logged", "hellaswag": "not evaluated"}  # what the summary says without them
 
 
 def warmed_up(metrics):
@@ -165,8 +164,6 @@ def format_summary(s):
         if s[f"{kind}_best"] is not None:
             lines.append(f"  {name:<11} best {s[f'{kind}_best']:.4f} at step {s[f'{kind}_best_step']}, "
                          f"final {s[f'{kind}_final']:.4f} at step {s[f'{kind}_final_step']}{against}")
-        elif kind in MISSING:  # the others (CORE, off by default) have no line where they recorded nothing
-            lines.append(f"  {name:<11} n/a ({MISSING[kind]})")
     words = STATUS_WORDS.get(s["status"], f"ended ({s['status']})")
     at = f"at step {s['stop_step']}" if s["stop_step"] is not None and s["stop_step"] >= 0 else "before its first step"
     status = f"  status      {words} {at}"

@@ -130,7 +130,7 @@ def test_summary_numbers_match_the_file(logs, name):
     if name == "resumed":
         assert f"--log-dir '{dirs[name]}' --resume" in text and "ckpt_000030.pt" in text  # quoted: a space
     if name == "cpu":
-        assert "MFU         n/a" in text and "HellaSwag   n/a" in text
+        assert "MFU         n/a" in text and "HellaSwag" not in text  # it evaluated nothing: no line for it
 
 
 def test_cut_last_line_warns_once(logs, capsys):
@@ -413,5 +413,8 @@ def test_a_cpu_try_out_is_drawn_for_what_it_measured(tmp_path, monkeypatch):
     hs = next(ax for ax in plot.build_figure(["whole"]).axes if ax.get_title().startswith("HellaSwag"))
     assert hs.get_title() == "HellaSwag (acc_norm, 0-shot)" and hs.lines[0].get_markerfacecolor() != "none"
     write_log(tmp_path / "plain", launch(0, 29, 0.0, seed=8, max_steps=30, val_every=0, end="finished"))
+    summary = plot.format_summary(plot.summarize("plain"))  # lists only the evaluations the run ran
+    assert [line.split()[0] for line in summary.splitlines()[1:]] == ["device", "steps", "wall", "tokens/s", "MFU",
+                                                                      "status"], summary
     titles = [ax.get_title().split(" (")[0] for ax in plot.build_figure(["plain"]).axes]
     assert sorted(titles) == ["Loss", "Model FLOPs utilisation", "Throughput"], titles
