@@ -123,7 +123,8 @@ class Checkpointer:
         self.log_dir, self.keep, self.ranks, self.log, self.resume = log_dir, keep, ranks, log, resume
         self.last_path = self.last_step = None
         self.last_here = False  # whether last_step's checkpoint is in log_dir (not another run's)
-        self.warned = False  # that a checkpoint took too long for a launcher's grace (said once)
+        self.grace = common.stop_grace()  # what a launcher leaves a stop's checkpoint, read once (its command line)
+        self.warned = False  # that a checkpoint took too long for it (said once)
 
     def restore(self, *, model, optimizer, scaler, train_loader, config, fsdp):
         """What is saved and restored from now on; the resumed checkpoint's state put back into it (weights, optimizer,
@@ -200,10 +201,10 @@ class Checkpointer:
         seconds = time.perf_counter() - started
         self.log.record("checkpoint", step=step, path=path, seconds=seconds)
         self.log.line(f"checkpoint {path} ({os.path.getsize(path) / 1e9:.2f} GB in {seconds:.1f} s)")
-        late = common.stop_grace_warning(None, common.stop_grace(), seconds)
+        late = common.stop_grace_warning(None, self.grace, seconds)
         if late and not self.warned:
             self.log.line(f"warning: {late}")
-        self.warned = self.warned or bool(late)
+            self.warned = True
         self.last_path = path
 
     def export(self, command):

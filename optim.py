@@ -76,7 +76,7 @@ class Optimizers:
         self.apply_settings(c.weight_decay, (c.beta1, c.beta2), c.eps, c.muon_momentum)
 
     def describe(self, auto_warmup):
-        """The run header's line: the peak rates, the warm-up (auto_warmup: 10% of the run, by default) and the decay."""
+        """The run header's line: the peak rates, the warm-up (auto_warmup: 10% of the run, the default) and decay."""
         c, muon = self.cfg, [opt for opt in self.optimizers if isinstance(opt, Muon)]
         matrices = f" (AdamW), Muon {c.muon_lr:g} on the block matrices" if muon else ""
         if muon and muon[0].ortho_dtype != torch.bfloat16:

@@ -57,9 +57,14 @@ def hellaswag_sample(records):
     return min(counts) if counts and min(counts) < HELLASWAG_ITEMS else None
 
 
+def half_width(n):
+    """The 95% half-width of an accuracy near chance measured on n items (the normal approximation)."""
+    return 1.96 * math.sqrt(HELLASWAG_CHANCE * (1 - HELLASWAG_CHANCE) / n)
+
+
 def sample_note(n):
     """What a sample of n HellaSwag items can say: chance, and the 95% half-width of an accuracy near it."""
-    return (f"a sample of {n} items: chance {HELLASWAG_CHANCE}, +/-{1.96 * math.sqrt(0.25 * 0.75 / n):.2f} at 95%; "
+    return (f"a sample of {n} items: chance {HELLASWAG_CHANCE}, +/-{half_width(n):.2f} at 95%; "
             f"the baselines are over all {HELLASWAG_ITEMS:,}")
 
 
@@ -224,10 +229,11 @@ def _curve(ax, records, values, color, label, span):
     return values
 
 
-def _points(ax, records, field, color, label, style="-o", hollow=False):
+def _points(ax, records, field, color, label, **look):
+    """An evaluation's points, joined; look: matplotlib's line settings over these (dashed, hollow markers)."""
     if records and ax is not None:
-        ax.plot([r["tokens"] for r in records], [r[field] for r in records], style, color=color,
-                markersize=5 if hollow else 3, markerfacecolor="none" if hollow else color, linewidth=1.2, label=label)
+        ax.plot([r["tokens"] for r in records], [r[field] for r in records],
+                **{"marker": "o", "markersize": 3, "color": color, "linewidth": 1.2, "label": label, **look})
 
 
 def _reference(ax, value, text, color):
@@ -299,15 +305,16 @@ def build_figure(log_dirs, labels=None, smooth=None):
         for kind, d in kinds.items():
             records = m.get(kind, [])
             if d["panel"] == "loss":  # validation, dashed beside the train curve
-                _points(ax["loss"], records, d["field"], color, f"{label} {d['label']}", style="--o")
+                _points(ax["loss"], records, d["field"], color, f"{label} {d['label']}", linestyle="--")
                 loss_late += _late([r[d["field"]] for r in records])
                 loss_all += [r[d["field"]] for r in records if math.isfinite(r[d["field"]])]
                 continue
             n_tasks = custom_core_tasks(records) if kind == "core" else None
             sample = samples[i] if kind == "hellaswag" else None  # hollow: not comparable with the baselines
-            _points(ax.get(d["panel"]), records, d["field"], color, label if n_tasks is None and sample is None
-                    else f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)" if sample is None
-                    else f"{label} (a sample of {sample} items)", hollow=sample is not None)
+            named = (f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)" if n_tasks is not None
+                     else f"{label} (a sample of {sample} items)" if sample is not None else label)
+            hollow = dict(markerfacecolor="none", markersize=5) if sample is not None else {}
+            _points(ax.get(d["panel"]), records, d["field"], color, named, **hollow)
         steps = warmed_up(m)
         _curve(ax["tps"], steps, [r["tok_per_s"] for r in steps], color, label, span)
         steps = [r for r in steps if r.get("mfu") is not None]
@@ -342,7 +349,7 @@ def build_figure(log_dirs, labels=None, smooth=None):
     if "hellaswag" in ax:
         some = [n for n in samples if n is not None]
         ax["hellaswag"].set(ylabel="accuracy", title="HellaSwag (acc_norm, 0-shot" + (
-            f"; hollow: a sample of {min(some)} items, +/-{1.96 * math.sqrt(0.25 * 0.75 / min(some)):.2f} at 95%)"
+            f"; hollow: a sample of {min(some)} items, +/-{half_width(min(some)):.2f} at 95%)"
             if some else ")"))
     ax["tps"].set(title=f"Throughput ({smoothing}; first step of each launch left out)", ylabel="tokens/s (all ranks)",
                   ylim=(0, None))
@@ -391,7 +398,8 @@ def parse_args(argv=None):
     p = common.ArgumentParser(description="Summarise training runs and plot them against GPT-2's baselines.")
     p.add_argument("log_dirs", nargs="+", metavar="LOG_DIR", help="train_gpt2.py log directories, overlaid in one plot")
     p.add_argument("--out", help="PNG to write (default: LOG_DIR/plot.png for one run, runs.png for several)")
-    p.add_argument("--labels", nargs="+", metavar="NAME", help="legend names, one per LOG_DIR (default: the paths as given)")
+    p.add_argument("--labels", nargs="+", metavar="NAME",
+                   help="legend names, one per LOG_DIR (default: the paths as given)")
     p.add_argument("--smooth", type=int, metavar="N",
                    help="EMA span in steps for the per-step curves (default: 4%% of the run, at most 100; 1: none)")
     args = p.parse_args(argv)

@@ -25,7 +25,7 @@ class Sharding(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         value = self.const if self.nargs == 0 else values
-        said = vars(namespace).pop("_sharding_said", None)
+        said = getattr(namespace, "_sharding_said", None)
         if said is not None and said[1] != value:
             parser.error(f"{said[0]} and {option_string}{'' if self.nargs == 0 else ' ' + value} contradict each "
                          "other: give one")

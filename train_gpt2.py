@@ -201,7 +201,7 @@ def write_header(run, origin, resume, changes):
     if run.fsdp and not ranks.multi:
         warnings.append("--sharding fsdp with one process shards nothing (a group of one runs FSDP2's paths): launch "
                         "it with torchrun --nproc_per_node=N to shard over N GPUs")
-    grace = common.stop_grace()
+    grace = run.checkpoints.grace
     late = common.stop_grace_warning(4 * model.num_params(non_embedding=False) + run.optimizer.state_bytes(), grace)
     warnings += [late] if late else []
     plan = memory.memory_plan(model, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,

@@ -55,7 +55,8 @@ def main():
         size, best, worst = write_one(preset, args.dir, args.repeats)
         rows.append((preset, size, best, worst))
         print(f"{preset}: {size / 1e9:.2f} GB in {best:.1f}-{worst:.1f} s", flush=True)
-    print(f"\n| model | checkpoint | write (fastest-slowest of {args.repeats}) | rate | share of a {args.grace:g} s grace |")
+    print(f"\n| model | checkpoint | write (fastest-slowest of {args.repeats}) | rate | "
+          f"share of a {args.grace:g} s grace |")
     print("|---|---|---|---|---|")
     for preset, size, best, worst in rows:
         print(f"| {preset} | {size / 1e9:.2f} GB | {best:.1f}-{worst:.1f} s | {size / 1e6 / worst:.0f} MB/s | "
