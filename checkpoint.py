@@ -26,12 +26,12 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 import common
+import export
 import metrics
 import parallel
 from metrics import checkpoint_path, list_checkpoints, step_of  # the log directory's checkpoints, by name
-from common import UserError, atomic_directory, atomic_write, first_line, hub_unreachable, out_of_space
+from common import UserError, atomic_write, first_line, hub_unreachable, out_of_space
 from model import GPT
-from tokenizer import gpt2_bpe_files
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
 TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # a torch.save zip (torch >= 1.6), or a pickle (older)
@@ -220,7 +220,7 @@ class Checkpointer:
             model.load_state_dict(state)
         out = os.path.join(self.log_dir, "hf")
         try:
-            atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
+            export.write(model, "hf", out)
         except (OSError, SafetensorError) as e:
             why = "no space left on its disk" if out_of_space(e, self.log_dir) else first_line(e)
             raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "

@@ -240,35 +240,57 @@ class GPT(nn.Module):
             v[:src.size(0)].copy_(src)
         return model
 
-    def to_hf(self):
-        """A transformers.GPT2LMHeadModel with the same weights (vocabulary sliced back to the real one)."""
-        from transformers import GPT2Config, GPT2LMHeadModel
+    def export_problem(self):
+        """Why this model cannot be written as GPT-2's architecture (Hugging Face's GPT2LMHeadModel, llama.cpp's
+        gpt2), or None where it can."""
+        if self.config.block != "gpt2":
+            return f"a GPT of {self.config.block!r} blocks is not GPT-2's architecture"
+        return None
+
+    def hf_config(self):
+        """transformers.GPT2Config of this model, with the hub's n_ctx beside n_positions (mlx-lm reads it)."""
+        from transformers import GPT2Config
+        if self.export_problem():
+            raise ValueError(self.export_problem())
         c = self.config
-        if c.block != "gpt2":
-            raise ValueError(f"a GPT of {c.block!r} blocks is not GPT-2's architecture, which the export writes")
-        hf = GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
-                                        n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
-                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # bos, eos: 50256 by default
-        sd_hf = hf.state_dict()
+        return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_ctx=c.block_size, n_embd=c.n_embd,
+                          n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new", resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, architectures=["GPT2LMHeadModel"])  # bos, eos: 50256
+
+    def hf_state_dict(self):
+        """The weights in fp32 as the hub's own gpt2 stores them: no 'transformer.' prefix, the four Conv1D matrices
+        (in, out), the real vocabulary's rows, and no head (tied to wte)."""
+        state = {}
         for k, v in self.state_dict().items():
             if k == "lm_head.weight":
                 continue
-            if k.endswith(HF_TRANSPOSED):
-                v = v.t()
-            sd_hf[k].copy_(v[:sd_hf[k].size(0)])  # wte: the real vocabulary's rows
+            v = v.t() if k.endswith(HF_TRANSPOSED) else v[:self.config.vocab_size] if k.endswith("wte.weight") else v
+            state[k.removeprefix("transformer.")] = v.detach().to("cpu", torch.float32).contiguous().clone()
+        return state
+
+    def to_hf(self):
+        """A transformers.GPT2LMHeadModel with the same weights (vocabulary sliced back to the real one)."""
+        from transformers import GPT2LMHeadModel
+        with quiet_transformers():
+            hf = GPT2LMHeadModel(self.hf_config())
+        hf.transformer.load_state_dict(self.hf_state_dict())
         return hf.eval()
 
     def export_hf(self, out_dir, tokenizer_files=None):
-        """Write a directory that GPT2LMHeadModel.from_pretrained and pipeline() load directly.
+        """Write a directory laid out as the hub's own gpt2 (config.json with n_ctx, model.safetensors without the
+        'transformer.' prefix), which transformers, mlx-lm, vLLM and llama.cpp's converter load directly.
         tokenizer_files: optional (encoder.json, vocab.bpe) paths, saved as the GPT-2 tokenizer."""
+        from safetensors.torch import save_file
+        from transformers import GenerationConfig
+        config = self.hf_config()
+        config.save_pretrained(out_dir)
         with quiet_transformers():
-            self.to_hf().save_pretrained(out_dir)
+            GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+        save_file(self.hf_state_dict(), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
         # safetensors writes the weights owner-only (0600): give them the mode of their neighbours
         umask = os.umask(0)
         os.umask(umask)
-        for name in os.listdir(out_dir):
-            if name.endswith(".safetensors"):
-                os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
+        os.chmod(os.path.join(out_dir, "model.safetensors"), 0o666 & ~umask)
         if tokenizer_files is not None:
             # the directory form (vocab.json + merges.txt) loads the same in transformers 4 and 5
             import shutil

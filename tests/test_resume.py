@@ -714,7 +714,7 @@ def test_full_disk_during_the_hf_export_keeps_the_earlier_export(data_dir, tmp_p
     one line that says so, the earlier export in LOG_DIR/hf untouched, nothing half-written left
     beside it, and the run's last checkpoint whole; with space again, --resume exports it."""
     import safetensors
-    import transformers
+    import safetensors.torch
     log_dir = str(tmp_path / "log")
     hf = os.path.join(log_dir, "hf")
     args = tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, export_hf=True)
@@ -722,12 +722,12 @@ def test_full_disk_during_the_hf_export_keeps_the_earlier_export(data_dir, tmp_p
     earlier = {name: open(os.path.join(hf, name), "rb").read() for name in os.listdir(hf)}
     assert "model.safetensors" in earlier
 
-    def full_disk(self, out_dir, **kwargs):  # safetensors raises its own type; os.write an OSError
-        self.config.save_pretrained(out_dir)
+    def full_disk(tensors, filename, metadata=None):  # safetensors raises its own type; os.write an OSError
+        assert os.path.isfile(os.path.join(os.path.dirname(filename), "config.json"))  # written by then
         if error == "OSError":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    monkeypatch.setattr(transformers.GPT2LMHeadModel, "save_pretrained", full_disk)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     with pytest.raises(common.UserError, match=r"^could not export the final model to .*hf \(no space left on its "
                                                r"disk\); the checkpoints are intact .*ckpt_000003.pt") as e:
         train_in_process(args + ["--max-steps", "3", "--resume"])
@@ -748,14 +748,14 @@ def test_the_command_to_export_again_exports_a_run_trained_without_the_export(da
     names exports it once there is space (a plain --resume would take the run's stored --no-export-hf and answer
     that the run already finished)."""
     import shlex
-    import transformers
+    import safetensors.torch
     log_dir = str(tmp_path / "log")
     assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, max_steps=2)) == 0  # no export
 
-    def full_disk(self, out_dir, **kwargs):
+    def full_disk(tensors, filename, metadata=None):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     with monkeypatch.context() as m:
-        m.setattr(transformers.GPT2LMHeadModel, "save_pretrained", full_disk)
+        m.setattr(safetensors.torch, "save_file", full_disk)
         with pytest.raises(common.UserError, match="could not export the final model") as e:
             train_in_process(["--log-dir", log_dir, "--resume", "--export-hf"])
     command = str(e.value).split("then ")[-1].removesuffix(" exports it")

@@ -1,0 +1,292 @@
+"""export.py: a GGUF file read back by transformers' own GGUF loader (logits at f32, f16 and bf16, the tokenizer
+against tiktoken), the Hugging Face directory in the hub's layout, MLX where it is installed, and bad input."""
+
+import json
+import os
+import sys
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import checkpoint
+import common
+import export
+import model as model_module
+from model import GPT, GPTConfig
+from tokenizer import get_tokenizer
+
+pytest.importorskip("gguf", reason="export.py --format gguf needs the gguf package (pip install gguf)")
+pytestmark = pytest.mark.usefixtures("one_thread")
+# transformers' GGUF loader reads the context into n_ctx but leaves n_positions at GPT-2's 1024: a 1024 context
+TINY = dict(block_size=1024, n_layer=2, n_head=2, n_embd=64)
+TEXT = ("Hello  world!\n\n\n\tTabs\t\tand   runs of    spaces \r\n"
+        "Ünïcödé, 日本語のテキスト, Русский текст, العربية, हिन्दी; emoji 🤖🧠👩‍👩‍👧 and flags 🇫🇷🇯🇵; "
+        "code: def f(x):\n        return x**2  # comment\n'quoted' \"double\" it's we'll I'M 1234567 3.14159"
+        "<|endoftext|>a new document")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**TINY)).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    torch.manual_seed(1)
+    return torch.randint(0, 50257, (2, 24))
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(ids)[0][..., :50257]
+
+
+def rounded(model, dtype):
+    """A copy of model whose matrices (not the position table) went through dtype, as the GGUF file holds them."""
+    copy = GPT(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, p in copy.named_parameters():
+            if p.dim() == 2 and "wpe" not in name:
+                p.copy_(p.to(dtype).float())
+    return copy
+
+
+def from_gguf(path, config=None):
+    """transformers' GGUF loader on path (each read of the file's 100,000 vocabulary strings costs seconds: a given
+    config saves one)."""
+    from transformers import AutoModelForCausalLM
+    with model_module.quiet_transformers():
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    config=config).eval()
+
+
+def test_gguf_f32_loads_in_transformers_with_our_logits(tiny, ids, tmp_path):
+    path = export.export(tiny, "gguf", str(tmp_path / "m.gguf"), "f32")
+    hf = from_gguf(path)
+    assert type(hf).__name__ == "GPT2LMHeadModel" and hf.config.tie_word_embeddings
+    assert (hf.config.n_layer, hf.config.n_head, hf.config.n_embd, hf.config.n_ctx) == (2, 2, 64, 1024)
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert theirs.shape == (2, 24, 50257)
+    assert (theirs - logits_of(tiny, ids)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
+def test_gguf_at_half_precision_holds_our_weights_rounded(tiny, ids, tmp_path, dtype, torch_dtype):
+    """f16 and bf16 files give the logits of our model with its matrices rounded so (not the logits of the fp32
+    model, which differ by the rounding): the file holds exactly those numbers."""
+    hf = from_gguf(export.export(tiny, "gguf", str(tmp_path / f"m-{dtype}.gguf"), dtype), tiny.hf_config())
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    expected = logits_of(rounded(tiny, torch_dtype), ids)
+    assert (theirs - expected).abs().max().item() <= 1e-4
+    assert (theirs - logits_of(tiny, ids)).abs().max().item() > 1e-4  # the rounding is there to be seen
+
+
+def test_gguf_types_and_sizes(tiny, tmp_path):
+    """Each --dtype's tensor types as llama.cpp's converter writes them (vectors and the position table in f32; q8_0
+    falls back to f16 for rows not a multiple of 32), and the files' sizes in that order."""
+    import gguf
+    sizes = {d: os.path.getsize(export.export(tiny, "gguf", str(tmp_path / f"m-{d}.gguf"), d)) for d in export.DTYPES}
+    assert sizes["q8_0"] < sizes["f16"] == sizes["bf16"] < sizes["f32"]
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    types = {name: (data.dtype, qtype) for name, data, qtype in export.gguf_tensors(tiny, "q8_0")}
+    assert types["token_embd.weight"][1] == types["blk.1.ffn_down.weight"][1] == q8
+    assert types["position_embd.weight"] == types["blk.0.attn_norm.bias"] == (np.float32, None)
+    assert "output.weight" not in types and len(types) == 4 + 12 * 2
+    narrow = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=48))
+    types = {name: (data.dtype, qtype) for name, data, qtype in export.gguf_tensors(narrow, "q8_0")}
+    assert types["blk.0.attn_qkv.weight"] == (np.float16, None)  # rows of 48
+    assert types["blk.0.ffn_down.weight"][1] == q8  # rows of 192
+    f16 = {name: data.dtype for name, data, _ in export.gguf_tensors(narrow, "f16")}
+    assert f16["token_embd.weight"] == np.float16 and f16["position_embd.weight"] == np.float32
+
+
+def test_gguf_tokenizer_splits_text_as_tiktoken(tiny, tmp_path):
+    """The vocabulary, merges and <|endoftext|> in the file tokenize a multilingual, whitespace-heavy and emoji text
+    into tiktoken's gpt2 ids (transformers builds its tokenizer from the file alone)."""
+    import gguf
+    from transformers import AutoTokenizer
+    path = export.export(tiny, "gguf", str(tmp_path / "m.gguf"), "q8_0")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    expected = get_tokenizer().encode(TEXT, allowed_special="all")
+    assert tok(TEXT)["input_ids"] == expected and 50256 in expected
+    assert tok.decode(expected) == TEXT
+    fields = gguf.GGUFReader(path).fields
+    assert fields["general.architecture"].contents() == "gpt2"
+    assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 50256
+    assert fields["tokenizer.ggml.add_bos_token"].contents() is False
+    types = fields["tokenizer.ggml.token_type"].contents()
+    assert len(types) == 50257 and types[50256] == gguf.TokenType.CONTROL and set(types[:50256]) == {1}
+
+
+def test_hf_directory_is_the_hub_layout_and_loads_to_the_bit(model, tmp_path):
+    """The hf export is laid out as the hub's own gpt2 (no 'transformer.' prefix, no separate head, n_ctx in the
+    config), which mlx-lm requires; transformers loads it to the bit."""
+    from safetensors import safe_open
+    from transformers import GPT2LMHeadModel
+    out = export.export(model, "hf", str(tmp_path / "hf"))
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "wte.weight" in keys and "h.1.mlp.c_fc.weight" in keys and "lm_head.weight" not in keys
+    assert not any(k.startswith("transformer.") for k in keys)
+    assert json.load(open(os.path.join(out, "config.json")))["n_ctx"] == model.config.block_size == 64
+    assert {"vocab.json", "merges.txt", "tokenizer.json"} <= set(os.listdir(out))
+    hf = GPT2LMHeadModel.from_pretrained(out).eval()
+    idx = torch.randint(0, 50257, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(hf(idx).logits, model.to_hf()(idx).logits)
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory, tiny):
+    d = tmp_path_factory.mktemp("run") / "log"
+    d.mkdir()
+    checkpoint.save_file(str(d / "ckpt_000005.pt"), {"model_config": asdict(tiny.config), "model": tiny.state_dict()})
+    return d
+
+
+def cli(argv, capsys):
+    """export.py in-process as the command line runs it: (exit status, stdout, stderr)."""
+    code = 0
+    try:
+        common.run_main(lambda: export.main(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_from_a_checkpoint_a_log_directory_and_a_hf_directory(log_dir, tiny, tmp_path, capsys):
+    """The three kinds of --model, each the very bytes export() writes of the model it names."""
+    code, out, _ = cli(["--model", str(log_dir), "--format", "hf", "--out", str(tmp_path / "hf")], capsys)
+    assert code == 0 and out == f"exported checkpoint {log_dir / 'ckpt_000005.pt'} to {tmp_path / 'hf'}: Hugging " \
+                                f"Face directory, 19 MB\n"
+    code, out, _ = cli(["--model", str(tmp_path / "hf"), "--format", "gguf", "--out", str(tmp_path / "a.gguf")], capsys)
+    assert code == 0 and "GGUF file (f16)" in out
+    code, _, _ = cli(["--model", str(log_dir / "ckpt_000005.pt"), "--format", "gguf", "--dtype", "q8_0",
+                      "--out", str(tmp_path / "b.gguf")], capsys)
+    assert code == 0
+    export.write(tiny, "gguf", str(tmp_path / "a-ref.gguf"), "f16", name="a")
+    export.write(tiny, "gguf", str(tmp_path / "b-ref.gguf"), "q8_0", name="b")
+    for name in "ab":
+        assert (tmp_path / f"{name}.gguf").read_bytes() == (tmp_path / f"{name}-ref.gguf").read_bytes()
+    code, out, _ = cli(["--model", str(log_dir), "--format", "gguf", "--dtype", "f32", "--out", str(tmp_path / "a.gguf"),
+                        "--force"], capsys)
+    export.write(tiny, "gguf", str(tmp_path / "a-ref.gguf"), "f32", name="a")
+    assert code == 0 and (tmp_path / "a.gguf").read_bytes() == (tmp_path / "a-ref.gguf").read_bytes()  # replaced
+
+
+def one_line(argv, capsys):
+    code, out, err = cli(argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("error: "), (code, out, err)
+    return lines[0]
+
+
+def test_bad_input_is_one_line_and_nothing_is_overwritten(log_dir, tmp_path, capsys, monkeypatch):
+    taken = tmp_path / "taken.gguf"
+    taken.write_bytes(b"the user's file")
+    m = ["--model", str(log_dir)]
+    assert "exists: pass another path, or --force" in one_line(m + ["--format", "gguf", "--out", str(taken)], capsys)
+    assert taken.read_bytes() == b"the user's file"
+    assert "--dtype is for --format gguf" in one_line(m + ["--format", "hf", "--dtype", "f16", "--out",
+                                                           str(tmp_path / "x")], capsys)
+    assert "is a directory" in one_line(m + ["--format", "gguf", "--out", str(tmp_path), "--force"], capsys)
+    assert "does not exist; make it first" in one_line(m + ["--format", "gguf", "--out",
+                                                            str(tmp_path / "no" / "m.gguf")], capsys)
+    assert "--format" in one_line(m + ["--out", str(tmp_path / "y.gguf")], capsys)
+    assert "invalid choice" in one_line(m + ["--format", "gguf", "--dtype", "q4", "--out", str(tmp_path / "y")], capsys)
+    assert "not found" in one_line(["--model", str(tmp_path / "nothing.pt"), "--format", "gguf", "--out",
+                                    str(tmp_path / "y.gguf")], capsys)
+    monkeypatch.chdir(tmp_path)
+    assert "no log/ directory here" in one_line(["--format", "gguf", "--out", "y.gguf"], capsys)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as where it is not installed
+    assert "needs the gguf package" in one_line(m + ["--format", "gguf", "--out", "y.gguf"], capsys)
+    assert sorted(os.listdir(tmp_path)) == ["taken.gguf"]
+
+
+class RMSNormBlock(model_module.Block):
+    """A variant defined here: GPT-2's block with its LayerNorms swapped for RMSNorm."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.ln_1, self.ln_2 = nn.RMSNorm(config.n_embd), nn.RMSNorm(config.n_embd)
+
+
+def test_a_model_neither_format_can_hold_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(model_module.BLOCKS, "rms", RMSNormBlock)
+    variant = GPT(GPTConfig(block="rms", **dict(TINY, block_size=64)))
+    for fmt in ("hf", "gguf"):
+        with pytest.raises(common.UserError, match=f"cannot export to {fmt}: a GPT of 'rms' blocks is not GPT-2's"):
+            export.export(variant, fmt, str(tmp_path / fmt))
+    other_vocab = GPT(GPTConfig(vocab_size=1000, padded_vocab_size=1024, **dict(TINY, block_size=64)))
+    with pytest.raises(common.UserError, match="its vocabulary has 1000 tokens, the GPT-2 tokenizer's 50257"):
+        export.export(other_vocab, "gguf", str(tmp_path / "v.gguf"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_write_cut_short_leaves_what_was_there(tiny, tmp_path, monkeypatch):
+    """A full disk in the middle of the tensors: --out keeps the older file, and no temporary file is left."""
+    import gguf
+    out = tmp_path / "m.gguf"
+    export.export(tiny, "gguf", str(out), "q8_0")
+    before = out.read_bytes()
+
+    def half_then_full(self, *a, **kw):
+        self.fout[0].write(b"\0" * 1000)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", half_then_full)
+    with pytest.raises(common.UserError, match=r"could not write .*m.gguf \(no space left on its disk\); nothing"):
+        export.export(tiny, "gguf", str(out), "f32")
+    assert out.read_bytes() == before and os.listdir(tmp_path) == ["m.gguf"]
+
+
+def test_mlx_lm_loads_the_hf_export(model, tmp_path):
+    """Apple's MLX (its Linux CPU build here): mlx_lm.load gives our logits and our greedy tokens."""
+    pytest.importorskip("mlx_lm", reason="MLX is not installed (pip install \"mlx[cpu]\" mlx-lm; on a Mac: mlx-lm)")
+    import mlx.core as mx
+    import mlx_lm
+    import numpy as np
+    out = export.export(model, "hf", str(tmp_path / "hf"))
+    mlx_model, _ = mlx_lm.load(out)
+    idx = torch.randint(0, 50257, (1, 20))
+    theirs = np.array(mlx_model(mx.array(idx.numpy())).astype(mx.float32))
+    assert np.abs(theirs - logits_of(model, idx).numpy()).max() <= 1e-4
+    tokens, ours = idx[0].tolist(), [int(t[0]) for t in model.generate_stream(idx, 12, temperature=0)]
+    for _ in range(12):
+        logits = mlx_model(mx.array([tokens]))[0, -1]
+        tokens.append(int(mx.argmax(logits).item()))
+    assert tokens[20:] == ours
+
+
+def test_the_readmes_commands_run_as_written(log_dir, tmp_path, monkeypatch, capsys):
+    """README's "Run your model elsewhere": its export.py commands as typed (in a directory with a log/ of its
+    own), and its mlx_lm.generate command on what they wrote, where MLX is installed."""
+    import shlex
+    import shutil
+    import subprocess
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        section = f.read().split("## Run your model elsewhere", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+    assert [c[:2] for c in commands] == [["python", "export.py"]] * 2
+    shutil.copytree(log_dir, tmp_path / "log")
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        code, out, err = cli(command[2:], capsys)
+        assert code == 0 and out.startswith("exported checkpoint log/ckpt_000005.pt to "), err
+    assert {"gpt2.gguf", "gpt2-hf"} <= set(os.listdir(tmp_path))
+    mlx = section.split("`mlx_lm.generate", 1)[1].split("`", 1)[0].replace("\n", " ")
+    generate = shutil.which("mlx_lm.generate")
+    if generate is None:
+        pytest.skip("MLX is not installed (pip install \"mlx[cpu]\" mlx-lm): its command was not run")
+    proc = subprocess.run([generate] + shlex.split(mlx) + ["--temp", "0"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "Generation: " in proc.stdout, proc.stdout + proc.stderr  # its summary line
