@@ -14,6 +14,7 @@ splits text into the very ids tiktoken does. Both drop the embedding's padded ro
 tokens). A model of another block (--block) is not GPT-2's architecture: neither format can hold it.
 """
 
+import glob
 import json
 import os
 
@@ -21,7 +22,10 @@ import common
 from common import UserError
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_bpe_files
 
-DTYPES = ("f32", "f16", "bf16", "q8_0")  # llama.cpp's names; f16 is its converter's default too
+DTYPES = ("f32", "f16", "bf16", "q8_0")
+# what an hf export's directory holds: --force replaces a directory of these (or an empty one), nothing else
+HF_FILES = {"config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer.json",
+            "tokenizer_config.json", "special_tokens_map.json"}  # llama.cpp's names; f16 is its converter's default too
 
 
 def gguf_tensors(model, dtype):
@@ -78,6 +82,7 @@ def write_gguf(model, path, dtype="f16", name="gpt2"):
     w.add_feed_forward_length(4 * c.n_embd)
     w.add_block_count(c.n_layer)
     w.add_head_count(c.n_head)
+    w.add_head_count_kv(c.n_head)  # no grouped keys and values (Ollama's memory estimate reads it)
     w.add_layer_norm_eps(1e-5)  # nn.LayerNorm's default, which GPT-2's blocks use
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                      "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
@@ -102,7 +107,7 @@ def write_gguf(model, path, dtype="f16", name="gpt2"):
 def problem(model, fmt):
     """Why model cannot be written in fmt, or None."""
     why = model.export_problem()
-    if why is None and fmt == "gguf" and model.config.vocab_size != VOCAB_SIZE:
+    if why is None and model.config.vocab_size != VOCAB_SIZE:  # both carry GPT-2's tokenizer
         why = f"its vocabulary has {model.config.vocab_size} tokens, the GPT-2 tokenizer's {VOCAB_SIZE}"
     return why
 
@@ -115,6 +120,8 @@ def write(model, fmt, out, dtype=None, name="gpt2"):
         return common.atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
     parent = os.path.dirname(os.path.abspath(out))
     tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp{os.getpid()}")
+    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(os.path.basename(out))}.tmp*")):
+        os.remove(stale)  # left by an export killed mid-write: never renamed, so never read
     try:
         write_gguf(model, tmp, dtype or "f16", name)
         common.fsync_path(tmp)
@@ -138,7 +145,8 @@ def export(model, fmt, out, dtype=None, name="gpt2"):
         write(model, fmt, out, dtype, name)
     except (OSError, SafetensorError) as e:
         why = "no space left on its disk" if common.out_of_space(e, parent) else common.first_line(e)
-        raise UserError(f"could not write {out} ({why}); nothing was left there: free space or pass another --out")
+        raise UserError(f"could not write {out} ({why}); what was there is as it was, and nothing half-written is "
+                        "left: free space or pass another --out")
     return out
 
 
@@ -174,6 +182,12 @@ def parse_args(argv=None):
         raise UserError(f"--out {args.out} is a directory: --format gguf writes one file (e.g. {args.out}/model.gguf)")
     if args.format == "hf" and os.path.lexists(args.out) and not os.path.isdir(args.out):
         raise UserError(f"--out {args.out} is a file: --format hf writes a directory")
+    if args.format == "hf" and os.path.isdir(args.out) and not set(os.listdir(args.out)) <= HF_FILES:
+        raise UserError(f"--out {args.out} holds files that are not an export's: --force replaces only an earlier "
+                        "export (or an empty directory); pass another --out")
+    out, source = os.path.abspath(args.out), os.path.abspath(args.model)
+    if os.path.exists(args.model) and os.path.commonpath([out, source]) == out:
+        raise UserError(f"--out {args.out} is, or holds, --model {args.model}: pass another --out")
     parent = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(parent):
         raise UserError(f"--out {args.out}: its directory {parent} does not exist; make it first")
@@ -184,10 +198,14 @@ def main(argv=None):
     args = parse_args(argv)
     if args.format == "gguf":
         try:
+            from importlib.metadata import version
             import gguf  # noqa: F401
+            new_enough = tuple(int(x) for x in version("gguf").split(".")[:2]) >= (0, 19)
         except ImportError:
-            raise UserError("--format gguf needs the gguf package (llama.cpp's own reader and writer of the format): "
-                            "pip install gguf (or pip install -r requirements.txt)")
+            new_enough = None
+        if not new_enough:
+            raise UserError("--format gguf needs the gguf package (llama.cpp's own reader and writer of the format), "
+                            "0.19 or newer: pip install -U 'gguf>=0.19' (or pip install -r requirements.txt)")
     if args.model == "log" and not os.path.isdir("log"):
         raise UserError("no log/ directory here: train a model first (python train_gpt2.py) "
                         "or pass --model (a checkpoint, a log directory or a name such as gpt2)")

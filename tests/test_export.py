@@ -1,6 +1,7 @@
 """export.py: a GGUF file read back by transformers' own GGUF loader (logits at f32, f16 and bf16, the tokenizer
 against tiktoken), the Hugging Face directory in the hub's layout, MLX where it is installed, and bad input."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -18,8 +19,9 @@ import model as model_module
 from model import GPT, GPTConfig
 from tokenizer import get_tokenizer
 
-pytest.importorskip("gguf", reason="export.py --format gguf needs the gguf package (pip install gguf)")
 pytestmark = pytest.mark.usefixtures("one_thread")
+needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
+                                reason="export.py --format gguf needs the gguf package (pip install gguf)")
 # transformers' GGUF loader reads the context into n_ctx but leaves n_positions at GPT-2's 1024: a 1024 context
 TINY = dict(block_size=1024, n_layer=2, n_head=2, n_embd=64)
 TEXT = ("Hello  world!\n\n\n\tTabs\t\tand   runs of    spaces \r\n"
@@ -65,6 +67,7 @@ def from_gguf(path, config=None):
                                                     config=config).eval()
 
 
+@needs_gguf
 def test_gguf_f32_loads_in_transformers_with_our_logits(tiny, ids, tmp_path):
     path = export.export(tiny, "gguf", str(tmp_path / "m.gguf"), "f32")
     hf = from_gguf(path)
@@ -76,6 +79,7 @@ def test_gguf_f32_loads_in_transformers_with_our_logits(tiny, ids, tmp_path):
     assert (theirs - logits_of(tiny, ids)).abs().max().item() <= 1e-4
 
 
+@needs_gguf
 @pytest.mark.parametrize("dtype,torch_dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
 def test_gguf_at_half_precision_holds_our_weights_rounded(tiny, ids, tmp_path, dtype, torch_dtype):
     """f16 and bf16 files give the logits of our model with its matrices rounded so (not the logits of the fp32
@@ -88,7 +92,8 @@ def test_gguf_at_half_precision_holds_our_weights_rounded(tiny, ids, tmp_path, d
     assert (theirs - logits_of(tiny, ids)).abs().max().item() > 1e-4  # the rounding is there to be seen
 
 
-def test_gguf_types_and_sizes(tiny, tmp_path):
+@needs_gguf
+def test_gguf_types_and_sizes(tiny, ids, tmp_path):
     """Each --dtype's tensor types as llama.cpp's converter writes them (vectors and the position table in f32; q8_0
     falls back to f16 for rows not a multiple of 32), and the files' sizes in that order."""
     import gguf
@@ -105,8 +110,16 @@ def test_gguf_types_and_sizes(tiny, tmp_path):
     assert types["blk.0.ffn_down.weight"][1] == q8  # rows of 192
     f16 = {name: data.dtype for name, data, _ in export.gguf_tensors(narrow, "f16")}
     assert f16["token_embd.weight"] == np.float16 and f16["position_embd.weight"] == np.float32
+    # the q8_0 file as written: its tensors' types, and logits near ours through transformers' dequantizer
+    written = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "m-q8_0.gguf")).tensors}
+    assert written["blk.0.attn_qkv.weight"] == q8 and written["position_embd.weight"] == gguf.GGMLQuantizationType.F32
+    with torch.no_grad():
+        theirs = from_gguf(str(tmp_path / "m-q8_0.gguf"), tiny.hf_config())(ids).logits
+    ours = logits_of(tiny, ids)
+    assert 0 < (theirs - ours).abs().max().item() < 0.02 * ours.abs().max().item()
 
 
+@needs_gguf
 def test_gguf_tokenizer_splits_text_as_tiktoken(tiny, tmp_path):
     """The vocabulary, merges and <|endoftext|> in the file tokenize a multilingual, whitespace-heavy and emoji text
     into tiktoken's gpt2 ids (transformers builds its tokenizer from the file alone)."""
@@ -120,7 +133,8 @@ def test_gguf_tokenizer_splits_text_as_tiktoken(tiny, tmp_path):
     fields = gguf.GGUFReader(path).fields
     assert fields["general.architecture"].contents() == "gpt2"
     assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
-    assert fields["tokenizer.ggml.eos_token_id"].contents() == 50256
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == fields["tokenizer.ggml.bos_token_id"].contents() == 50256
+    assert fields["gpt2.attention.head_count_kv"].contents() == 2
     assert fields["tokenizer.ggml.add_bos_token"].contents() is False
     types = fields["tokenizer.ggml.token_type"].contents()
     assert len(types) == 50257 and types[50256] == gguf.TokenType.CONTROL and set(types[:50256]) == {1}
@@ -141,7 +155,7 @@ def test_hf_directory_is_the_hub_layout_and_loads_to_the_bit(model, tmp_path):
     hf = GPT2LMHeadModel.from_pretrained(out).eval()
     idx = torch.randint(0, 50257, (1, 16))
     with torch.no_grad():
-        assert torch.equal(hf(idx).logits, model.to_hf()(idx).logits)
+        assert (hf(idx).logits - logits_of(model, idx)).abs().max().item() <= 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +177,7 @@ def cli(argv, capsys):
     return code, out, err
 
 
+@needs_gguf
 def test_cli_from_a_checkpoint_a_log_directory_and_a_hf_directory(log_dir, tiny, tmp_path, capsys):
     """The three kinds of --model, each the very bytes export() writes of the model it names."""
     code, out, _ = cli(["--model", str(log_dir), "--format", "hf", "--out", str(tmp_path / "hf")], capsys)
@@ -177,8 +192,8 @@ def test_cli_from_a_checkpoint_a_log_directory_and_a_hf_directory(log_dir, tiny,
     export.write(tiny, "gguf", str(tmp_path / "b-ref.gguf"), "q8_0", name="b")
     for name in "ab":
         assert (tmp_path / f"{name}.gguf").read_bytes() == (tmp_path / f"{name}-ref.gguf").read_bytes()
-    code, out, _ = cli(["--model", str(log_dir), "--format", "gguf", "--dtype", "f32", "--out", str(tmp_path / "a.gguf"),
-                        "--force"], capsys)
+    code, out, _ = cli(["--model", str(log_dir), "--format", "gguf", "--dtype", "f32", "--force",
+                        "--out", str(tmp_path / "a.gguf")], capsys)
     export.write(tiny, "gguf", str(tmp_path / "a-ref.gguf"), "f32", name="a")
     assert code == 0 and (tmp_path / "a.gguf").read_bytes() == (tmp_path / "a-ref.gguf").read_bytes()  # replaced
 
@@ -207,6 +222,15 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(log_dir, tmp_path, cap
                                     str(tmp_path / "y.gguf")], capsys)
     monkeypatch.chdir(tmp_path)
     assert "no log/ directory here" in one_line(["--format", "gguf", "--out", "y.gguf"], capsys)
+    # --force replaces an earlier export, never a directory of other files, nor what --model names
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "ckpt_000001.pt").write_bytes(b"a checkpoint")
+    assert "not an export's" in one_line(m + ["--format", "hf", "--out", "kept", "--force"], capsys)
+    assert "is, or holds, --model" in one_line(["--model", "kept/ckpt_000001.pt", "--format", "gguf", "--out",
+                                                "kept/ckpt_000001.pt", "--force"], capsys)
+    assert (tmp_path / "kept" / "ckpt_000001.pt").read_bytes() == b"a checkpoint"
+    (tmp_path / "kept" / "ckpt_000001.pt").unlink()
+    (tmp_path / "kept").rmdir()
     monkeypatch.setitem(sys.modules, "gguf", None)  # as where it is not installed
     assert "needs the gguf package" in one_line(m + ["--format", "gguf", "--out", "y.gguf"], capsys)
     assert sorted(os.listdir(tmp_path)) == ["taken.gguf"]
@@ -227,25 +251,39 @@ def test_a_model_neither_format_can_hold_is_one_line(tmp_path, capsys, monkeypat
         with pytest.raises(common.UserError, match=f"cannot export to {fmt}: a GPT of 'rms' blocks is not GPT-2's"):
             export.export(variant, fmt, str(tmp_path / fmt))
     other_vocab = GPT(GPTConfig(vocab_size=1000, padded_vocab_size=1024, **dict(TINY, block_size=64)))
-    with pytest.raises(common.UserError, match="its vocabulary has 1000 tokens, the GPT-2 tokenizer's 50257"):
-        export.export(other_vocab, "gguf", str(tmp_path / "v.gguf"))
+    for fmt in ("hf", "gguf"):  # each would carry GPT-2's tokenizer beside it
+        with pytest.raises(common.UserError, match="its vocabulary has 1000 tokens, the GPT-2 tokenizer's 50257"):
+            export.export(other_vocab, fmt, str(tmp_path / "v"))
     assert os.listdir(tmp_path) == []
 
 
-def test_a_write_cut_short_leaves_what_was_there(tiny, tmp_path, monkeypatch):
-    """A full disk in the middle of the tensors: --out keeps the older file, and no temporary file is left."""
+@needs_gguf
+def test_a_write_cut_short_leaves_what_was_there(tiny, model, tmp_path, monkeypatch):
+    """A full disk in the middle of the tensors: --out keeps the older file, and no temporary file is left (nor one
+    that a killed export left before); a failed hf export keeps the earlier directory whole."""
     import gguf
+    import safetensors.torch
     out = tmp_path / "m.gguf"
+    (tmp_path / ".m.gguf.tmp99999").write_bytes(b"left by a kill")
     export.export(tiny, "gguf", str(out), "q8_0")
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf"]
     before = out.read_bytes()
+    export.export(model, "hf", str(tmp_path / "hf"))
+    hf_before = {f: (tmp_path / "hf" / f).read_bytes() for f in os.listdir(tmp_path / "hf")}
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", lambda *a, **kw: (_ for _ in ()).throw(OSError(28, "No space")))
+        with pytest.raises(common.UserError, match=r"hf \(no space left on its disk\); what was there is as it was"):
+            export.export(model, "hf", str(tmp_path / "hf"))
+    assert {f: (tmp_path / "hf" / f).read_bytes() for f in os.listdir(tmp_path / "hf")} == hf_before
+    assert sorted(os.listdir(tmp_path)) == ["hf", "m.gguf"]
 
     def half_then_full(self, *a, **kw):
         self.fout[0].write(b"\0" * 1000)
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", half_then_full)
-    with pytest.raises(common.UserError, match=r"could not write .*m.gguf \(no space left on its disk\); nothing"):
+    with pytest.raises(common.UserError, match=r"could not write .*m.gguf \(no space left on its disk\); what was"):
         export.export(tiny, "gguf", str(out), "f32")
-    assert out.read_bytes() == before and os.listdir(tmp_path) == ["m.gguf"]
+    assert out.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["hf", "m.gguf"]
 
 
 def test_mlx_lm_loads_the_hf_export(model, tmp_path):
