@@ -51,10 +51,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.RESIDUAL_SCALE_INIT = True
 
-    def forward(self, x, cache=None, layer=0, mask=None):
+    def forward(self, x, cache=None, layer=0, mask=None, rotate=None):
+        """rotate: a function of (q or k (B, nh, T, hs)) that places them (rotary embeddings), or None."""
         B, T, C = x.size()
         qkv = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in qkv)  # (B, nh, T, hs)
+        if rotate is not None:
+            q, k = rotate(q), rotate(k)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, nh, pos+T, hs)
         # no mask, so flash kernels; a decode step's one new token sees every cached key, unmasked too
@@ -77,6 +80,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """GPT-2's block: pre-LayerNorm, causal self-attention and a tanh-GELU MLP.
+
+    A variant is a class registered in BLOCKS under its --block name, built as cls(config) and called as
+    block(x, pos=pos, cache=cache, layer=i, mask=mask): pos holds each token's position in its own sequence ((T,), or
+    (B, T) where rows pack several sequences and restart at 0), cache and layer are generation's KVCache and this
+    block's index in it, mask the packed rows' attention mask (None: causal). What surrounds the blocks is the
+    class's answer too: the attributes below, and the FLOPs and activations of one block."""
+    learned_positions = True   # GPT adds a learned position table (wpe) to the tokens; False: the block places them
+    final_norm = nn.LayerNorm  # the norm before the LM head, built as final_norm(n_embd)
+    exports = True             # GPT-2's architecture, which Hugging Face's GPT2LMHeadModel and llama.cpp's gpt2 hold
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.exports = cls.__dict__.get("exports", False)  # a subclass is not GPT-2's architecture unless it says so
+
     def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd)
@@ -84,13 +102,24 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None, layer=0, mask=None):
+    def forward(self, x, pos=None, cache=None, layer=0, mask=None):
         x = x + self.attn(self.ln_1(x), cache, layer, mask)
         return x + self.mlp(self.ln_2(x))
 
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token: 6 per parameter (forward and backward matmuls) and 12 * n_embd * seq_len for
+        attention's scores and values (the nanoGPT / PaLM appendix B convention)."""
+        return 6 * sum(p.numel() for p in self.parameters()) + 12 * self.attn.n_embd * seq_len
+
+    def activation_values(self, tokens):
+        """Values kept for the backward pass over `tokens` tokens: 17 per token and channel (Korthikanti et al. 2022,
+        "Reducing Activation Recomputation in Large Transformer Models", without the s x s scores flash attention
+        does not store; GPT-2 has no dropout masks, so a little generous)."""
+        return 17 * tokens * self.attn.n_embd
+
 
 # The transformer blocks a GPT can be built of (--block): a variant of the block is a class and a line here.
-BLOCKS = {"gpt2": Block}  # GPT-2's: pre-LayerNorm, causal self-attention and a tanh-GELU MLP
+BLOCKS = {"gpt2": Block}
 
 
 @dataclass
@@ -121,12 +150,12 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([BLOCKS[config.block](config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
+        variant = BLOCKS[config.block]
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.padded_vocab_size, config.n_embd)))
+        if variant.learned_positions:
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.transformer.h = nn.ModuleList([variant(config) for _ in range(config.n_layer)])
+        self.transformer.ln_f = variant.final_norm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying: one tensor, two uses
         self.apply(self._init_weights)
@@ -164,22 +193,19 @@ class GPT(nn.Module):
         return self.num_params(non_embedding=False) - sum(blocks), blocks
 
     def activation_bytes(self, micro_batch, seq_len, value_bytes, checkpointing=False):
-        """Bytes a training step holds for the backward pass at value_bytes per value (2 in 16-bit, 4 in fp32): per
-        layer 17 * s * b * h values (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-        Models", without the s x s scores flash attention does not store; GPT-2 has no dropout masks, so a little
-        generous); with activation checkpointing each block's fp32 input, 4 * s * b * h bytes, plus one block
-        recomputed in backward. Plus the logits: s * b * V * (2 for 16-bit + 4 for the loss's fp32 copy + 4 for its
-        log-softmax), 8 in fp32."""
-        c = self.config
-        sbh = seq_len * micro_batch * c.n_embd
-        per_layer = 17 * sbh * value_bytes
-        layers = c.n_layer * 4 * sbh + per_layer if checkpointing else c.n_layer * per_layer
-        return layers + seq_len * micro_batch * c.padded_vocab_size * (10 if value_bytes == 2 else 8)
+        """Bytes a training step holds for the backward pass at value_bytes per value (2 in 16-bit, 4 in fp32): what
+        each block keeps (Block.activation_values); with activation checkpointing each block's fp32 input, 4 * s * b *
+        h bytes, plus one block recomputed in backward. Plus the logits: s * b * V * (2 for 16-bit + 4 for the loss's
+        fp32 copy + 4 for its log-softmax), 8 in fp32."""
+        tokens = seq_len * micro_batch
+        kept = [block.activation_values(tokens) * value_bytes for block in self.blocks]
+        layers = len(kept) * 4 * tokens * self.config.n_embd + max(kept) if checkpointing else sum(kept)
+        return layers + tokens * self.config.padded_vocab_size * (10 if value_bytes == 2 else 8)
 
     def num_params(self, non_embedding=True):
         """Parameter count; position embeddings excluded by default (they do no matmul FLOPs)."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
+        if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n
 
@@ -196,9 +222,11 @@ class GPT(nn.Module):
             pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
             if start > 0 and T > 1:  # query i (position start+i) sees the cached keys 0..start+i
                 mask = torch.ones(T, start + T, dtype=torch.bool, device=idx.device).tril(diagonal=start)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(pos)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, cache, i, mask)
+            x = block(x, pos=pos, cache=cache, layer=i, mask=mask)
         if cache is not None:
             cache.pos += T
         x = self.transformer.ln_f(x)
@@ -243,7 +271,7 @@ class GPT(nn.Module):
     def export_problem(self):
         """Why this model cannot be written as GPT-2's architecture (Hugging Face's GPT2LMHeadModel, llama.cpp's
         gpt2), or None where it can."""
-        if self.config.block != "gpt2":
+        if not BLOCKS[self.config.block].exports:
             return f"a GPT of {self.config.block!r} blocks is not GPT-2's architecture"
         return None
 
@@ -305,13 +333,17 @@ class GPT(nn.Module):
     def crop_block_size(self, block_size):
         """Shorten the context (e.g. to fine-tune OpenAI's 1024-token model at 512)."""
         self.config.block_size = block_size
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        if "wpe" in self.transformer:
+            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
     def flops_per_token(self, seq_len=None):
-        """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12·L·d·T for
-        attention scores and values (the nanoGPT / PaLM appendix B convention)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * (seq_len or c.block_size)
+        """Training FLOPs per token: each block's (Block.flops_per_token), and 6 per parameter outside the blocks that
+        does a matmul (the tied head; not the position table): 6N + 12·L·d·T for GPT-2's."""
+        seq_len = seq_len or self.config.block_size
+        outside, _ = self.units()
+        if "wpe" in self.transformer:
+            outside -= self.transformer.wpe.weight.numel()
+        return 6 * outside + sum(block.flops_per_token(seq_len) for block in self.blocks)
 
     def estimate_mfu(self, tokens_per_second, peak_flops, seq_len=None):
         """Model FLOPs utilisation in [0, 1] of one device's tokens_per_second; None where peak_flops is unknown."""

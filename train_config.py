@@ -94,7 +94,7 @@ def build_parser(description=None):
     a("--resume", nargs="?", const="latest",
       help="continue from a checkpoint: a path, or no value for the latest in --log-dir (starts fresh if none)")
     a("--export-hf", action=argparse.BooleanOptionalAction, default=True,
-      help="export the final model in Hugging Face format to LOG_DIR/hf (default: on)")
+      help="export the final model in Hugging Face format to LOG_DIR/hf (default: on where the --block is GPT-2's)")
     a("--wandb", metavar="PROJECT", help="also send every record to this W&B project (pip install wandb)")
     a("--wandb-run", metavar="NAME", help="the W&B run's name (default: the log directory's name)")
     a("--wandb-id", metavar="ID", help="the W&B run to continue (default: a new one, or a resumed run's own)")
@@ -222,9 +222,9 @@ def check_relations(cfg, resumed=False):
     if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
         raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
                         f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
-    if cfg.export_hf and cfg.block != "gpt2":
-        raise UserError(f"--export-hf writes GPT-2's Hugging Face format, and {said('block')} is another architecture: "
-                        "pass --no-export-hf")
+    if cfg.export_hf and not BLOCKS[cfg.block].exports:
+        raise UserError(f"--export-hf writes GPT-2's Hugging Face format, and {said('block')} is another "
+                        "architecture: drop --export-hf")
     if cfg.warmup_steps > cfg.max_steps:
         raise UserError(f"{said('warmup_steps')} is more than {said('max_steps')}: the run would end before the "
                         f"learning rate reaches its peak; pass --warmup-steps {cfg.max_steps // 10} (or another of at "
@@ -251,6 +251,8 @@ def resolve(args, resume=None):
     changes = stored_run(values, args.given, resume) if resume is not None else []
     if values["optimizer"] != "muon":
         values["muon_lr"] = None  # Muon's peak rate only where Muon trains: what every reader asks
+    if values["export_hf"] and "export_hf" not in args.given and not BLOCKS[values["block"]].exports:
+        values["export_hf"] = False  # the variant's answer: no export where it is not GPT-2's architecture
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
         values["wandb_id"] = secrets.token_hex(4)
     cfg = Settings(values)

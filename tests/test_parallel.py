@@ -410,47 +410,117 @@ def test_fsdp_grad_scaler_skips_on_every_rank_when_one_shard_overflows(two_ranks
     assert found_inf[0] > 0 and found_inf[1] > 0
 
 
+class RotaryBlock(model.Block):
+    """A variant defined here: rotary position embeddings (Su et al. 2021, RoFormer) on the queries and keys, and no
+    learned position table: the block places each token by its position, as the GPT hands it."""
+    learned_positions = False
+
+    def forward(self, x, pos=None, cache=None, layer=0, mask=None):
+        half = self.attn.n_embd // self.attn.n_head // 2
+        freq = 10000.0 ** -(torch.arange(half, device=x.device, dtype=torch.float64) / half)
+        angle = pos.to(torch.float64)[..., None] * freq  # (T, half), or (B, T, half) for packed rows
+        angle = angle[:, None] if angle.dim() == 3 else angle  # over the heads
+        cos, sin = angle.cos(), angle.sin()
+
+        def rotate(t):  # (B, nh, T, hs): each pair of halves turned by its position's angles
+            a, b = t[..., :half], t[..., half:]
+            return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(t.dtype)
+        x = x + self.attn(self.ln_1(x), cache, layer, mask, rotate=rotate)
+        return x + self.mlp(self.ln_2(x))
+
+
 class RMSNormBlock(model.Block):
-    """A variant of the model defined here: GPT-2's block with RMSNorm (no bias, no mean) in place of LayerNorm."""
+    """A variant defined here: RMSNorm (no bias, no mean) in place of every LayerNorm, the final one included."""
+    final_norm = nn.RMSNorm
 
     def __init__(self, config):
         super().__init__(config)
         self.ln_1, self.ln_2 = nn.RMSNorm(config.n_embd), nn.RMSNorm(config.n_embd)
 
 
-def rmsnorm_gpt(seed=0):
-    model.BLOCKS["rmsnorm"] = RMSNormBlock  # registered where it is used: in this process, or a rank's
+VARIANTS = {"rotary": RotaryBlock, "rmsnorm": RMSNormBlock}
+
+
+def variant_gpt(name, seed=0):
+    model.BLOCKS[name] = VARIANTS[name]  # registered where it is used: in this process, or a rank's
     torch.manual_seed(seed)
-    return GPT(GPTConfig(**CONFIG, block="rmsnorm")).double()
+    return GPT(GPTConfig(**CONFIG, block=name)).double()
 
 
-def trained_variant(ranks, tmp, sharding):
-    model_, _, _, losses, norms = run(rmsnorm_gpt(), sharding, f"{tmp}/data", ranks)
+def trained_variant(ranks, tmp, name, sharding):
+    model_, _, _, losses, norms = run(variant_gpt(name), sharding, f"{tmp}/data", ranks)
     return dict(losses=losses, norms=norms, state=checkpoint.model_state(model_))
 
 
-def test_a_variant_defined_in_a_test_trains_checkpoints_resumes_and_shards(two_ranks, data_dir, tmp_path,
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_a_variant_defined_in_a_test_trains_checkpoints_resumes_and_shards(two_ranks, data_dir, tmp_path, name,
                                                                         monkeypatch):
     """Nothing outside this test changes for a model of another block: sharded by FSDP2 over two ranks it trains
     as one process does (every room asks the model for its blocks, matrices and units); through the trainer's
-    command line (--block) it trains, checkpoints and resumes to the losses of the run that never stopped, and its
-    checkpoint keeps the variant's own weights."""
+    command line (--block) it trains, checkpoints and resumes to the losses of the run that never stopped, its
+    checkpoint keeps the variant's own weights, and the run exports nothing (the variant is not GPT-2's)."""
     one = parallel.Ranks()
     write_shard(str(tmp_path))
-    _, _, _, losses, norms = run(rmsnorm_gpt(), "none", str(tmp_path), one)
-    r0, r1 = two_ranks(trained_variant, "fsdp")
+    _, _, _, losses, norms = run(variant_gpt(name), "none", str(tmp_path), one)
+    r0, r1 = two_ranks(trained_variant, name, "fsdp")
     assert r0["losses"] == r1["losses"] and r0["losses"] == pytest.approx(losses, rel=1e-5)
     assert r0["norms"] == pytest.approx(norms, rel=1e-5)
-    assert "transformer.h.0.ln_1.weight" in r0["state"] and "transformer.h.0.ln_1.bias" not in r0["state"]
+    state = r0["state"]
+    if name == "rotary":
+        assert "transformer.wpe.weight" not in state and "transformer.ln_f.bias" in state
+    else:
+        assert "transformer.h.0.ln_1.bias" not in state and "transformer.ln_f.bias" not in state
 
-    monkeypatch.setitem(model.BLOCKS, "rmsnorm", RMSNormBlock)
+    monkeypatch.setitem(model.BLOCKS, name, VARIANTS[name])
     whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
-    assert runs.train(runs.tiny(data_dir=data_dir, log_dir=whole, block="rmsnorm", max_steps=6)) == 0
-    assert runs.train(runs.tiny(data_dir=data_dir, log_dir=part, block="rmsnorm", max_steps=3)) == 0
+    settings = dict(data_dir=data_dir, block=name, export_hf=None)  # the export's default: the variant's answer
+    assert runs.train(runs.tiny(log_dir=whole, max_steps=6, **settings)) == 0
+    assert runs.train(runs.tiny(log_dir=part, max_steps=3, **settings)) == 0
     assert runs.train(["--log-dir", part, "--resume", "--max-steps", "6"]) == 0
     assert [r["loss"] for r in runs.records(part, "train")] == [r["loss"] for r in runs.records(whole, "train")]
     saved = checkpoint.load_model(part)[0]
-    assert isinstance(saved.blocks[0], RMSNormBlock) and saved.config.block == "rmsnorm"
+    assert isinstance(saved.blocks[0], VARIANTS[name]) and saved.config.block == name
+    assert not os.path.exists(os.path.join(part, "hf")) and not os.path.exists(os.path.join(whole, "hf"))
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_a_variant_generates_and_scores_packed_rows_as_gpt2_does(name, monkeypatch):
+    """The positions reach the blocks in generation (the KV cache's decode steps) and in HellaSwag's packed rows
+    (positions restarting for each ending): the same greedy tokens with and without the cache, the same logits
+    packed and one row at a time; and the model's own answers: it does not export, its FLOPs are its blocks'."""
+    import scoring
+    monkeypatch.setitem(model.BLOCKS, name, VARIANTS[name])
+    net = variant_gpt(name).float().eval()
+    idx = torch.randint(0, 100, (2, 5))
+    with torch.no_grad():
+        cached = [t.tolist() for t in net.generate_stream(idx, 12, temperature=0)]
+        uncached = [t.tolist() for t in net.generate_stream(idx, 12, temperature=0, use_cache=False)]
+        assert cached == uncached
+        ctx, endings = [5, 6, 7], [[8, 9], [10], [11, 12, 13], [14]]
+        tokens, pos, seg, _ = scoring.pack(ctx, [([], e) for e in endings])
+        packed, _ = net(torch.tensor([tokens]), pos=torch.tensor([pos]),
+                        mask=scoring.attention_mask(torch.tensor([seg])))
+        at = len(ctx)
+        for e in endings:
+            alone, _ = net(torch.tensor([ctx + e]))
+            torch.testing.assert_close(packed[0, at:at + len(e)], alone[0, len(ctx):], rtol=1e-5, atol=1e-5)
+            at += len(e)
+    assert net.export_problem() == f"a GPT of {name!r} blocks is not GPT-2's architecture"
+    import common
+    import train_config
+    args = train_config.parse_args(runs.tiny(block=name, export_hf=None, data_dir="d"))
+    assert train_config.resolve(args)[0].export_hf is False  # the variant's answer, where no flag asks otherwise
+    with pytest.raises(common.UserError, match=f"--export-hf writes GPT-2's .* --block {name} is another"):
+        train_config.resolve(train_config.parse_args(runs.tiny(block=name, export_hf=True, data_dir="d")))
+    blocks = sum(b.flops_per_token(32) for b in net.blocks)
+    outside = net.transformer.wte.weight.numel() + sum(p.numel() for p in net.transformer.ln_f.parameters())
+    assert net.flops_per_token(32) == blocks + 6 * outside  # the 6N convention: every parameter but the positions'
+
+    class Costlier(VARIANTS[name]):  # a block that says it costs more: the model's figure follows
+        def flops_per_token(self, seq_len):
+            return 2 * super().flops_per_token(seq_len)
+    monkeypatch.setitem(model.BLOCKS, name, Costlier)
+    assert GPT(GPTConfig(**CONFIG, block=name)).flops_per_token(32) == 2 * blocks + 6 * outside
 
 
 def test_grad_sync_and_clip_on_one_process():
