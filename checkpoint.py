@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_map_only
 
 import common
 import export
@@ -135,8 +134,8 @@ class Checkpointer:
             return 0
         ckpt, path = self.resume.checkpoint, self.resume.path
         check_weights_fit(parallel.unwrap(model), ckpt["model"], path)
-        load_model_state(model, ckpt["model"])
-        load_optimizer_state(model, optimizer, ckpt["optimizer"])
+        parallel.load_model_state(model, ckpt["model"])
+        parallel.load_optimizer_state(model, optimizer, ckpt["optimizer"])
         if ckpt["scaler"] or not scaler.is_enabled():  # a bf16/fp32 run saved no scale: an fp16
             scaler.load_state_dict(ckpt["scaler"])      # resume of it (a T4, say) starts a fresh one
         try:  # every rank moves in lockstep, so any rank's loader state restores this one
@@ -179,7 +178,7 @@ class Checkpointer:
         self.last_step, self.last_here = step, True
         per_rank = parallel.gather({"train_loader": self.train_loader.state_dict(), "rng": rng_state()}, self.ranks)
         if self.ranks.is_master or self.fsdp:
-            weights, moments = model_state(self.model), optimizer_state(self.model, self.optimizer)
+            weights, moments = parallel.model_state(self.model), parallel.optimizer_state(self.model, self.optimizer)
         if not self.ranks.is_master:
             return
         ckpt = {"step": step, "model_config": parallel.unwrap(self.model).shape(), "model": weights,
@@ -211,7 +210,7 @@ class Checkpointer:
         """LOG_DIR/hf: the final model and the GPT-2 tokenizer in Hugging Face's format, written by rank 0 (under FSDP
         every rank helps gather the shards); command: how to export again after a failure. The folder, on rank 0."""
         from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
-        state = model_state(self.model) if self.fsdp else None  # a collective under FSDP
+        state = parallel.model_state(self.model) if self.fsdp else None  # a collective under FSDP
         if not self.ranks.is_master:
             return None
         model = parallel.unwrap(self.model)
@@ -226,80 +225,6 @@ class Checkpointer:
             raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
                             f"(the last: {self.last_path}): free space under --log-dir, then {command} exports it")
         return out
-
-
-# Checkpoints hold the full state gathered on rank 0, not torch.distributed.checkpoint's per-rank shards: one format
-# for DDP and FSDP. That costs rank 0 ~18 GB of CPU memory at 1.5B parameters; larger models would want shards.
-
-def _options(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(full_state_dict=True, **kw)
-
-
-def _to_cpu(state):
-    return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), state)
-
-
-def model_state(model):
-    """The full state dict of the GPT, CPU tensors. Under FSDP every rank calls it; rank 0 gets the dict."""
-    raw = parallel.unwrap(model)
-    if not parallel.is_fsdp(raw):
-        return _to_cpu(raw.state_dict())
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    return get_model_state_dict(raw, options=_options(cpu_offload=True))
-
-
-def load_model_state(model, state):
-    raw = parallel.unwrap(model)
-    if not parallel.is_fsdp(raw):
-        raw.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-    set_model_state_dict(raw, state, options=_options())
-
-
-def optimizer_state(model, optimizer):
-    """The optimizers' full state dict (optim.Optimizers.pack) as state_dict() has it on the unsharded model, CPU
-    tensors, so that DDP and FSDP checkpoints are interchangeable. Under FSDP every rank calls it; rank 0 gets it."""
-    return optimizer.pack([_optimizer_state(model, opt) for opt in optimizer.optimizers])
-
-
-def _optimizer_state(model, opt):
-    raw = parallel.unwrap(model)
-    if not parallel.is_fsdp(raw):
-        return _to_cpu(opt.state_dict())
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    by_name = get_optimizer_state_dict(raw, opt, options=_options(cpu_offload=True))
-    if not by_name:
-        return {}
-    index = {name: i for i, name in enumerate(n for group in by_name["param_groups"] for n in group["params"])}
-    groups = [{**group, "params": [index[n] for n in group["params"]]} for group in by_name["param_groups"]]
-    return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
-
-
-def load_optimizer_state(model, optimizer, state):
-    """Load optimizer_state's format into the optimizers, sharding it under FSDP; before the first backward (the
-    optimizers are the run's: --optimizer is fixed on resume)."""
-    for opt, part in zip(optimizer.optimizers, optimizer.unpack(state)):
-        _load_optimizer_state(model, opt, part)
-        # a CPU tensor stays a view of the memory-mapped file, whose disk space it would hold after the rotation
-        for values in opt.state.values():
-            for key, value in values.items():
-                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                    values[key] = value.clone()
-
-
-def _load_optimizer_state(model, opt, state):
-    raw = parallel.unwrap(model)
-    if not parallel.is_fsdp(raw):
-        opt.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-    names = {p: name for name, p in raw.named_parameters()}  # the tied wte/lm_head weight once, as the optimizer
-    name_of = dict(enumerate(names[p] for group in opt.param_groups for p in group["params"]))
-    by_name = {"state": {name_of[i]: s for i, s in state["state"].items()},
-               "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in state["param_groups"]]}
-    set_optimizer_state_dict(raw, opt, by_name, options=_options())
 
 
 # Resuming: which checkpoint

@@ -11,8 +11,6 @@ uninterrupted run. Bad input leaves nothing behind: the output directory is made
 Worker processes tokenize batches of documents, taken back in order, while a thread writes finished shards."""
 
 import contextlib
-import hashlib
-import json
 import multiprocessing
 import os
 import re
@@ -28,7 +26,8 @@ import numpy as np
 from common import ArgumentParser, UserError, atomic_write, check_output_dir, out_of_space, run_main
 from fineweb_source import check_utf8, describe, describe_source, load_source, read_tasks, text_bytes
 from metrics import versions
-from shard_format import FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, TOKENIZER, read_manifest, remedy, shard_name
+from shard_format import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, TOKENIZER, intact, read_manifest, sha256_file,
+                          shard_name, verify, write_manifest)
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, get_tokenizer
 
 DEFAULT_DATASET = "HuggingFaceFW/fineweb-edu"
@@ -187,41 +186,6 @@ def ordered_map(fn, tasks, pool, depth):
             yield pending.popleft().get()
     while pending:
         yield pending.popleft().get()
-
-
-def write_manifest(out_dir, manifest):
-    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def intact(out_dir, entry):
-    """Whether a listed shard's file is there with all its tokens (its header only: --verify reads every byte)."""
-    try:
-        return len(np.load(os.path.join(out_dir, entry["name"]), mmap_mode="r")) == entry["tokens"]
-    except (OSError, ValueError, EOFError):
-        return False
-
-
-def verify(out_dir):
-    manifest = read_manifest(out_dir)
-    if manifest is None:
-        raise UserError(f"{out_dir} has no {MANIFEST}: nothing to verify (prepare it with python fineweb.py)")
-    for s in manifest["shards"]:
-        path = os.path.join(out_dir, s["name"])
-        if not os.path.isfile(path):
-            raise UserError(f"{path} is missing: {remedy(out_dir, manifest)}")
-        if sha256_file(path) != s["sha256"]:
-            raise UserError(f"{path} does not match its checksum: it changed after fineweb.py wrote it. Delete "
-                            f"it, then {remedy(out_dir, manifest)}")
-    state = "complete" if manifest.get("complete") else f"incomplete ({remedy(out_dir, manifest)})"
-    print(f"{out_dir}: {len(manifest['shards'])} shards match their checksums; {state}")
 
 
 class ShardWriter:

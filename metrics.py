@@ -71,8 +71,7 @@ NUMBERS = ("time", "mfu", "max_steps", "tokens_per_step", "world_size", "per_nod
 TYPE_WORDS = {int: "an integer", float: "a number", str: "text"}
 
 
-# Writing
-# The log directory's checkpoints, by name (checkpoint.py writes and reads them), and how a run goes on
+# Writing. The checkpoints by name (checkpoint.py's, said here for plot.py, which runs without torch); a run's resume
 CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
 
 

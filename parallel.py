@@ -1,5 +1,6 @@
 """How the model is spread over processes: the process group (with or without torchrun), DDP or FSDP2,
-activation checkpointing, the collectives the ranks meet in."""
+activation checkpointing, the collectives the ranks meet in, and the full state dicts of a DDP or FSDP model and its
+optimizers (what checkpoints hold)."""
 
 import datetime
 import functools
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 import common
@@ -211,3 +213,77 @@ def clip_grad_norm(model, max_norm):
     tensor, the same on every rank (under FSDP, clip_grad_norm_ returns a replicated DTensor)."""
     norm = torch.nn.utils.clip_grad_norm_(unwrap(model).parameters(), max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+# Checkpoints hold the full state gathered on rank 0, not torch.distributed.checkpoint's per-rank shards: one format
+# for DDP and FSDP. That costs rank 0 ~18 GB of CPU memory at 1.5B parameters; larger models would want shards.
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def _to_cpu(state):
+    return tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), state)
+
+
+def model_state(model):
+    """The full state dict of the GPT, CPU tensors. Under FSDP every rank calls it; rank 0 gets the dict."""
+    raw = unwrap(model)
+    if not is_fsdp(raw):
+        return _to_cpu(raw.state_dict())
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(raw, options=_options(cpu_offload=True))
+
+
+def load_model_state(model, state):
+    raw = unwrap(model)
+    if not is_fsdp(raw):
+        raw.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    set_model_state_dict(raw, state, options=_options())
+
+
+def optimizer_state(model, optimizer):
+    """The optimizers' full state dict (optim.Optimizers.pack) as state_dict() has it on the unsharded model, CPU
+    tensors, so that DDP and FSDP checkpoints are interchangeable. Under FSDP every rank calls it; rank 0 gets it."""
+    return optimizer.pack([_optimizer_state(model, opt) for opt in optimizer.optimizers])
+
+
+def _optimizer_state(model, opt):
+    raw = unwrap(model)
+    if not is_fsdp(raw):
+        return _to_cpu(opt.state_dict())
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    by_name = get_optimizer_state_dict(raw, opt, options=_options(cpu_offload=True))
+    if not by_name:
+        return {}
+    index = {name: i for i, name in enumerate(n for group in by_name["param_groups"] for n in group["params"])}
+    groups = [{**group, "params": [index[n] for n in group["params"]]} for group in by_name["param_groups"]]
+    return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
+
+
+def load_optimizer_state(model, optimizer, state):
+    """Load optimizer_state's format into the optimizers, sharding it under FSDP; before the first backward (the
+    optimizers are the run's: --optimizer is fixed on resume)."""
+    for opt, part in zip(optimizer.optimizers, optimizer.unpack(state)):
+        _load_optimizer_state(model, opt, part)
+        # a CPU tensor stays a view of the memory-mapped file, whose disk space it would hold after the rotation
+        for values in opt.state.values():
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    values[key] = value.clone()
+
+
+def _load_optimizer_state(model, opt, state):
+    raw = unwrap(model)
+    if not is_fsdp(raw):
+        opt.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    names = {p: name for name, p in raw.named_parameters()}  # the tied wte/lm_head weight once, as the optimizer
+    name_of = dict(enumerate(names[p] for group in opt.param_groups for p in group["params"]))
+    by_name = {"state": {name_of[i]: s for i, s in state["state"].items()},
+               "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(raw, opt, by_name, options=_options())

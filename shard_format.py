@@ -2,8 +2,9 @@
 
 A directory holds <prefix>_val_000000.npy, then <prefix>_train_000001.npy, ... (plain uint16 .npy files, as in
 build-nanogpt) and manifest.json, which lists each shard with its token count, largest token id, sha256 and where
-in the source it ends, and the command that made them."""
+in the source it ends, and the command that made them; `fineweb.py --verify` checks the shards against it."""
 
+import hashlib
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import shlex
 
 import numpy as np
 
-from common import UserError, first_line
+from common import UserError, atomic_write, first_line
 
 MANIFEST = "manifest.json"
 FORMAT = "gpt2-token-shards-v1"
@@ -60,3 +61,39 @@ def retokenize(manifest):
     else:
         what = "--data-files YOUR_TEXT"
     return f"python fineweb.py {what} --out-dir NEW_DIR"
+
+
+# Writing the manifest, and checking the shards against it (fineweb.py, and its --verify)
+def write_manifest(out_dir, manifest):
+    atomic_write(os.path.join(out_dir, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def intact(out_dir, entry):
+    """Whether a listed shard's file is there with all its tokens (its header only: --verify reads every byte)."""
+    try:
+        return len(np.load(os.path.join(out_dir, entry["name"]), mmap_mode="r")) == entry["tokens"]
+    except (OSError, ValueError, EOFError):
+        return False
+
+
+def verify(out_dir):
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        raise UserError(f"{out_dir} has no {MANIFEST}: nothing to verify (prepare it with python fineweb.py)")
+    for s in manifest["shards"]:
+        path = os.path.join(out_dir, s["name"])
+        if not os.path.isfile(path):
+            raise UserError(f"{path} is missing: {remedy(out_dir, manifest)}")
+        if sha256_file(path) != s["sha256"]:
+            raise UserError(f"{path} does not match its checksum: it changed after fineweb.py wrote it. Delete "
+                            f"it, then {remedy(out_dir, manifest)}")
+    state = "complete" if manifest.get("complete") else f"incomplete ({remedy(out_dir, manifest)})"
+    print(f"{out_dir}: {len(manifest['shards'])} shards match their checksums; {state}")

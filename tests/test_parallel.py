@@ -67,7 +67,7 @@ def assert_states_close(a, b, rtol=1e-5, atol=1e-6):
 
 def trained(ranks, tmp, sharding, checkpointing=False):
     model, _, _, losses, norms = run(tiny_gpt(), sharding, f"{tmp}/data", ranks, checkpointing=checkpointing)
-    return dict(losses=losses, norms=norms, state=checkpoint.model_state(model))
+    return dict(losses=losses, norms=norms, state=parallel.model_state(model))
 
 
 SHARDINGS = {"ddp": ("none", False), "fsdp": ("fsdp", False), "fsdp_ac": ("fsdp", True), "ddp_ac": ("none", True)}
@@ -108,8 +108,8 @@ def trained_with_muon(ranks, tmp, sharding, dtype):
     """Muon under DDP, and under FSDP, where each matrix is sharded and gathered for its Newton-Schulz iteration (in
     bf16, and in fp16 as on GPUs without bf16); the optimizer state in the unsharded format."""
     model, opt, _, losses, norms = run(tiny_gpt(), sharding, f"{tmp}/data", ranks, muon=dtype)
-    return dict(losses=losses, norms=norms, state=checkpoint.model_state(model),
-                optimizer=checkpoint.optimizer_state(model, opt))
+    return dict(losses=losses, norms=norms, state=parallel.model_state(model),
+                optimizer=parallel.optimizer_state(model, opt))
 
 
 # 16-bit Newton-Schulz rounds its input to 8 or 11 bits: where FSDP's gradients differ from one process's in the last
@@ -315,7 +315,7 @@ def fsdp_saved_and_restored(ranks, tmp):
     saver.restore(model=model, optimizer=opt, scaler=scaler, train_loader=data, config={}, fsdp=True)
     torch.rand(ranks.rank + 1), np.random.rand(ranks.rank + 1), random.random()  # each rank's generators elsewhere
     saver.save(RESUME_AT)
-    out = dict(draws_after_save=draws(), optimizer_at_resume=checkpoint.optimizer_state(model, opt))
+    out = dict(draws_after_save=draws(), optimizer_at_resume=parallel.optimizer_state(model, opt))
     path = metrics.checkpoint_path(log_dir, RESUME_AT)
     tdist.barrier()
     written = os.stat(path).st_mtime_ns
@@ -333,7 +333,7 @@ def fsdp_saved_and_restored(ranks, tmp):
                             fsdp=True) == RESUME_AT
     out["draws_after_restore"] = draws()
     more, _ = train(model, opt, data, STEPS - RESUME_AT, ranks)
-    out["resumed"] = dict(losses=losses + more, state=checkpoint.model_state(model))
+    out["resumed"] = dict(losses=losses + more, state=parallel.model_state(model))
     return out
 
 
@@ -383,7 +383,7 @@ def fsdp_compiled_per_block(ranks, tmp):
                                      compile=True)
     finally:
         torch.compile = real_compile
-    return dict(losses=losses, keys=list(checkpoint.model_state(model)))
+    return dict(losses=losses, keys=list(parallel.model_state(model)))
 
 
 def test_fsdp_per_block_compile_matches_eager(two_ranks):
@@ -449,7 +449,7 @@ def variant_gpt(name, seed=0):
 
 def trained_variant(ranks, tmp, name, sharding):
     model_, _, _, losses, norms = run(variant_gpt(name), sharding, f"{tmp}/data", ranks)
-    return dict(losses=losses, norms=norms, state=checkpoint.model_state(model_))
+    return dict(losses=losses, norms=norms, state=parallel.model_state(model_))
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -38,3 +38,16 @@ def test_the_readmes_tryout_parses_prepares_and_trains(tmp_path, monkeypatch):
     run(train + ["--data-dir", data, "--log-dir", log_dir, "--max-steps", "2", "--eval-every", "1"])
     val = records(log_dir, "val")
     assert [r["step"] for r in val] == [0, 1] and val[1]["val_loss"] < val[0]["val_loss"]
+
+
+def test_every_top_level_file_reads_in_one_sitting():
+    """The flat shape stays readable: no top-level Python file over 450 lines or with a line over 120 characters."""
+    import glob
+    long_files, long_lines = {}, []
+    for path in glob.glob(os.path.join(ROOT, "*.py")):
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        if len(lines) > 450:
+            long_files[os.path.basename(path)] = len(lines)
+        long_lines += [f"{os.path.basename(path)}:{i}" for i, line in enumerate(lines, 1) if len(line) > 120]
+    assert long_files == {} and long_lines == []
