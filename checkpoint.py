@@ -91,19 +91,28 @@ def newest_that_loads(folder):
 
 
 # What a checkpoint holds, and putting it back
-def rng_state():
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class RNG:
+    """This process's random generators (Python's, NumPy's, torch's and each CUDA device's) as a stateful part."""
+
+    def state_dict(self):
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state):
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+class Part:
+    """A stateful part of the run from two functions: state() and load(state)."""
+
+    def __init__(self, state, load):
+        self.state_dict, self.load_state_dict = state, load
 
 
 class Checkpointer:
@@ -124,25 +133,45 @@ class Checkpointer:
         self.last_here = False  # whether last_step's checkpoint is in log_dir (not another run's)
         self.grace = common.stop_grace()  # what a launcher leaves a stop's checkpoint, read once (its command line)
         self.warned = False  # that a checkpoint took too long for it (said once)
+        self.parts = {}  # name: (a stateful part, whether each rank has its own), as register() takes them
+
+    def register(self, name, part, per_rank=False):
+        """Keep part's state_dict() in every checkpoint under name and hand it back to load_state_dict() on resume
+        (as torchtitan's checkpointer takes its parts): one for the run (rank 0's, or every rank's collective under
+        FSDP; the file's top level), or each rank's own (per_rank: under "ranks"). The run's own parts register in
+        restore(); a part added to a run registers before it, and starts afresh from a checkpoint without it."""
+        self.parts[name] = (part, per_rank)
 
     def restore(self, *, model, optimizer, scaler, train_loader, config, fsdp):
-        """What is saved and restored from now on; the resumed checkpoint's state put back into it (weights, optimizer,
-        scaler, this rank's data position and random state). Returns the step the launch starts at."""
-        self.model, self.optimizer, self.scaler, self.train_loader = model, optimizer, scaler, train_loader
-        self.config, self.fsdp = config, fsdp
+        """What is saved and restored from now on: the run's parts (weights, optimizers, scaler, each rank's data
+        position and random state) and any registered before; the resumed checkpoint's state put back into them.
+        Returns the step the launch starts at."""
+        added, self.parts = self.parts, {}
+        self.register("model", Part(lambda: parallel.model_state(model), lambda s: parallel.load_model_state(model, s)))
+        self.register("optimizer", Part(lambda: parallel.optimizer_state(model, optimizer),
+                                        lambda s: parallel.load_optimizer_state(model, optimizer, s)))
+
+        def load_scale(state):  # a bf16/fp32 run saved no scale: an fp16 resume of it (a T4, say) starts a fresh one
+            if state or not scaler.is_enabled():
+                scaler.load_state_dict(state)
+        self.register("scaler", Part(scaler.state_dict, load_scale))
+        self.register("train_loader", train_loader, per_rank=True)
+        self.register("rng", RNG(), per_rank=True)
+        self.parts.update(added)
+        self.model, self.config, self.fsdp = model, config, fsdp
         if self.resume is None:
             return 0
         ckpt, path = self.resume.checkpoint, self.resume.path
         check_weights_fit(parallel.unwrap(model), ckpt["model"], path)
-        parallel.load_model_state(model, ckpt["model"])
-        parallel.load_optimizer_state(model, optimizer, ckpt["optimizer"])
-        if ckpt["scaler"] or not scaler.is_enabled():  # a bf16/fp32 run saved no scale: an fp16
-            scaler.load_state_dict(ckpt["scaler"])      # resume of it (a T4, say) starts a fresh one
-        try:  # every rank moves in lockstep, so any rank's loader state restores this one
-            train_loader.load_state_dict(ckpt["ranks"][0]["train_loader"])
-        except UserError as e:
-            raise UserError(f"cannot resume {path}: {e}")
-        set_rng_state(ckpt["ranks"][self.ranks.rank]["rng"])
+        mine = ckpt["ranks"][self.ranks.rank]
+        for name, (part, per_rank) in self.parts.items():
+            if name not in (mine if per_rank else ckpt):
+                self.log.line(f"resume: {path} holds no {name}: it starts afresh")
+                continue
+            try:
+                part.load_state_dict(mine[name] if per_rank else ckpt[name])
+            except UserError as e:  # a loader state of other data, say
+                raise UserError(f"cannot resume {path}: {e}")
         self.last_path, self.last_step = path, ckpt["step"]
         self.last_here = in_log_dir(path, self.log_dir)  # every rank read the file: the same answer
         return ckpt["step"]
@@ -176,13 +205,13 @@ class Checkpointer:
         if self.last_step == step and self.last_here:
             return
         self.last_step, self.last_here = step, True
-        per_rank = parallel.gather({"train_loader": self.train_loader.state_dict(), "rng": rng_state()}, self.ranks)
-        if self.ranks.is_master or self.fsdp:
-            weights, moments = parallel.model_state(self.model), parallel.optimizer_state(self.model, self.optimizer)
+        per_rank = parallel.gather({name: part.state_dict() for name, (part, each) in self.parts.items() if each},
+                                   self.ranks)
+        if self.ranks.is_master or self.fsdp:  # under FSDP the weights' and moments' gathers are collectives
+            shared = {name: part.state_dict() for name, (part, each) in self.parts.items() if not each}
         if not self.ranks.is_master:
             return
-        ckpt = {"step": step, "model_config": parallel.unwrap(self.model).shape(), "model": weights,
-                "optimizer": moments, "scaler": self.scaler.state_dict(), "ranks": per_rank,
+        ckpt = {"step": step, "model_config": parallel.unwrap(self.model).shape(), **shared, "ranks": per_rank,
                 "world_size": self.ranks.world_size, "config": self.config}
         path = checkpoint_path(self.log_dir, step)
         os.makedirs(self.log_dir, exist_ok=True)

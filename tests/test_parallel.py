@@ -583,14 +583,15 @@ def test_restore_across_a_change_of_dtype(tmp_path, saved_fp16):
         model, opt, data, _, _ = run(tiny_gpt(), "none", data_dir, one, steps=1)
         scaler = torch.amp.GradScaler("cpu", enabled=fp16, init_scale=2.0 ** 10)
         made = checkpoint.Checkpointer(str(tmp_path / "log"), 1, one, RunLog(str(tmp_path / "log"), False), resume)
-        return made, made.restore(model=model, optimizer=opt, scaler=scaler, train_loader=data, config={}, fsdp=False)
+        step = made.restore(model=model, optimizer=opt, scaler=scaler, train_loader=data, config={}, fsdp=False)
+        return made, step, scaler
     checkpointer(saved_fp16)[0].save(1)
     path = metrics.checkpoint_path(str(tmp_path / "log"), 1)
-    restorer, step = checkpointer(not saved_fp16, checkpoint.Resume(path, checkpoint.load_file(path), []))
+    _, step, scaler = checkpointer(not saved_fp16, checkpoint.Resume(path, checkpoint.load_file(path), []))
     assert step == 1
-    assert restorer.scaler.is_enabled() != saved_fp16
+    assert scaler.is_enabled() != saved_fp16
     if not saved_fp16:
-        assert restorer.scaler.get_scale() == 2.0 ** 10  # a fresh scale
+        assert scaler.get_scale() == 2.0 ** 10  # a fresh scale
 
 
 def test_compiled_training_with_muon_matches_eager(tmp_path, monkeypatch):

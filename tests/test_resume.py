@@ -28,6 +28,7 @@ import evaluation
 import train_config
 import train_gpt2
 import runs
+from model import GPT
 from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, tiny
 
 
@@ -53,6 +54,79 @@ def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
     for k in model_a:
         assert torch.equal(model_a[k], model_b[k]), k
     assert len(metrics.list_checkpoints(log_dir)) == 2  # --keep-checkpoints 2
+
+
+class EMA:
+    """An exponential moving average of the weights, updated after every optimizer step: a stateful part of the run
+    defined here, which nothing outside this file knows."""
+
+    def __init__(self, model, decay=0.75):
+        self.model, self.decay = model, decay
+        self.shadow = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self):
+        for name, p in self.model.named_parameters():
+            self.shadow[name].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+
+    def state_dict(self):
+        return {name: t.clone() for name, t in self.shadow.items()}
+
+    def load_state_dict(self, state):
+        for name, t in self.shadow.items():
+            t.copy_(state[name])
+
+
+def with_ema(restore):
+    """Checkpointer.restore that first registers an EMA of the run's model with the checkpoints and hooks its update
+    to the optimizer's step (torch's own post-step hook)."""
+    def registering(self, *, model, optimizer, **kwargs):
+        import parallel
+        ema = EMA(parallel.unwrap(model))
+        self.register("ema", ema)
+        optimizer.optimizers[0].register_step_post_hook(lambda *_: ema.update())
+        return restore(self, model=model, optimizer=optimizer, **kwargs)
+    return registering
+
+
+def train_with_ema(argv):  # the trainer with the EMA, as a process of its own (python -c)
+    checkpoint.Checkpointer.restore = with_ema(checkpoint.Checkpointer.restore)
+    train_gpt2.main(argv)
+
+
+def test_a_stateful_part_added_by_a_test_survives_kill9_and_resume_bit_identically(data_dir, tmp_path, monkeypatch):
+    """An EMA of the weights registered with the run's checkpoints from this test alone: every checkpoint keeps it,
+    and after a kill -9 mid-run the resume brings it back, so that it ends bit for bit where the EMA of a run that
+    never stopped ends."""
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore", with_ema(checkpoint.Checkpointer.restore))
+    run(tiny(data_dir=data_dir, log_dir=whole, max_steps=10, checkpoint_every=3))
+    args = tiny(data_dir=data_dir, log_dir=killed, max_steps=10, checkpoint_every=3)
+    env = dict(ENV, PYTHONPATH=os.pathsep.join([runs.ROOT, os.path.dirname(os.path.abspath(__file__))]))
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, test_resume; test_resume.train_with_ema(sys.argv[1:])",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    for line in proc.stdout:  # kill hard in the middle of step 7, two steps past the last checkpoint
+        if line.startswith("step     7 |"):
+            proc.kill()
+            break
+    proc.wait(timeout=600)
+    assert proc.returncode == -signal.SIGKILL
+    saved = checkpoint.load_file(metrics.checkpoint_path(killed, 6))
+    assert set(saved["ema"]) == {name for name, _ in GPT.from_shape(saved["model_config"]).named_parameters()}
+    run(args + ["--resume"])
+    a, b = (checkpoint.load_file(metrics.latest_checkpoint(d)) for d in (whole, killed))
+    assert a["step"] == b["step"] == 10
+    for name in a["ema"]:
+        assert torch.equal(a["ema"][name], b["ema"][name]), name
+    assert not torch.equal(a["ema"]["transformer.h.0.mlp.c_fc.weight"], a["model"]["transformer.h.0.mlp.c_fc.weight"])
+    assert [r["loss"] for r in records(killed, "train")] == [r["loss"] for r in records(whole, "train")]
+    monkeypatch.undo()  # a run checkpointed without the part: resumed with it, the part starts afresh, and says so
+    plain = str(tmp_path / "plain")
+    run(tiny(data_dir=data_dir, log_dir=plain, max_steps=2))
+    monkeypatch.setattr(checkpoint.Checkpointer, "restore", with_ema(checkpoint.Checkpointer.restore))
+    p = run(["--log-dir", plain, "--resume", "--max-steps", "3"])
+    assert f"resume: {metrics.checkpoint_path(plain, 2)} holds no ema: it starts afresh" in p.stdout
+    assert "ema" in checkpoint.load_file(metrics.checkpoint_path(plain, 3))
 
 
 def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_dir, reference_run, tmp_path,
