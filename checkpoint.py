@@ -30,7 +30,7 @@ import metrics
 import parallel
 from metrics import checkpoint_path, list_checkpoints, step_of  # the log directory's checkpoints, by name
 from common import UserError, atomic_write, first_line, hub_unreachable, out_of_space
-from model import GPT
+from model import BLOCKS, GPT
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
 TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # a torch.save zip (torch >= 1.6), or a pickle (older)
@@ -115,6 +115,10 @@ class Part:
         self.state_dict, self.load_state_dict = state, load
 
 
+BUILT_IN = ("model", "optimizer", "scaler", "train_loader", "rng")  # the parts restore() registers
+RESERVED = BUILT_IN + ("step", "model_config", "ranks", "world_size", "config", "format")  # a checkpoint's own keys
+
+
 class Checkpointer:
     """A run's checkpoints in log_dir, from the launch's set-up to its end: the one it continues (`resume`, from
     resume_point), checked against the ranks; restoring it into what trains (compiled, DDP or FSDP); the branch a
@@ -140,24 +144,25 @@ class Checkpointer:
         (as torchtitan's checkpointer takes its parts): one for the run (rank 0's, or every rank's collective under
         FSDP; the file's top level), or each rank's own (per_rank: under "ranks"). The run's own parts register in
         restore(); a part added to a run registers before it, and starts afresh from a checkpoint without it."""
+        if name in RESERVED:
+            raise ValueError(f"{name!r} is a checkpoint's own key: register the part under another name")
         self.parts[name] = (part, per_rank)
 
     def restore(self, *, model, optimizer, scaler, train_loader, config, fsdp):
         """What is saved and restored from now on: the run's parts (weights, optimizers, scaler, each rank's data
         position and random state) and any registered before; the resumed checkpoint's state put back into them.
         Returns the step the launch starts at."""
-        added, self.parts = self.parts, {}
-        self.register("model", Part(lambda: parallel.model_state(model), lambda s: parallel.load_model_state(model, s)))
-        self.register("optimizer", Part(lambda: parallel.optimizer_state(model, optimizer),
-                                        lambda s: parallel.load_optimizer_state(model, optimizer, s)))
+        added = {name: entry for name, entry in self.parts.items() if name not in BUILT_IN}
+        self.parts = {"model": (Part(lambda: parallel.model_state(model),
+                                     lambda s: parallel.load_model_state(model, s)), False),
+                      "optimizer": (Part(lambda: parallel.optimizer_state(model, optimizer),
+                                         lambda s: parallel.load_optimizer_state(model, optimizer, s)), False)}
 
         def load_scale(state):  # a bf16/fp32 run saved no scale: an fp16 resume of it (a T4, say) starts a fresh one
             if state or not scaler.is_enabled():
                 scaler.load_state_dict(state)
-        self.register("scaler", Part(scaler.state_dict, load_scale))
-        self.register("train_loader", train_loader, per_rank=True)
-        self.register("rng", RNG(), per_rank=True)
-        self.parts.update(added)
+        self.parts.update(scaler=(Part(scaler.state_dict, load_scale), False), train_loader=(train_loader, True),
+                          rng=(RNG(), True), **added)
         self.model, self.config, self.fsdp = model, config, fsdp
         if self.resume is None:
             return 0
@@ -166,6 +171,9 @@ class Checkpointer:
         mine = ckpt["ranks"][self.ranks.rank]
         for name, (part, per_rank) in self.parts.items():
             if name not in (mine if per_rank else ckpt):
+                if name in BUILT_IN:
+                    raise UserError(f"{path} holds no {name}: it is not a whole checkpoint of this trainer; use "
+                                    "an earlier ckpt_*.pt from the same directory")
                 self.log.line(f"resume: {path} holds no {name}: it starts afresh")
                 continue
             try:
@@ -275,7 +283,8 @@ class Resume:
         after this checkpoint (an export cut short by a full disk is still owed)."""
         weights = os.path.join(log_dir, "hf", "model.safetensors")
         exported = os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(self.path)
-        return self.step == max_steps and (exported or not export_hf)
+        exports = getattr(BLOCKS.get(self.shape.get("block", "gpt2")), "exports", False)  # no export of a variant
+        return self.step == max_steps and (exported or not export_hf or not exports)
 
 
 def resume_point(resume, log_dir):

@@ -199,7 +199,7 @@ class GPT(nn.Module):
         fp32 copy + 4 for its log-softmax), 8 in fp32."""
         tokens = seq_len * micro_batch
         kept = [block.activation_values(tokens) * value_bytes for block in self.blocks]
-        layers = len(kept) * 4 * tokens * self.config.n_embd + max(kept) if checkpointing else sum(kept)
+        layers = len(kept) * 4 * tokens * self.config.n_embd + max(kept, default=0) if checkpointing else sum(kept)
         return layers + tokens * self.config.padded_vocab_size * (10 if value_bytes == 2 else 8)
 
     def num_params(self, non_embedding=True):

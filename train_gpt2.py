@@ -348,7 +348,12 @@ def end(run, reason, step):
 
 
 def export_hf(run):
-    """LOG_DIR/hf: the final model in Hugging Face's format."""
+    """LOG_DIR/hf: the final model in Hugging Face's format, where it is GPT-2's architecture (a run started with
+    --init-from a variant's checkpoint may not be)."""
+    problem = run.raw_model.export_problem()
+    if problem:
+        run.log.line(f"not exported to Hugging Face's format: {problem}; its checkpoints hold the model")
+        return
     # the command to export again carries the flag: a run trained with --no-export-hf stores it off
     out = run.checkpoints.export(run.resume_command() + " --export-hf")
     if out is not None:

@@ -481,6 +481,12 @@ def test_a_variant_defined_in_a_test_trains_checkpoints_resumes_and_shards(two_r
     saved = checkpoint.load_model(part)[0]
     assert isinstance(saved.blocks[0], VARIANTS[name]) and saved.config.block == name
     assert not os.path.exists(os.path.join(part, "hf")) and not os.path.exists(os.path.join(whole, "hf"))
+    # a run started from its weights (--init-from: no --block) exports what it can: nothing, and says so
+    tuned = str(tmp_path / "tuned")
+    p = runs.run(runs.tiny(data_dir=data_dir, log_dir=tuned, init_from=part, max_steps=2, export_hf=None,
+                           n_layer=None, n_head=None, n_embd=None))
+    assert f"not exported to Hugging Face's format: a GPT of {name!r} blocks is not GPT-2's" in p.stdout
+    assert "already finished" in runs.run(["--log-dir", tuned, "--resume"]).stdout  # no export owed
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -127,6 +127,11 @@ def test_a_stateful_part_added_by_a_test_survives_kill9_and_resume_bit_identical
     p = run(["--log-dir", plain, "--resume", "--max-steps", "3"])
     assert f"resume: {metrics.checkpoint_path(plain, 2)} holds no ema: it starts afresh" in p.stdout
     assert "ema" in checkpoint.load_file(metrics.checkpoint_path(plain, 3))
+    import parallel
+    checkpoints = checkpoint.Checkpointer(str(tmp_path / "other"), 1, parallel.Ranks(), None)
+    for name in ("model", "rng", "step", "config"):  # the checkpoint's own parts and keys are not to be replaced
+        with pytest.raises(ValueError, match=f"{name!r} is a checkpoint's own key"):
+            checkpoints.register(name, EMA(torch.nn.Linear(2, 2)))
 
 
 def test_sigterm_during_a_step_stops_after_it_and_resume_alone_continues(data_dir, reference_run, tmp_path,
