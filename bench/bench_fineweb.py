@@ -163,7 +163,8 @@ def machine():
         pass
     import datasets
     import tiktoken
-    return (f"{model}, {fineweb.cpu_count()} cores; python {platform.python_version()}, tiktoken {tiktoken.__version__}, "
+    return (f"{model}, {fineweb.cpu_count()} cores; python {platform.python_version()}, "
+            f"tiktoken {tiktoken.__version__}, "
             f"datasets {datasets.__version__}, numpy {np.__version__}; load average at start "
             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 

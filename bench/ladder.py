@@ -118,8 +118,9 @@ RUNGS = [
 ]
 RUNG_NAMES = [r.name for r in RUNGS]
 BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+# the other settings are booleans
 CHOICES = dict(dtype=("float32", "bfloat16", "float16", "auto"), compile_mode=COMPILE_MODES,
-               attention=("math", "auto", "flash", "efficient", "cudnn"), optimizer=("adamw", "muon"))  # the other settings are booleans
+               attention=("math", "auto", "flash", "efficient", "cudnn"), optimizer=("adamw", "muon"))
 
 
 def parse_override(text):

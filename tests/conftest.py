@@ -132,8 +132,8 @@ def train_in_process():
 
 # Module fixtures that cost seconds (a run, a pair of ranks): the tests that use one go to one test worker, which
 # builds it once (pytest-xdist's --dist loadgroup hands a group to one worker; without xdist the mark does nothing)
-SHARED_IN_MODULE = ("two_ranks", "logged_run", "one_process", "bad_input_setup", "six_steps", "damaged_resume", "bundle",
-                    "files", "logs", "log_dir")
+SHARED_IN_MODULE = ("two_ranks", "logged_run", "one_process", "bad_input_setup", "six_steps", "damaged_resume",
+                    "bundle", "files", "logs", "log_dir")
 
 
 def pytest_collection_modifyitems(items):
@@ -147,4 +147,5 @@ def pytest_collection_modifyitems(items):
 
 def pytest_configure(config):
     # pytest-xdist's own marker, named here too so that a run without it does not warn
-    config.addinivalue_line("markers", "xdist_group(name): the tests pytest-xdist's --dist loadgroup runs in one process")
+    config.addinivalue_line("markers",
+                            "xdist_group(name): the tests pytest-xdist's --dist loadgroup runs in one process")

@@ -73,7 +73,8 @@ def install(monkeypatch, gpus=(H100,), arch_flags=ARCH_FLAGS, cuda_version="13.0
         "_cuda_getDevice": lambda: driver.current, "_cuda_setDevice": driver.set_device,
         "_cuda_getMemoryFraction": driver.get_fraction, "_cuda_setMemoryFraction": driver.set_fraction,
         "_cuda_memoryStats": driver.memory_stats, "_cuda_resetPeakMemoryStats": driver.reset_peak,
-        "_cuda_emptyCache": lambda: driver.calls.append(("empty_cache", None)), "_cuda_getArchFlags": lambda: arch_flags,
+        "_cuda_emptyCache": lambda: driver.calls.append(("empty_cache", None)),
+        "_cuda_getArchFlags": lambda: arch_flags,
         "_cuda_getCompiledVersion": lambda: 13000, "_cuda_synchronize": driver.synchronize,
         "_cuda_record_memory_history": driver.record_memory_history,
     }.items():

@@ -284,8 +284,8 @@ def test_a_closed_stdout_ends_it_quietly(model, bundle, tmp_path):
     from runs import stdout_closed
     ckpt = str(tmp_path / "ckpt_000001.pt")
     checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
-    code, err = stdout_closed(os.path.join(REPO, "core.py"), ["--model", ckpt, "--bundle-dir", bundle, "--device", "cpu",
-                                                              "--tasks", "mc_zero", "--limit", "2"])
+    code, err = stdout_closed(os.path.join(REPO, "core.py"), ["--model", ckpt, "--bundle-dir", bundle,
+                                                              "--device", "cpu", "--tasks", "mc_zero", "--limit", "2"])
     assert code == 1 and "Traceback" not in err and "Error" not in err, err
 
 
@@ -304,7 +304,8 @@ def bad_bundle_cases(tmp_path):
     b = write_bundle(tmp_path / "null", tasks=TASKS[:1] + [("no_delimiter", "schema", 0, None, 50.0, 3)])
     cases["null delimiter"] = (b, "core.yaml: task no_delimiter has the continuation_delimiter null: give a string")
     for text in ("nan", "-5", "100", ""):
-        b = write_bundle(tmp_path / f"baseline{text}", csv_rows=[(t[0], text if t[0] == "lm_few" else t[4]) for t in TASKS])
+        rows = [(t[0], text if t[0] == "lm_few" else t[4]) for t in TASKS]
+        b = write_bundle(tmp_path / f"baseline{text}", csv_rows=rows)
         cases[f"baseline {text!r}"] = (b, f"eval_meta_data.csv line 5: task lm_few has the random baseline {text!r}")
     b = write_bundle(tmp_path / "latin1")
     with open(os.path.join(b, "eval_data", "synthetic", "mc_few.jsonl"), "ab") as f:
@@ -452,8 +453,8 @@ def test_the_bundle_downloads_once_and_whole(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     try:
         site = f"http://127.0.0.1:{server.server_address[1]}"
-        for name, problem in [("damaged.zip", "(File is not a zip file)"), ("other.zip", "holds no eval_bundle/core.yaml"),
-                              ("missing.zip", "(File not found)")]:
+        for name, problem in [("damaged.zip", "(File is not a zip file)"),
+                              ("other.zip", "holds no eval_bundle/core.yaml"), ("missing.zip", "(File not found)")]:
             monkeypatch.setattr(core, "BUNDLE_URL", f"{site}/{name}")
             with pytest.raises(common.UserError) as e:
                 core.download(str(cache))

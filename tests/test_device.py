@@ -31,7 +31,8 @@ REAL_GPUS = [
     # fp32 rates: fp16 matmuls accumulate in fp32
     ("Tesla P100-PCIE-16GB", None, 9.3e12), ("Tesla P100-SXM2-16GB", None, 10.6e12),
     # no row of their own, and no other GPU's row either (an A1000 is not an A100, an L4000 not an L4)
-    ("NVIDIA RTX A1000", None, None), ("NVIDIA RTX A2000 12GB", None, None), ("NVIDIA RTX 4000 Ada Generation", None, None),
+    ("NVIDIA RTX A1000", None, None), ("NVIDIA RTX A2000 12GB", None, None),
+    ("NVIDIA RTX 4000 Ada Generation", None, None),
     ("Quadro RTX 6000", None, None), ("NVIDIA GeForce GTX 1080 Ti", None, None),
 ]
 
@@ -215,8 +216,8 @@ def test_more_processes_than_gpus_is_one_line_before_the_rendezvous(monkeypatch)
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("LOCAL_RANK", str(rank))
         with pytest.raises(common.UserError, match=r"^torchrun starts 2 processes on this machine, one per GPU, but "
-                                                   r"it has 1 GPU\(s\) visible: use --nproc_per_node=1 \(or, to try a node's "
-                                                   r"paths on fewer GPUs, slowly: --dist-backend gloo\)$"):
+                                                   r"it has 1 GPU\(s\) visible: use --nproc_per_node=1 \(or, to "
+                                                   r"try a node's paths on fewer GPUs, slowly: --dist-backend gloo\)$"):
             parallel.setup_distributed("auto")
 
 
@@ -288,7 +289,8 @@ print(mmapped_by(lambda: torch.empty(2**24)))
 def test_cpu_training_keeps_freed_memory_in_the_process():
     """A 64 MB tensor is mmap'd by glibc, and faulted in afresh every micro-step, until the CPU trainer's set-up."""
     import subprocess
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
     p = subprocess.run([sys.executable, "-c", MMAPPED], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     before, after = map(int, p.stdout.split())

@@ -498,7 +498,8 @@ def test_config_and_split_not_found(tmp_path):
     """A local dataset directory with a named config (no network needed)."""
     os.makedirs(tmp_path / "ds" / "data")
     write_parquet(tmp_path / "ds" / "data" / "a.parquet", DOCS)
-    (tmp_path / "ds" / "README.md").write_text("---\nconfigs:\n- config_name: small\n  data_files: data/*.parquet\n---\n")
+    (tmp_path / "ds" / "README.md").write_text("---\nconfigs:\n- config_name: small\n"
+                                               "  data_files: data/*.parquet\n---\n")
     common = ["--dataset", str(tmp_path / "ds"), "--shard-size", "5000"]
     with pytest.raises(UserError, match=r"'nope' not found.*small.*--name"):
         prepare(tmp_path, tmp_path / "out", *common, "--name", "nope")

@@ -457,7 +457,8 @@ def test_cli_malformed_line_is_one_line(files, tmp_path, capsys):
 def test_cli_closed_stdout_ends_quietly(files):
     """python hellaswag.py ... | head, head gone: exit status 1, no traceback."""
     from runs import stdout_closed
-    code, err = stdout_closed(os.path.join(REPO, "hellaswag.py"), ["--model", files["ckpt"], "--data-file", files["data"],
+    code, err = stdout_closed(os.path.join(REPO, "hellaswag.py"), ["--model", files["ckpt"],
+                                                                   "--data-file", files["data"],
                                                                    "--device", "cpu", "--limit", "2"])
     assert code == 1 and "Traceback" not in err and "Error" not in err, err
 

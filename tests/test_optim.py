@@ -58,7 +58,8 @@ def test_muon_for_the_block_matrices_adamw_for_the_rest():
     model = GPT(GPTConfig(**TINY))
     opt = optim.configure(model, 0.1, 1e-3, muon_lr=0.02, muon_momentum=0.9)
     muon, adamw = opt.optimizers
-    blocks = {id(p) for b in model.transformer.h for n, p in b.named_parameters() if n.endswith("weight") and p.dim() == 2}
+    blocks = {id(p) for b in model.transformer.h for n, p in b.named_parameters()
+              if n.endswith("weight") and p.dim() == 2}
     assert {id(p) for g in muon.param_groups for p in g["params"]} == blocks
     assert len(blocks) == 4 * TINY["n_layer"]
     rest = [p for g in adamw.param_groups for p in g["params"]]

@@ -285,7 +285,8 @@ def test_errors_in_process(tmp_path, capsys, case, needle):
 def test_command_line_errors_are_one_line(capsys):
     """argparse's own errors too: the flag and where to look, no usage block."""
     for argv, needle in (([], "error: the following arguments are required: LOG_DIR (see --help)"),
-                         (["log", "--smooth", "lots"], "error: argument --smooth: invalid int value: 'lots' (see --help)")):
+                         (["log", "--smooth", "lots"],
+                          "error: argument --smooth: invalid int value: 'lots' (see --help)")):
         with pytest.raises(SystemExit) as e:
             common.run_main(lambda: plot.main(argv))
         err = capsys.readouterr().err
@@ -295,7 +296,8 @@ def test_command_line_errors_are_one_line(capsys):
 def test_out_that_cannot_be_written_is_one_line(logs, tmp_path, capsys, monkeypatch):
     """--out naming a directory, or a location the process cannot write (read-only, full)."""
     dirs, _ = logs
-    for out, error in ((str(tmp_path), None), (str(tmp_path / "runs.png"), OSError(errno.EROFS, "Read-only file system"))):
+    read_only = OSError(errno.EROFS, "Read-only file system")
+    for out, error in ((str(tmp_path), None), (str(tmp_path / "runs.png"), read_only)):
         if error is not None:
             def refuse(path, write_fn):
                 raise error

@@ -357,9 +357,10 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
                        old[6]["lm_head.weight"])
     assert [os.path.basename(c) for c in metrics.list_checkpoints(log_dir)] == ["ckpt_000002.pt", "ckpt_000004.pt"]
     new4 = checkpoint.load_file(metrics.checkpoint_path(log_dir, 4))
-    assert new4["config"]["max_lr"] == 1e-3 and not torch.equal(new4["model"]["lm_head.weight"], old[4]["lm_head.weight"])
+    head = new4["model"]["lm_head.weight"]
+    assert new4["config"]["max_lr"] == 1e-3 and not torch.equal(head, old[4]["lm_head.weight"])
     model, what = checkpoint.load_model(log_dir)  # what sample.py and hellaswag.py load
-    assert "ckpt_000004.pt" in what and torch.equal(model.state_dict()["lm_head.weight"], new4["model"]["lm_head.weight"])
+    assert "ckpt_000004.pt" in what and torch.equal(model.state_dict()["lm_head.weight"], head)
     summary = plot.summarize(log_dir)
     assert summary["status"] == "signal" and summary["checkpoint_step"] == 4 and summary["steps"] == 4
     # the branch's own command again (a requeued job, torchrun --max-restarts) continues the branch
@@ -552,8 +553,8 @@ def test_a_resume_with_another_process_count_is_refused_once(reference_run, tmp_
                        text=True, env=ENV, timeout=300)
     said = [line for line in (p.stdout + p.stderr).splitlines() if re.match(r"(error: |ranks? [\d, ]+: )", line)]
     assert p.returncode != 0 and said == [
-        f"error: cannot resume {path}: it was trained with 1 process(es) (GPUs), this launch has 2; launch it with 1 in "
-        "all (torchrun --nproc_per_node x --nnodes)"], p.stdout[-2000:] + p.stderr[-2000:]
+        f"error: cannot resume {path}: it was trained with 1 process(es) (GPUs), this launch has 2; launch it with 1 "
+        "in all (torchrun --nproc_per_node x --nnodes)"], p.stdout[-2000:] + p.stderr[-2000:]
     assert not (tmp_path / "two").exists()
 
 

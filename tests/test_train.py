@@ -167,8 +167,9 @@ def test_fsdp_matches_one_process_and_evaluates_samples_and_exports_in_step(data
     collective; the checkpoint is the ordinary full one, and the export is gathered from the shards."""
     fsdp = str(tmp_path / "fsdp")
     hs_file = tmp_path / "hellaswag_val.jsonl"
-    hs_file.write_text("".join(json.dumps({"ctx": f"The cat sees item {i}.", "endings": ["A.", "It runs.", "B c.", "D."],
-                                           "label": i % 4}) + "\n" for i in range(9)))
+    hs_file.write_text("".join(json.dumps({"ctx": f"The cat sees item {i}.",
+                                           "endings": ["A.", "It runs.", "B c.", "D."], "label": i % 4}) + "\n"
+                               for i in range(9)))
     p = torchrun(["--standalone", "--nproc_per_node=2"], tiny(
         data_dir=data_dir, max_steps=4, eval_every=2, log_dir=fsdp, fsdp=True, activation_checkpointing=True,
         hellaswag_every=2, hellaswag_file=str(hs_file), sample_every=2, num_samples=1, sample_tokens=4,
@@ -747,9 +748,10 @@ BAD = {
     "block size too large for init-from": (["--init-from", "{hf}", "--block-size", "64"], "block-size"),
     "resume path missing": (["--resume", "{base}/ckpt_000123.pt"], "no such file"),
     "resume not a checkpoint": (["--resume", "{junk}"], "{junk} is not a checkpoint: not a torch zip or pickle file"),
-    "resume weights that do not fit the config": (["--resume", "{misfit}", "--max-steps", "12"], "{misfit} does not hold the model its "
-                                                  "config describes: transformer.wpe.weight has shape (32, 32) "
-                                                  "there, (64, 32) in the model"),
+    "resume weights that do not fit the config": (["--resume", "{misfit}", "--max-steps", "12"],
+                                                  "{misfit} does not hold the model its config describes: "
+                                                  "transformer.wpe.weight has shape (32, 32) there, (64, 32) in "
+                                                  "the model"),
     "init from weights that do not fit the config": (["--init-from", "{misfit}"], "transformer.wpe.weight has shape"),
     "resume a text file": (["--resume", "{notes}"], "{notes} is not a checkpoint: not a torch zip or pickle file"),
     "init from a text file": (["--init-from", "{notes}"], "{notes} is not a checkpoint: not a torch zip or pickle"),
@@ -779,7 +781,8 @@ BAD = {
     "log dir is a file": (["--log-dir", "{junk}"], "is a file"),
     "log dir under a file": (["--log-dir", "{junk}/run1"], "cannot be made"),
     "empty log dir": (["--log-dir", ""], "--log-dir is empty"),
-    "resume with a larger block size": (["--log-dir", "{ref}", "--resume", "--block-size", "64"], "--block-size 32 and"),
+    "resume with a larger block size": (["--log-dir", "{ref}", "--resume", "--block-size", "64"],
+                                        "--block-size 32 and"),
     "negative warm-up": (["--warmup-steps", "-1"], "warmup-steps"),
     "nccl on a cpu": (["--dist-backend", "nccl"], "--dist-backend nccl runs on CUDA GPUs"),
     "zero dist timeout": (["--dist-timeout", "0"], "dist-timeout"),
