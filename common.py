@@ -333,13 +333,24 @@ def check_output_dir(path, flag):
 
 def atomic_write(path, write_fn):
     """write_fn(f) into a temporary file beside path, then renamed over it: a kill leaves the old file or the new."""
+    def write_file(tmp):
+        with open(tmp, "wb") as f:
+            write_fn(f)
+    atomic_file(path, write_file)
+
+
+def atomic_file(path, write_path):
+    """write_path(tmp) makes a temporary file beside path (by its name: for writers that open the file themselves),
+    which is fsynced and renamed over path: a failure or a kill leaves the old file or the new, and no temporary."""
     d = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            write_fn(f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # its errors raised (a full disk may show only here), unlike fsync_path's
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

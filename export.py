@@ -119,17 +119,9 @@ def write(model, fmt, out, dtype=None, name="gpt2"):
     if fmt == "hf":
         return common.atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
     parent = os.path.dirname(os.path.abspath(out))
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp{os.getpid()}")
     for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(os.path.basename(out))}.tmp*")):
         os.remove(stale)  # left by an export killed mid-write: never renamed, so never read
-    try:
-        write_gguf(model, tmp, dtype or "f16", name)
-        common.fsync_path(tmp)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    common.fsync_path(parent)
+    common.atomic_file(out, lambda tmp: write_gguf(model, tmp, dtype or "f16", name))
 
 
 def export(model, fmt, out, dtype=None, name="gpt2"):

@@ -122,6 +122,13 @@ class Block(nn.Module):
 BLOCKS = {"gpt2": Block}
 
 
+def exportable(shape):
+    """Whether a GPT of this stored shape (GPT.shape(), a checkpoint's model_config) is GPT-2's architecture, which
+    the exports write: its block says so, and a block not registered here cannot."""
+    variant = BLOCKS.get(shape.get("block", "gpt2"))
+    return variant is not None and variant.exports
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 1024                 # longest context, in tokens
@@ -271,15 +278,16 @@ class GPT(nn.Module):
     def export_problem(self):
         """Why this model cannot be written as GPT-2's architecture (Hugging Face's GPT2LMHeadModel, llama.cpp's
         gpt2), or None where it can."""
-        if not BLOCKS[self.config.block].exports:
+        if not exportable(self.shape()):
             return f"a GPT of {self.config.block!r} blocks is not GPT-2's architecture"
         return None
 
     def hf_config(self):
         """transformers.GPT2Config of this model, with the hub's n_ctx beside n_positions (mlx-lm reads it)."""
         from transformers import GPT2Config
-        if self.export_problem():
-            raise ValueError(self.export_problem())
+        problem = self.export_problem()
+        if problem:
+            raise ValueError(problem)
         c = self.config
         return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_ctx=c.block_size, n_embd=c.n_embd,
                           n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new", resid_pdrop=0.0,
@@ -340,10 +348,8 @@ class GPT(nn.Module):
         """Training FLOPs per token: each block's (Block.flops_per_token), and 6 per parameter outside the blocks that
         does a matmul (the tied head; not the position table): 6N + 12·L·d·T for GPT-2's."""
         seq_len = seq_len or self.config.block_size
-        outside, _ = self.units()
-        if "wpe" in self.transformer:
-            outside -= self.transformer.wpe.weight.numel()
-        return 6 * outside + sum(block.flops_per_token(seq_len) for block in self.blocks)
+        _, blocks = self.units()
+        return 6 * (self.num_params() - sum(blocks)) + sum(block.flops_per_token(seq_len) for block in self.blocks)
 
     def estimate_mfu(self, tokens_per_second, peak_flops, seq_len=None):
         """Model FLOPs utilisation in [0, 1] of one device's tokens_per_second; None where peak_flops is unknown."""
