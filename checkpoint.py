@@ -30,7 +30,7 @@ import metrics
 import parallel
 from metrics import checkpoint_path, list_checkpoints, step_of  # the log directory's checkpoints, by name
 from common import UserError, atomic_write, first_line, hub_unreachable, out_of_space
-from model import GPT, exportable
+from model import GPT, shape_export_problem
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
 TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # a torch.save zip (torch >= 1.6), or a pickle (older)
@@ -283,7 +283,7 @@ class Resume:
         after this checkpoint (an export cut short by a full disk is still owed)."""
         weights = os.path.join(log_dir, "hf", "model.safetensors")
         exported = os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(self.path)
-        return self.step == max_steps and (exported or not export_hf or not exportable(self.shape))
+        return self.step == max_steps and (exported or not export_hf or shape_export_problem(self.shape))
 
 
 def resume_point(resume, log_dir):

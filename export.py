@@ -22,10 +22,10 @@ import common
 from common import UserError
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_bpe_files
 
-DTYPES = ("f32", "f16", "bf16", "q8_0")
+DTYPES = ("f32", "f16", "bf16", "q8_0")  # llama.cpp's names; f16 is its converter's default too
 # what an hf export's directory holds: --force replaces a directory of these (or an empty one), nothing else
 HF_FILES = {"config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer.json",
-            "tokenizer_config.json", "special_tokens_map.json"}  # llama.cpp's names; f16 is its converter's default too
+            "tokenizer_config.json", "special_tokens_map.json"}
 
 
 def gguf_tensors(model, dtype):
@@ -33,7 +33,8 @@ def gguf_tensors(model, dtype):
     gguf package's own map for GPT-2, the embedding cut to the real vocabulary, no separate head (tied)."""
     import gguf
     import numpy as np
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, model.config.n_layer)
+    c = model.hf_config()  # the shape as exported, as llama.cpp's converter reads it from config.json
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, c.n_layer)
     qtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
              "q8_0": gguf.GGMLQuantizationType.Q8_0}.get(dtype)
     for key, tensor in model.state_dict().items():
@@ -42,7 +43,7 @@ def gguf_tensors(model, dtype):
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         data = tensor.detach().float().cpu().numpy()
         if key.endswith("wte.weight"):
-            data = data[:model.config.vocab_size]
+            data = data[:c.vocab_size]
         # vectors and the position table stay fp32 (llama.cpp's kernels expect them so); Q8_0 packs rows of 32
         if qtype is None or data.ndim < 2 or name == "position_embd.weight":
             yield name, np.ascontiguousarray(data, dtype=np.float32), None
@@ -74,16 +75,16 @@ def gpt2_vocabulary():
 def write_gguf(model, path, dtype="f16", name="gpt2"):
     """One GGUF file of llama.cpp's `gpt2` architecture at path (written whole or not at all by the caller)."""
     import gguf
-    c = model.config
+    c = model.hf_config()
     w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT2])
     w.add_name(name)
-    w.add_context_length(c.block_size)
+    w.add_context_length(c.n_ctx)
     w.add_embedding_length(c.n_embd)
     w.add_feed_forward_length(4 * c.n_embd)
     w.add_block_count(c.n_layer)
     w.add_head_count(c.n_head)
     w.add_head_count_kv(c.n_head)  # no grouped keys and values (Ollama's memory estimate reads it)
-    w.add_layer_norm_eps(1e-5)  # nn.LayerNorm's default, which GPT-2's blocks use
+    w.add_layer_norm_eps(c.layer_norm_epsilon)
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                      "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -104,14 +105,6 @@ def write_gguf(model, path, dtype="f16", name="gpt2"):
     w.close()
 
 
-def problem(model, fmt):
-    """Why model cannot be written in fmt, or None."""
-    why = model.export_problem()
-    if why is None and model.config.vocab_size != VOCAB_SIZE:  # both carry GPT-2's tokenizer
-        why = f"its vocabulary has {model.config.vocab_size} tokens, the GPT-2 tokenizer's {VOCAB_SIZE}"
-    return why
-
-
 def write(model, fmt, out, dtype=None, name="gpt2"):
     """Write model to out in fmt ('hf': a directory, 'gguf': a file) through a temporary name beside out that takes
     its place only when whole: a failure or a kill leaves what was there. The end of a training run writes its
@@ -127,7 +120,7 @@ def write(model, fmt, out, dtype=None, name="gpt2"):
 def export(model, fmt, out, dtype=None, name="gpt2"):
     """write(), with one line (UserError) for a model fmt cannot hold and for a place that cannot be written."""
     from safetensors import SafetensorError
-    why = problem(model, fmt)
+    why = model.export_problem()
     if why:
         runs = "Hugging Face's GPT2LMHeadModel loads" if fmt == "hf" else "llama.cpp's gpt2 runs"
         raise UserError(f"cannot export to {fmt}: {why}, which {runs}; its checkpoint (ckpt_*.pt) "

@@ -122,11 +122,15 @@ class Block(nn.Module):
 BLOCKS = {"gpt2": Block}
 
 
-def exportable(shape):
-    """Whether a GPT of this stored shape (GPT.shape(), a checkpoint's model_config) is GPT-2's architecture, which
-    the exports write: its block says so, and a block not registered here cannot."""
-    variant = BLOCKS.get(shape.get("block", "gpt2"))
-    return variant is not None and variant.exports
+def shape_export_problem(shape):
+    """Why a GPT of this stored shape (GPT.shape(), a checkpoint's model_config) cannot be exported as GPT-2 with
+    GPT-2's tokenizer (Hugging Face's GPT2LMHeadModel, llama.cpp's gpt2), or None where it can."""
+    block, vocab = shape.get("block", "gpt2"), shape.get("vocab_size", GPT2_VOCAB_SIZE)
+    if not getattr(BLOCKS.get(block), "exports", False):  # a block not registered here cannot say it does
+        return f"a GPT of {block!r} blocks is not GPT-2's architecture"
+    if vocab != GPT2_VOCAB_SIZE:
+        return f"its vocabulary has {vocab} tokens, the GPT-2 tokenizer's {GPT2_VOCAB_SIZE}"
+    return None
 
 
 @dataclass
@@ -276,11 +280,8 @@ class GPT(nn.Module):
         return model
 
     def export_problem(self):
-        """Why this model cannot be written as GPT-2's architecture (Hugging Face's GPT2LMHeadModel, llama.cpp's
-        gpt2), or None where it can."""
-        if not exportable(self.shape()):
-            return f"a GPT of {self.config.block!r} blocks is not GPT-2's architecture"
-        return None
+        """Why this model cannot be exported as GPT-2 (shape_export_problem), or None where it can."""
+        return shape_export_problem(self.shape())
 
     def hf_config(self):
         """transformers.GPT2Config of this model, with the hub's n_ctx beside n_positions (mlx-lm reads it)."""
