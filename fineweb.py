@@ -137,19 +137,24 @@ def _init_worker(encoding):
 
 def _stop_with_parent():
     """A worker whose fineweb.py died (kill -9) stops with one line, rather than a BrokenPipeError traceback when it
-    hands back its next result: Linux sends it SIGUSR1 as its parent dies (prctl PR_SET_PDEATHSIG), and a result
-    handed back before that ends it as a write to a closed pipe ends a shell command (SIGPIPE), without a word."""
+    hands back its next result: Linux sends it SIGUSR1 as its parent dies (prctl PR_SET_PDEATHSIG). A worker blocked
+    handing back a result to a full pipe hears first of the pipe (SIGPIPE: the dead parent's files close before it is
+    gone), so that signal asks the same question."""
     parent = os.getppid()
 
     def gone(signum, frame):
-        if os.getppid() != parent:  # reparented: the main process is gone (else a SIGUSR1 meant for someone else)
+        # a pipe closed as the parent dies is heard of before the parent is gone (reparented): wait for that a moment
+        wait = time.monotonic() + (5 if signum == signal.SIGPIPE else 0)
+        while os.getppid() == parent and time.monotonic() < wait:
+            time.sleep(0.01)
+        if os.getppid() != parent:  # reparented: the main process is gone (else a signal meant for someone else)
             print(f"\nfineweb.py: worker {os.getpid()} stopped: its main process is gone (killed?); the same command "
                   "goes on from the last shard written", file=sys.stderr, flush=True)
             os._exit(1)
 
     if not hasattr(signal, "SIGUSR1"):
         return
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # a result handed to a dead parent ends the worker, silently
+    signal.signal(signal.SIGPIPE, gone)  # with the parent alive, Python's own BrokenPipeError, as before
     signal.signal(signal.SIGUSR1, gone)
     try:
         import ctypes
