@@ -256,7 +256,7 @@ GATE = ("import sys, torch, device; d = sys.argv[1]; "
         "'| compile', 'off: ' + device.compile_blocker(d) if device.compile_blocker(d) else 'allowed')")
 
 
-SMALL = dict(n_layer=2, n_head=2, n_embd=64, block_size=64, total_batch_size=1024)  # --small: a tiny model
+SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, total_batch_size=512)  # --small: a tiny model
 
 
 def trainer_flags(args, out, name, **settings):
