@@ -247,24 +247,55 @@ def test_synchronize_waits_on_the_device_it_is_given(monkeypatch):
     assert ("synchronize", 1) in driver.calls and driver.current == 0 and calls == ["mps"]
 
 
+def imported_in_a_child(script, version):
+    """(exit status, stderr) of a process forked from this one that imports `script` afresh (the project's modules
+    dropped) with torch saying it is `version`, as `python -c "import torch; torch.__version__ = ...; import
+    script"` would, less the interpreter's start-up."""
+    import importlib
+    import traceback
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.dup2(w, 2)
+            sys.stderr = open(2, "w", closefd=False)
+            for name, module in list(sys.modules.items()):
+                if os.path.dirname(getattr(module, "__file__", None) or "") == ROOT:
+                    del sys.modules[name]
+            torch.__version__ = version
+            importlib.import_module(script)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(w)
+    with open(r, "rb") as f:
+        err = f.read().decode()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), err
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the imports run in forked processes")
 def test_too_old_pytorch_is_one_line_naming_the_upgrade(fake_nvidia_smi):
-    import subprocess
-    import sys
     assert device.torch_too_old("2.9.1+cu128") is None and device.torch_too_old("2.13.0") is None
     assert device.torch_too_old("10.0") is None
     for script in ("train_gpt2", "sample", "hellaswag"):
-        p = subprocess.run([sys.executable, "-c", f"import torch; torch.__version__ = '2.8.0'; import {script}"],
-                           capture_output=True, text=True, cwd=ROOT, timeout=300)
-        assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        code, err = imported_in_a_child(script, "2.8.0")
+        assert code == 2 and err.strip().splitlines() == [
             "error: PyTorch 2.8.0 is older than 2.9, the oldest these scripts run on (they use torch.optim.Muon); "
-            "upgrade it: pip install -U 'torch>=2.9'"], p.stderr
+            "upgrade it: pip install -U 'torch>=2.9'"], err
+    assert imported_in_a_child("train_gpt2", torch.__version__) == (0, "")  # this one is new enough
     # with a GPU that pip's default builds have no kernels for, from the wheels that have them
     fake_nvidia_smi([("Tesla P100-PCIE-16GB", "6.0")])
-    p = subprocess.run([sys.executable, "-c", "import torch; torch.__version__ = '2.6.0+cu124'; import train_gpt2"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+    code, err = imported_in_a_child("train_gpt2", "2.6.0+cu124")
+    assert code == 2 and err.strip().splitlines() == [
         "error: PyTorch 2.6.0+cu124 is older than 2.9, the oldest these scripts run on (they use torch.optim.Muon); "
-        "upgrade it: pip install -U 'torch>=2.9' --index-url https://download.pytorch.org/whl/cu126"], p.stderr
+        "upgrade it: pip install -U 'torch>=2.9' --index-url https://download.pytorch.org/whl/cu126"], err
 
 
 MMAPPED = """
@@ -339,8 +370,9 @@ def test_a_bfloat16_compile_after_a_float16_one_computes_in_bfloat16(tmp_path):
     bfloat16 launch runs (before 2.13 it was, unless the dtype is in the caches' keys), and a second bfloat16 launch
     finds the first one's graph."""
     import subprocess
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    out = subprocess.run([sys.executable, "-c", CACHE_BY_DTYPE], cwd=ROOT, env=env, capture_output=True,
+    import warm
+    env = dict(warm.environment(), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # read at each use: warm
+    out = subprocess.run([warm.python(), "-c", CACHE_BY_DTYPE], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["torch.float16", "miss", "torch.bfloat16", "miss", "torch.bfloat16", "hit"]
