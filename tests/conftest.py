@@ -133,7 +133,7 @@ def train_in_process():
 # Module fixtures that cost seconds (a run, a pair of ranks): the tests that use one go to one test worker, which
 # builds it once (pytest-xdist's --dist loadgroup hands a group to one worker; without xdist the mark does nothing)
 SHARED_IN_MODULE = ("two_ranks", "logged_run", "one_process", "bad_input_setup", "six_steps", "damaged_resume",
-                    "bundle", "files", "logs", "log_dir")
+                    "bundle", "files", "logs", "log_dir", "gguf_files")
 
 
 def pytest_collection_modifyitems(items):

@@ -58,6 +58,36 @@ def rounded(model, dtype):
     return copy
 
 
+class InMemory:
+    """numpy, as gguf's reader sees it, with np.memmap(path) reading the file into memory instead: the same bytes,
+    parsed by the same code, without a memory map's cost on each of the vocabulary's 100,000 slices (a read of
+    the tokenizer's fields takes 6 s mapped, 2 s in memory)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(path, mode="r"):
+        assert mode == "r", mode  # what is read is read-only, as the map was
+        data = np.fromfile(path, dtype=np.uint8)
+        data.flags.writeable = False
+        return data
+
+
+@pytest.fixture(autouse=True)
+def gguf_read_in_memory(monkeypatch):
+    if importlib.util.find_spec("gguf") is not None:
+        import gguf.gguf_reader
+        monkeypatch.setattr(gguf.gguf_reader, "np", InMemory())
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory, tiny):
+    """{dtype: path} of the tiny model exported at each --dtype, in one directory."""
+    out = tmp_path_factory.mktemp("gguf")
+    return {d: export.export(tiny, "gguf", str(out / f"m-{d}.gguf"), d) for d in export.DTYPES}
+
+
 def from_gguf(path, config=None):
     """transformers' GGUF loader on path (each read of the file's 100,000 vocabulary strings costs seconds: a given
     config saves one)."""
@@ -68,9 +98,8 @@ def from_gguf(path, config=None):
 
 
 @needs_gguf
-def test_gguf_f32_loads_in_transformers_with_our_logits(tiny, ids, tmp_path):
-    path = export.export(tiny, "gguf", str(tmp_path / "m.gguf"), "f32")
-    hf = from_gguf(path)
+def test_gguf_f32_loads_in_transformers_with_our_logits(tiny, ids, gguf_files):
+    hf = from_gguf(gguf_files["f32"])
     assert type(hf).__name__ == "GPT2LMHeadModel" and hf.config.tie_word_embeddings
     assert (hf.config.n_layer, hf.config.n_head, hf.config.n_embd, hf.config.n_ctx) == (2, 2, 64, 1024)
     with torch.no_grad():
@@ -81,10 +110,10 @@ def test_gguf_f32_loads_in_transformers_with_our_logits(tiny, ids, tmp_path):
 
 @needs_gguf
 @pytest.mark.parametrize("dtype,torch_dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
-def test_gguf_at_half_precision_holds_our_weights_rounded(tiny, ids, tmp_path, dtype, torch_dtype):
+def test_gguf_at_half_precision_holds_our_weights_rounded(tiny, ids, gguf_files, dtype, torch_dtype):
     """f16 and bf16 files give the logits of our model with its matrices rounded so (not the logits of the fp32
     model, which differ by the rounding): the file holds exactly those numbers."""
-    hf = from_gguf(export.export(tiny, "gguf", str(tmp_path / f"m-{dtype}.gguf"), dtype), tiny.hf_config())
+    hf = from_gguf(gguf_files[dtype], tiny.hf_config())
     with torch.no_grad():
         theirs = hf(ids).logits
     expected = logits_of(rounded(tiny, torch_dtype), ids)
@@ -93,11 +122,11 @@ def test_gguf_at_half_precision_holds_our_weights_rounded(tiny, ids, tmp_path, d
 
 
 @needs_gguf
-def test_gguf_types_and_sizes(tiny, ids, tmp_path):
+def test_gguf_types_and_sizes(tiny, ids, gguf_files):
     """Each --dtype's tensor types as llama.cpp's converter writes them (vectors and the position table in f32; q8_0
     falls back to f16 for rows not a multiple of 32), and the files' sizes in that order."""
     import gguf
-    sizes = {d: os.path.getsize(export.export(tiny, "gguf", str(tmp_path / f"m-{d}.gguf"), d)) for d in export.DTYPES}
+    sizes = {d: os.path.getsize(path) for d, path in gguf_files.items()}
     assert sizes["q8_0"] < sizes["f16"] == sizes["bf16"] < sizes["f32"]
     q8 = gguf.GGMLQuantizationType.Q8_0
     types = {name: (data.dtype, qtype) for name, data, qtype in export.gguf_tensors(tiny, "q8_0")}
@@ -111,22 +140,22 @@ def test_gguf_types_and_sizes(tiny, ids, tmp_path):
     f16 = {name: data.dtype for name, data, _ in export.gguf_tensors(narrow, "f16")}
     assert f16["token_embd.weight"] == np.float16 and f16["position_embd.weight"] == np.float32
     # the q8_0 file as written: its tensors' types, and logits near ours through transformers' dequantizer
-    written = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "m-q8_0.gguf")).tensors}
+    written = {t.name: t.tensor_type for t in gguf.GGUFReader(gguf_files["q8_0"]).tensors}
     assert written["blk.0.attn_qkv.weight"] == q8 and written["position_embd.weight"] == gguf.GGMLQuantizationType.F32
     with torch.no_grad():
-        theirs = from_gguf(str(tmp_path / "m-q8_0.gguf"), tiny.hf_config())(ids).logits
+        theirs = from_gguf(gguf_files["q8_0"], tiny.hf_config())(ids).logits
     ours = logits_of(tiny, ids)
     assert 0 < (theirs - ours).abs().max().item() < 0.02 * ours.abs().max().item()
 
 
 @needs_gguf
-def test_gguf_tokenizer_splits_text_as_tiktoken(tiny, tmp_path):
+def test_gguf_tokenizer_splits_text_as_tiktoken(gguf_files):
     """The vocabulary, merges and <|endoftext|> in the file tokenize a multilingual, whitespace-heavy and emoji text
     into tiktoken's gpt2 ids (transformers builds its tokenizer from the file alone)."""
     import gguf
     from transformers import AutoTokenizer
-    path = export.export(tiny, "gguf", str(tmp_path / "m.gguf"), "q8_0")
-    tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    path = gguf_files["q8_0"]
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     expected = get_tokenizer().encode(TEXT, allowed_special="all")
     assert tok(TEXT)["input_ids"] == expected and 50256 in expected
     assert tok.decode(expected) == TEXT
