@@ -200,7 +200,7 @@ def keep(conn, mine, set_by_imports):
             code = os.waitstatus_to_exitcode(status)
             with open(os.path.join(os.path.dirname(request["shim"]), "zygote.log"), "a") as log:
                 log.write(json.dumps(dict(cpu=round(usage.ru_utime + usage.ru_stime, 2), argv=request["argv"][:3],
-                                          test=request["env"].get("PYTEST_CURRENT_TEST", ""))) + "\n")
+                                          test=request["env"].get("PYTEST_CURRENT_TEST", ""), end=time.time())) + "\n")
             try:
                 conn.sendall((json.dumps(dict(exit=code) if code >= 0 else dict(signal=-code)) + "\n").encode())
             except OSError:
