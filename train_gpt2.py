@@ -9,7 +9,7 @@ The defaults reproduce GPT-2 124M on FineWeb-Edu 10B: 524,288 tokens per step, 1
 as a run goes: main and train, setup (everything the loop needs, on a Run), the loop, one step.
 """
 
-import functools
+import dataclasses
 import gc
 import math
 import os
@@ -17,6 +17,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -134,9 +135,8 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
     scaler = torch.amp.GradScaler(ranks.device_type, enabled=(dtype == "float16"))
     gpu = device.CudaMemory(ranks.device) if ranks.device_type == "cuda" else None
     if cfg.micro_batch_size == "auto":  # the largest that fits, tried on the model as it trains
-        trial_step = functools.partial(micro_step, ranks=ranks, dtype=dtype, scaler=scaler, grad_accum=1,
-                                       timer=PhaseTimer(ranks.device))
-        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size, trial_step,
+        trial = trial_step(StepParts(model, None, scaler, ranks, dtype))
+        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size, trial,
                                                 memory=gpu)
     else:
         micro_batch = cfg.micro_batch_size
@@ -248,6 +248,7 @@ def loop(run):
     timer = PhaseTimer(ranks.device, cfg.timing_breakdown)
     profiler = StepProfiler(cfg.profile_steps, ranks.device, os.path.join(cfg.log_dir, "profile"),
                             f"rank{ranks.rank}", run.log.line, cfg.memory_snapshot)
+    parts = StepParts(run.model, run.optimizer, run.scaler, ranks, run.dtype, run.grad_accum, cfg.grad_clip)
     done = run.start_step  # optimizer steps completed
     try:
         for step in range(run.start_step, cfg.max_steps):
@@ -261,16 +262,15 @@ def loop(run):
                 # ---- one optimizer step over grad_accum micro-batches
                 t0 = time.perf_counter()
                 lr = run.optimizer.at_step(step)
-                loss, norm, stopping, finite = train_step(run.model, run.optimizer, run.scaler, run.train_loader,
-                                                          run.grad_accum, ranks, run.dtype, cfg.grad_clip, stop, timer)
-                if diverged(run, loss, finite) and cfg.on_nonfinite == "stop":
-                    return stop_on_nonfinite(run, step, loss, norm)
+                result = train_step(parts, run.train_loader, stop, timer)
+                if diverged(run, result.loss, result.finite) and cfg.on_nonfinite == "stop":
+                    return stop_on_nonfinite(run, step, result.loss, result.norm)
                 done = step + 1
-                log_step(run, step, loss, lr, norm, time.perf_counter() - t0, finite)
+                log_step(run, step, result, lr, time.perf_counter() - t0)
                 timer.step_done(run.log, step)
 
                 # ---- checkpoint: on schedule, at the end, and when a stop was asked for
-                if stopping:
+                if result.stopping:
                     return stopped(run, done, stop)
                 if done == cfg.max_steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                     run.checkpoints.save(done)
@@ -313,8 +313,10 @@ def stop_on_nonfinite(run, step, loss, norm):
     return 3
 
 
-def log_step(run, step, loss, lr, norm, dt, finite):
-    """The step's line and train record: tokens/s over all ranks, and MFU over the device's peak."""
+def log_step(run, step, result, lr, dt):
+    """The step's line and train record (result: its StepResult): tokens/s over all ranks, MFU over the device's
+    peak."""
+    loss, norm, finite = result.loss, result.norm, result.finite
     tok_per_s = run.cfg.total_batch_size / dt
     mfu = run.raw_model.estimate_mfu(tok_per_s / run.ranks.world_size, run.choice.peak_flops)
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
@@ -364,19 +366,39 @@ def export_hf(run):
 # the ladder measures is a speed-up of training.
 
 
-def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip=0.0, stop=None,
-               timer=None):
+@dataclass
+class StepParts:
+    """What an optimizer step works with, its batches aside: made once by the loop (and by the micro-batch auto-fit,
+    bench/ladder.py and bench/device_check.py)."""
+    model: torch.nn.Module      # what trains: compiled, DDP-wrapped or FSDP-sharded
+    optimizer: optim.Optimizers  # None for the auto-fit's trials, which take no step
+    scaler: torch.amp.GradScaler
+    ranks: parallel.Ranks
+    dtype: str                  # the autocast dtype: float32, bfloat16 or float16
+    grad_accum: int = 1         # micro-batches per optimizer step
+    grad_clip: float = 0.0      # the cap on the gradients' global norm; 0: none
+
+
+class StepResult(NamedTuple):
+    loss: float       # the mean over the step's micro-batches and ranks
+    norm: float       # the gradients' global norm, before clipping
+    stopping: bool    # a stop was asked for on some rank
+    finite: bool      # the loss and the norm were finite, so the update was made
+
+
+def train_step(parts, loader, stop=None, timer=None):
     """Forward and backward over grad_accum micro-batches, unscale, clip, and the update unless the loss or the
     gradient norm is not finite (with fp16 the scaler then lowers its scale). The step's one host-device sync
     also carries this rank's stop request to the others, so a request that came during the step ends the run after
-    it.
-    Returns (mean loss, gradient norm, any rank asked to stop, the loss and norm were finite)."""
+    it. Returns its StepResult."""
+    model, optimizer, scaler, ranks, grad_accum, grad_clip = (parts.model, parts.optimizer, parts.scaler, parts.ranks,
+                                                              parts.grad_accum, parts.grad_clip)
     timer = timer or PhaseTimer(ranks.device)
     model.train()
     loss_accum = torch.zeros((), device=ranks.device)
     for i in range(grad_accum):
         x, y = loader.next_batch(timer=timer)  # marks the "data" and "copy" phases
-        loss_accum += micro_step(model, x, y, ranks, dtype, scaler, grad_accum, i == grad_accum - 1, timer)
+        loss_accum += micro_step(parts, x, y, i == grad_accum - 1, timer)
     optimizer.unscale_(scaler)
     # the gradients are already all-reduced, so every rank computes the same global norm
     norm = parallel.clip_grad_norm(model, grad_clip if grad_clip > 0 else float("inf"))
@@ -395,20 +417,27 @@ def train_step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_
     timer.mark("optimizer")
     # one process needs no agreement: a request that came during the update counts for this step too
     stopping = stop_any > 0 or (not ranks.multi and stop is not None and stop.signal is not None)
-    return loss_val, norm_val, stopping, finite
+    return StepResult(loss_val, norm_val, stopping, finite)
 
 
-def micro_step(model, x, y, ranks, dtype, scaler, grad_accum, sync, timer):
+def micro_step(parts, x, y, sync, timer):
     """One micro-batch's forward and backward, its gradients added to the step's (all-reduced where sync); its loss
     as its share of the step's mean, detached. The micro-batch auto-fit measures this too."""
-    with parallel.grad_sync(model, sync):
-        with device.autocast(ranks.device, dtype):
-            loss = model(x, y)[1]  # the logits (detached) are let go before the backward
-        loss = loss / grad_accum  # the mean over the whole batch, not a sum of means
+    with parallel.grad_sync(parts.model, sync):
+        with device.autocast(parts.ranks.device, parts.dtype):
+            loss = parts.model(x, y)[1]  # the logits (detached) are let go before the backward
+        loss = loss / parts.grad_accum  # the mean over the whole batch, not a sum of means
         timer.mark("forward")
-        scaler.scale(loss).backward()
+        parts.scaler.scale(loss).backward()
         timer.mark("backward")
     return loss.detach()
+
+
+def trial_step(parts):
+    """The auto-fit's micro-step, micro_step(model, x, y, sync) (memory.choose_micro_batch): one micro-batch a step."""
+    timer = PhaseTimer(parts.ranks.device)
+    return lambda model, x, y, sync: micro_step(dataclasses.replace(parts, model=model, grad_accum=1), x, y, sync,
+                                                timer)
 
 
 if __name__ == "__main__":

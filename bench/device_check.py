@@ -222,7 +222,8 @@ def count_syncs(data_dir, device):
             loader = TokenLoader(data_dir, "train", 4, 256, device=device)
 
             def step():
-                train_gpt2.train_step(model, opt, scaler, loader, 2, Ranks(device=device), dtype, 1.0)
+                train_gpt2.train_step(train_gpt2.StepParts(model, opt, scaler, Ranks(device=device), dtype, 2, 1.0),
+                                      loader)
             step()  # the first step allocates the optimizer's state
             torch.cuda.synchronize(device)
             with warnings.catch_warnings(record=True) as caught:

@@ -356,9 +356,11 @@ def run_rung(spec):
 
         schedule = optim.schedule_of(TRAIN)
 
+        parts = train_gpt2.StepParts(model, optimizer, scaler, ranks, dtype, accum, TRAIN.grad_clip)
+
         def step(i):  # as train_gpt2.py's loop calls it
             optimizer.set_lrs(schedule, i, TRAIN.max_lr, TRAIN.muon_lr)
-            return train_gpt2.train_step(model, optimizer, scaler, loader, accum, ranks, dtype, TRAIN.grad_clip)
+            return train_gpt2.train_step(parts, loader)
 
         warmup, steps, window = spec["warmup_steps"], spec["steps"], spec["profile_steps"]
         profiler = profiling.StepProfiler(window, device, spec["profile_dir"], spec["name"], result["profile"].append)

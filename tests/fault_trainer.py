@@ -39,11 +39,11 @@ def inject(spec):
         return inject_in_validation(int(rank), int(step))
     real_step, calls = train_gpt2.train_step, []
 
-    def faulty(model, optimizer, scaler, loader, grad_accum, ranks, *args, **kwargs):
+    def faulty(parts, *args, **kwargs):
         if len(calls) == int(step) and parallel.torchrun_restart() == 0:
-            fault(kind, ranks.rank == int(rank))
+            fault(kind, parts.ranks.rank == int(rank))
         calls.append(1)
-        return real_step(model, optimizer, scaler, loader, grad_accum, ranks, *args, **kwargs)
+        return real_step(parts, *args, **kwargs)
     train_gpt2.train_step = faulty
 
 

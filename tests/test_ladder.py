@@ -151,9 +151,9 @@ def test_ladder_times_the_trainers_step(tmp_path, monkeypatch):
     every step it runs is train_gpt2.train_step, with the trainer's learning-rate schedule."""
     calls, real = [], ladder.train_gpt2.train_step
 
-    def counted(model, optimizer, *args, **kwargs):
-        calls.append(optimizer.optimizers[-1].param_groups[0]["lr"])  # AdamW's
-        return real(model, optimizer, *args, **kwargs)
+    def counted(parts, *args, **kwargs):
+        calls.append(parts.optimizer.optimizers[-1].param_groups[0]["lr"])  # AdamW's
+        return real(parts, *args, **kwargs)
     monkeypatch.setattr(ladder.train_gpt2, "train_step", counted)
     rc, _, r = run(tmp_path, "--in-process", "--rungs", "fp32")
     assert rc == 0 and r["fp32"]["status"] == "ok", r["fp32"].get("reason")

@@ -114,7 +114,7 @@ def test_fp16_step_of_the_pair_skips_or_updates_both_without_a_host_sync(monkeyp
         opt = optim.configure(model, 0.1, 1e-3, fused=True, muon_lr=0.02)
         ref, ref_muon, ref_adamw = torch_pair(model, opt, fused=True)
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-        *_, finite = train_gpt2.train_step(model, opt, scaler, Batches(idx), 1, Ranks(), "float16")
+        *_, finite = train_gpt2.train_step(train_gpt2.StepParts(model, opt, scaler, Ranks(), "float16"), Batches(idx))
         assert finite != overflow and host_reads == []
 
         ref_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)

@@ -253,8 +253,9 @@ def ddp_probe_against_the_step(ranks, tmp):
     step = {}
     for b in (1, 2, 4):
         data = TokenLoader(f"{tmp}/data", "train", b, T, ranks.rank, ranks.world_size, vocab_size=CONFIG["vocab_size"])
-        one_step = functools.partial(train_gpt2.train_step, model, optimizer, scaler, data, per_rank // b, ranks,
-                                     "float32")
+        one_step = functools.partial(train_gpt2.train_step,
+                                     train_gpt2.StepParts(model, optimizer, scaler, ranks, "float32", per_rank // b),
+                                     data)
         for _ in range(2):  # DDP rebuilds its buckets after its first step
             one_step()
         step[b] = CountedMemory(model).peak_of(one_step)

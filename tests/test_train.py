@@ -683,8 +683,8 @@ def test_float16_resumes_with_the_loss_scale_of_its_checkpoint(data_dir, tmp_pat
     assert saved != torch.amp.GradScaler("cpu").state_dict()
     first_step = []
     real = train_gpt2.train_step
-    monkeypatch.setattr(train_gpt2, "train_step", lambda model, optimizer, scaler, *a, **kw: (
-        first_step.append(scaler.state_dict()), real(model, optimizer, scaler, *a, **kw))[1])
+    monkeypatch.setattr(train_gpt2, "train_step", lambda parts, *a, **kw: (
+        first_step.append(parts.scaler.state_dict()), real(parts, *a, **kw))[1])
     assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=4, eval_every=0, resume=True)) == 0
     assert first_step[0] == saved
 
@@ -928,8 +928,8 @@ def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_sch
     for step in (0, 3):  # in the warm-up, then on the cosine
         micro = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(2)]
         opt.set_lrs(schedule, step, peak, muon)
-        loss, norm, _, finite = train_gpt2.train_step(model, opt, scaler, FixedBatches(micro), 2, parallel.Ranks(),
-                                                      "float32", grad_clip=clip)
+        parts = train_gpt2.StepParts(model, opt, scaler, parallel.Ranks(), "float32", 2, grad_clip=clip)
+        loss, norm, _, finite = train_gpt2.train_step(parts, FixedBatches(micro))
 
         whole_loss = ref(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))[1]
         whole_norm = torch.linalg.vector_norm(torch.stack(
@@ -970,8 +970,8 @@ def test_an_fp16_overflow_in_one_optimizers_gradients_skips_every_optimizer(grad
 
     def step():
         micro = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(2)]
-        return train_gpt2.train_step(model, opt, scaler, FixedBatches(micro), 2, parallel.Ranks(), "float16",
-                                     grad_clip=grad_clip)
+        parts = train_gpt2.StepParts(model, opt, scaler, parallel.Ranks(), "float16", 2, grad_clip)
+        return train_gpt2.train_step(parts, FixedBatches(micro))
     assert step()[3]  # a normal step: Muon now has momentum
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     scale = scaler.get_scale()
@@ -1017,9 +1017,10 @@ def test_the_loop_steps_with_each_optimizers_scheduled_rate_and_the_grad_clip(da
     seen = []
     real = train_gpt2.train_step
 
-    def step(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip, *rest):
-        seen.append(([(type(o).__name__, g["lr"]) for o in optimizer.optimizers for g in o.param_groups], grad_clip))
-        return real(model, optimizer, scaler, loader, grad_accum, ranks, dtype, grad_clip, *rest)
+    def step(parts, *rest):
+        seen.append(([(type(o).__name__, g["lr"]) for o in parts.optimizer.optimizers for g in o.param_groups],
+                     parts.grad_clip))
+        return real(parts, *rest)
     monkeypatch.setattr(train_gpt2, "train_step", step)
     assert train_in_process(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log"), max_steps=4, warmup_steps=2,
                                  optimizer="muon", muon_lr=0.05, max_lr=0.01, min_lr_ratio=0.1, grad_clip=0.5,

@@ -1,7 +1,6 @@
 """The tiny GPT and data of the parallel and memory tests, the trainer's own step run on them, and the memory counters
 the micro-batch auto-fit reads (memory.CudaMemory) as CPU stand-ins: one that counts as CUDA's allocator counts, one
 of a device that allocates nothing."""
-import functools
 import os
 import random
 import weakref
@@ -16,7 +15,6 @@ import parallel
 import train_gpt2
 from dataloader import TokenLoader
 from model import GPT, GPTConfig
-from profiling import PhaseTimer
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=100, padded_vocab_size=128)
 BATCH = 4     # sequences per optimizer step, over all ranks
@@ -58,7 +56,8 @@ def train(model, optimizer, data, steps, ranks):
     accum = BATCH // ranks.world_size
     losses, norms = [], []
     for _ in range(steps):
-        loss, norm, _, finite = train_gpt2.train_step(model, optimizer, scaler, data, accum, ranks, "float32", 1.0)
+        parts = train_gpt2.StepParts(model, optimizer, scaler, ranks, "float32", accum, 1.0)
+        loss, norm, _, finite = train_gpt2.train_step(parts, data)
         assert finite
         losses.append(loss)
         norms.append(norm)
@@ -206,8 +205,7 @@ def draws():
 
 def trial_step(ranks):
     """The trainer's micro-step as its auto-fit calls it: micro_step(model, x, y, sync)."""
-    return functools.partial(train_gpt2.micro_step, ranks=ranks, dtype="float32",
-                             scaler=torch.amp.GradScaler("cpu", enabled=False), grad_accum=1,
-                             timer=PhaseTimer("cpu"))
+    return train_gpt2.trial_step(train_gpt2.StepParts(None, None, torch.amp.GradScaler("cpu", enabled=False), ranks,
+                                                      "float32"))
 
 
