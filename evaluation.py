@@ -233,10 +233,10 @@ class Samples(Evaluation):
             return None
         import sample
         try:
-            with parallel.uncompiled(ctx.raw_model):
+            generator = torch.Generator(device=ctx.ranks.device).manual_seed(ctx.seed + step)
+            with parallel.uncompiled(ctx.raw_model), device.autocast(ctx.ranks.device, ctx.dtype):
                 texts = sample.training_samples(ctx.raw_model, self.prompt, self.num_samples, self.sample_tokens,
-                                                ctx.seed + step, ctx.ranks.device, ctx.dtype,
-                                                None if ctx.fsdp else stop)
+                                                generator, None if ctx.fsdp else stop)
         except Exception as e:  # noqa: BLE001
             if ctx.fsdp:  # the other ranks may be inside a collective forward: this rank cannot go on alone
                 raise

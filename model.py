@@ -359,10 +359,11 @@ class GPT(nn.Module):
         return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
 
     @torch.no_grad()
-    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        generator=None, use_cache=True):
-        """Yield one (B,) tensor of new token ids per step after the (B, T) prompt idx; temperature 0 is greedy."""
-        block_size = self.config.block_size
+    def generate_stream(self, idx, sampling=None, generator=None, use_cache=True):
+        """Yield one (B,) tensor of new token ids per step after the (B, T) prompt idx, as sampling says (a Sampling;
+        its defaults where None)."""
+        sampling = sampling or Sampling()
+        max_new_tokens, block_size = sampling.max_new_tokens, self.config.block_size
         cache = None
         if use_cache and idx.size(1) < block_size:
             # the prompt and the new tokens, up to the context: sampling while training adds megabytes
@@ -373,13 +374,23 @@ class GPT(nn.Module):
             else:  # no cache, or it is full: recompute over the last block_size tokens
                 cache = None
                 logits, _ = self(idx[:, -block_size:], last_only=True)
-            nxt = sample_next(logits[:, -1, :].float(), temperature, top_k, top_p, generator)
+            nxt = sample_next(logits[:, -1, :].float(), sampling, generator)
             idx = torch.cat((idx, nxt[:, None]), dim=1)
             yield nxt
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """Pick the next token from (B, V) logits. Padded ids are already -inf, so never chosen."""
+@dataclass(frozen=True)
+class Sampling:
+    """What a generation draws: how many new tokens, and how each is picked from the logits."""
+    max_new_tokens: int = 200
+    temperature: float = 1.0  # 0: greedy
+    top_k: int | None = None  # only the k likeliest tokens; None or 0: off
+    top_p: float | None = None  # nucleus sampling: the smallest set with this much mass; None or 1: off
+
+
+def sample_next(logits, sampling, generator=None):
+    """Pick the next token from (B, V) logits as sampling says. Padded ids are already -inf, so never chosen."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature

@@ -19,6 +19,7 @@ import torch
 import checkpoint
 import common
 from device import autocast, choose, configure_backends, pick_device
+from model import Sampling
 from tokenizer import EOT_TOKEN, get_tokenizer
 
 SEPARATOR = "\n" + "-" * 40 + "\n"  # printed between samples
@@ -66,32 +67,29 @@ def print_stream(enc, tokens, out):
     return written
 
 
-def stream_sample(model, tokens, enc, out, device, dtype="float32", max_new_tokens=200, temperature=1.0,
-                  top_k=None, top_p=None, generator=None):
-    """Print the prompt (not a lone <|endoftext|>), then each new token as it is generated; return the new ones."""
-    idx = torch.tensor([tokens], dtype=torch.long, device=device)
-    new = model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                generator=generator)
-    with autocast(device, dtype):
-        print_stream(enc, [] if tokens == [EOT_TOKEN] else tokens, out)
-        return print_stream(enc, (int(t[0]) for t in new), out)
+def stream_sample(model, tokens, enc, out, sampling, generator=None):
+    """Print the prompt (not a lone <|endoftext|>), then each new token as it is generated (sampling: a
+    model.Sampling), under the caller's autocast; return the new ones."""
+    idx = torch.tensor([tokens], dtype=torch.long, device=model.lm_head.weight.device)
+    new = model.generate_stream(idx, sampling, generator)
+    print_stream(enc, [] if tokens == [EOT_TOKEN] else tokens, out)
+    return print_stream(enc, (int(t[0]) for t in new), out)
 
 
-def training_samples(model, tokens, num_samples, max_new_tokens, seed, device, dtype="float32", stop=None):
-    """The trainer's samples: num_samples continuations of encode_prompt's tokens, top-k 50 at
-    temperature 1, as one-line strings; None where a stop request (stop: a common.StopFlag) cut them short."""
+def training_samples(model, tokens, num_samples, max_new_tokens, generator, stop=None):
+    """The trainer's samples, under its autocast: num_samples continuations of encode_prompt's tokens, top-k 50 at
+    temperature 1, drawn with generator (on the model's device), as one-line strings; None where a stop request
+    (stop: a common.StopFlag) cut them short."""
     enc = get_tokenizer()
-    idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=generator.device)
     was_training = model.training
     model.eval()
     new = []
     try:
-        with autocast(device, dtype):
-            for next_tokens in model.generate_stream(idx, max_new_tokens, temperature=1.0, top_k=50, generator=gen):
-                new.append(next_tokens)
-                if stop is not None and stop.signal is not None:
-                    return None
+        for next_tokens in model.generate_stream(idx, Sampling(max_new_tokens, temperature=1.0, top_k=50), generator):
+            new.append(next_tokens)
+            if stop is not None and stop.signal is not None:
+                return None
     finally:
         model.train(was_training)
     rows = torch.cat([idx] + [t[:, None] for t in new], dim=1).tolist()
@@ -150,11 +148,12 @@ def main(argv=None, stdin=None, stdout=None):
               "the last part of the text, and generation slows down (no key/value cache)", file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    for i in range(args.num_samples):
-        if i:
-            out.write(SEPARATOR)
-        stream_sample(model, tokens, enc, out, device, dtype, args.max_new_tokens, args.temperature,
-                      args.top_k or None, args.top_p, generator)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_k or None, args.top_p)
+    with autocast(device, dtype):
+        for i in range(args.num_samples):
+            if i:
+                out.write(SEPARATOR)
+            stream_sample(model, tokens, enc, out, sampling, generator)
     out.write("\n")
     out.flush()
 

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import export  # noqa: E402
 from checkpoint import load_model  # noqa: E402
-from model import GPT, config_of  # noqa: E402
+from model import GPT, Sampling, config_of  # noqa: E402
 from sample import stream_sample  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
@@ -66,7 +66,7 @@ def check(model, dtype, folder, n_new):
     theirs = np.array(llm.scores[:len(ids)])
     with torch.no_grad():
         ours = model(torch.tensor([ids]))[0][0, :, :model.config.vocab_size].numpy()
-    ours_new = stream_sample(model, ids, enc, io.StringIO(), "cpu", "float32", n_new, 0.0)  # sample.py's own
+    ours_new = stream_sample(model, ids, enc, io.StringIO(), Sampling(n_new, temperature=0.0))  # sample.py's own
     theirs_new = greedy(llm, ids, n_new)
     agree = next((i for i, (a, b) in enumerate(zip(ours_new, theirs_new)) if a != b), n_new)
     llm.close()

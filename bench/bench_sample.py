@@ -19,7 +19,7 @@ import measure  # noqa: E402
 
 from device import autocast, device_name, pick_device, pick_dtype  # noqa: E402
 from tokenizer import EOT_TOKEN, get_tokenizer  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, Sampling  # noqa: E402
 
 PROMPT = "Hello, I'm a language model, and today I would like to tell you about"
 
@@ -60,7 +60,7 @@ def main():
 
     def ours():
         with torch.no_grad(), autocast(device, dtype):
-            return torch.cat(list(model.generate_stream(idx, n, temperature=0))).tolist()
+            return torch.cat(list(model.generate_stream(idx, Sampling(n, temperature=0)))).tolist()
 
     def theirs():
         with torch.no_grad(), autocast(device, dtype):

@@ -16,7 +16,7 @@ import checkpoint
 import common
 import export
 import model as model_module
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, Sampling
 from tokenizer import get_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -326,7 +326,7 @@ def test_mlx_lm_loads_the_hf_export(model, tmp_path):
     idx = torch.randint(0, 50257, (1, 20))
     theirs = np.array(mlx_model(mx.array(idx.numpy())).astype(mx.float32))
     assert np.abs(theirs - logits_of(model, idx).numpy()).max() <= 1e-4
-    tokens, ours = idx[0].tolist(), [int(t[0]) for t in model.generate_stream(idx, 12, temperature=0)]
+    tokens, ours = idx[0].tolist(), [int(t[0]) for t in model.generate_stream(idx, Sampling(12, temperature=0))]
     for _ in range(12):
         logits = mlx_model(mx.array([tokens]))[0, -1]
         tokens.append(int(mx.argmax(logits).item()))

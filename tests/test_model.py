@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tokenizer
-from model import GPT, GPTConfig, PRESETS, sample_next
+from model import GPT, GPTConfig, PRESETS, Sampling, sample_next
 
 TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=32)
 
@@ -26,9 +26,10 @@ def tiny_hf(seed=0, n_positions=64):
     return hf
 
 
-def generate(model, idx, max_new_tokens, **kwargs):
+def generate(model, idx, max_new_tokens, generator=None, use_cache=True, **picking):
     """idx extended by what model.generate_stream yields: (B, T + new tokens)."""
-    return torch.cat([idx] + [t[:, None] for t in model.generate_stream(idx, max_new_tokens, **kwargs)], dim=1)
+    new = model.generate_stream(idx, Sampling(max_new_tokens, **picking), generator, use_cache)
+    return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
 
 def test_hf_import_logits_match(tmp_path):
@@ -300,11 +301,12 @@ def test_sampling_controls():
     logits = torch.randn(5, 50304)
     logits[:, 50257:] = float("-inf")
     greedy = logits.argmax(-1)
-    assert torch.equal(sample_next(logits, 1.0, top_k=1), greedy)
-    assert torch.equal(sample_next(logits, 1.0, top_p=1e-6), greedy)
+    assert torch.equal(sample_next(logits, Sampling(temperature=1.0, top_k=1)), greedy)
+    assert torch.equal(sample_next(logits, Sampling(temperature=1.0, top_p=1e-6)), greedy)
     g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    assert torch.equal(sample_next(logits, 0.8, 50, 0.9, g1), sample_next(logits, 0.8, 50, 0.9, g2))
+    nucleus = Sampling(temperature=0.8, top_k=50, top_p=0.9)
+    assert torch.equal(sample_next(logits, nucleus, g1), sample_next(logits, nucleus, g2))
     # top-k keeps exactly the k best
-    picks = torch.stack([sample_next(logits, 5.0, top_k=3) for _ in range(50)])
+    picks = torch.stack([sample_next(logits, Sampling(temperature=5.0, top_k=3)) for _ in range(50)])
     top3 = logits.topk(3, dim=-1).indices
     assert all((picks[:, i:i + 1] == top3[i]).any(-1).all() for i in range(5))

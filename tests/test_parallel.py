@@ -21,7 +21,7 @@ import optim
 import parallel
 import runs
 from metrics import RunLog
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, Sampling
 from pair import Pair
 from tiny import (CONFIG, RESUME_AT, STEPS, CountedMemory, FakeMemory, Watched, draws, failing_forward, grad_storages,
                   loader, outcome, run, some_tokens, tiny_gpt, train, trial_step, write_shard)
@@ -500,8 +500,8 @@ def test_a_variant_generates_and_scores_packed_rows_as_gpt2_does(name, monkeypat
     net = variant_gpt(name).float().eval()
     idx = torch.randint(0, 100, (2, 5))
     with torch.no_grad():
-        cached = [t.tolist() for t in net.generate_stream(idx, 12, temperature=0)]
-        uncached = [t.tolist() for t in net.generate_stream(idx, 12, temperature=0, use_cache=False)]
+        cached = [t.tolist() for t in net.generate_stream(idx, Sampling(12, temperature=0))]
+        uncached = [t.tolist() for t in net.generate_stream(idx, Sampling(12, temperature=0), use_cache=False)]
         assert cached == uncached
         ctx, endings = [5, 6, 7], [[8, 9], [10], [11, 12, 13], [14]]
         tokens, pos, seg, _ = scoring.pack(ctx, [([], e) for e in endings])

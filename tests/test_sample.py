@@ -16,6 +16,7 @@ import checkpoint
 import runs
 import tokenizer
 import sample
+from model import Sampling
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1")  # for the scripts run as subprocesses (see one_thread)
@@ -75,9 +76,8 @@ def test_stream_equals_generate(model):
     enc = tokenizer.get_tokenizer()
     tokens = [tokenizer.EOT_TOKEN]  # unconditional: the start token is not printed
     out = io.StringIO()
-    new = sample.stream_sample(model, tokens, enc, out, "cpu", max_new_tokens=20, temperature=1.0,
-                               generator=torch.Generator().manual_seed(3))
-    ref = model.generate_stream(torch.tensor([tokens]), 20, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    new = sample.stream_sample(model, tokens, enc, out, Sampling(20, temperature=1.0), torch.Generator().manual_seed(3))
+    ref = model.generate_stream(torch.tensor([tokens]), Sampling(20, temperature=1.0), torch.Generator().manual_seed(3))
     assert new == torch.cat(list(ref)).tolist()
     assert out.getvalue() == enc.decode(new)
 
@@ -99,7 +99,7 @@ def test_tokens_stream_as_generated(model):
     try:
         out = Recorder(counter)
         enc = tokenizer.get_tokenizer()
-        sample.stream_sample(model, enc.encode("Hi"), enc, out, "cpu", max_new_tokens=8, temperature=0)
+        sample.stream_sample(model, enc.encode("Hi"), enc, out, Sampling(8, temperature=0))
     finally:
         hook.remove()
     # the prompt is shown before the first forward pass; then text appears after each one
