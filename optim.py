@@ -8,30 +8,47 @@ from dataclasses import dataclass
 import torch
 
 
-def configure(model, weight_decay, learning_rate, betas=(0.9, 0.95), eps=1e-8, device_type="cpu", fused=None,
-              muon_lr=None, muon_momentum=0.95, muon_dtype=torch.bfloat16):
-    """The Optimizers of a GPT: AdamW, weight decay on 2-D weights (matmuls, embeddings) only, fused on CUDA; with
-    muon_lr, Muon (Nesterov, no weight decay) for the model's matrices beside it, as modded-nanogpt trains them."""
-    matrices = model.matrices() if muon_lr is not None else []
+@dataclass(frozen=True)
+class Settings:
+    """What the optimizers are built with: AdamW's peak rate and hyper-parameters, and, where muon_lr is set, Muon's
+    for the model's matrices."""
+    weight_decay: float
+    max_lr: float
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    muon_lr: float | None = None  # None: AdamW trains every parameter
+    muon_momentum: float = 0.95
+
+
+def settings_of(cfg):
+    """The optimizers' Settings from the trainer's (train_config's --max-lr, --weight-decay, --beta1, --beta2, --eps,
+    --muon-lr and --muon-momentum)."""
+    return Settings(cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps, cfg.muon_lr, cfg.muon_momentum)
+
+
+def configure(model, settings, device_type="cpu", fused=None, muon_dtype=torch.bfloat16):
+    """The Optimizers of a GPT from its Settings: AdamW, weight decay on 2-D weights (matmuls, embeddings) only, fused
+    on CUDA; with muon_lr, Muon (Nesterov, no weight decay, Newton-Schulz in muon_dtype) for the model's matrices
+    beside it, as modded-nanogpt trains them."""
+    s = settings
+    matrices = model.matrices() if s.muon_lr is not None else []
     rest = [p for p in model.parameters() if not any(p is m for m in matrices)]
-    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": s.weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     if fused is None:
         fused = device_type == "cuda"
-    adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, fused=fused)
+    adamw = torch.optim.AdamW(groups, lr=s.max_lr, betas=s.betas, eps=s.eps, fused=fused)
     if not matrices:
         return Optimizers(adamw)
-    muon = Muon(matrices, lr=muon_lr, momentum=muon_momentum, nesterov=True, weight_decay=0.0,
+    muon = Muon(matrices, lr=s.muon_lr, momentum=s.muon_momentum, nesterov=True, weight_decay=0.0,
                 ortho_dtype=muon_dtype)
     return Optimizers(muon, adamw)
 
 
 def build(model, cfg, device_type, choice=None):
-    """The run's Optimizers from the settings this room owns, read from the trainer's (cfg): max_lr, weight_decay,
-    beta1, beta2, eps, muon_lr and muon_momentum (--optimizer muon), and the schedule's; choice (device.Choice):
-    what the device's Newton-Schulz runs in (bfloat16 where there is no choice)."""
-    opt = configure(model, cfg.weight_decay, cfg.max_lr, (cfg.beta1, cfg.beta2), cfg.eps, device_type,
-                    muon_lr=cfg.muon_lr, muon_momentum=cfg.muon_momentum,
+    """The run's Optimizers from the settings this room owns, read from the trainer's (cfg: settings_of's, and the
+    schedule's); choice (device.Choice): what the device's Newton-Schulz runs in (bfloat16 where there is none)."""
+    opt = configure(model, settings_of(cfg), device_type,
                     muon_dtype=choice.muon_dtype if choice is not None else torch.bfloat16)
     opt.cfg, opt.schedule = cfg, schedule_of(cfg)
     return opt

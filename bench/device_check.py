@@ -216,8 +216,8 @@ def count_syncs(data_dir, device):
         for name in ("adamw", "muon"):
             torch.manual_seed(0)
             model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=256)).to(device)
-            opt = optim.configure(model, 0.1, 6e-4, device_type="cuda", muon_lr=0.02 if name == "muon" else None,
-                                  muon_dtype=muon_dtype(device))
+            opt = optim.configure(model, optim.Settings(0.1, 6e-4, muon_lr=0.02 if name == "muon" else None),
+                                  device_type="cuda", muon_dtype=muon_dtype(device))
             scaler = torch.amp.GradScaler("cuda", enabled=dtype == "float16")
             loader = TokenLoader(data_dir, "train", 4, 256, device=device)
 

@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -341,10 +341,9 @@ def run_rung(spec):
         model = parallel.wrap_model(raw_model, "none", device, dtype, compile=s["compile"] and default_mode)
         if s["compile"] and not default_mode:
             model = torch.compile(model, mode=s["compile_mode"])
-        optimizer = optim.configure(raw_model, TRAIN.weight_decay, TRAIN.max_lr, (TRAIN.beta1, TRAIN.beta2),
-                                    TRAIN.eps, kind, fused=s["fused_adamw"],
-                                    muon_lr=TRAIN.muon_lr if s["optimizer"] == "muon" else None,
-                                    muon_momentum=TRAIN.muon_momentum, muon_dtype=muon_dtype(device))
+        settings = replace(optim.settings_of(TRAIN),
+                           muon_lr=TRAIN.muon_lr if s["optimizer"] == "muon" else None)
+        optimizer = optim.configure(raw_model, settings, kind, fused=s["fused_adamw"], muon_dtype=muon_dtype(device))
         scaler = torch.amp.GradScaler(kind, enabled=(dtype == "float16"))
         loader = TokenLoader(spec["data_dir"], "train", B, T, device=device, prefetch=s["prefetch"])
         result["build_s"] = time.perf_counter() - t0

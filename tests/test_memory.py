@@ -193,7 +193,7 @@ def test_memory_plan_activations_without_checkpointing_and_ddp_autocast_copy():
     plan = memory.memory_plan(model, 2, "none", "bfloat16", micro_batch=2, block_size=8)
     assert plan["params"] == 4 * n + 2 * n  # fp32 weights + autocast's bf16 copies
     assert plan["activations"] == 3 * 34 * (8 * 2 * 4) + 8 * 2 * 16 * 10
-    optimizer = optim.configure(model, 0.1, 1e-3, muon_lr=0.02)  # Muon keeps one buffer for the blocks' matrices
+    optimizer = optim.configure(model, optim.Settings(0.1, 1e-3, muon_lr=0.02))  # Muon keeps one buffer for the blocks' matrices
     matrices = 3 * 12 * 4 ** 2
     muon = memory.memory_plan(model, 2, "none", "bfloat16", micro_batch=2, block_size=8, optimizer=optimizer)
     assert muon["optimizer"] == 8 * (n - matrices) + 4 * matrices and muon["optimizer_name"] == "Muon+AdamW"

@@ -11,7 +11,7 @@ TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=32)
 def test_optimizer_groups_and_step_match_adamw():
     torch.manual_seed(0)
     m = GPT(GPTConfig(**TINY))
-    opt = optim.configure(m, weight_decay=0.1, learning_rate=1e-3, device_type="cpu")
+    opt = optim.configure(m, optim.Settings(weight_decay=0.1, max_lr=1e-3), device_type="cpu")
     adamw, = opt.optimizers  # AdamW alone: the same shape as the Muon+AdamW pair
     decay, no_decay = adamw.param_groups
     assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
@@ -56,7 +56,7 @@ def test_muon_for_the_block_matrices_adamw_for_the_rest():
     either uses them."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
-    opt = optim.configure(model, 0.1, 1e-3, muon_lr=0.02, muon_momentum=0.9)
+    opt = optim.configure(model, optim.Settings(0.1, 1e-3, muon_lr=0.02, muon_momentum=0.9))
     muon, adamw = opt.optimizers
     blocks = {id(p) for b in model.transformer.h for n, p in b.named_parameters()
               if n.endswith("weight") and p.dim() == 2}
@@ -111,7 +111,7 @@ def test_fp16_step_of_the_pair_skips_or_updates_both_without_a_host_sync(monkeyp
         torch.manual_seed(0)
         model = GPT(GPTConfig(**TINY))
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        opt = optim.configure(model, 0.1, 1e-3, fused=True, muon_lr=0.02)
+        opt = optim.configure(model, optim.Settings(0.1, 1e-3, muon_lr=0.02), fused=True)
         ref, ref_muon, ref_adamw = torch_pair(model, opt, fused=True)
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         *_, finite = train_gpt2.train_step(train_gpt2.StepParts(model, opt, scaler, Ranks(), "float16"), Batches(idx))

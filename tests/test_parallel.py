@@ -151,7 +151,7 @@ def test_muon_under_fsdp_gathers_each_matrix_once(dtype):
     try:
         raw = GPT(GPTConfig(**CONFIG))
         parallel.wrap_model(raw, "fsdp", "cpu", "float32")
-        muon, _ = optim.configure(raw, 0.1, 1e-3, muon_lr=0.02, muon_dtype=dtype).optimizers
+        muon, _ = optim.configure(raw, optim.Settings(0.1, 1e-3, muon_lr=0.02), muon_dtype=dtype).optimizers
         matrices = [p for group in muon.param_groups for p in group["params"]]
         for p in matrices:
             p.grad = DTensor.from_local(torch.randn(p.to_local().shape), p.device_mesh, p.placements, shape=p.shape,
@@ -169,7 +169,7 @@ def ddp_gradient_storages(ranks, tmp):
     buckets in the second)."""
     raw = tiny_gpt()
     model = parallel.wrap_model(raw, "none", "cpu", "float32")
-    opt = optim.configure(raw, 0.1, 1e-3, device_type="cpu")
+    opt = optim.configure(raw, optim.Settings(0.1, 1e-3), device_type="cpu")
     watched = Watched(loader(f"{tmp}/data", ranks.rank, ranks.world_size), raw)
     seen = []
     for _ in range(3):
@@ -326,7 +326,7 @@ def fsdp_saved_and_restored(ranks, tmp):
     saved = checkpoint.load_file(path)
     raw = tiny_gpt(seed=1)
     model = parallel.wrap_model(raw, "fsdp", "cpu", "float32")
-    opt = optim.configure(raw, 0.1, 1e-3, device_type="cpu")
+    opt = optim.configure(raw, optim.Settings(0.1, 1e-3), device_type="cpu")
     data = loader(data_dir, ranks.rank, ranks.world_size)
     restorer = checkpoint.Checkpointer(log_dir, 1, ranks, RunLog(log_dir, False), checkpoint.Resume("ckpt", saved, []))
     torch.manual_seed(999), np.random.seed(999), random.seed(999)
@@ -396,7 +396,7 @@ def fsdp_overflow_in_one_shard(ranks, tmp):
     """fp16 loss scaling: an inf in rank 1's shard of one gradient; what the scaler finds on this rank."""
     raw = tiny_gpt()
     model = parallel.wrap_model(raw, "fsdp", "cpu", "float32")
-    adamw, = optim.configure(raw, 0.1, 1e-3, device_type="cpu").optimizers
+    adamw, = optim.configure(raw, optim.Settings(0.1, 1e-3), device_type="cpu").optimizers
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
     x, _ = loader(f"{tmp}/data", 0, 1).next_batch()
     scaler.scale(model(x, x)[1]).backward()

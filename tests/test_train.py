@@ -912,7 +912,7 @@ def test_a_step_clips_the_mean_gradient_then_runs_torchs_optimizers_at_their_sch
     ref = copy.deepcopy(model)
     peak, muon_peak, decay = 1e-2, 5e-2, 0.1
     muon = muon_peak if optimizer == "muon" else None
-    opt = optim.configure(model, decay, peak, muon_lr=muon)
+    opt = optim.configure(model, optim.Settings(decay, peak, muon_lr=muon))
     params = dict(ref.named_parameters())
     matrices = [p for n, p in params.items() if muon and n.startswith("transformer.h.") and p.dim() == 2]
     rest = [p for p in params.values() if not any(p is m for m in matrices)]
@@ -965,7 +965,7 @@ def test_an_fp16_overflow_in_one_optimizers_gradients_skips_every_optimizer(grad
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=8, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=2, n_embd=16))
-    opt = optim.configure(model, 0.1, 1e-2, muon_lr=5e-2, muon_dtype=torch.float32)
+    opt = optim.configure(model, optim.Settings(0.1, 1e-2, muon_lr=5e-2), muon_dtype=torch.float32)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
 
     def step():

@@ -68,7 +68,7 @@ def run(raw, sharding, data_dir, ranks, steps=STEPS, checkpointing=False, compil
     """muon: the dtype of Muon's Newton-Schulz iteration (None: AdamW alone)."""
     model = parallel.wrap_model(raw, sharding, "cpu", "float32", checkpointing, compile)
     assert parallel.is_fsdp(model) == (sharding == "fsdp")
-    optimizer = optim.configure(raw, 0.1, 1e-3, device_type="cpu", muon_lr=0.02 if muon else None,
+    optimizer = optim.configure(raw, optim.Settings(0.1, 1e-3, muon_lr=0.02 if muon else None), device_type="cpu",
                                 muon_dtype=muon)
     data = loader(data_dir, ranks.rank, ranks.world_size)
     losses, norms = train(model, optimizer, data, steps, ranks)
