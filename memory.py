@@ -1,6 +1,8 @@
 """What a training step holds in memory on each GPU (the plan the run header prints), and --micro-batch-size auto:
 the largest micro-batch the plan fits, checked by one trial of the trainer's own micro-step."""
 
+from dataclasses import dataclass
+
 import torch
 
 from common import UserError
@@ -13,6 +15,17 @@ from parallel import is_fsdp, smallest, unwrap, zero_grad
 ALLOCATION_FAILURES = ("out of memory", "ALLOC_FAILED", "CUBLAS_STATUS_NOT_INITIALIZED", "NOT_ENOUGH_WORKSPACE",
                        "can't allocate memory")
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # per value in the autocast dtype
+MARGIN = 0.10  # of the GPU's memory the auto-fit leaves free: what the plan leaves out (see memory_plan)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How each rank's step is laid out, in the memory plan's terms: its autocast dtype, its rows of block_size
+    tokens, its parameters sharded (fsdp) or not, its blocks' activations kept or recomputed."""
+    dtype: str
+    block_size: int
+    sharding: str = "none"
+    activation_checkpointing: bool = False
 
 
 def is_allocation_failure(e):
@@ -26,16 +39,19 @@ def step_footprint(model, world_size, dtype, block_size, micro_batch):
     raw = unwrap(model)
     sharding = "fsdp" if is_fsdp(raw) else "none"
     checkpointing = any(getattr(block, "_checkpointed", False) for block in raw.blocks)
-    plan = memory_plan(raw, world_size, sharding, dtype, micro_batch, block_size, checkpointing)
+    plan = memory_plan(raw, Layout(dtype, block_size, sharding, checkpointing), micro_batch, world_size)
     if sharding == "none":
         return plan["total"]
     root, blocks = raw.units()
     return plan["total"] + (BYTES[dtype] + 4) * sum(sorted(blocks + [root], reverse=True)[:2])
 
 
-def trial_peak(model, micro_step, b, accumulation, block_size, device, memory):
-    """The peak of a step's first two micro-steps at micro-batch b, eagerly (else each size would compile); under DDP
-    without the all-reduce, under FSDP (whose micro-steps are collectives) two on every rank, whatever its b."""
+def trial_peak(model, micro_step, shape, accumulation, device, memory):
+    """The peak of a step's first two micro-steps of shape (micro-batch b, block size), eagerly (else each size would
+    compile); under DDP without the all-reduce, under FSDP (whose micro-steps are collectives) two on every rank,
+    whatever its b."""
+    b, block_size = shape
+
     def run():
         for _ in range(2 if is_fsdp(model) else min(accumulation, 2)):
             rows = torch.randint(0, unwrap(model).config.vocab_size, (b, block_size + 1), device=device)
@@ -59,18 +75,20 @@ def how_chosen(micro_batch_size, device_type):
     return f" (auto: the {device_type.upper()} default, the largest that divides the batch up to {UNFITTED})"
 
 
-def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_step, *, memory=None, margin=0.10):
-    """--micro-batch-size auto (off CUDA: UNFITTED or fewer): the largest size whose plan fits under (1 - margin) of
-    the GPU (of its share, where processes share it), checked by a trial of micro_step(model, x, y, sync); where its
+def choose_micro_batch(total_batch_size, ranks, model, layout, micro_step, memory=None):
+    """--micro-batch-size auto (off CUDA: UNFITTED or fewer): the largest size whose plan (layout: a Layout) fits
+    under (1 - MARGIN) of the GPU (of its share, where processes share it), checked by a trial of
+    micro_step(model, x, y, sync); where its
     peak is over, the largest size its growth allows (tried again, except under FSDP). The ranks take the smallest by
     one all-reduce. 1 where none divides the batch."""
+    dtype, block_size = layout.dtype, layout.block_size
     per_rank, rem = divmod(total_batch_size, block_size * ranks.world_size)
     # the sizes that divide this rank's share of the batch, ascending; beyond 128 only memory is spent
     cands = [] if rem else [b for b in range(1, min(per_rank, 128) + 1) if per_rank % b == 0]
     memory = memory or (CudaMemory(ranks.device) if ranks.device_type == "cuda" else None)
     if not cands or memory is None:
         return max([b for b in cands if b <= UNFITTED], default=1)  # the same on every rank
-    room = (1 - margin) * memory.capacity() / ranks.per_gpu  # processes that share a GPU share its memory
+    room = (1 - MARGIN) * memory.capacity() / ranks.per_gpu  # processes that share a GPU share its memory
     budget = room - 8 * sum(local_part(p).numel() for p in unwrap(model).parameters())  # AdamW's moments come later
     planned = [b for b in cands if step_footprint(model, ranks.world_size, dtype, block_size, b) <= room]
     b = planned[-1] if planned else cands[0]
@@ -79,7 +97,7 @@ def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_
         # gradients the trial makes (none before it, except DDP's buckets): bytes that do not grow with b
         grads = 4 * sum(local_part(p).numel() for p in unwrap(model).parameters() if p.grad is None)
         try:
-            peak = trial_peak(model, micro_step, b, per_rank // b, block_size, ranks.device, memory)
+            peak = trial_peak(model, micro_step, (b, block_size), per_rank // b, ranks.device, memory)
         except Exception as e:
             if not is_allocation_failure(e):
                 raise
@@ -102,10 +120,10 @@ def choose_micro_batch(total_batch_size, ranks, model, dtype, block_size, micro_
     return b
 
 
-def memory_plan(model, world_size, sharding, dtype, micro_batch, block_size, activation_checkpointing=False,
-                optimizer=None):
+def memory_plan(model, layout, micro_batch, world_size=1, optimizer=None):
     """Estimated bytes each GPU holds at the peak of a training step of `model` (a GPT: it says what a step holds in
-    activations and how its parameters fall into units), to choose settings by: it leaves out the CUDA context,
+    activations and how its parameters fall into units) laid out as layout says over world_size ranks, at
+    micro_batch rows, to choose settings by: it leaves out the CUDA context,
     allocator fragmentation and communication buffers (plan a ~10% margin).
     - params: fp32, 1/world under FSDP, plus there the root unit and the two largest blocks (the current and the
       prefetched) unsharded in the compute dtype; under DDP with 16-bit autocast, its copy of every weight.
@@ -113,7 +131,7 @@ def memory_plan(model, world_size, sharding, dtype, micro_batch, block_size, act
     - optimizer: the optimizer's state (optim.Optimizers; AdamW's two fp32 moments where there is none yet); 1/world
       under FSDP.
     - activations: GPT.activation_bytes at the compute dtype, with or without activation checkpointing."""
-    cb = BYTES[dtype]
+    cb, sharding = BYTES[layout.dtype], layout.sharding
     n_params = model.num_params(non_embedding=False)
     shards = world_size if sharding == "fsdp" else 1
     params = 4 * n_params / shards
@@ -124,7 +142,7 @@ def memory_plan(model, world_size, sharding, dtype, micro_batch, block_size, act
         params += cb * n_params
     grads = 4 * n_params / shards
     state = optimizer.state_bytes() if optimizer is not None else 8 * n_params
-    activations = model.activation_bytes(micro_batch, block_size, cb, activation_checkpointing)
+    activations = model.activation_bytes(micro_batch, layout.block_size, cb, layout.activation_checkpointing)
     return dict(params=params, grads=grads, optimizer=state / shards, activations=activations,
                 total=params + grads + state / shards + activations,
                 optimizer_name=optimizer.name if optimizer is not None else "AdamW")

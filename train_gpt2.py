@@ -136,8 +136,7 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
     gpu = device.CudaMemory(ranks.device) if ranks.device_type == "cuda" else None
     if cfg.micro_batch_size == "auto":  # the largest that fits, tried on the model as it trains
         trial = trial_step(StepParts(model, None, scaler, ranks, dtype))
-        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, dtype, cfg.block_size, trial,
-                                                memory=gpu)
+        micro_batch = memory.choose_micro_batch(cfg.total_batch_size, ranks, model, layout_of(cfg, dtype), trial, gpu)
     else:
         micro_batch = cfg.micro_batch_size
     tokens_per_micro = micro_batch * cfg.block_size * ranks.world_size
@@ -204,8 +203,7 @@ def write_header(run, origin, resume, changes):
     grace = run.checkpoints.grace
     late = common.stop_grace_warning(4 * model.num_params(non_embedding=False) + run.optimizer.state_bytes(), grace)
     warnings += [late] if late else []
-    plan = memory.memory_plan(model, ranks.world_size, cfg.sharding, run.dtype, run.micro_batch, cfg.block_size,
-                              cfg.activation_checkpointing, run.optimizer)
+    plan = memory.memory_plan(model, layout_of(cfg, run.dtype), run.micro_batch, ranks.world_size, run.optimizer)
     memory_line = memory.format_memory_plan(plan, choice.capacity, "GPU" if choice.capacity else "process")
     commit = git_commit()
     resume_path = resume.path if resume is not None else None
@@ -297,6 +295,11 @@ def out_of_memory(run, e):
 def diverged(run, loss, finite):
     """fp16's gradient scaler skips a step whose gradients overflowed, which is normal; a non-finite loss diverged."""
     return not math.isfinite(loss) or (not finite and not run.scaler.is_enabled())
+
+
+def layout_of(cfg, dtype):
+    """The memory plan's Layout of this run's steps."""
+    return memory.Layout(dtype, cfg.block_size, cfg.sharding, cfg.activation_checkpointing)
 
 
 def stop_on_nonfinite(run, step, loss, norm):

@@ -27,7 +27,8 @@ def test_one_process_auto_fit_takes_the_planned_size_or_what_its_trial_allows(ro
     ranks = parallel.Ranks()
     counter = CountedMemory(raw, capacity=room / 0.9)
     T = CONFIG["block_size"]
-    assert memory.choose_micro_batch(16 * T, ranks, raw, "float32", T, trial_step(ranks), memory=counter) == 4
+    layout = memory.Layout("float32", T)
+    assert memory.choose_micro_batch(16 * T, ranks, raw, layout, trial_step(ranks), memory=counter) == 4
     moments = 8 * sum(p.numel() for p in raw.parameters())
     assert len(counter.peaks) == len(trials) and counter.peaks[-1] + moments <= room
     assert all(memory.step_footprint(raw, 1, "float32", T, b) <= room for b in trials)  # the plan's choice first
@@ -48,7 +49,8 @@ def test_the_auto_fits_growth_per_sequence_leaves_out_the_gradients_and_leaves_n
     params = sum(p.numel() for p in raw.parameters())
     room, T, ranks = 19 * params, config["block_size"], parallel.Ranks()
     counter = CountedMemory(raw, capacity=room / 0.9)
-    assert memory.choose_micro_batch(64 * T, ranks, raw, "float32", T, trial_step(ranks), memory=counter) == 4
+    layout = memory.Layout("float32", T)
+    assert memory.choose_micro_batch(64 * T, ranks, raw, layout, trial_step(ranks), memory=counter) == 4
     assert len(counter.peaks) == 2 and counter.peaks[0] + 8 * params > room >= counter.peaks[1] + 8 * params
     assert all(p.grad is None for p in raw.parameters())
 
@@ -63,7 +65,7 @@ def test_the_fsdp_plan_holds_its_two_largest_units_gathered():
         raw = GPT(GPTConfig(**CONFIG))
         model = parallel.wrap_model(raw, "fsdp", "cpu", "float32")
         T, b = CONFIG["block_size"], 4
-        plan = memory.memory_plan(raw, 1, "fsdp", "bfloat16", b, T)
+        plan = memory.memory_plan(raw, memory.Layout("bfloat16", T, "fsdp"), b)
         assert raw.num_params(non_embedding=False) == 12_704 * 2 + 5_184
         assert memory.step_footprint(model, 1, "bfloat16", T, b) == plan["total"] + (2 + 4) * 2 * 12_704
     finally:
@@ -82,7 +84,7 @@ def test_processes_that_share_a_gpu_fit_into_their_share_of_it():
     assert three_on_two.per_gpu == 2 and three_on_two.shares_gpus
 
     def chosen(ranks, capacity):
-        return memory.choose_micro_batch(16 * T, ranks, raw, "float32", T, trial_step(ranks),
+        return memory.choose_micro_batch(16 * T, ranks, raw, memory.Layout("float32", T), trial_step(ranks),
                                          memory=CountedMemory(raw, capacity=capacity))
     half, whole = chosen(alone, room / 2 / 0.9), chosen(alone, room / 0.9)
     assert half < whole and chosen(shared, room / 0.9) == half and chosen(three_on_two, room / 0.9) == half
@@ -100,8 +102,8 @@ def stranded_worker(rank, world, tmp):
     if rank == 1:
         raw.forward = functools.partial(out_of_memory_in_backward, raw)
     T = CONFIG["block_size"]
-    result = outcome(memory.choose_micro_batch, 4 * T * world, ranks, model, "float32", T, trial_step(ranks),
-                     memory=FakeMemory())
+    result = outcome(memory.choose_micro_batch, 4 * T * world, ranks, model, memory.Layout("float32", T),
+                     trial_step(ranks), memory=FakeMemory())
     torch.save(result, f"{tmp}/stranded{rank}.pt")
     os._exit(0)
 
@@ -142,7 +144,7 @@ def gpt2_xl():
 
 def test_memory_plan_ddp_gpt2_xl_fp32_does_not_shard():
     n = 1_557_686_400
-    plan = memory.memory_plan(gpt2_xl(), 8, "none", "float32", micro_batch=1, block_size=1024)
+    plan = memory.memory_plan(gpt2_xl(), memory.Layout("float32", 1024), micro_batch=1, world_size=8)
     assert plan["params"] == 4 * n and plan["grads"] == 4 * n and plan["optimizer"] == 8 * n
     sbh = 1024 * 1600
     assert plan["activations"] == 48 * 68 * sbh + 1024 * 50304 * 8
@@ -152,8 +154,8 @@ def test_memory_plan_ddp_gpt2_xl_fp32_does_not_shard():
 
 def test_memory_plan_fsdp_gpt2_xl_bf16_with_checkpointing():
     n, world, b, s, h, L = 1_557_686_400, 8, 8, 1024, 1600, 48
-    plan = memory.memory_plan(gpt2_xl(), world, "fsdp", "bfloat16", micro_batch=b, block_size=s,
-                              activation_checkpointing=True)
+    plan = memory.memory_plan(gpt2_xl(), memory.Layout("bfloat16", s, "fsdp", activation_checkpointing=True),
+                              micro_batch=b, world_size=world)
     block = 12 * h * h + 13 * h
     root = n - L * block  # wte, wpe, ln_f: 82,127,600
     assert root == 50304 * 1600 + 1024 * 1600 + 3200
@@ -180,7 +182,7 @@ def test_the_memory_line_shows_each_part_of_a_small_model_beside_a_gpu():
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64))
     assert model.num_params(non_embedding=False) == 50304 * 64 + 64 * 64 + 2 * (12 * 64 ** 2 + 13 * 64) + 2 * 64
-    plan = memory.memory_plan(model, 1, "none", "bfloat16", micro_batch=8, block_size=64)
+    plan = memory.memory_plan(model, memory.Layout("bfloat16", 64), micro_batch=8)
     assert memory.format_memory_plan(plan, capacity=80 * GIB) == (
         "per GPU: params 19.0 MiB + grads 12.7 MiB + AdamW 25.4 MiB + activations ~0.2 GiB = 0.3 GiB of 80.0 GiB")
     assert memory.size(512) == "0.5 KiB"
@@ -190,10 +192,12 @@ def test_memory_plan_activations_without_checkpointing_and_ddp_autocast_copy():
     model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=4, block_size=8, vocab_size=10, padded_vocab_size=16))
     n = 16 * 4 + 8 * 4 + 3 * (12 * 4 ** 2 + 13 * 4) + 2 * 4  # wte, wpe, 3 blocks, ln_f
     assert model.num_params(non_embedding=False) == n
-    plan = memory.memory_plan(model, 2, "none", "bfloat16", micro_batch=2, block_size=8)
+    plan = memory.memory_plan(model, memory.Layout("bfloat16", 8), micro_batch=2, world_size=2)
     assert plan["params"] == 4 * n + 2 * n  # fp32 weights + autocast's bf16 copies
     assert plan["activations"] == 3 * 34 * (8 * 2 * 4) + 8 * 2 * 16 * 10
-    optimizer = optim.configure(model, optim.Settings(0.1, 1e-3, muon_lr=0.02))  # Muon keeps one buffer for the blocks' matrices
+    # Muon keeps one buffer for the blocks' matrices
+    optimizer = optim.configure(model, optim.Settings(0.1, 1e-3, muon_lr=0.02))
     matrices = 3 * 12 * 4 ** 2
-    muon = memory.memory_plan(model, 2, "none", "bfloat16", micro_batch=2, block_size=8, optimizer=optimizer)
+    muon = memory.memory_plan(model, memory.Layout("bfloat16", 8), micro_batch=2, world_size=2,
+                              optimizer=optimizer)
     assert muon["optimizer"] == 8 * (n - matrices) + 4 * matrices and muon["optimizer_name"] == "Muon+AdamW"

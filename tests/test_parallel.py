@@ -224,8 +224,8 @@ def auto_fit_with_less_memory_on_rank_1(ranks, tmp, sharding):
     elif ranks.rank == 1:
         failure = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
         raw.forward = functools.partial(failing_forward, raw, failure)
-    return outcome(memory.choose_micro_batch, 16 * T * world, ranks, model, "float32", T, trial_step(ranks),
-                   memory=FakeMemory(capacity))
+    return outcome(memory.choose_micro_batch, 16 * T * world, ranks, model, memory.Layout("float32", T),
+                   trial_step(ranks), memory=FakeMemory(capacity))
 
 
 @pytest.mark.parametrize("sharding", ["none", "fsdp"])
@@ -261,11 +261,11 @@ def ddp_probe_against_the_step(ranks, tmp):
         step[b] = CountedMemory(model).peak_of(one_step)
     counter = CountedMemory(model)
     for b in (1, 2, 4):
-        memory.trial_peak(model, trial_step(ranks), b, per_rank // b, T, "cpu", counter)
+        memory.trial_peak(model, trial_step(ranks), (b, T), per_rank // b, "cpu", counter)
     moments = 8 * sum(p.numel() for p in raw.parameters())
     room = (step[1] + step[2]) / 2 + moments  # room for the step at 1, not at 2
-    chosen = memory.choose_micro_batch(per_rank * T * ranks.world_size, ranks, model, "float32", T, trial_step(ranks),
-                                       memory=CountedMemory(model, capacity=room / 0.9))
+    chosen = memory.choose_micro_batch(per_rank * T * ranks.world_size, ranks, model, memory.Layout("float32", T),
+                                       trial_step(ranks), memory=CountedMemory(model, capacity=room / 0.9))
     zero = all(p.grad is None or not p.grad.any() for p in raw.parameters())
     return dict(step=[step[b] for b in (1, 2, 4)], probe=counter.peaks, chosen=chosen, zero=zero)
 
@@ -290,7 +290,7 @@ def fsdp_plan_against_the_trial(ranks, tmp, checkpointing):
     model = parallel.wrap_model(raw, "fsdp", "cpu", "float32", activation_checkpointing=checkpointing)
     counter = CountedMemory(model)
     for b in (1, 2, 4):
-        memory.trial_peak(model, trial_step(ranks), b, 4 // b, CONFIG["block_size"], "cpu", counter)
+        memory.trial_peak(model, trial_step(ranks), (b, CONFIG["block_size"]), 4 // b, "cpu", counter)
     return dict(plan=[memory.step_footprint(model, ranks.world_size, "float32", CONFIG["block_size"], b)
                       for b in (1, 2, 4)], allocated=[p - a for p, a in zip(counter.peaks, counter.before)])
 
