@@ -45,12 +45,26 @@ CONNECT_TIMEOUT = 5  # seconds to wait for a download's host to answer before ca
 READ_TIMEOUT = 60  # seconds of silence from the server before a download is given up
 
 
-def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, world_size=1, progress=False,
-             should_stop=None, lockstep=False, share=None):
-    """bench.result() of the tallies summed over ranks, or None when should_stop() said True; every rank calls it with
-    the GPT itself, not a DDP wrapper. should_stop may be a collective, called by every rank before each batch;
-    lockstep: every rank makes as many forward passes too (under FSDP each one gathers the parameters)."""
-    batch_size = batch_size or (16 if device.startswith("cuda") else 4)  # CPU: larger measured slower
+@dataclass(frozen=True)
+class Scoring:
+    """How a benchmark is scored: on device, under dtype's autocast, batch_size items' rows at a time (None: 16 on
+    CUDA, 4 elsewhere: larger measured slower on a CPU), this rank's share of world_size; progress: a bar; lockstep:
+    every rank makes as many forward passes (under FSDP each one gathers the parameters)."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    batch_size: int | None = None
+    rank: int = 0
+    world_size: int = 1
+    progress: bool = False
+    lockstep: bool = False
+
+
+def evaluate(model, bench, how=Scoring(), should_stop=None, share=None):
+    """bench.result() of the tallies summed over ranks, scored as how (a Scoring) says, or None when should_stop()
+    said True; every rank calls it with the GPT itself, not a DDP wrapper. should_stop may be a collective, called by
+    every rank before each batch; share: this rank's share_of the bench, where it is already made."""
+    device, dtype, rank, world_size = how.device, how.dtype, how.rank, how.world_size
+    batch_size = how.batch_size or (16 if device.startswith("cuda") else 4)
     share = share or share_of(bench, model.config.block_size, rank, world_size)
     distributed = world_size > 1 and tdist.is_available() and tdist.is_initialized()
     # every rank runs as many batches as the longest share needs; CORE's rows per item vary, so the ranks ask
@@ -59,7 +73,7 @@ def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, wor
     if distributed:
         tdist.all_reduce(batches, op=tdist.ReduceOp.MAX)
     steps = range(int(batches.item()))
-    if progress:
+    if how.progress:
         from tqdm import tqdm
         steps = tqdm(steps, desc=bench.name, unit="batch", dynamic_ncols=True)
     batched = scored_batches(model, share.rows, device, dtype, batch_size)
@@ -73,7 +87,7 @@ def evaluate(model, bench, device, dtype="float32", batch_size=None, rank=0, wor
             batch = next(batched, None)
             if batch is not None:
                 scored = batch
-            elif lockstep:  # past the end of this rank's share
+            elif how.lockstep:  # past the end of this rank's share
                 idle_forward(model, device, dtype)
     finally:
         model.train(was_training)
@@ -236,8 +250,9 @@ class TrainingHook:
         bar = ranks.is_master and sys.stdout.isatty()
         if ranks.is_master and not bar:
             self.log.line(f"{self.name}: scoring {len(self.bench.items):,} items on {ranks.world_size} rank(s)...")
-        return evaluate(raw_model, self.bench, ranks.device, dtype, rank=ranks.rank, world_size=ranks.world_size,
-                        progress=bar, should_stop=should_stop, lockstep=self.lockstep, share=self.share)
+        how = Scoring(ranks.device, dtype, rank=ranks.rank, world_size=ranks.world_size, progress=bar,
+                      lockstep=self.lockstep)
+        return evaluate(raw_model, self.bench, how, should_stop, self.share)
 
 
 def parse_args(p, argv, json_holds, cache):
@@ -275,8 +290,8 @@ def run_script(args, load, describe_data, show):
         common.print0(f"{bench.name}: {describe_data(bench)}, {what}, {ranks.world_size} process(es) on "
                       f"{choice.name}, {dtype}", file=summary)
         t0 = time.time()
-        result = evaluate(model, bench, ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
-                          progress=ranks.is_master)
+        result = evaluate(model, bench, Scoring(ranks.device, dtype, args.batch_size, ranks.rank, ranks.world_size,
+                                                progress=ranks.is_master))
         common.print0(show(result, time.time() - t0), file=summary)
         if args.json:
             common.print0(json.dumps({**result, "model": args.model}))

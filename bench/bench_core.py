@@ -98,7 +98,7 @@ def main():
     methods = {"one item per forward (nanochat's loop)": lambda: one_item_per_forward(model, tasks, device, dtype)}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         methods[f"scoring.evaluate, batch {bs} items"] = (
-            lambda bs=bs: scoring.evaluate(model, core.Core(tasks), device, dtype, batch_size=bs, share=share))
+            lambda bs=bs: scoring.evaluate(model, core.Core(tasks), scoring.Scoring(device, dtype, bs), share=share))
     seconds = {name: [] for name in methods}
     results = {}
     for _ in range(args.rounds):

@@ -116,7 +116,7 @@ def main():
                lambda part: one_item_per_forward(model, part, device, dtype)}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         methods[f"scoring.evaluate, batch {bs} items"] = (
-            lambda part, bs=bs: scoring.evaluate(model, hellaswag.HellaSwag(part), device, dtype, batch_size=bs))
+            lambda part, bs=bs: scoring.evaluate(model, hellaswag.HellaSwag(part), scoring.Scoring(device, dtype, bs)))
     for fn in methods.values():
         fn(items[:2])  # warm-up
     seconds = {name: [] for name in methods}  # per round: the methods scored the same items in turn

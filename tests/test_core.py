@@ -98,7 +98,7 @@ def test_every_task_type_matches_the_one_at_a_time_definition(model, bundle):
             assert exact.tolist() == [g for _, _, g in refs], task.label
     # the accuracies: each item judged from the reference's scores, where no two options are so
     # close that float rounding could order them either way
-    result = core.scoring.evaluate(model, core.Core(tasks), "cpu", batch_size=3)
+    result = core.scoring.evaluate(model, core.Core(tasks), core.scoring.Scoring(batch_size=3))
     for task in tasks:
         right, close = 0, 0
         for i, item in enumerate(task.items):
@@ -141,7 +141,7 @@ def test_degenerate_items_are_judged_as_nanochat_judges_them(model, batch_size):
     change how the rows are batched; the same verdicts at every batch size."""
     tasks = [core.Task(f"degenerate{i}", kind, "", 0, " ", 0.0, [item]) for i, (kind, item, _) in enumerate(DEGENERATE)]
     tasks.append(core.Task("ordinary", "multiple_choice", "", 2, " ", 0.25, task_items("multiple_choice", 9, 5)))
-    result = core.scoring.evaluate(model, core.Core(tasks), "cpu", batch_size=batch_size)
+    result = core.scoring.evaluate(model, core.Core(tasks), core.scoring.Scoring(batch_size=batch_size))
     for task, (_, item, right) in zip(tasks, DEGENERATE):
         assert result["tasks"][task.label]["acc"] == float(right), (task.label, item)
         assert (nanochat_pick(reference_option_scores(model, task, item, [])) == item["gold"]) == right

@@ -46,9 +46,10 @@ ITEMS = [{"ind": i, "activity_label": "test", "ctx_a": ctx, "ctx_b": "", "ctx": 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def evaluate(model, items, device, **kwargs):
-    """hellaswag.py's evaluation of items: scoring.evaluate over hellaswag.HellaSwag."""
-    return scoring.evaluate(model, hellaswag.HellaSwag(items), device, **kwargs)
+def evaluate(model, items, device, should_stop=None, **how):
+    """hellaswag.py's evaluation of items: scoring.evaluate over hellaswag.HellaSwag, scored as how says (Scoring's
+    fields)."""
+    return scoring.evaluate(model, hellaswag.HellaSwag(items), scoring.Scoring(device, **how), should_stop)
 
 
 @pytest.fixture(scope="module")

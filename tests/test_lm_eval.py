@@ -62,5 +62,5 @@ def test_lm_eval_reads_the_export_and_agrees_with_our_scorer(tmp_path):
     theirs = torch.tensor([[-float(r[0][0]) for r in s["resps"]] for s in sorted(samples, key=lambda s: s["doc_id"])],
                           dtype=torch.float64)
     torch.testing.assert_close(theirs, sums, rtol=1e-4, atol=1e-4)
-    ours = scoring.evaluate(model, hellaswag.HellaSwag(items), "cpu")
+    ours = scoring.evaluate(model, hellaswag.HellaSwag(items))
     assert results["results"]["gpt2_train_check"]["acc,none"] == ours["acc"]

@@ -104,7 +104,7 @@ def test_hellaswag_in_the_loop_is_the_standalone_figure_on_the_limits_items(logg
     assert len(progress) == 3 and all(a < b for a, b in zip(progress, results))  # said before each one
     assert all(0 <= r["acc_norm"] <= 1 and r["acc"] * 3 == round(r["acc"] * 3) for r in hs)
     final, _ = checkpoint.load_model(log_dir)
-    standalone = hellaswag.scoring.evaluate(final, hellaswag.HellaSwag(HS_ITEMS[:3]), "cpu")
+    standalone = hellaswag.scoring.evaluate(final, hellaswag.HellaSwag(HS_ITEMS[:3]))  # on the CPU
     assert hs[-1]["acc_norm"] == standalone["acc_norm"]
 
 
@@ -121,7 +121,7 @@ def test_core_in_the_loop_is_the_standalone_figure_and_in_the_summary(logged_run
     assert stdout.count(f"core: scoring {scored} items on 1 rank(s)...") == 3
     assert sum(1 for l in stdout if "| core " in l and f"over {len(TASKS)} tasks" in l) == 3
     final, _ = checkpoint.load_model(log_dir)
-    standalone = core.scoring.evaluate(final, core.Core(core.load_tasks(logged_run["bundle"], None, 4)), "cpu")
+    standalone = core.scoring.evaluate(final, core.Core(core.load_tasks(logged_run["bundle"], None, 4)))
     assert cores[-1]["core"] == pytest.approx(standalone["core"], abs=1e-12)
     summary = plot.summarize(log_dir)
     assert summary["core_final"] == cores[-1]["core"] and summary["core_best"] == max(r["core"] for r in cores)
