@@ -148,9 +148,13 @@ def _stop_with_parent():
         while os.getppid() == parent and time.monotonic() < wait:
             time.sleep(0.01)
         if os.getppid() != parent:  # reparented: the main process is gone (else a signal meant for someone else)
-            print(f"\nfineweb.py: worker {os.getpid()} stopped: its main process is gone (killed?); the same command "
-                  "goes on from the last shard written", file=sys.stderr, flush=True)
-            os._exit(1)
+            try:
+                print(f"\nfineweb.py: worker {os.getpid()} stopped: its main process is gone (killed?); the same "
+                      "command goes on from the last shard written", file=sys.stderr, flush=True)
+            except OSError:  # stderr gone with it (a pipe to a killed tee): stop all the same
+                pass
+            finally:
+                os._exit(1)
 
     if not hasattr(signal, "SIGUSR1"):
         return

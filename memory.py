@@ -76,11 +76,11 @@ def how_chosen(micro_batch_size, device_type):
 
 
 def choose_micro_batch(total_batch_size, ranks, model, layout, micro_step, memory=None):
-    """--micro-batch-size auto (off CUDA: UNFITTED or fewer): the largest size whose plan (layout: a Layout) fits
-    under (1 - MARGIN) of the GPU (of its share, where processes share it), checked by a trial of
-    micro_step(model, x, y, sync); where its
+    """--micro-batch-size auto (off CUDA: UNFITTED or fewer): the largest size whose plan fits under (1 - MARGIN) of
+    the GPU (of its share, where processes share it), checked by a trial of micro_step(model, x, y, sync); where its
     peak is over, the largest size its growth allows (tried again, except under FSDP). The ranks take the smallest by
-    one all-reduce. 1 where none divides the batch."""
+    one all-reduce. 1 where none divides the batch. Of layout (a Layout) it reads the dtype and the block size: the
+    sharding and the activation checkpointing it reads from the model, as they are."""
     dtype, block_size = layout.dtype, layout.block_size
     per_rank, rem = divmod(total_batch_size, block_size * ranks.world_size)
     # the sizes that divide this rank's share of the batch, ascending; beyond 128 only memory is spent
@@ -120,7 +120,7 @@ def choose_micro_batch(total_batch_size, ranks, model, layout, micro_step, memor
     return b
 
 
-def memory_plan(model, layout, micro_batch, world_size=1, optimizer=None):
+def memory_plan(model, layout, micro_batch, world_size, optimizer=None):
     """Estimated bytes each GPU holds at the peak of a training step of `model` (a GPT: it says what a step holds in
     activations and how its parameters fall into units) laid out as layout says over world_size ranks, at
     micro_batch rows, to choose settings by: it leaves out the CUDA context,

@@ -277,7 +277,7 @@ def on_the_run(args, out, compiles):
         "hellaswag": Step([PY, "hellaswag.py", "--model", log_dir, "--data-file", items, "--device", args.device,
                            "--json"] + (["--compile"] if compiles else [])),
         "sample": Step([PY, "sample.py", "--model", log_dir, "--device", args.device, "--num-samples", "2",
-                        "--max-new-tokens", "64", "--seed", "1"]),
+                        "--max-new-tokens", "24" if args.small else "64", "--seed", "1"]),  # within --small's context
         "syncs": Step([PY, "-c", SYNCS, args.data_dir, args.device]),
         "probe": Step([PY, "-c", PROBE, "train_gpt2.py"] + trainer("probe", max_steps=3)),
         # a step of a million tokens per micro-batch runs out of memory on any GPU: the snapshot is written

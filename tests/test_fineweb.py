@@ -248,21 +248,26 @@ def test_a_worker_blocked_on_a_full_pipe_says_its_main_process_is_gone(tmp_path)
     if main == 0:  # the main process: one worker, a pipe it never reads, then a kill -9
         try:
             r, w = os.pipe()
+            ready_r, ready_w = os.pipe()
             if os.fork() == 0:
-                os.close(r)
-                os.close(alive_r)
-                sys.stderr = open(log, "w")
-                fineweb._stop_with_parent()
                 try:
+                    os.close(r)
+                    os.close(alive_r)
+                    sys.stderr = open(log, "w")
+                    fineweb._stop_with_parent()
+                    os.write(ready_w, b"r")
                     while True:
                         os.write(w, b"a result" * 8192)
                 except BrokenPipeError:
                     import traceback
                     traceback.print_exc()  # what a pool worker would show
-                os._exit(3)
+                finally:
+                    os._exit(3)
             os.close(w)
             os.close(alive_w)
-            time.sleep(1)  # the pipe full, the worker blocked in its write
+            os.close(ready_w)
+            os.read(ready_r, 1)  # the worker watches its parent now (or is gone: b"")
+            time.sleep(0.5)  # the pipe full, the worker blocked in its write
         finally:
             os.kill(os.getpid(), signal.SIGKILL)
     os.close(alive_w)

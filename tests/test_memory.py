@@ -65,7 +65,7 @@ def test_the_fsdp_plan_holds_its_two_largest_units_gathered():
         raw = GPT(GPTConfig(**CONFIG))
         model = parallel.wrap_model(raw, "fsdp", "cpu", "float32")
         T, b = CONFIG["block_size"], 4
-        plan = memory.memory_plan(raw, memory.Layout("bfloat16", T, "fsdp"), b)
+        plan = memory.memory_plan(raw, memory.Layout("bfloat16", T, "fsdp"), b, 1)
         assert raw.num_params(non_embedding=False) == 12_704 * 2 + 5_184
         assert memory.step_footprint(model, 1, "bfloat16", T, b) == plan["total"] + (2 + 4) * 2 * 12_704
     finally:
@@ -182,7 +182,7 @@ def test_the_memory_line_shows_each_part_of_a_small_model_beside_a_gpu():
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64))
     assert model.num_params(non_embedding=False) == 50304 * 64 + 64 * 64 + 2 * (12 * 64 ** 2 + 13 * 64) + 2 * 64
-    plan = memory.memory_plan(model, memory.Layout("bfloat16", 64), micro_batch=8)
+    plan = memory.memory_plan(model, memory.Layout("bfloat16", 64), micro_batch=8, world_size=1)
     assert memory.format_memory_plan(plan, capacity=80 * GIB) == (
         "per GPU: params 19.0 MiB + grads 12.7 MiB + AdamW 25.4 MiB + activations ~0.2 GiB = 0.3 GiB of 80.0 GiB")
     assert memory.size(512) == "0.5 KiB"
