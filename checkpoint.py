@@ -12,7 +12,6 @@ scripts. A checkpoint is one torch.save file holding the full, unsharded state, 
     config        every setting of the run (train_gpt2.py's resolved flags)
 """
 
-import glob
 import os
 import random
 import re
@@ -223,8 +222,8 @@ class Checkpointer:
                 "world_size": self.ranks.world_size, "config": self.config}
         path = checkpoint_path(self.log_dir, step)
         os.makedirs(self.log_dir, exist_ok=True)
-        for stale in glob.glob(os.path.join(glob.escape(self.log_dir), ".ckpt_*.pt.tmp*")):
-            os.remove(stale)  # left by a process killed mid-write; never read, since never renamed
+        for stale in common.left_by_kills(self.log_dir, "ckpt_*.pt"):
+            os.remove(stale)
         started = time.perf_counter()
         try:
             save_file(path, ckpt)

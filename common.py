@@ -331,6 +331,16 @@ def check_output_dir(path, flag):
                         "pass a directory you can write to")
 
 
+TMP = ".tmp"  # atomic_file's temporary beside path: .NAME.tmpPID
+
+
+def left_by_kills(directory, names="*"):
+    """The temporary files atomic_file left in directory for files named like names (a glob pattern) when a kill -9
+    cut its write short: never renamed, so never read."""
+    import glob
+    return glob.glob(os.path.join(glob.escape(directory), f".{names}{TMP}*"))
+
+
 def atomic_write(path, write_fn):
     """write_fn(f) into a temporary file beside path, then renamed over it: a kill leaves the old file or the new."""
     def write_file(tmp):
@@ -341,9 +351,10 @@ def atomic_write(path, write_fn):
 
 def atomic_file(path, write_path):
     """write_path(tmp) makes a temporary file beside path (by its name: for writers that open the file themselves),
-    which is fsynced and renamed over path: a failure or a kill leaves the old file or the new, and no temporary."""
+    which is fsynced and renamed over path: a failure or a kill leaves the old file or the new, and no temporary
+    (a kill -9 leaves one: left_by_kills finds it)."""
     d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    tmp = os.path.join(d, f".{os.path.basename(path)}{TMP}{os.getpid()}")
     try:
         write_path(tmp)
         fd = os.open(tmp, os.O_RDONLY)

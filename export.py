@@ -112,8 +112,8 @@ def write(model, fmt, out, dtype=None, name="gpt2"):
     if fmt == "hf":
         return common.atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
     parent = os.path.dirname(os.path.abspath(out))
-    for stale in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(os.path.basename(out))}.tmp*")):
-        os.remove(stale)  # left by an export killed mid-write: never renamed, so never read
+    for stale in common.left_by_kills(parent, glob.escape(os.path.basename(out))):
+        os.remove(stale)
     common.atomic_file(out, lambda tmp: write_gguf(model, tmp, dtype or "f16", name))
 
 

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from common import ArgumentParser, UserError, atomic_write, check_output_dir, out_of_space, run_main
+from common import ArgumentParser, UserError, atomic_write, check_output_dir, left_by_kills, out_of_space, run_main
 from fineweb_source import check_utf8, describe, describe_source, load_source, read_tasks, text_bytes
 from metrics import versions
 from shard_format import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, TOKENIZER, intact, read_manifest, sha256_file,
@@ -302,10 +302,11 @@ def previous_run(out_dir, settings, max_tokens):
 def remove_stale(out_dir, prefix, keep):
     """Delete shards past the kept ones and temporary files left by a kill."""
     kept = {s["name"] for s in keep}
+    temporaries = {os.path.basename(path) for path in left_by_kills(out_dir)}
     for f in os.listdir(out_dir):
         m = SHARD_RE.match(f)
         stale_shard = m and m.group("prefix") == prefix and f not in kept
-        if stale_shard or (f.startswith(".") and ".tmp" in f):
+        if stale_shard or f in temporaries:
             os.remove(os.path.join(out_dir, f))
 
 

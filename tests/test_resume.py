@@ -771,7 +771,7 @@ class DiskFull(io.RawIOBase):
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch, train_in_process):
     """The disk fills while the step-6 checkpoint is written: torch's zip writer turns the OSError
     into its own RuntimeError ("unexpected pos"); the run still ends in one line, with the step-3
-    checkpoint whole and no temporary file left."""
+    checkpoint whole and no temporary file left (nor the one a kill -9 mid-write left before)."""
     real = checkpoint.atomic_write
 
     def filling(path, write_fn):
@@ -780,6 +780,9 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path
         return real(path, lambda f: write_fn(DiskFull(f, 4096)))
     monkeypatch.setattr(checkpoint, "atomic_write", filling)
     log_dir = str(tmp_path / "log")
+    os.makedirs(log_dir)
+    with open(os.path.join(log_dir, ".ckpt_000009.pt.tmp4242"), "wb") as f:
+        f.write(b"half a checkpoint")
     with pytest.raises(common.UserError, match=r"ckpt_000006.pt \(no space left on its disk\)") as e:
         train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3))
     assert "ckpt_000003.pt is intact" in str(e.value) and "\n" not in str(e.value)
