@@ -9,14 +9,13 @@ The defaults reproduce GPT-2 124M on FineWeb-Edu 10B: 524,288 tokens per step, 1
 as a run goes: main and train, setup (everything the loop needs, on a Run), the loop, one step.
 """
 
-import dataclasses
 import gc
 import math
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -439,8 +438,7 @@ def micro_step(parts, x, y, sync, timer):
 def trial_step(parts):
     """The auto-fit's micro-step, micro_step(model, x, y, sync) (memory.choose_micro_batch): one micro-batch a step."""
     timer = PhaseTimer(parts.ranks.device)
-    return lambda model, x, y, sync: micro_step(dataclasses.replace(parts, model=model, grad_accum=1), x, y, sync,
-                                                timer)
+    return lambda model, x, y, sync: micro_step(replace(parts, model=model, grad_accum=1), x, y, sync, timer)
 
 
 if __name__ == "__main__":
