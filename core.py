@@ -307,4 +307,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    common.run_script(main)

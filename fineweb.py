@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from common import ArgumentParser, UserError, atomic_write, check_output_dir, left_by_kills, out_of_space, run_main
+from common import ArgumentParser, UserError, atomic_write, check_output_dir, left_by_kills, out_of_space, run_script
 from fineweb_source import check_utf8, describe, describe_source, load_source, read_tasks, text_bytes
 from metrics import versions
 from shard_format import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, TOKENIZER, intact, read_manifest, sha256_file,
@@ -446,4 +446,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_script(main)

@@ -161,4 +161,4 @@ def main(argv=None, stdin=None, stdout=None):
 if __name__ == "__main__":
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a console that can't show a character gets '?'
-    common.run_main(main)
+    common.run_script(main)

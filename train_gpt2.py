@@ -69,7 +69,8 @@ def train(argv=None):
         # gathered tensor (a hang at the end of a run; pytorch/pytorch#56297). The run and the evaluations, which
         # hold the model, go first.
         del run, evaluations
-        gc.collect()
+        if torch.distributed.is_initialized():
+            gc.collect()
     finally:
         log.close()
     # not after an error: a rank's destroy_process_group can wait there, in NCCL's finalize, for the
@@ -442,4 +443,4 @@ def trial_step(parts):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    common.run_script(main)

@@ -550,4 +550,4 @@ def collect(out, results):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_main(main))
+    sys.exit(common.run_script(main))

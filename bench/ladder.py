@@ -643,4 +643,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(common.run_main(main))
+    sys.exit(common.run_script(main))

@@ -1,6 +1,7 @@
 """Fixtures shared by the test modules: network probes for the tests that need the internet,
 the tiny random GPT that the HellaSwag and sampling tests score and sample from, and an
 nvidia-smi that lists GPUs this machine does not have."""
+import gc
 import os
 import socket
 import sys
@@ -13,9 +14,17 @@ import warm  # noqa: F401  (the environment the tests' processes start in, taken
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+# the test modules (rewritten by pytest for its assertions) and the project's are compiled once, into __pycache__
+# (ignored by git), where the environment says not to write bytecode: each worker and launch compiles them otherwise
+sys.dont_write_bytecode = False
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # the workers share the cores: OpenMP threads of one would wait on cores busy with another's
     torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session):
+    # what the imports made lives as long as the process: the collections after each run need not walk it again
+    gc.freeze()
 
 
 def reachable(host, port=443, timeout=3.0):

@@ -99,3 +99,16 @@ def test_what_could_start_differently_starts_cold(tmp_path):
     assert subprocess.run([runs.python(), "-c", probe], capture_output=True, text=True,
                           env=runs.ENV).stdout == "True\n"  # the same, warm
     assert warm.import_time(runs.ENV) == warm.import_time(dict(runs.ENV, TORCHELASTIC_RUN_ID="x"))
+
+
+def test_a_script_leaves_what_it_imported_out_of_the_collections():
+    """common.run_script, every script's entry point, freezes what exists when main starts (gc.freeze), so that no
+    collection walks it again, the interpreter's exit least of all."""
+    import gc
+
+    import common
+    gc.collect()
+    imported = [[] for _ in range(1000)]  # containers made before main, as an import makes them
+    before = gc.get_freeze_count()
+    frozen = common.run_script(lambda: gc.get_freeze_count())
+    assert frozen >= before + len(imported)

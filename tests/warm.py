@@ -19,6 +19,7 @@ from the zygote's in what torch, Triton, OpenMP or Python read when they are imp
 PYTHONPATH, ...). Tests whose subject is the process itself (a kill -9, a closed stdout, an old torch, a memory
 limit, torchrun's restarts, SLURM) use sys.executable."""
 import atexit
+import gc
 import json
 import os
 import select
@@ -149,6 +150,8 @@ def serve(path, parent):
         importlib.import_module(name)
     import tokenizer
     tokenizer.get_tokenizer()  # the BPE tables, built once
+    # what the imports made lives as long as the children: their collections need not walk it (nor copy its pages)
+    gc.freeze()
     set_by_imports = {k: v for k, v in os.environ.items() if k not in before}
     mine = import_time(before, set_by_imports)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the keepers are reaped by the kernel
