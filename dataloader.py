@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -89,6 +90,18 @@ def open_shard(path, tokens, fix):
     return arr
 
 
+@dataclass(frozen=True)
+class Data:
+    """The data's settings: the directory of the shards (fineweb.py's), the vocabulary every token must lie in,
+    the per-epoch shuffle (None: in order), where batches go, and whether the next one is made in the background
+    (None: on CUDA)."""
+    data_dir: str
+    vocab_size: int = GPT2_VOCAB_SIZE
+    shuffle_seed: int = None
+    device: str = "cpu"
+    prefetch: bool = None
+
+
 class TokenLoader:
     """(x, y) batches of B×T int64 next-token pairs from one split's shards. The shards form one token stream (in
     name order, or permuted per epoch with shuffle_seed), cut into sequences of T tokens: sequence s is
@@ -99,30 +112,32 @@ class TokenLoader:
     rank's restores every rank, with any batch size. With prefetch (default on CUDA) the next batch is made by a
     background thread into pinned memory and copied with non_blocking=True."""
 
-    def __init__(self, data_dir, split, batch_size, seq_len, rank=0, world_size=1,
-                 vocab_size=GPT2_VOCAB_SIZE, shuffle_seed=None, device="cpu", prefetch=None, whole_batches=True):
-        self.data_dir, self.split = data_dir, split
-        self.B, self.T, self.rank, self.world_size = batch_size, seq_len, rank, world_size
-        self.vocab_size, self.shuffle_seed = vocab_size, shuffle_seed
-        self.device = torch.device(device)
-        names, self.shards, self.manifest = find_shards(data_dir, split, vocab_size)
+    def __init__(self, data, split, batch_size, seq_len, ranks=None, whole_batches=True):
+        """data: a Data, or the shards' directory (Data(directory)); ranks: the rank served and how many there are
+        (parallel.Ranks; None: one process); whole_batches=False (validation, which fills a short last batch): one
+        sequence on every rank will do."""
+        data = data if isinstance(data, Data) else Data(data)
+        self.data_dir, self.split, self.B, self.T = data.data_dir, split, batch_size, seq_len
+        self.rank, self.world_size = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
+        self.vocab_size, self.shuffle_seed = data.vocab_size, data.shuffle_seed
+        self.device = torch.device(data.device)
+        names, self.shards, self.manifest = find_shards(self.data_dir, split, self.vocab_size)
         self.sizes = [len(s) for s in self.shards]
         self.num_tokens = sum(self.sizes)
         self.tokens_per_batch = batch_size * seq_len
         self.num_sequences = (self.num_tokens - 1) // seq_len  # in one epoch
-        self.batches_per_epoch = self.num_sequences // (world_size * batch_size)  # whole batches, per rank
-        # whole_batches=False (validation, which fills a short last batch): one sequence on every rank will do
+        self.batches_per_epoch = self.num_sequences // (self.world_size * batch_size)  # whole batches, per rank
         per_rank, what = (batch_size, "batch") if whole_batches else (1, "sequence")
-        if self.num_sequences < world_size * per_rank:
-            need = world_size * per_rank * seq_len + 1
-            raise UserError(f"the {split} split of {data_dir} has {self.num_tokens:,} tokens, fewer than one {what} "
-                            f"on every rank ({world_size}×{per_rank}×{seq_len}+1 = {need:,}): use a smaller batch "
+        world = self.world_size
+        if self.num_sequences < world * per_rank:
+            need = world * per_rank * seq_len + 1
+            raise UserError(f"the {split} split of {self.data_dir} has {self.num_tokens:,} tokens, fewer than one "
+                            f"{what} on every rank ({world}×{per_rank}×{seq_len}+1 = {need:,}): use a smaller batch "
                             "size / sequence length, or prepare more data with python fineweb.py")
         self.fingerprint = hashlib.sha256(json.dumps([split, names, self.sizes]).encode()).hexdigest()[:16]
         self.position = 0  # sequences handed out so far, over all ranks
         self._layout_cache = None
-        if prefetch is None:
-            prefetch = self.device.type == "cuda"
+        prefetch = self.device.type == "cuda" if data.prefetch is None else data.prefetch
         self._pin = prefetch and self.device.type == "cuda"
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="TokenLoader") if prefetch else None
         self._ahead = None  # ((position, size), future) being made in the background

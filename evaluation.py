@@ -4,7 +4,8 @@ nothing of an evaluation that is off is read), starts with what the run gives it
 log), runs every N steps and at the last, and is stoppable by a stop request. What it records describes itself
 (describe, in the run record): the log's checks, the plot, the summary and the trackers learn its kind from there.
 
-A new evaluation: a class deriving Evaluation in a file of its own, and one line that registers it (register()).
+A new evaluation: a class deriving Evaluation in a file of its own, with its flags (add_flags: they join the trainer's
+command line, with their ranges and paths), and one line that registers it (register()).
 """
 
 import functools
@@ -19,6 +20,8 @@ import dataloader
 import device
 import parallel
 from common import UserError
+
+DEFAULT_VAL_TOKENS = 10485760
 
 
 @dataclass
@@ -44,6 +47,16 @@ class Evaluation:
     best = "max"                 # or "min"
     panel = None                 # the plot's panel it joins (None: one of its own)
     agree_after = False          # True: the ranks meet after it, whatever it returned (not every rank runs it)
+    ranges = {}                  # {its numeric flag: "at least 1", "0 or more", ...}: train_config.BOUNDS checks it
+    paths = ()                   # its flags that name files: stored absolute, so a resume elsewhere reads the same
+
+    @staticmethod
+    def add_flags(add):
+        """Its command-line flags, among the trainer's (add: the parser's add_argument); its settings are theirs."""
+
+    @staticmethod
+    def defaults(args):
+        """Its flags' defaults that depend on other settings, set in the parsed args."""
 
     def __init__(self, every):
         self.every = every
@@ -82,6 +95,19 @@ class Validation(Evaluation):
     """The mean loss over the val split's first sequences: --val-tokens, at most the whole split, counted in
     sequences of each rank, so that a resume with another micro-batch validates the same tokens."""
     kind, field, label, best, panel = "val", "val_loss", "val loss", "min", "loss"
+    ranges = {"eval_every": "0 or more", "val_tokens": "at least 1"}
+
+    @staticmethod
+    def add_flags(add):
+        add("--eval-every", type=int, default=250, help="validation loss every N steps; 0 = off (default: 250)")
+        add("--val-tokens", type=int, help=f"tokens per validation, at most the whole val split (default: "
+                                           f"{DEFAULT_VAL_TOKENS}, or a quarter of those trained between validations)")
+
+    @staticmethod
+    def defaults(args):
+        if args.val_tokens is None:
+            between = args.eval_every * args.total_batch_size // 4  # validation costs at most ~10% of training
+            args.val_tokens = min(DEFAULT_VAL_TOKENS, between) if args.eval_every else DEFAULT_VAL_TOKENS
 
     def __init__(self, every, data_dir, val_tokens):
         super().__init__(every)
@@ -94,8 +120,8 @@ class Validation(Evaluation):
     def start(self, ctx):
         super().start(ctx)
         ranks, config = ctx.ranks, ctx.raw_model.config
-        self.loader = dataloader.TokenLoader(self.data_dir, "val", ctx.micro_batch, config.block_size, ranks.rank,
-                                             ranks.world_size, config.vocab_size, device=ranks.device,
+        data = dataloader.Data(self.data_dir, config.vocab_size, device=ranks.device)
+        self.loader = dataloader.TokenLoader(data, "val", ctx.micro_batch, config.block_size, ranks,
                                              whole_batches=False)  # a short last batch is filled: one sequence will do
         split = self.loader.num_sequences
         self.sequences = max(1, min(self.val_tokens // config.block_size, split) // ranks.world_size)
@@ -164,6 +190,13 @@ def named(cfg, flag, every):
 class HellaSwag(Scored):
     kind, field, label = "hellaswag", "acc_norm", "HellaSwag"
     every_flag, data_flag = "hellaswag_every", "hellaswag_file"
+    ranges, paths = {"hellaswag_every": "0 or more", "hellaswag_limit": "at least 1"}, ("hellaswag_file",)
+
+    @staticmethod
+    def add_flags(add):
+        add("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps; 0 = off (default: 250)")
+        add("--hellaswag-file", help="local hellaswag_val.jsonl (default: download once to the cache)")
+        add("--hellaswag-limit", type=int, help="score only the first N HellaSwag items (default: all 10,042)")
 
     @staticmethod
     def read(cfg):
@@ -179,6 +212,13 @@ class HellaSwag(Scored):
 class Core(Scored):
     kind, field, label = "core", "core", "CORE"
     every_flag, data_flag = "core_every", "core_bundle"
+    ranges, paths = {"core_every": "0 or more", "core_limit": "at least 1"}, ("core_bundle",)
+
+    @staticmethod
+    def add_flags(add):
+        add("--core-every", type=int, default=0, help="CORE (core.py) every N steps; 0 = off (default: 0)")
+        add("--core-bundle", help="the unzipped DCLM eval_bundle for CORE (default: download it once to the cache)")
+        add("--core-limit", type=int, default=500, help="items per CORE task (default: 500, as nanochat's training)")
 
     @staticmethod
     def read(cfg):
@@ -207,6 +247,14 @@ class Samples(Evaluation):
     collective (and so unstoppable). A failure is one line and training goes on, but under FSDP, where the ranks would
     no longer meet in the same collectives, it ends the run. After step 0: the untrained model's text says nothing."""
     agree_after = True
+    ranges = {"sample_every": "0 or more", "num_samples": "at least 1", "sample_tokens": "at least 1"}
+
+    @staticmethod
+    def add_flags(add):
+        add("--sample-every", type=int, default=250, help="print samples every N steps; 0 = off (default: 250)")
+        add("--sample-prompt", default="Hello, I'm a language model,", help="prompt for the samples")
+        add("--num-samples", type=int, default=4, help="samples each time (default: 4)")
+        add("--sample-tokens", type=int, default=32, help="new tokens per sample (default: 32)")
 
     def __init__(self, every, prompt, num_samples, sample_tokens):
         super().__init__(every)

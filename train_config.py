@@ -12,11 +12,11 @@ import os
 import secrets
 
 import common
+import evaluation
 from common import UserError
 from model import BLOCKS, PRESETS
 
 DEFAULT_WARMUP = 715  # build-nanogpt's 375M tokens of warm-up, as in the GPT-3 paper, at 2**19 tokens/step
-DEFAULT_VAL_TOKENS = 10485760
 DEFAULT_MUON_LR = 0.02  # Keller Jordan's Muon and nanochat's matrix learning rate (BENCHMARKS.md: the sweep)
 
 
@@ -75,20 +75,9 @@ def build_parser(description=None):
     a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this; 0 = off (default: 1.0)")
     a("--on-nonfinite", choices=["stop", "skip"], default="stop",
       help="a NaN/inf loss or gradient norm: stop the run (default) or skip that step")
-    # evaluation, sampling, checkpoints
-    a("--eval-every", type=int, default=250, help="validation loss every N steps; 0 = off (default: 250)")
-    a("--val-tokens", type=int, help=f"tokens per validation, at most the whole val split (default: "
-                                     f"{DEFAULT_VAL_TOKENS}, or a quarter of those trained between validations)")
-    a("--hellaswag-every", type=int, default=250, help="HellaSwag every N steps; 0 = off (default: 250)")
-    a("--hellaswag-file", help="local hellaswag_val.jsonl (default: download once to the cache)")
-    a("--hellaswag-limit", type=int, help="score only the first N HellaSwag items (default: all 10,042)")
-    a("--core-every", type=int, default=0, help="CORE (core.py) every N steps; 0 = off (default: 0)")
-    a("--core-bundle", help="the unzipped DCLM eval_bundle for CORE (default: download it once to the cache)")
-    a("--core-limit", type=int, default=500, help="items per CORE task (default: 500, as nanochat's training)")
-    a("--sample-every", type=int, default=250, help="print samples every N steps; 0 = off (default: 250)")
-    a("--sample-prompt", default="Hello, I'm a language model,", help="prompt for the samples")
-    a("--num-samples", type=int, default=4, help="samples each time (default: 4)")
-    a("--sample-tokens", type=int, default=32, help="new tokens per sample (default: 32)")
+    # evaluation, sampling (each evaluation's own: evaluation.py), checkpoints
+    for ev in evaluation.REGISTRY:
+        ev.add_flags(a)
     a("--checkpoint-every", type=int, default=5000, help="checkpoint every N steps and at the end (default: 5000)")
     a("--keep-checkpoints", type=int, default=2, help="keep the last K checkpoints (default: 2)")
     a("--resume", nargs="?", const="latest",
@@ -140,18 +129,20 @@ def step_window(text):
     return int(first), int(last)
 
 
-# Every numeric flag's range, checked right after parsing: (flags, test, what the test asks for).
-RANGES = [
-    (("n_layer", "n_head", "n_embd", "block_size", "total_batch_size", "max_steps", "keep_checkpoints",
-      "val_tokens", "hellaswag_limit", "core_limit", "num_samples", "sample_tokens"), lambda v: v >= 1, "at least 1"),
-    (("warmup_steps", "eval_every", "hellaswag_every", "core_every", "sample_every", "checkpoint_every",
-      "timing_breakdown", "shuffle_seed", "weight_decay", "grad_clip"), lambda v: v >= 0, "0 or more"),
-    (("max_lr", "eps", "dist_timeout", "muon_lr"), lambda v: v > 0, "a positive number"),
-    (("beta1", "beta2", "muon_momentum"), lambda v: 0 <= v < 1, "at least 0 and below 1"),
-    (("min_lr_ratio",), lambda v: 0 <= v <= 1, "between 0 and 1"),
-    # the seed goes to numpy too (np.random.seed), which takes nothing outside 0..2**32-1
-    (("seed",), lambda v: 0 <= v < 2 ** 32, "between 0 and 2**32-1 = 4294967295"),
-]
+# Every numeric flag's range, checked right after parsing: {what the range asks for: its test}, and the flags in each
+# (an evaluation's own in its `ranges`).
+BOUNDS = {"at least 1": lambda v: v >= 1, "0 or more": lambda v: v >= 0, "a positive number": lambda v: v > 0,
+          "at least 0 and below 1": lambda v: 0 <= v < 1, "between 0 and 1": lambda v: 0 <= v <= 1,
+          # the seed goes to numpy too (np.random.seed), which takes nothing outside 0..2**32-1
+          "between 0 and 2**32-1 = 4294967295": lambda v: 0 <= v < 2 ** 32}
+RANGES = {
+    **dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size", "total_batch_size", "max_steps",
+                     "keep_checkpoints"), "at least 1"),
+    **dict.fromkeys(("warmup_steps", "checkpoint_every", "timing_breakdown", "shuffle_seed", "weight_decay",
+                     "grad_clip"), "0 or more"),
+    **dict.fromkeys(("max_lr", "eps", "dist_timeout", "muon_lr"), "a positive number"),
+    **dict.fromkeys(("beta1", "beta2", "muon_momentum"), "at least 0 and below 1"),
+    "min_lr_ratio": "between 0 and 1", "seed": "between 0 and 2**32-1 = 4294967295"}
 
 # --resume takes every setting of the run from its checkpoint. A flag given on the command line that differs from the
 # stored run is applied, and printed, unless it would change the math in the middle of the run: those are refused. The
@@ -163,8 +154,8 @@ FIXED_ON_RESUME = ("model", *ARCHITECTURE, "block_size", "init_from", "total_bat
                    "optimizer")
 LAUNCH_ONLY = ("log_dir", "resume", "profile_steps", "memory_snapshot")
 # stored absolute, as resolved where the launch ran: a resume from another working directory reads the
-# same files, and a --resume given again is known for the same path (resolve)
-PATH_FLAGS = ("data_dir", "init_from", "hellaswag_file", "core_bundle", "resume")
+# same files, and a --resume given again is known for the same path (resolve); an evaluation's own in its `paths`
+PATH_FLAGS = ("data_dir", "init_from", "resume")
 
 
 def parse_args(argv=None, description=None):
@@ -182,22 +173,20 @@ def parse_args(argv=None, description=None):
             raise UserError(f"--micro-batch-size {args.micro_batch_size!r}: give a whole number or 'auto'")
         if args.micro_batch_size < 1:
             raise UserError("--micro-batch-size must be at least 1")
-    for names, test, what in RANGES:
-        for name in names:
-            value = getattr(args, name)
-            if value is not None and not (math.isfinite(value) and test(value)):
-                raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
+    for name, what in {**RANGES, **{k: v for ev in evaluation.REGISTRY for k, v in ev.ranges.items()}}.items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and BOUNDS[what](value)):
+            raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
     common.check_output_dir(args.log_dir, "--log-dir")
-    for name in PATH_FLAGS:
+    for name in PATH_FLAGS + tuple(p for ev in evaluation.REGISTRY for p in ev.paths):
         value = getattr(args, name)
         if value is not None and value != "latest" and (name != "init_from" or os.path.exists(value)):
             setattr(args, name, os.path.abspath(value))  # (an --init-from that is no file is a hub name)
     # defaults that scale with the run, resolved here so that the rest reads one value
     if args.warmup_steps is None:
         args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)
-    if args.val_tokens is None:
-        between = args.eval_every * args.total_batch_size // 4  # validation costs at most ~10% of training
-        args.val_tokens = min(DEFAULT_VAL_TOKENS, between) if args.eval_every else DEFAULT_VAL_TOKENS
+    for ev in evaluation.REGISTRY:
+        ev.defaults(args)
     return args
 
 

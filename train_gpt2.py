@@ -143,8 +143,8 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
     if cfg.total_batch_size % tokens_per_micro:
         raise UserError(f"--total-batch-size {cfg.total_batch_size} is not divisible by micro-batch x block "
                         f"size x GPUs = {micro_batch} x {cfg.block_size} x {ranks.world_size} = {tokens_per_micro}")
-    train_loader = dataloader.TokenLoader(cfg.data_dir, "train", micro_batch, cfg.block_size, ranks.rank,
-                                          ranks.world_size, raw_model.config.vocab_size, cfg.shuffle_seed, ranks.device)
+    data = dataloader.Data(cfg.data_dir, raw_model.config.vocab_size, cfg.shuffle_seed, ranks.device)
+    train_loader = dataloader.TokenLoader(data, "train", micro_batch, cfg.block_size, ranks)
     plotter = plot.PlotWriter(cfg.log_dir) if cfg.plot and ranks.is_master else None
     evaluations.start(evaluation.Context(ranks, log, model, raw_model, fsdp, dtype, micro_batch, cfg.total_batch_size,
                                          cfg.seed, plotter))

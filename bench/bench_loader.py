@@ -25,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dataloader import TokenLoader  # noqa: E402
+from dataloader import Data, TokenLoader  # noqa: E402
 
 
 def make_shards(d, n_shards, shard_tokens):
@@ -79,13 +79,13 @@ def main():
         for B, T in [(16, 1024), (64, 1024)]:
             for seed in (None, 1337):
                 for prefetch in (False, True):
-                    ld = TokenLoader(tmp, "train", B, T, shuffle_seed=seed, prefetch=prefetch)
+                    ld = TokenLoader(Data(tmp, shuffle_seed=seed, prefetch=prefetch), "train", B, T)
                     r = rate(ld, args.seconds)
                     order = "shuffled" if seed is not None else "sequential"
                     print(f"B={B:3d} T={T} {order:10s} prefetch={'on ' if prefetch else 'off'}: "
                           f"{r / 1e6:7.1f}M tokens/s")
         for prefetch in (False, True):
-            ld = TokenLoader(tmp, "train", 64, 1024, shuffle_seed=1337, prefetch=prefetch)
+            ld = TokenLoader(Data(tmp, shuffle_seed=1337, prefetch=prefetch), "train", 64, 1024)
             print(f"B= 64 T=1024 shuffled   prefetch={'on ' if prefetch else 'off'}, 20 ms step between batches: "
                   f"the caller waits {stall(ld, 0.02) * 1e6:6.0f} us per batch")
     finally:

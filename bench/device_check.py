@@ -207,7 +207,7 @@ def count_syncs(data_dir, device):
     import torch
     import optim
     import train_gpt2
-    from dataloader import TokenLoader
+    from dataloader import Data, TokenLoader
     from device import bf16_supported, muon_dtype
     from model import GPT, GPTConfig
     from parallel import Ranks
@@ -219,7 +219,7 @@ def count_syncs(data_dir, device):
             opt = optim.configure(model, optim.Settings(0.1, 6e-4, muon_lr=0.02 if name == "muon" else None),
                                   device_type="cuda", muon_dtype=muon_dtype(device))
             scaler = torch.amp.GradScaler("cuda", enabled=dtype == "float16")
-            loader = TokenLoader(data_dir, "train", 4, 256, device=device)
+            loader = TokenLoader(Data(data_dir, device=device), "train", 4, 256)
 
             def step():
                 train_gpt2.train_step(train_gpt2.StepParts(model, opt, scaler, Ranks(device=device), dtype, 2, 1.0),

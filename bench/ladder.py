@@ -64,7 +64,7 @@ import profiling  # noqa: E402
 import train_config  # noqa: E402
 import train_gpt2  # noqa: E402
 from common import UserError, first_line  # noqa: E402
-from dataloader import TokenLoader  # noqa: E402
+from dataloader import Data, TokenLoader  # noqa: E402
 from model import GPT, GPT2_VOCAB_SIZE, PADDED_VOCAB_SIZE, PRESETS, GPTConfig  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def run_rung(spec):
                            muon_lr=TRAIN.muon_lr if s["optimizer"] == "muon" else None)
         optimizer = optim.configure(raw_model, settings, kind, fused=s["fused_adamw"], muon_dtype=muon_dtype(device))
         scaler = torch.amp.GradScaler(kind, enabled=(dtype == "float16"))
-        loader = TokenLoader(spec["data_dir"], "train", B, T, device=device, prefetch=s["prefetch"])
+        loader = TokenLoader(Data(spec["data_dir"], device=device, prefetch=s["prefetch"]), "train", B, T)
         result["build_s"] = time.perf_counter() - t0
 
         ranks = Ranks(device=device)

@@ -110,7 +110,7 @@ def test_shards_are_read_in_order_by_token_loader(tmp_path):
     ladder.write_shards(str(tmp_path), 1000, seed=0)
     tokens = np.load(tmp_path / ladder.SHARD_NAME).astype(np.int64)
     for prefetch in (False, True):
-        loader = ladder.TokenLoader(str(tmp_path), "train", 2, 8, prefetch=prefetch)
+        loader = ladder.TokenLoader(ladder.Data(str(tmp_path), prefetch=prefetch), "train", 2, 8)
         for i in range(3):
             x, y = loader.next_batch()
             assert x.shape == y.shape == (2, 8)
@@ -223,7 +223,7 @@ def test_a_cuda_loader_pins_its_batches_only_with_prefetch(tmp_path):
     """The prefetch rung adds the thread and the pinned, asynchronous copy; the rungs before it copy
     from pageable memory. (Pinning itself needs CUDA: here only the unpinned side can run.)"""
     ladder.write_shards(str(tmp_path), 1000, seed=0)
-    loader = ladder.TokenLoader(str(tmp_path), "train", 2, 8, device="cuda", prefetch=False)
+    loader = ladder.TokenLoader(ladder.Data(str(tmp_path), device="cuda", prefetch=False), "train", 2, 8)
     assert not loader._make(0, 2).is_pinned()
 
 

@@ -14,7 +14,10 @@ import dataloader  # noqa: E402
 import fineweb  # noqa: E402
 import shard_format  # noqa: E402
 from common import UserError, run_main  # noqa: E402
-from dataloader import TokenLoader  # noqa: E402
+from dataloader import Data, TokenLoader  # noqa: E402
+from parallel import Ranks  # noqa: E402
+
+TWO = Ranks(rank=0, world_size=2)  # rank 0 of two
 
 # odd sizes, one a single token, so windows cross shard ends at every offset
 TRAIN_SIZES = [37, 50, 13, 1, 61, 29]
@@ -45,9 +48,9 @@ def write_manifest(d, entries, complete=True, dtype="uint16"):
         json.dump(m, f)
 
 
-def epoch_batches(data_dir, split, B, T, world, **kw):
-    """All ranks' batches of the first epoch, as lists of (x, y) numpy arrays per rank."""
-    loaders = [TokenLoader(data_dir, split, B, T, rank=r, world_size=world, **kw) for r in range(world)]
+def epoch_batches(data_dir, split, B, T, world, **data):
+    """All ranks' batches of the first epoch, as lists of (x, y) numpy arrays per rank; data: Data's settings."""
+    loaders = [TokenLoader(Data(data_dir, **data), split, B, T, Ranks(rank=r, world_size=world)) for r in range(world)]
     n = loaders[0].batches_per_epoch
     return [[tuple(t.numpy() for t in ld.next_batch()) for _ in range(n)] for ld in loaders], loaders[0]
 
@@ -101,7 +104,7 @@ def test_wraps_to_next_epoch_and_reset(tmp_path):
     assert ld.position // ld.num_sequences == 1 and torch.equal(again[0], first[0][0])
     ld.reset()
     assert ld.position == 0 and torch.equal(ld.next_batch()[1], first[0][1])
-    sh = TokenLoader(d, "train", 2, 5, shuffle_seed=1)
+    sh = TokenLoader(Data(d, shuffle_seed=1), "train", 2, 5)
     e0 = [sh.next_batch()[0] for _ in range(sh.batches_per_epoch)]
     e1 = [sh.next_batch()[0] for _ in range(sh.batches_per_epoch)]
     assert any(not torch.equal(a, b) for a, b in zip(e0, e1))  # a new order every epoch
@@ -110,19 +113,19 @@ def test_wraps_to_next_epoch_and_reset(tmp_path):
 @pytest.mark.parametrize("seed,prefetch", [(None, False), (3, True)])
 def test_resume_sees_the_same_batches(tmp_path, seed, prefetch):
     d = make_shards(tmp_path, manifest=True)
-    kw = dict(rank=1, world_size=2, shuffle_seed=seed, prefetch=prefetch)
-    ref = TokenLoader(d, "train", 2, 3, **kw)
+    data, ranks = Data(d, shuffle_seed=seed, prefetch=prefetch), Ranks(rank=1, world_size=2)
+    ref = TokenLoader(data, "train", 2, 3, ranks)
     n = 3 * ref.batches_per_epoch + 2  # across epoch ends
     want = [ref.next_batch() for _ in range(n)]
-    a = TokenLoader(d, "train", 2, 3, **kw)
+    a = TokenLoader(data, "train", 2, 3, ranks)
     for _ in range(5):
         a.next_batch()
     sd = a.state_dict()
     assert sd["sequences"] == 5 * 2 * 2  # 5 batches of 2 ranks x 2; the one prefetched does not count
     json.dumps(sd)  # plain python types
-    b = TokenLoader(d, "train", 2, 3, **dict(kw, rank=0))
+    b = TokenLoader(data, "train", 2, 3, Ranks(rank=0, world_size=2))
     b.load_state_dict(sd)  # any rank's state restores every rank: they move in lockstep
-    b = TokenLoader(d, "train", 2, 3, **kw)
+    b = TokenLoader(data, "train", 2, 3, ranks)
     b.next_batch()
     b.load_state_dict(sd)
     for x, y in want[5:]:
@@ -132,14 +135,14 @@ def test_resume_sees_the_same_batches(tmp_path, seed, prefetch):
 
 def test_state_from_another_run_is_refused(tmp_path):
     d = make_shards(tmp_path / "a")
-    sd = TokenLoader(d, "train", 2, 3, world_size=2).state_dict()
+    sd = TokenLoader(d, "train", 2, 3, TWO).state_dict()
     with pytest.raises(UserError, match="sequence length"):
-        TokenLoader(d, "train", 2, 4, world_size=2).load_state_dict(sd)
+        TokenLoader(d, "train", 2, 4, TWO).load_state_dict(sd)
     with pytest.raises(UserError, match="shuffle seed"):
-        TokenLoader(d, "train", 2, 3, world_size=2, shuffle_seed=1).load_state_dict(sd)
+        TokenLoader(Data(d, shuffle_seed=1), "train", 2, 3, TWO).load_state_dict(sd)
     other = make_shards(tmp_path / "b", train_sizes=[40, 40, 40])
     with pytest.raises(UserError, match="data"):
-        TokenLoader(other, "train", 2, 3, world_size=2).load_state_dict(sd)
+        TokenLoader(other, "train", 2, 3, TWO).load_state_dict(sd)
     with pytest.raises(UserError, match="not from TokenLoader"):
         TokenLoader(d, "train", 2, 3).load_state_dict({"step": 3})
 
@@ -159,12 +162,13 @@ def test_resume_with_another_batch_size_reads_the_same_sequences_in_order(tmp_pa
             for ld in loaders:
                 rows += [tuple(r) for r in ld.next_batch()[0].tolist()]
         return rows
-    ref = [TokenLoader(d, "train", 2, T, r, world, shuffle_seed=seed) for r in range(world)]
+    data, ranks = Data(d, shuffle_seed=seed), [Ranks(rank=r, world_size=world) for r in range(world)]
+    ref = [TokenLoader(data, "train", 2, T, rank) for rank in ranks]
     want = sequences(ref, 3 * ref[0].batches_per_epoch)
-    first = [TokenLoader(d, "train", 2, T, r, world, shuffle_seed=seed) for r in range(world)]
+    first = [TokenLoader(data, "train", 2, T, rank) for rank in ranks]
     got = sequences(first, 5)
     sd = first[1].state_dict()
-    resumed = [TokenLoader(d, "train", new_batch, T, r, world, shuffle_seed=seed) for r in range(world)]
+    resumed = [TokenLoader(data, "train", new_batch, T, rank) for rank in ranks]
     for ld in resumed:
         ld.load_state_dict(sd)
     got += sequences(resumed, (len(want) - len(got)) // (world * new_batch))
@@ -181,7 +185,8 @@ def test_a_smaller_batch_takes_the_next_sequences_on_every_rank(tmp_path, prefet
     world, T = 2, 3
 
     def taken(sizes, B):
-        loaders = [TokenLoader(d, "train", B, T, r, world, prefetch=prefetch) for r in range(world)]
+        loaders = [TokenLoader(Data(d, prefetch=prefetch), "train", B, T, Ranks(rank=r, world_size=world))
+                   for r in range(world)]
         rows = set()
         for size in sizes:
             for ld in loaders:
@@ -228,8 +233,8 @@ def test_trainer_imports_no_writer():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_prefetch_matches_cpu(tmp_path):
     d = make_shards(tmp_path)
-    gpu = TokenLoader(d, "train", 2, 3, device="cuda", shuffle_seed=5)
-    cpu = TokenLoader(d, "train", 2, 3, shuffle_seed=5)
+    gpu = TokenLoader(Data(d, shuffle_seed=5, device="cuda"), "train", 2, 3)
+    cpu = TokenLoader(Data(d, shuffle_seed=5), "train", 2, 3)
     assert gpu._thread is not None
     for _ in range(2 * cpu.batches_per_epoch):
         (gx, gy), (cx, cy) = gpu.next_batch(), cpu.next_batch()
@@ -349,14 +354,14 @@ def test_the_vocabulary_check_at_its_boundary(tmp_path, manifest):
     """The train split's largest id is 190 (ids are positions; 10-token rows reach its last token): a vocabulary
     of 191 ids holds it, one of 190 does not, with a manifest (at once) and without (at the batch that holds it)."""
     d = make_shards(tmp_path, manifest=manifest)
-    ld = TokenLoader(d, "train", 1, 10, vocab_size=191)
+    ld = TokenLoader(Data(d, vocab_size=191), "train", 1, 10)
     assert max(int(ld.next_batch()[1].max()) for _ in range(ld.batches_per_epoch)) == 190
     if manifest:
         with pytest.raises(UserError, match=r"edufineweb_train_000006.npy holds token id 190, but the model's "
                                             r"vocabulary has 190 ids"):
-            TokenLoader(d, "train", 1, 10, vocab_size=190)
+            TokenLoader(Data(d, vocab_size=190), "train", 1, 10)
         return
-    ld = TokenLoader(d, "train", 1, 10, vocab_size=190)
+    ld = TokenLoader(Data(d, vocab_size=190), "train", 1, 10)
     with pytest.raises(UserError, match=r"^token id 190 in the train data of .* is >= the model's vocab_size 190"):
         for _ in range(ld.batches_per_epoch):
             ld.next_batch()
@@ -389,13 +394,13 @@ def test_shards_of_another_tokenizer_are_refused_with_the_command_that_retokeniz
 
 def test_token_ids_beyond_vocabulary(tmp_path):
     d = make_shards(tmp_path / "plain")  # no manifest: found when a batch holds one
-    ld = TokenLoader(d, "train", 2, 3, vocab_size=100)
+    ld = TokenLoader(Data(d, vocab_size=100), "train", 2, 3)
     with pytest.raises(UserError, match="vocab_size 100"):
         for _ in range(ld.batches_per_epoch):
             ld.next_batch()
     d = make_shards(tmp_path / "m", manifest=True)  # with a manifest: at once
     with pytest.raises(UserError, match="holds token id 1[0-9][0-9].*vocabulary has 100"):
-        TokenLoader(d, "train", 2, 3, vocab_size=100)
+        TokenLoader(Data(d, vocab_size=100), "train", 2, 3)
     # a shard whose manifest vouched for its ids, changed since: damaged, not another tokenizer's
     ld = TokenLoader(d, "train", 2, 3)
     arr = np.load(os.path.join(d, "edufineweb_train_000001.npy"), mmap_mode="r+")
@@ -412,13 +417,13 @@ def test_split_shorter_than_one_batch(tmp_path):
     with pytest.raises(UserError, match=r"fewer than one batch.*smaller batch"):
         TokenLoader(d, "val", 8, 8)  # 41 tokens < 65
     with pytest.raises(UserError, match="fewer than one batch"):
-        TokenLoader(d, "val", 2, 11, world_size=2)  # 41 < 2*2*11+1
-    TokenLoader(d, "val", 2, 10, world_size=2)  # 41 = 2*2*10+1: exactly one batch per rank
+        TokenLoader(d, "val", 2, 11, TWO)  # 41 < 2*2*11+1
+    TokenLoader(d, "val", 2, 10, TWO)  # 41 = 2*2*10+1: exactly one batch per rank
     # validation fills a short last batch: one sequence on every rank will do
     assert TokenLoader(d, "val", 8, 8, whole_batches=False).num_sequences == 5
-    TokenLoader(d, "val", 8, 20, world_size=2, whole_batches=False)  # 41 = 2*20+1
+    TokenLoader(d, "val", 8, 20, TWO, whole_batches=False)  # 41 = 2*20+1
     with pytest.raises(UserError, match=r"fewer than one sequence on every rank \(2×1×21\+1 = 43\)"):
-        TokenLoader(d, "val", 8, 21, world_size=2, whole_batches=False)
+        TokenLoader(d, "val", 8, 21, TWO, whole_batches=False)
 
 
 def test_broken_shards_and_manifests(tmp_path):

@@ -243,7 +243,7 @@ def ddp_probe_against_the_step(ranks, tmp):
     optimizer keeps no state, so its peak is the micro-steps' (the fit adds AdamW's moments); after the fit the
     gradients are DDP's buckets, zeroed: the first real step starts from zero."""
     import train_gpt2
-    from dataloader import TokenLoader
+    from dataloader import Data, TokenLoader
     T, per_rank = CONFIG["block_size"], 4
     torch.manual_seed(0)
     raw = GPT(GPTConfig(**CONFIG))  # fp32, the bytes the plan's arithmetic assumes
@@ -252,7 +252,7 @@ def ddp_probe_against_the_step(ranks, tmp):
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     step = {}
     for b in (1, 2, 4):
-        data = TokenLoader(f"{tmp}/data", "train", b, T, ranks.rank, ranks.world_size, vocab_size=CONFIG["vocab_size"])
+        data = TokenLoader(Data(f"{tmp}/data", CONFIG["vocab_size"]), "train", b, T, ranks)
         one_step = functools.partial(train_gpt2.train_step,
                                      train_gpt2.StepParts(model, optimizer, scaler, ranks, "float32", per_rank // b),
                                      data)

@@ -8,7 +8,7 @@ import fineweb
 import plot
 import sample
 import train_config
-from runs import ROOT, records, run
+from runs import ROOT, records, run, tiny
 
 
 def tryout():
@@ -38,6 +38,20 @@ def test_the_readmes_tryout_parses_prepares_and_trains(tmp_path, monkeypatch):
     run(train + ["--data-dir", data, "--log-dir", log_dir, "--max-steps", "2", "--eval-every", "1"])
     val = records(log_dir, "val")
     assert [r["step"] for r in val] == [0, 1] and val[1]["val_loss"] < val[0]["val_loss"]
+
+
+def test_the_smallest_evaluation_of_the_training_guide_runs_as_printed(data_dir, tmp_path, monkeypatch):
+    """docs/training.md's smallest complete evaluation, run as printed: registered, its own flag given to the
+    trainer, it records its number at its steps and the last."""
+    import evaluation
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
+        code = f.read().split("The smallest complete one:\n\n```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.setattr(evaluation, "REGISTRY", list(evaluation.REGISTRY))  # the registration undone after the test
+    exec(compile(code, "docs/training.md", "exec"), {})
+    log_dir = str(tmp_path / "log")
+    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=4, wnorm_every=2))
+    norms = records(log_dir, "wnorm")
+    assert [r["step"] for r in norms] == [0, 2, 3] and all(r["norm"] > 1 for r in norms)
 
 
 def test_every_top_level_file_reads_in_one_sitting():

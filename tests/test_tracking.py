@@ -15,7 +15,7 @@ import checkpoint
 import metrics
 import trackers
 import runs
-from runs import ENV, FAULT_TRAINER, TRAIN, records, tiny, write_shards
+from runs import ENV, FAULT_TRAINER, TRAIN, records, run, tiny, write_shards
 
 TRACKED = dict(ENV, WANDB_MODE="offline", WANDB_SILENT="true")
 
@@ -213,19 +213,25 @@ def test_a_missing_package_is_one_line(monkeypatch):
 
 def test_a_registered_evaluation_is_logged_checked_replayed_summarised_and_plotted(data_dir, tmp_path, monkeypatch,
                                                                                   capsys, train_in_process):
-    """An evaluation defined here, registered with one line, in a launch and a resume: its records are logged with
-    their kind described in the run record; metrics.py checks them (one without its number is skipped with a
-    warning); the resume after a kill (no end record) replays them to W&B in the trainer's order; the summary and
-    the plot show them, none of metrics.py, trackers.py or plot.py told of them."""
+    """An evaluation defined here, registered with one line, in a launch and a resume: its own flag is the trainer's
+    (in --help, its range checked in one line, kept by the run for its resume); its records are logged with their
+    kind described in the run record; metrics.py checks them (one without its number is skipped with a warning); the
+    resume after a kill (no end record) replays them to W&B in the trainer's order; the summary and the plot show
+    them, none of train_config.py, metrics.py, trackers.py or plot.py told of them."""
     import evaluation
     import plot
 
     class Toy(evaluation.Evaluation):
         kind, field, label = "toy", "score", "Toy"
+        ranges = {"toy_every": "0 or more"}
+
+        @staticmethod
+        def add_flags(add):
+            add("--toy-every", type=int, default=0, help="the toy score every N steps; 0 = off (default: 0)")
 
         @classmethod
         def prepare(cls, cfg):
-            return cls(every=2)
+            return cls(cfg.toy_every) if cfg.toy_every else None
 
         def run(self, step, stop):
             self.record(step, f"toy {step / 10:.1f}", score=step / 10)
@@ -234,8 +240,11 @@ def test_a_registered_evaluation_is_logged_checked_replayed_summarised_and_plott
     evaluation.register(Toy)
 
     log_dir = str(tmp_path / "log")
+    assert "the toy score every N steps" in run(["--help"]).stdout
+    refused = run(tiny(data_dir=data_dir, log_dir=log_dir, toy_every=-1), check=False)
+    assert (refused.returncode, refused.stderr) == (2, "error: --toy-every must be 0 or more (got -1)\n")
     assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=6, checkpoint_every=3,
-                                 eval_every=0)) == 0
+                                 eval_every=0, toy_every=2)) == 0
     assert [r["score"] for r in records(log_dir, "toy")] == [0.0, 0.2, 0.4, 0.5]  # every 2 steps and the last
     assert records(log_dir, "run")[0]["evaluations"]["toy"] == dict(field="score", best="max", label="Toy", panel="toy")
     path = os.path.join(log_dir, metrics.METRICS_FILE)

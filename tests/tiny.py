@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 import optim
 import parallel
 import train_gpt2
-from dataloader import TokenLoader
+from dataloader import Data, TokenLoader
 from model import GPT, GPTConfig
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=100, padded_vocab_size=128)
@@ -46,7 +46,8 @@ def write_shard(data_dir):
 def loader(data_dir, rank, world):
     """One sequence per micro-batch; window k goes to rank k % world, so a step covers the same
     BATCH sequences whatever the world size and accumulation."""
-    return TokenLoader(data_dir, "train", 1, CONFIG["block_size"], rank, world, vocab_size=CONFIG["vocab_size"])
+    return TokenLoader(Data(data_dir, CONFIG["vocab_size"]), "train", 1, CONFIG["block_size"],
+                       parallel.Ranks(rank=rank, world_size=world))
 
 
 def train(model, optimizer, data, steps, ranks):
