@@ -7,6 +7,62 @@ from dataclasses import dataclass
 
 import torch
 
+from common import UserError
+
+DEFAULT_WARMUP = 715  # build-nanogpt's 375M tokens of warm-up, as in the GPT-3 paper, at 2**19 tokens/step
+DEFAULT_MUON_LR = 0.02  # Keller Jordan's Muon and nanochat's matrix learning rate (BENCHMARKS.md: the sweep)
+
+
+class Flags:
+    """This room's flags in the trainer's command line (train_config composes every room's): the schedule's and the
+    optimizers', their ranges, their defaults that scale with the run, and the checks between them."""
+    ranges = {**dict.fromkeys(("max_lr", "eps", "muon_lr"), "a positive number"),
+              **dict.fromkeys(("beta1", "beta2", "muon_momentum"), "at least 0 and below 1"),
+              "min_lr_ratio": "between 0 and 1", "warmup_steps": "0 or more", "weight_decay": "0 or more"}
+    paths = ()
+
+    @staticmethod
+    def add_flags(a):
+        a("--max-lr", type=float, default=6e-4, help="peak learning rate (default: 6e-4)")
+        a("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --max-lr (default: 0.1)")
+        a("--lr-schedule", choices=["cosine", "wsd"], default="cosine",
+          help="after warm-up: cosine decay (default), or wsd: hold the peak, then decay over the last 20%% of the run")
+        a("--warmup-steps", type=int, help=f"linear warm-up steps (default: {DEFAULT_WARMUP}, or 10%% of --max-steps "
+                                           "when that is fewer)")
+        a("--optimizer", choices=["adamw", "muon"], default="adamw",
+          help="adamw (default, GPT-2's recipe), or muon: Muon for the attention and MLP matrices, AdamW for the rest")
+        a("--muon-lr", type=float, default=DEFAULT_MUON_LR,
+          help=f"Muon's peak learning rate (default: {DEFAULT_MUON_LR})")
+        a("--muon-momentum", type=float, default=0.95, help="Muon's Nesterov momentum (default: 0.95)")
+        a("--weight-decay", type=float, default=0.1, help="AdamW weight decay on 2-D weights (default: 0.1)")
+        a("--beta1", type=float, default=0.9, help="AdamW beta1 (default: 0.9)")
+        a("--beta2", type=float, default=0.95, help="AdamW beta2 (default: 0.95)")
+        a("--eps", type=float, default=1e-8, help="AdamW epsilon (default: 1e-8)")
+
+    @staticmethod
+    def defaults(args):
+        if args.warmup_steps is None:
+            args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)
+
+    @staticmethod
+    def check(cfg, said):
+        """The checks between this room's flags, on the resolved settings (a refusal: UserError); said(name): a
+        setting as a refusal names it (as typed, or where its value came from)."""
+        for flag in ("muon_lr", "muon_momentum"):
+            if flag in cfg.given and cfg.optimizer != "muon":
+                raise UserError(f"--{flag.replace('_', '-')} is a setting of --optimizer muon, and this run uses "
+                                f"{cfg.optimizer}: add --optimizer muon, or drop it")
+        if cfg.warmup_steps > cfg.max_steps:
+            raise UserError(f"{said('warmup_steps')} is more than {said('max_steps')}: the run would end before the "
+                            f"learning rate reaches its peak; pass --warmup-steps {cfg.max_steps // 10} (or another "
+                            f"of at most {cfg.max_steps}), or raise --max-steps")
+
+    @staticmethod
+    def settle(values):
+        """What the resolved settings say for every reader: Muon's peak rate only where Muon trains."""
+        if values["optimizer"] != "muon":
+            values["muon_lr"] = None
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -92,9 +148,11 @@ class Optimizers:
         c = self.cfg
         self.apply_settings(c.weight_decay, (c.beta1, c.beta2), c.eps, c.muon_momentum)
 
-    def describe(self, auto_warmup):
-        """The run header's line: the peak rates, the warm-up (auto_warmup: 10% of the run, the default) and decay."""
+    def describe(self, resumed=False):
+        """The run header's line: the peak rates, the warm-up (a new run's default, 10% of a short run, says so) and
+        the decay."""
         c, muon = self.cfg, [opt for opt in self.optimizers if isinstance(opt, Muon)]
+        auto_warmup = not resumed and "warmup_steps" not in c.given and c.warmup_steps < DEFAULT_WARMUP
         matrices = f" (AdamW), Muon {c.muon_lr:g} on the block matrices" if muon else ""
         if muon and muon[0].ortho_dtype != torch.bfloat16:
             matrices += " (Newton-Schulz in float16: no bfloat16 on this GPU)"

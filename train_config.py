@@ -1,6 +1,7 @@
 """
 The trainer's settings: every flag with its unit and default, the range each numeric flag must lie in,
-the checks between flags, and which settings a resumed run may change. They are resolved once and then
+the checks between flags, and which settings a resumed run may change. A room that owns its settings declares
+them itself (optim.Flags, each evaluation class: their flags, ranges, paths, defaults and checks), composed here. They are resolved once and then
 only read: parse_args(argv), then resolve(args, resume), which puts a resumed run's own settings (its checkpoint,
 which checkpoint.resume_point found) under the flags the command line names. stored() is what checkpoints and the
 run header keep.
@@ -13,11 +14,10 @@ import secrets
 
 import common
 import evaluation
+import optim
 from common import UserError
 from model import BLOCKS, PRESETS
 
-DEFAULT_WARMUP = 715  # build-nanogpt's 375M tokens of warm-up, as in the GPT-3 paper, at 2**19 tokens/step
-DEFAULT_MUON_LR = 0.02  # Keller Jordan's Muon and nanochat's matrix learning rate (BENCHMARKS.md: the sweep)
 
 
 class Sharding(argparse.Action):
@@ -56,22 +56,9 @@ def build_parser(description=None):
     a("--micro-batch-size", default="auto", help="sequences per forward pass per GPU, or auto (default): on CUDA the "
                                                  "largest that fits and divides the batch; on a CPU (or MPS), with no "
                                                  "memory to fit, the largest that divides it up to 8")
-    # optimizer and schedule
+    # optimizer and schedule (the optimizers' own: optim.py)
     a("--max-steps", type=int, default=19073, help="optimizer steps (default: 19073 = 10B tokens / 2**19)")
-    a("--max-lr", type=float, default=6e-4, help="peak learning rate (default: 6e-4)")
-    a("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --max-lr (default: 0.1)")
-    a("--lr-schedule", choices=["cosine", "wsd"], default="cosine",
-      help="after warm-up: cosine decay (default), or wsd: hold the peak, then decay over the last 20%% of the run")
-    a("--warmup-steps", type=int, help=f"linear warm-up steps (default: {DEFAULT_WARMUP}, or 10%% of --max-steps "
-                                       "when that is fewer)")
-    a("--optimizer", choices=["adamw", "muon"], default="adamw",
-      help="adamw (default, GPT-2's recipe), or muon: Muon for the attention and MLP matrices, AdamW for the rest")
-    a("--muon-lr", type=float, default=DEFAULT_MUON_LR, help=f"Muon's peak learning rate (default: {DEFAULT_MUON_LR})")
-    a("--muon-momentum", type=float, default=0.95, help="Muon's Nesterov momentum (default: 0.95)")
-    a("--weight-decay", type=float, default=0.1, help="AdamW weight decay on 2-D weights (default: 0.1)")
-    a("--beta1", type=float, default=0.9, help="AdamW beta1 (default: 0.9)")
-    a("--beta2", type=float, default=0.95, help="AdamW beta2 (default: 0.95)")
-    a("--eps", type=float, default=1e-8, help="AdamW epsilon (default: 1e-8)")
+    optim.Flags.add_flags(a)
     a("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this; 0 = off (default: 1.0)")
     a("--on-nonfinite", choices=["stop", "skip"], default="stop",
       help="a NaN/inf loss or gradient norm: stop the run (default) or skip that step")
@@ -138,11 +125,8 @@ BOUNDS = {"at least 1": lambda v: v >= 1, "0 or more": lambda v: v >= 0, "a posi
 RANGES = {
     **dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size", "total_batch_size", "max_steps",
                      "keep_checkpoints"), "at least 1"),
-    **dict.fromkeys(("warmup_steps", "checkpoint_every", "timing_breakdown", "shuffle_seed", "weight_decay",
-                     "grad_clip"), "0 or more"),
-    **dict.fromkeys(("max_lr", "eps", "dist_timeout", "muon_lr"), "a positive number"),
-    **dict.fromkeys(("beta1", "beta2", "muon_momentum"), "at least 0 and below 1"),
-    "min_lr_ratio": "between 0 and 1", "seed": "between 0 and 2**32-1 = 4294967295"}
+    **dict.fromkeys(("checkpoint_every", "timing_breakdown", "shuffle_seed", "grad_clip"), "0 or more"),
+    "dist_timeout": "a positive number", "seed": "between 0 and 2**32-1 = 4294967295"}
 
 # --resume takes every setting of the run from its checkpoint. A flag given on the command line that differs from the
 # stored run is applied, and printed, unless it would change the math in the middle of the run: those are refused. The
@@ -173,21 +157,25 @@ def parse_args(argv=None, description=None):
             raise UserError(f"--micro-batch-size {args.micro_batch_size!r}: give a whole number or 'auto'")
         if args.micro_batch_size < 1:
             raise UserError("--micro-batch-size must be at least 1")
-    for name, what in {**RANGES, **{k: v for ev in evaluation.REGISTRY for k, v in ev.ranges.items()}}.items():
+    for name, what in {**RANGES, **{k: v for room in rooms() for k, v in room.ranges.items()}}.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and BOUNDS[what](value)):
             raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
     common.check_output_dir(args.log_dir, "--log-dir")
-    for name in PATH_FLAGS + tuple(p for ev in evaluation.REGISTRY for p in ev.paths):
+    for name in PATH_FLAGS + tuple(p for room in rooms() for p in room.paths):
         value = getattr(args, name)
         if value is not None and value != "latest" and (name != "init_from" or os.path.exists(value)):
             setattr(args, name, os.path.abspath(value))  # (an --init-from that is no file is a hub name)
     # defaults that scale with the run, resolved here so that the rest reads one value
-    if args.warmup_steps is None:
-        args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)
-    for ev in evaluation.REGISTRY:
-        ev.defaults(args)
+    for room in rooms():
+        room.defaults(args)
     return args
+
+
+def rooms():
+    """The rooms whose flags, ranges, paths, defaults and checks are their own: the optimizers' and each
+    evaluation's (registered ones included)."""
+    return [optim.Flags, *evaluation.REGISTRY]
 
 
 def check_relations(cfg, resumed=False):
@@ -197,10 +185,7 @@ def check_relations(cfg, resumed=False):
         return text if key in cfg.given else f"{text} ({'the run' if resumed else 'the default'}'s)"
     if cfg.total_batch_size % cfg.block_size:
         raise UserError(f"{said('total_batch_size')} is not a multiple of {said('block_size')}")
-    for flag in ("muon_lr", "muon_momentum"):
-        if flag in cfg.given and cfg.optimizer != "muon":
-            raise UserError(f"--{flag.replace('_', '-')} is a setting of --optimizer muon, and this run uses "
-                            f"{cfg.optimizer}: add --optimizer muon, or drop it")
+    optim.Flags.check(cfg, said)
     if cfg.init_from and not resumed:  # what it names exists, before a flag beside it is refused on its account
         import checkpoint
         checkpoint.model_kind(cfg.init_from)
@@ -214,10 +199,6 @@ def check_relations(cfg, resumed=False):
     if cfg.export_hf and not BLOCKS[cfg.block].exports:
         raise UserError(f"--export-hf writes GPT-2's Hugging Face format, and {said('block')} is another "
                         "architecture: drop --export-hf")
-    if cfg.warmup_steps > cfg.max_steps:
-        raise UserError(f"{said('warmup_steps')} is more than {said('max_steps')}: the run would end before the "
-                        f"learning rate reaches its peak; pass --warmup-steps {cfg.max_steps // 10} (or another of at "
-                        f"most {cfg.max_steps}), or raise --max-steps")
 
 
 # Resolving: the flags, then the stored run
@@ -238,8 +219,7 @@ def resolve(args, resume=None):
     new run): its own settings under the flags the command line names, then every check between them."""
     values = dict(vars(args))
     changes = stored_run(values, args.given, resume) if resume is not None else []
-    if values["optimizer"] != "muon":
-        values["muon_lr"] = None  # Muon's peak rate only where Muon trains: what every reader asks
+    optim.Flags.settle(values)
     if values["export_hf"] and "export_hf" not in args.given and not BLOCKS[values["block"]].exports:
         values["export_hf"] = False  # the variant's answer: no export where it is not GPT-2's architecture
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it

@@ -226,8 +226,7 @@ def write_header(run, origin, resume, changes):
     log.line(f"batch {cfg.total_batch_size} tokens/step = micro-batch {run.micro_batch} x {cfg.block_size} "
              f"tokens x {ranks.world_size} rank(s) x {run.grad_accum} accumulation step(s)"
              f"{memory.how_chosen(cfg.micro_batch_size, ranks.device_type)}{notes}")
-    auto_warmup = not resume_path and "warmup_steps" not in cfg.given and cfg.warmup_steps < train_config.DEFAULT_WARMUP
-    log.line(run.optimizer.describe(auto_warmup))
+    log.line(run.optimizer.describe(resumed=resume_path is not None))
     log.line(f"memory ({cfg.sharding if run.fsdp else 'DDP' if ranks.multi else 'one process'}"
              f"{', activation checkpointing' if cfg.activation_checkpointing else ''}): {memory_line}")
     log.record("memory", step=run.start_step, **plan)

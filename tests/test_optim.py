@@ -173,18 +173,22 @@ def test_muon_without_bf16_orthogonalises_in_another_dtype_and_steps_as_torch_do
 
 def test_the_optimizer_room_owns_its_settings_schedule_header_and_advice():
     """optim.build reads its own settings from the run's: the header's line, each step's rates, the settings put back
-    over a resumed state and the rates a diverged run lowers all come from optim.py; train_gpt2.py names no
+    over a resumed state and the rates a diverged run lowers all come from optim.py, and so do its flags, their ranges,
+    defaults and checks (optim.Flags, which train_config composes); neither train_gpt2.py nor train_config.py names an
     optimizer, so a new one is added here alone."""
     import os
     from types import SimpleNamespace
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_gpt2.py")) as f:
-        trainer = f.read().lower()
-    assert "muon" not in trainer and "adamw" not in trainer
+    for name in ("train_gpt2.py", "train_config.py"):
+        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)) as f:
+            text = f.read().lower()
+        assert "muon" not in text and ("adamw" not in text or name == "train_config.py"), name  # (FSDP's help:
+        # "shards ... AdamW state")
     cfg = SimpleNamespace(weight_decay=0.1, max_lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, muon_lr=0.02,
-                          muon_momentum=0.95, warmup_steps=10, max_steps=100, min_lr_ratio=0.1, lr_schedule="cosine")
+                          muon_momentum=0.95, warmup_steps=10, max_steps=100, min_lr_ratio=0.1, lr_schedule="cosine",
+                          given=frozenset({"warmup_steps"}))
     model = GPT(GPTConfig(**TINY))
     opt = optim.build(model, cfg, "cpu", SimpleNamespace(muon_dtype=torch.float16))
-    assert opt.describe(False) == ("lr 0.0006 (AdamW), Muon 0.02 on the block matrices (Newton-Schulz in float16: no "
+    assert opt.describe() == ("lr 0.0006 (AdamW), Muon 0.02 on the block matrices (Newton-Schulz in float16: no "
                                    "bfloat16 on this GPU): 10 warm-up steps, cosine to 6e-05 at step 100")
     muon, adamw = opt.optimizers
     assert opt.at_step(0) == adamw.param_groups[0]["lr"] == 6e-4 / 10 and muon.param_groups[0]["lr"] == 0.02 / 10
@@ -193,6 +197,7 @@ def test_the_optimizer_room_owns_its_settings_schedule_header_and_advice():
     opt.settle()
     assert [g["weight_decay"] for g in adamw.param_groups] == [0.1, 0.0] and adamw.param_groups[0]["eps"] == 1e-8
     assert muon.param_groups[0]["momentum"] == 0.95 and opt.rates() == "--max-lr or --muon-lr"
-    plain = optim.build(model, SimpleNamespace(**dict(vars(cfg), muon_lr=None, lr_schedule="wsd")), "cpu")
-    assert plain.describe(True) == ("lr 0.0006: 10 warm-up steps (10% of --max-steps; --warmup-steps sets it), "
-                                    "stable, then linear to 6e-05 at step 100") and plain.rates() == "--max-lr"
+    plain = optim.build(model, SimpleNamespace(**dict(vars(cfg), muon_lr=None, lr_schedule="wsd", given=())), "cpu")
+    assert plain.describe() == ("lr 0.0006: 10 warm-up steps (10% of --max-steps; --warmup-steps sets it), "
+                                "stable, then linear to 6e-05 at step 100") and plain.rates() == "--max-lr"
+    assert plain.describe(resumed=True) == "lr 0.0006: 10 warm-up steps, stable, then linear to 6e-05 at step 100"
