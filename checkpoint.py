@@ -263,6 +263,18 @@ class Checkpointer:
         return out
 
 
+class Flags:
+    """This room's flags in the trainer's command line (train_config composes every room's)."""
+    ranges = {"checkpoint_every": "0 or more", "keep_checkpoints": "at least 1"}
+
+    @staticmethod
+    def add_flags(a):
+        a("--checkpoint-every", type=int, default=5000, help="checkpoint every N steps and at the end (default: 5000)")
+        a("--keep-checkpoints", type=int, default=2, help="keep the last K checkpoints (default: 2)")
+        a("--resume", nargs="?", const="latest",
+          help="continue from a checkpoint: a path, or no value for the latest in --log-dir (starts fresh if none)")
+
+
 # Resuming: which checkpoint
 @dataclass(frozen=True)
 class Resume:

@@ -90,6 +90,16 @@ def open_shard(path, tokens, fix):
     return arr
 
 
+class Flags:
+    """This room's flags in the trainer's command line (train_config composes every room's)."""
+    ranges, paths = {"shuffle_seed": "0 or more"}, ("data_dir",)
+
+    @staticmethod
+    def add_flags(a):
+        a("--data-dir", default="edu_fineweb10B", help="token shards from fineweb.py (default: edu_fineweb10B)")
+        a("--shuffle-seed", type=int, help="shuffle shard and sequence order per epoch with this seed (default: off)")
+
+
 @dataclass(frozen=True)
 class Data:
     """The data's settings: the directory of the shards (fineweb.py's), the vocabulary every token must lie in,

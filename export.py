@@ -14,6 +14,7 @@ splits text into the very ids tiktoken does. Both drop the embedding's padded ro
 tokens). A model of another block (--block) is not GPT-2's architecture: neither format can hold it.
 """
 
+import argparse
 import glob
 import json
 import os
@@ -21,6 +22,30 @@ import os
 import common
 from common import UserError
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, gpt2_bpe_files
+
+
+class Flags:
+    """The trainer's export flag (train_config composes every room's flags), and the model's answer to it: a block
+    that is not GPT-2's exports nothing to Hugging Face's GPT2LMHeadModel (model.BLOCKS[block].exports)."""
+
+    @staticmethod
+    def add_flags(a):
+        a("--export-hf", action=argparse.BooleanOptionalAction, default=True,
+          help="export the final model in Hugging Face format to LOG_DIR/hf (default: on where the --block is "
+               "GPT-2's)")
+
+    @staticmethod
+    def check(cfg, said):
+        from model import BLOCKS
+        if cfg.export_hf and not BLOCKS[cfg.block].exports:
+            raise UserError(f"--export-hf writes GPT-2's Hugging Face format, and {said('block')} is another "
+                            "architecture: drop --export-hf")
+
+    @staticmethod
+    def settle(values, given):
+        from model import BLOCKS
+        if values["export_hf"] and "export_hf" not in given and not BLOCKS[values["block"]].exports:
+            values["export_hf"] = False  # the variant's answer: no export where it is not GPT-2's architecture
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")  # llama.cpp's names; f16 is its converter's default too
 # what an hf export's directory holds: --force replaces a directory of these (or an empty one), nothing else

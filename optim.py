@@ -58,7 +58,7 @@ class Flags:
                             f"of at most {cfg.max_steps}), or raise --max-steps")
 
     @staticmethod
-    def settle(values):
+    def settle(values, given):
         """What the resolved settings say for every reader: Muon's peak rate only where Muon trains."""
         if values["optimizer"] != "muon":
             values["muon_lr"] = None

@@ -1,10 +1,10 @@
 """
 The trainer's settings: every flag with its unit and default, the range each numeric flag must lie in,
 the checks between flags, and which settings a resumed run may change. A room that owns its settings declares
-them itself (optim.Flags, each evaluation class: their flags, ranges, paths, defaults and checks), composed here. They are resolved once and then
-only read: parse_args(argv), then resolve(args, resume), which puts a resumed run's own settings (its checkpoint,
-which checkpoint.resume_point found) under the flags the command line names. stored() is what checkpoints and the
-run header keep.
+them itself (dataloader, optim, checkpoint and export's Flags, each evaluation class: their flags, ranges, paths,
+defaults and checks; rooms()), composed here. They are resolved once and then only read: parse_args(argv), then
+resolve(args, resume), which puts a resumed run's own settings (its checkpoint, which checkpoint.resume_point found)
+under the flags the command line names. stored() is what checkpoints and the run header keep.
 """
 
 import argparse
@@ -12,8 +12,11 @@ import math
 import os
 import secrets
 
+import checkpoint
 import common
+import dataloader
 import evaluation
+import export
 import optim
 from common import UserError
 from model import BLOCKS, PRESETS
@@ -48,8 +51,7 @@ def build_parser(description=None):
     a("--init-from", help="start from pretrained weights (a Hugging Face name or directory, a checkpoint or a log "
                           "directory), whose architecture it takes")
     # data and logs
-    a("--data-dir", default="edu_fineweb10B", help="token shards from fineweb.py (default: edu_fineweb10B)")
-    a("--shuffle-seed", type=int, help="shuffle shard and sequence order per epoch with this seed (default: off)")
+    dataloader.Flags.add_flags(a)
     a("--log-dir", default="log", help="logs, metrics.jsonl, checkpoints and the exported model (default: log)")
     # batch
     a("--total-batch-size", type=int, default=524288, help="tokens per optimizer step over all GPUs (default: 2**19)")
@@ -65,12 +67,8 @@ def build_parser(description=None):
     # evaluation, sampling (each evaluation's own: evaluation.py), checkpoints
     for ev in evaluation.REGISTRY:
         ev.add_flags(a)
-    a("--checkpoint-every", type=int, default=5000, help="checkpoint every N steps and at the end (default: 5000)")
-    a("--keep-checkpoints", type=int, default=2, help="keep the last K checkpoints (default: 2)")
-    a("--resume", nargs="?", const="latest",
-      help="continue from a checkpoint: a path, or no value for the latest in --log-dir (starts fresh if none)")
-    a("--export-hf", action=argparse.BooleanOptionalAction, default=True,
-      help="export the final model in Hugging Face format to LOG_DIR/hf (default: on where the --block is GPT-2's)")
+    checkpoint.Flags.add_flags(a)
+    export.Flags.add_flags(a)
     a("--wandb", metavar="PROJECT", help="also send every record to this W&B project (pip install wandb)")
     a("--wandb-run", metavar="NAME", help="the W&B run's name (default: the log directory's name)")
     a("--wandb-id", metavar="ID", help="the W&B run to continue (default: a new one, or a resumed run's own)")
@@ -123,9 +121,8 @@ BOUNDS = {"at least 1": lambda v: v >= 1, "0 or more": lambda v: v >= 0, "a posi
           # the seed goes to numpy too (np.random.seed), which takes nothing outside 0..2**32-1
           "between 0 and 2**32-1 = 4294967295": lambda v: 0 <= v < 2 ** 32}
 RANGES = {
-    **dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size", "total_batch_size", "max_steps",
-                     "keep_checkpoints"), "at least 1"),
-    **dict.fromkeys(("checkpoint_every", "timing_breakdown", "shuffle_seed", "grad_clip"), "0 or more"),
+    **dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size", "total_batch_size", "max_steps"), "at least 1"),
+    **dict.fromkeys(("timing_breakdown", "grad_clip"), "0 or more"),
     "dist_timeout": "a positive number", "seed": "between 0 and 2**32-1 = 4294967295"}
 
 # --resume takes every setting of the run from its checkpoint. A flag given on the command line that differs from the
@@ -139,7 +136,7 @@ FIXED_ON_RESUME = ("model", *ARCHITECTURE, "block_size", "init_from", "total_bat
 LAUNCH_ONLY = ("log_dir", "resume", "profile_steps", "memory_snapshot")
 # stored absolute, as resolved where the launch ran: a resume from another working directory reads the
 # same files, and a --resume given again is known for the same path (resolve); an evaluation's own in its `paths`
-PATH_FLAGS = ("data_dir", "init_from", "resume")
+PATH_FLAGS = ("init_from", "resume")
 
 
 def parse_args(argv=None, description=None):
@@ -157,25 +154,27 @@ def parse_args(argv=None, description=None):
             raise UserError(f"--micro-batch-size {args.micro_batch_size!r}: give a whole number or 'auto'")
         if args.micro_batch_size < 1:
             raise UserError("--micro-batch-size must be at least 1")
-    for name, what in {**RANGES, **{k: v for room in rooms() for k, v in room.ranges.items()}}.items():
+    for name, what in {**RANGES, **{k: v for room in rooms() for k, v in getattr(room, "ranges", {}).items()}}.items():
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and BOUNDS[what](value)):
             raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
     common.check_output_dir(args.log_dir, "--log-dir")
-    for name in PATH_FLAGS + tuple(p for room in rooms() for p in room.paths):
+    for name in PATH_FLAGS + tuple(p for room in rooms() for p in getattr(room, "paths", ())):
         value = getattr(args, name)
         if value is not None and value != "latest" and (name != "init_from" or os.path.exists(value)):
             setattr(args, name, os.path.abspath(value))  # (an --init-from that is no file is a hub name)
     # defaults that scale with the run, resolved here so that the rest reads one value
     for room in rooms():
-        room.defaults(args)
+        if hasattr(room, "defaults"):
+            room.defaults(args)
     return args
 
 
 def rooms():
-    """The rooms whose flags, ranges, paths, defaults and checks are their own: the optimizers' and each
-    evaluation's (registered ones included)."""
-    return [optim.Flags, *evaluation.REGISTRY]
+    """The rooms whose flags are their own, with what each may say of them (ranges, paths, defaults(args),
+    check(cfg, said), settle(values, given)): the data's, the optimizers', each evaluation's (registered ones included),
+    the checkpoints' and the export's."""
+    return [dataloader.Flags, optim.Flags, *evaluation.REGISTRY, checkpoint.Flags, export.Flags]
 
 
 def check_relations(cfg, resumed=False):
@@ -185,9 +184,10 @@ def check_relations(cfg, resumed=False):
         return text if key in cfg.given else f"{text} ({'the run' if resumed else 'the default'}'s)"
     if cfg.total_batch_size % cfg.block_size:
         raise UserError(f"{said('total_batch_size')} is not a multiple of {said('block_size')}")
-    optim.Flags.check(cfg, said)
+    for room in rooms():
+        if hasattr(room, "check"):
+            room.check(cfg, said)
     if cfg.init_from and not resumed:  # what it names exists, before a flag beside it is refused on its account
-        import checkpoint
         checkpoint.model_kind(cfg.init_from)
     for flag in ("model",) + ARCHITECTURE:
         if flag in cfg.given and cfg.init_from:
@@ -196,9 +196,6 @@ def check_relations(cfg, resumed=False):
     if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
         raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
                         f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
-    if cfg.export_hf and not BLOCKS[cfg.block].exports:
-        raise UserError(f"--export-hf writes GPT-2's Hugging Face format, and {said('block')} is another "
-                        "architecture: drop --export-hf")
 
 
 # Resolving: the flags, then the stored run
@@ -219,9 +216,9 @@ def resolve(args, resume=None):
     new run): its own settings under the flags the command line names, then every check between them."""
     values = dict(vars(args))
     changes = stored_run(values, args.given, resume) if resume is not None else []
-    optim.Flags.settle(values)
-    if values["export_hf"] and "export_hf" not in args.given and not BLOCKS[values["block"]].exports:
-        values["export_hf"] = False  # the variant's answer: no export where it is not GPT-2's architecture
+    for room in rooms():
+        if hasattr(room, "settle"):
+            room.settle(values, args.given)
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
         values["wandb_id"] = secrets.token_hex(4)
     cfg = Settings(values)
