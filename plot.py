@@ -20,7 +20,7 @@ import threading
 
 import common
 from common import UserError
-from metrics import EVALUATIONS, latest_checkpoint, read_metrics, resume_command, step_of
+from metrics import latest_checkpoint, read_metrics, resume_command, step_of
 
 GPT2_VAL_LOSS = 3.2924   # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as measured by build-nanogpt
 GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, HellaSwag acc_norm on the 10,042 validation examples (build-nanogpt)
@@ -40,8 +40,6 @@ REFERENCES = {  # each panel's reference lines: value, legend, colour
              (GPT2_CORE_124M, f"OpenAI GPT-2 124M CORE {GPT2_CORE_124M} (nanochat)", "black")],
 }
 LEGEND_WIDTH = 30  # characters per legend line: longer labels wrap, so legends stay narrow
-# the evaluations every summary and plot shows, scored or not (the others where a run recorded them)
-SHOWN = {kind: d for kind, d in EVALUATIONS.items() if kind in ("val", "hellaswag")}
 
 
 def warmed_up(metrics):
@@ -106,10 +104,10 @@ def summarize(log_dir):
         "custom_core_tasks": custom_core_tasks(m.get("core", [])),
         "status": end["reason"] if end else "stopped",
         "stop_step": end["step"] if end else (train[-1]["step"] if train else None),
-        "evaluations": {kind: d["label"] for kind, d in {**SHOWN, **m["evaluations"]}.items()},
+        "evaluations": {kind: d["label"] for kind, d in m["evaluations"].items()},
         "hellaswag_sample": hellaswag_sample(m.get("hellaswag", [])),
     }
-    for kind, d in {**SHOWN, **m["evaluations"]}.items():  # KIND_best, KIND_best_step, KIND_final, KIND_final_step
+    for kind, d in m["evaluations"].items():  # KIND_best, KIND_best_step, KIND_final, KIND_final_step
         records, field = m.get(kind, []), d["field"]
         pick = min if d["best"] == "min" else max
         best = pick((r for r in records if math.isfinite(r[field])), key=lambda r: r[field], default={})
@@ -277,7 +275,7 @@ def build_figure(log_dirs, labels=None, smooth=None):
     # one span for every run, so that an ablation and its baseline are smoothed alike: about 4% of the longest
     span = smooth or max(1, min(100, max(len(m["train"]) for m in runs) // 25))
     smoothing = f"EMA over {span} steps" if span > 1 else "per step"
-    kinds = {kind: d for m in runs for kind, d in {**SHOWN, **m["evaluations"]}.items()}
+    kinds = {kind: d for m in runs for kind, d in m["evaluations"].items()}
     # a panel of its own for each other evaluation a run recorded (CORE when scored), two panels a row
     extra = [d["panel"] for kind, d in kinds.items() if d["panel"] not in ("loss", "hellaswag")
              and any(m.get(kind) for m in runs)]
