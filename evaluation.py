@@ -55,7 +55,7 @@ class Evaluation:
         """Its command-line flags, among the trainer's (add: the parser's add_argument); its settings are theirs."""
 
     @staticmethod
-    def defaults(args):
+    def flag_defaults(args):
         """Its flags' defaults that depend on other settings, set in the parsed args."""
 
     def __init__(self, every):
@@ -104,7 +104,7 @@ class Validation(Evaluation):
                                            f"{DEFAULT_VAL_TOKENS}, or a quarter of those trained between validations)")
 
     @staticmethod
-    def defaults(args):
+    def flag_defaults(args):
         if args.val_tokens is None:
             between = args.eval_every * args.total_batch_size // 4  # validation costs at most ~10% of training
             args.val_tokens = min(DEFAULT_VAL_TOKENS, between) if args.eval_every else DEFAULT_VAL_TOKENS

@@ -35,17 +35,18 @@ class Flags:
                "GPT-2's)")
 
     @staticmethod
-    def check(cfg, said):
+    def check_flags(cfg, said):
         from model import BLOCKS
         if cfg.export_hf and not BLOCKS[cfg.block].exports:
             raise UserError(f"--export-hf writes GPT-2's Hugging Face format, and {said('block')} is another "
                             "architecture: drop --export-hf")
 
     @staticmethod
-    def settle(values, given):
+    def settle_flags(values, given):
         from model import BLOCKS
         if values["export_hf"] and "export_hf" not in given and not BLOCKS[values["block"]].exports:
             values["export_hf"] = False  # the variant's answer: no export where it is not GPT-2's architecture
+
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")  # llama.cpp's names; f16 is its converter's default too
 # what an hf export's directory holds: --force replaces a directory of these (or an empty one), nothing else

@@ -40,12 +40,12 @@ class Flags:
         a("--eps", type=float, default=1e-8, help="AdamW epsilon (default: 1e-8)")
 
     @staticmethod
-    def defaults(args):
+    def flag_defaults(args):
         if args.warmup_steps is None:
             args.warmup_steps = min(DEFAULT_WARMUP, args.max_steps // 10)
 
     @staticmethod
-    def check(cfg, said):
+    def check_flags(cfg, said):
         """The checks between this room's flags, on the resolved settings (a refusal: UserError); said(name): a
         setting as a refusal names it (as typed, or where its value came from)."""
         for flag in ("muon_lr", "muon_momentum"):
@@ -58,7 +58,7 @@ class Flags:
                             f"of at most {cfg.max_steps}), or raise --max-steps")
 
     @staticmethod
-    def settle(values, given):
+    def settle_flags(values, given):
         """What the resolved settings say for every reader: Muon's peak rate only where Muon trains."""
         if values["optimizer"] != "muon":
             values["muon_lr"] = None

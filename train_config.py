@@ -22,7 +22,6 @@ from common import UserError
 from model import BLOCKS, PRESETS
 
 
-
 class Sharding(argparse.Action):
     """--sharding and --fsdp (--sharding fsdp), which must agree where both are given (else the last would win)."""
 
@@ -154,7 +153,9 @@ def parse_args(argv=None, description=None):
             raise UserError(f"--micro-batch-size {args.micro_batch_size!r}: give a whole number or 'auto'")
         if args.micro_batch_size < 1:
             raise UserError("--micro-batch-size must be at least 1")
-    for name, what in {**RANGES, **{k: v for room in rooms() for k, v in getattr(room, "ranges", {}).items()}}.items():
+    ranges = {**RANGES, **{k: v for room in rooms() for k, v in getattr(room, "ranges", {}).items()}}
+    order = [action.dest for action in parser._actions]  # by range, then in the command line's order
+    for name, what in sorted(ranges.items(), key=lambda kv: (list(BOUNDS).index(kv[1]), order.index(kv[0]))):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and BOUNDS[what](value)):
             raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
@@ -165,15 +166,15 @@ def parse_args(argv=None, description=None):
             setattr(args, name, os.path.abspath(value))  # (an --init-from that is no file is a hub name)
     # defaults that scale with the run, resolved here so that the rest reads one value
     for room in rooms():
-        if hasattr(room, "defaults"):
-            room.defaults(args)
+        if hasattr(room, "flag_defaults"):
+            room.flag_defaults(args)
     return args
 
 
 def rooms():
-    """The rooms whose flags are their own, with what each may say of them (ranges, paths, defaults(args),
-    check(cfg, said), settle(values, given)): the data's, the optimizers', each evaluation's (registered ones included),
-    the checkpoints' and the export's."""
+    """The rooms whose flags are their own, with what each may say of them (ranges, paths, flag_defaults(args),
+    check_flags(cfg, said), settle_flags(values, given)): the data's, the optimizers', each evaluation's (registered
+    ones included), the checkpoints' and the export's."""
     return [dataloader.Flags, optim.Flags, *evaluation.REGISTRY, checkpoint.Flags, export.Flags]
 
 
@@ -184,9 +185,6 @@ def check_relations(cfg, resumed=False):
         return text if key in cfg.given else f"{text} ({'the run' if resumed else 'the default'}'s)"
     if cfg.total_batch_size % cfg.block_size:
         raise UserError(f"{said('total_batch_size')} is not a multiple of {said('block_size')}")
-    for room in rooms():
-        if hasattr(room, "check"):
-            room.check(cfg, said)
     if cfg.init_from and not resumed:  # what it names exists, before a flag beside it is refused on its account
         checkpoint.model_kind(cfg.init_from)
     for flag in ("model",) + ARCHITECTURE:
@@ -196,6 +194,9 @@ def check_relations(cfg, resumed=False):
     if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
         raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
                         f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
+    for room in rooms():  # then each room's own, in their order
+        if hasattr(room, "check_flags"):
+            room.check_flags(cfg, said)
 
 
 # Resolving: the flags, then the stored run
@@ -217,8 +218,8 @@ def resolve(args, resume=None):
     values = dict(vars(args))
     changes = stored_run(values, args.given, resume) if resume is not None else []
     for room in rooms():
-        if hasattr(room, "settle"):
-            room.settle(values, args.given)
+        if hasattr(room, "settle_flags"):
+            room.settle_flags(values, args.given)
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
         values["wandb_id"] = secrets.token_hex(4)
     cfg = Settings(values)

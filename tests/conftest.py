@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 # the test modules (rewritten by pytest for its assertions) and the project's are compiled once, into __pycache__
-# (ignored by git), where the environment says not to write bytecode: each worker and launch compiles them otherwise
+# (ignored by git), even where the environment (PYTHONDONTWRITEBYTECODE, -B) says not to write bytecode: each
+# worker and launch compiles them otherwise
 sys.dont_write_bytecode = False
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # the workers share the cores: OpenMP threads of one would wait on cores busy with another's
@@ -24,6 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 def pytest_collection_finish(session):
     # what the imports made lives as long as the process: the collections after each run need not walk it again
+    gc.collect()  # (what is garbage already is not frozen for good)
     gc.freeze()
 
 

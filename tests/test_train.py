@@ -796,6 +796,12 @@ BAD = {
     "infinite max lr": (["--max-lr", "inf"], "--max-lr must be a positive number"),
     "warm-up longer than the run": (["--warmup-steps", "5"], "--warmup-steps 5 is more than --max-steps 2"),
     "zero hellaswag limit": (["--hellaswag-limit", "0"], "--hellaswag-limit must be at least 1"),
+    # of two bad flags, the same one is refused wherever the rooms declare them: by range, then in --help's order
+    "two bad ranges": (["--seed", "-1", "--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
+    "two bad ranges of two rooms": (["--warmup-steps", "-1", "--val-tokens", "0"], "--val-tokens must be at least 1"),
+    # and the trainer's own checks between flags before each room's
+    "profile steps past a short run with a long warm-up": (["--warmup-steps", "50", "--profile-steps", "20:30"],
+                                                           "--profile-steps 20:30 ends after the run's last step"),
     "negative shuffle seed": (["--shuffle-seed", "-1"], "--shuffle-seed must be 0 or more"),
     "unknown flag": (["--learning-rate", "3e-4"], "error: unrecognized arguments: --learning-rate 3e-4 (see --help)"),
     "bad choice": (["--optimizer", "sgd"], "error: argument --optimizer: invalid choice: 'sgd' (choose from 'adamw', "

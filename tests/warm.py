@@ -151,6 +151,7 @@ def serve(path, parent):
     import tokenizer
     tokenizer.get_tokenizer()  # the BPE tables, built once
     # what the imports made lives as long as the children: their collections need not walk it (nor copy its pages)
+    gc.collect()
     gc.freeze()
     set_by_imports = {k: v for k, v in os.environ.items() if k not in before}
     mine = import_time(before, set_by_imports)
