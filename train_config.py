@@ -8,6 +8,7 @@ under the flags the command line names. stored() is what checkpoints and the run
 """
 
 import argparse
+import inspect
 import math
 import os
 import secrets
@@ -19,7 +20,7 @@ import evaluation
 import export
 import optim
 from common import UserError
-from model import BLOCKS, PRESETS
+from model import BLOCKS, PRESETS, config_of
 
 
 class Sharding(argparse.Action):
@@ -129,7 +130,8 @@ RANGES = {
 # micro-batch does not change the math (the total batch does, and the data position is counted in sequences): a run
 # whose micro-batch was fitted fits it again on the GPU it resumes on, and another value may be given. Where the run
 # is written, which checkpoint continues it and what is profiled are this launch's own.
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "block")  # the flags over --model's preset (model.config_of's)
+# the flags that set the architecture over --model's preset: model.config_of's keywords, read from it
+ARCHITECTURE = tuple(inspect.signature(config_of).parameters)[2:]
 FIXED_ON_RESUME = ("model", *ARCHITECTURE, "block_size", "init_from", "total_batch_size", "shuffle_seed", "seed",
                    "optimizer")
 LAUNCH_ONLY = ("log_dir", "resume", "profile_steps", "memory_snapshot")
