@@ -35,16 +35,19 @@ class Flags:
                "GPT-2's)")
 
     @staticmethod
-    def check_flags(cfg, said):
+    def exports(block):
         from model import BLOCKS
-        if cfg.export_hf and not BLOCKS[cfg.block].exports:
+        return BLOCKS[block].exports
+
+    @staticmethod
+    def check_flags(cfg, said):
+        if cfg.export_hf and not Flags.exports(cfg.block):
             raise UserError(f"--export-hf writes GPT-2's Hugging Face format, and {said('block')} is another "
                             "architecture: drop --export-hf")
 
     @staticmethod
     def settle_flags(values, given):
-        from model import BLOCKS
-        if values["export_hf"] and "export_hf" not in given and not BLOCKS[values["block"]].exports:
+        if values["export_hf"] and "export_hf" not in given and not Flags.exports(values["block"]):
             values["export_hf"] = False  # the variant's answer: no export where it is not GPT-2's architecture
 
 

@@ -155,21 +155,20 @@ def parse_args(argv=None, description=None):
             raise UserError(f"--micro-batch-size {args.micro_batch_size!r}: give a whole number or 'auto'")
         if args.micro_batch_size < 1:
             raise UserError("--micro-batch-size must be at least 1")
-    ranges = {**RANGES, **{k: v for room in rooms() for k, v in getattr(room, "ranges", {}).items()}}
+    ranges = {**RANGES, **{k: v for room_ranges in hooks("ranges") for k, v in room_ranges.items()}}
     order = [action.dest for action in parser._actions]  # by range, then in the command line's order
     for name, what in sorted(ranges.items(), key=lambda kv: (list(BOUNDS).index(kv[1]), order.index(kv[0]))):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and BOUNDS[what](value)):
             raise UserError(f"--{name.replace('_', '-')} must be {what} (got {value})")
     common.check_output_dir(args.log_dir, "--log-dir")
-    for name in PATH_FLAGS + tuple(p for room in rooms() for p in getattr(room, "paths", ())):
+    for name in PATH_FLAGS + tuple(p for room_paths in hooks("paths") for p in room_paths):
         value = getattr(args, name)
         if value is not None and value != "latest" and (name != "init_from" or os.path.exists(value)):
             setattr(args, name, os.path.abspath(value))  # (an --init-from that is no file is a hub name)
     # defaults that scale with the run, resolved here so that the rest reads one value
-    for room in rooms():
-        if hasattr(room, "flag_defaults"):
-            room.flag_defaults(args)
+    for flag_defaults in hooks("flag_defaults"):
+        flag_defaults(args)
     return args
 
 
@@ -178,6 +177,11 @@ def rooms():
     check_flags(cfg, said), settle_flags(values, given)): the data's, the optimizers', each evaluation's (registered
     ones included), the checkpoints' and the export's."""
     return [dataloader.Flags, optim.Flags, *evaluation.REGISTRY, checkpoint.Flags, export.Flags]
+
+
+def hooks(name):
+    """Each room's hook of that name, in the rooms' order, where it has one."""
+    return [getattr(room, name) for room in rooms() if hasattr(room, name)]
 
 
 def check_relations(cfg, resumed=False):
@@ -196,9 +200,8 @@ def check_relations(cfg, resumed=False):
     if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
         raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
                         f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
-    for room in rooms():  # then each room's own, in their order
-        if hasattr(room, "check_flags"):
-            room.check_flags(cfg, said)
+    for check_flags in hooks("check_flags"):  # then each room's own, in their order
+        check_flags(cfg, said)
 
 
 # Resolving: the flags, then the stored run
@@ -219,9 +222,8 @@ def resolve(args, resume=None):
     new run): its own settings under the flags the command line names, then every check between them."""
     values = dict(vars(args))
     changes = stored_run(values, args.given, resume) if resume is not None else []
-    for room in rooms():
-        if hasattr(room, "settle_flags"):
-            room.settle_flags(values, args.given)
+    for settle_flags in hooks("settle_flags"):
+        settle_flags(values, args.given)
     if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
         values["wandb_id"] = secrets.token_hex(4)
     cfg = Settings(values)
