@@ -1,7 +1,7 @@
 """
 CORE (Li et al. 2024, "DataComp-LM", section 3.5 and appendix G): 22 in-context tasks, each task's accuracy
 centred on its random baseline, (acc - baseline) / (1 - baseline), and their mean: the yardstick of nanochat's
-time-to-GPT-2 leaderboard, where OpenAI's GPT-2 scores plot.GPT2_CORE.
+time-to-GPT-2 leaderboard, where OpenAI's GPT-2 scores GPT2_CORE.
 
     python core.py --model log/ --limit 500 --tasks arc_easy,piqa   # a run's newest checkpoint, 500 items a task
     torchrun --nproc_per_node=8 core.py --model gpt2 --json         # a Hugging Face name or directory
@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 import common
 import scoring
 from common import UserError
-from plot import GPT2_CORE, N_CORE_TASKS  # the references every reader of a score shows
 from tokenizer import EOT_TOKEN, get_tokenizer
 
 BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"  # ~162 MB, nanochat's
 TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+N_CORE_TASKS = 22  # in the bundle's core.yaml
+# OpenAI's GPT-2 as nanochat measured it: full data, bf16, 1024 tokens (dev/estimate_gpt3_core.ipynb; README)
+GPT2_CORE = {"124M": 0.1139, "355M": 0.1849, "774M": 0.2146, "1.5B": 0.2565}
 SHUFFLE_SEED = 1337  # each task's items are shuffled with this before --limit (nanochat's base_eval)
 FEWSHOT_SEED = 1234  # item i's few-shot examples: random.Random(FEWSHOT_SEED + i)
 CACHE = ("CORE_CACHE", "gpt2-core")  # where the download is kept: $CORE_CACHE, else ~/.cache/gpt2-core

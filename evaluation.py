@@ -16,12 +16,16 @@ from dataclasses import dataclass
 import torch
 
 import common
+import core
 import dataloader
 import device
+import hellaswag
+import metrics
 import parallel
 from common import UserError
 
 DEFAULT_VAL_TOKENS = 10485760
+GPT2_VAL_LOSS = 3.2924  # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as measured by build-nanogpt
 
 
 @dataclass
@@ -46,6 +50,14 @@ class Evaluation:
     kind = field = label = None  # its records' kind, their headline number, and the name the plot and summary use
     best = "max"                 # or "min"
     panel = None                 # the plot's panel it joins (None: one of its own)
+    # how plot.py shows it, in its description (describe): all optional
+    title = ylabel = None        # its panel's title and y label (None: the label, the field and which way is better)
+    references = ()              # ((value, legend, colour), ...): published figures drawn across its panel
+    against = None               # what the summary sets its best and final against: the references, in short
+    axis = None                  # (low, high, margin below, margin above): its panel's y range holds low..high too
+    first = False                # True: its panel comes right after the loss's
+    sample = None                # {"field", "whole", "chance"}: records whose field is under whole scored a sample
+    tasks = None                 # {"field", "whole", "title"}: a mean over len(field) tasks, comparable over whole
     agree_after = False          # True: the ranks meet after it, whatever it returned (not every rank runs it)
     ranges = {}                  # {its numeric flag: "at least 1", "0 or more", ...}: train_config.BOUNDS checks it
     paths = ()                   # its flags that name files: stored absolute, so a resume elsewhere reads the same
@@ -79,8 +91,12 @@ class Evaluation:
 
     @classmethod
     def describe(cls):
-        """What the run record says of its records (metrics.py, plot.py and trackers.py read it)."""
-        return dict(field=cls.field, best=cls.best, label=cls.label, panel=cls.panel or cls.kind)
+        """What the run record says of its records (metrics.py, plot.py and trackers.py read it): the plot draws and
+        the summary writes an evaluation from this alone."""
+        return metrics.description(cls.field, cls.best, cls.label, cls.panel or cls.kind, title=cls.title,
+                                   ylabel=cls.ylabel, references=[list(r) for r in cls.references],
+                                   against=cls.against, axis=list(cls.axis) if cls.axis else None, first=cls.first,
+                                   sample=cls.sample, tasks=cls.tasks)
 
     def record(self, step, text, **fields):
         """Its line and its record at step."""
@@ -95,6 +111,8 @@ class Validation(Evaluation):
     """The mean loss over the val split's first sequences: --val-tokens, at most the whole split, counted in
     sequences of each rank, so that a resume with another micro-batch validates the same tokens."""
     kind, field, label, best, panel = "val", "val_loss", "val loss", "min", "loss"
+    references = ((GPT2_VAL_LOSS, f"OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: {GPT2_VAL_LOSS})", "black"),)
+    against = f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}"
     ranges = {"eval_every": "0 or more", "val_tokens": "at least 1"}
 
     @staticmethod
@@ -189,6 +207,13 @@ def named(cfg, flag, every):
 
 class HellaSwag(Scored):
     kind, field, label = "hellaswag", "acc_norm", "HellaSwag"
+    title, ylabel, axis, first = "HellaSwag (acc_norm, 0-shot)", "accuracy", (0.24, 0.35, 0.005, 0.01), True
+    chance = 1 / hellaswag.N_ENDINGS
+    references = ((hellaswag.GPT3_HELLASWAG, f"GPT-3 124M {hellaswag.GPT3_HELLASWAG} (Brown et al. 2020)", "firebrick"),
+                  (hellaswag.GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {hellaswag.GPT2_HELLASWAG}", "black"),
+                  (chance, f"chance {chance} (four endings)", "gray"))
+    against = f"GPT-2 124M: {hellaswag.GPT2_HELLASWAG}, GPT-3 124M: {hellaswag.GPT3_HELLASWAG}"
+    sample = dict(field="n", whole=hellaswag.N_ITEMS, chance=chance)  # --hellaswag-limit scores a sample
     every_flag, data_flag = "hellaswag_every", "hellaswag_file"
     ranges, paths = {"hellaswag_every": "0 or more", "hellaswag_limit": "at least 1"}, ("hellaswag_file",)
 
@@ -200,17 +225,22 @@ class HellaSwag(Scored):
 
     @staticmethod
     def read(cfg):
-        import hellaswag
         return hellaswag.load_items(cfg.hellaswag_file, limit=cfg.hellaswag_limit, flag="--hellaswag-file")
 
     @staticmethod
     def bench(items):
-        import hellaswag
         return hellaswag.HellaSwag(items)
 
 
 class Core(Scored):
     kind, field, label = "core", "core", "CORE"
+    title, ylabel, axis = f"CORE ({core.N_CORE_TASKS} in-context tasks, centred accuracy: 0 = chance)", "CORE", (
+        0.0, None, 0.01, 0.02)
+    references = ((core.GPT2_CORE["1.5B"], f"OpenAI GPT-2 1.5B CORE {core.GPT2_CORE['1.5B']} (nanochat)", "firebrick"),
+                  (core.GPT2_CORE["124M"], f"OpenAI GPT-2 124M CORE {core.GPT2_CORE['124M']} (nanochat)", "black"))
+    against = f"GPT-2 124M: {core.GPT2_CORE['124M']}, 1.5B: {core.GPT2_CORE['1.5B']}"
+    # a custom bundle's mean is over other tasks than GPT-2's figures
+    tasks = dict(field="centered", whole=core.N_CORE_TASKS, title="CORE (centred accuracy: 0 = chance)", of="GPT-2's")
     every_flag, data_flag = "core_every", "core_bundle"
     ranges, paths = {"core_every": "0 or more", "core_limit": "at least 1"}, ("core_bundle",)
 
@@ -222,12 +252,10 @@ class Core(Scored):
 
     @staticmethod
     def read(cfg):
-        import core
         return core.load_tasks(cfg.core_bundle, None, cfg.core_limit, "--core-bundle")
 
     @staticmethod
     def bench(tasks):
-        import core
         return core.Core(tasks)
 
     def start(self, ctx):
@@ -236,7 +264,6 @@ class Core(Scored):
         super().start(ctx)
 
     def _noted(self, bench):
-        import core
         for note in core.fewer_shots(bench.tasks, "--core-limit"):
             self.ctx.log.line(note)
         return bench

@@ -25,7 +25,7 @@ import numpy as np
 
 from common import ArgumentParser, UserError, atomic_write, check_output_dir, left_by_kills, out_of_space, run_script
 from fineweb_source import check_utf8, describe, describe_source, load_source, read_tasks, text_bytes
-from metrics import versions
+from provenance import versions
 from shard_format import (FORMAT, MANIFEST, SHARD_RE, TOKEN_DTYPE, TOKENIZER, intact, read_manifest, sha256_file,
                           shard_name, verify, write_manifest)
 from tokenizer import EOT_TOKEN, VOCAB_SIZE, get_tokenizer

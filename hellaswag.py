@@ -23,6 +23,9 @@ from tokenizer import EOT_TOKEN, get_tokenizer
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_FILE = "hellaswag_val.jsonl"
 N_ENDINGS = 4
+N_ITEMS = 10042  # the validation set the published figures are over; fewer (--limit) is a sample
+GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, acc_norm on the N_ITEMS (build-nanogpt)
+GPT3_HELLASWAG = 0.337   # GPT-3 Small (125M), zero-shot (Brown et al. 2020)
 CACHE = ("HELLASWAG_CACHE", "gpt2-hellaswag")  # where the download is kept: $HELLASWAG_CACHE, else ~/.cache/...
 COMPRESSED = ((b"\x1f\x8b", "gzip", gzip), (b"\xfd7zXZ\x00", "xz", lzma), (b"BZh", "bz2", bz2))  # first bytes
 # An item's checks in order: (field, test of its value, the problem when it fails); an absent field is "no 'field'"

@@ -36,16 +36,12 @@ with one warning naming it; a file in which no line is a record is an error.
 """
 
 import glob
-import importlib.util
 import json
 import os
-import platform
 import re
-import runpy
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -62,10 +58,37 @@ REQUIRED = {"run": {"step": int},
             "train": {"step": int, "loss": float, "tokens": int, "tok_per_s": float, "dt_ms": float},
             "checkpoint": {"step": int, "path": str},
             "end": {"step": int, "reason": str}}
-# the evaluations of runs logged before run records described them
-EVALUATIONS = {"val": dict(field="val_loss", best="min", label="val loss", panel="loss"),
-               "hellaswag": dict(field="acc_norm", best="max", label="HellaSwag", panel="hellaswag"),
-               "core": dict(field="core", best="max", label="CORE", panel="core")}
+# how plot.py shows an evaluation, in its description (evaluation.Evaluation says what each key means)
+SHOWN = dict(title=None, ylabel=None, references=[], against=None, axis=None, first=False, sample=None, tasks=None)
+
+
+def description(field, best, label, panel, **shown):
+    """An evaluation's description in the run record: its records' headline field, which way is better ("min" or
+    "max"), its name, its panel, and how it is shown (SHOWN's keys: by default a title and y label of its field)."""
+    d = dict(SHOWN, field=field, best=best, label=label, panel=panel, **shown)
+    d["title"] = d["title"] or f"{label} ({field}, {'lower' if best == 'min' else 'higher'} is better)"
+    d["ylabel"] = d["ylabel"] or field
+    return d
+
+
+# the built-in evaluations of runs logged before run records described them, or how they are shown: as
+# evaluation.py's describe them (a test holds the two alike)
+EVALUATIONS = {
+    "val": description("val_loss", "min", "val loss", "loss", against="OpenAI GPT-2 124M: 3.2924", references=[
+        [3.2924, "OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: 3.2924)", "black"]]),
+    "hellaswag": description(
+        "acc_norm", "max", "HellaSwag", "hellaswag", title="HellaSwag (acc_norm, 0-shot)", ylabel="accuracy",
+        references=[[0.337, "GPT-3 124M 0.337 (Brown et al. 2020)", "firebrick"],
+                    [0.2955, "OpenAI GPT-2 124M HellaSwag 0.2955", "black"],
+                    [0.25, "chance 0.25 (four endings)", "gray"]],
+        against="GPT-2 124M: 0.2955, GPT-3 124M: 0.337", axis=[0.24, 0.35, 0.005, 0.01], first=True,
+        sample=dict(field="n", whole=10042, chance=0.25)),
+    "core": description(
+        "core", "max", "CORE", "core", title="CORE (22 in-context tasks, centred accuracy: 0 = chance)", ylabel="CORE",
+        references=[[0.2565, "OpenAI GPT-2 1.5B CORE 0.2565 (nanochat)", "firebrick"],
+                    [0.1139, "OpenAI GPT-2 124M CORE 0.1139 (nanochat)", "black"]],
+        against="GPT-2 124M: 0.1139, 1.5B: 0.2565", axis=[0.0, None, 0.01, 0.02],
+        tasks=dict(field="centered", whole=22, title="CORE (centred accuracy: 0 = chance)", of="GPT-2's"))}
 # optional: a number or null
 NUMBERS = ("time", "mfu", "max_steps", "tokens_per_step", "world_size", "per_node", "peak_mem")
 TYPE_WORDS = {int: "an integer", float: "a number", str: "text"}
@@ -316,13 +339,18 @@ def _check(rec, required):
 
 def described(records):
     """{kind: description} of the evaluations the run records describe, in their order (EVALUATIONS for a run
-    record that predates descriptions)."""
+    record that predates descriptions; a description that predates SHOWN's keys gets them as it was drawn then)."""
     found = {}
     for rec in records:
         if rec["kind"] == "run":
             evaluations = rec.get("evaluations")
             found.update(evaluations if isinstance(evaluations, dict) else EVALUATIONS)
-    return found or dict(EVALUATIONS)
+    found = found or dict(EVALUATIONS)
+    for kind, d in found.items():
+        if isinstance(d, dict) and "title" not in d:
+            then = EVALUATIONS.get(kind) or description(d.get("field"), d.get("best"), d.get("label"), d.get("panel"))
+            found[kind] = {**then, **d}
+    return found
 
 
 def read_records(path):
@@ -409,42 +437,3 @@ def _read(path):
             launch["end"] = rec
     metrics = {kind: [recs[s] for s in sorted(recs)] for kind, recs in by_step.items()}
     return dict(metrics, path=path, launches=launches, evaluations=evaluations)
-
-
-# What produced a run or a data set, as its run header and fineweb.py's manifest record it
-def versions(*extra):
-    """Versions of Python, torch (and its CUDA), numpy, tiktoken and the `extra` modules that import."""
-    out = {"python": platform.python_version(), "torch": None, "cuda": None}
-    spec = importlib.util.find_spec("torch")  # read, not imported: fineweb.py runs no torch, a second to import
-    if spec is not None:
-        torch_version = runpy.run_path(os.path.join(spec.submodule_search_locations[0], "version.py"))
-        out["torch"], out["cuda"] = torch_version["__version__"], torch_version["cuda"]
-    for name in ("numpy", "tiktoken") + extra:
-        try:
-            out[name] = importlib.import_module(name).__version__
-        except ImportError:
-            pass
-    return out
-
-
-# variables that change how torch compiles, allocates and communicates: a run's record holds those set
-ENVIRONMENT_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_", "TRITON_", "PYTORCH_", "NCCL_", "CUBLAS_", "CUDNN_")
-ENVIRONMENT_NAMES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
-
-
-def environment():
-    """{name: value} of the environment variables set here that change how torch compiles and runs."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENVIRONMENT_PREFIXES) or k in ENVIRONMENT_NAMES}
-
-
-def git_commit():
-    """The short commit of this checkout ('-dirty' with uncommitted changes), or None outside git."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return (rev + ("-dirty" if dirty else "")) or None
-    except (OSError, subprocess.SubprocessError):
-        return None

@@ -1,14 +1,17 @@
 """
 Plots and a text summary of training runs, from the metrics.jsonl that train_gpt2.py writes (metrics.py).
-The PNG's panels, against tokens seen: loss (train per step and smoothed, validation dashed), HellaSwag,
-tokens/s, MFU and, when a run scored it, CORE, with GPT-2's values; several runs overlay, one colour each.
+The PNG's panels, against tokens seen: loss (train per step and smoothed, validation dashed), tokens/s, MFU,
+and a panel for each evaluation a run scored (HellaSwag, CORE, ...), drawn as the run record describes it
+(evaluation.py: its title, its published figures, whether a figure is over a sample or over other tasks than
+theirs); several runs overlay, one colour each.
 How the numbers are defined:
 - wall time: the sum over launches of (time of its last record - time of its "run" record).
 - mean tokens/s: all logged steps weighted by their step time, so warm-up counts for what it cost.
 - steady-state tokens/s and MFU: medians past warm-up (the first 10% of the steps, and the first step of
   every launch, with torch.compile and CUDA warm-up), so evaluation and checkpoint stalls do not move them.
 - smoothing: an EMA over --smooth N steps (alpha = 2 / (N + 1), pandas' "span"), started at the first value.
-- a CORE over other than the 22 tasks (a custom bundle) is labelled with its task count, not set against GPT-2's.
+- a figure over a sample of a set (HellaSwag's --hellaswag-limit) is drawn hollow, with its 95% half-width near
+  chance; a mean over other tasks than the references' (a custom CORE bundle) is not set against them.
 """
 
 import math
@@ -22,23 +25,6 @@ import common
 from common import UserError
 from metrics import latest_checkpoint, read_metrics, resume_command, step_of
 
-GPT2_VAL_LOSS = 3.2924   # OpenAI's GPT-2 124M on the FineWeb-Edu val shard, as measured by build-nanogpt
-GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, HellaSwag acc_norm on the 10,042 validation examples (build-nanogpt)
-GPT3_HELLASWAG = 0.337   # GPT-3 Small (125M), zero-shot HellaSwag (Brown et al. 2020)
-HELLASWAG_ITEMS = 10042  # the validation set the baselines are over; fewer (--hellaswag-limit) is a sample
-HELLASWAG_CHANCE = 0.25  # four endings
-N_CORE_TASKS = 22  # in the DCLM bundle's core.yaml (core.py scores them)
-# OpenAI's GPT-2 as nanochat measured it: full data, bf16, 1024 tokens (dev/estimate_gpt3_core.ipynb; README)
-GPT2_CORE = {"124M": 0.1139, "355M": 0.1849, "774M": 0.2146, "1.5B": 0.2565}
-GPT2_CORE_124M, GPT2_CORE_XL = GPT2_CORE["124M"], GPT2_CORE["1.5B"]
-REFERENCES = {  # each panel's reference lines: value, legend, colour
-    "loss": [(GPT2_VAL_LOSS, f"OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: {GPT2_VAL_LOSS})", "black")],
-    "hellaswag": [(GPT3_HELLASWAG, f"GPT-3 124M {GPT3_HELLASWAG} (Brown et al. 2020)", "firebrick"),
-                  (GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {GPT2_HELLASWAG}", "black"),
-                  (HELLASWAG_CHANCE, f"chance {HELLASWAG_CHANCE} (four endings)", "gray")],
-    "core": [(GPT2_CORE_XL, f"OpenAI GPT-2 1.5B CORE {GPT2_CORE_XL} (nanochat)", "firebrick"),
-             (GPT2_CORE_124M, f"OpenAI GPT-2 124M CORE {GPT2_CORE_124M} (nanochat)", "black")],
-}
 LEGEND_WIDTH = 30  # characters per legend line: longer labels wrap, so legends stay narrow
 
 
@@ -48,30 +34,37 @@ def warmed_up(metrics):
     return [r for r in metrics["train"] if r["step"] not in firsts]
 
 
-def hellaswag_sample(records):
-    """How many items a run's HellaSwag scored where they are fewer than the whole set (--hellaswag-limit), else
-    None: a sample's accuracy is not comparable with the baselines over all 10,042."""
-    counts = [r["n"] for r in records if isinstance(r.get("n"), int)]
-    return min(counts) if counts and min(counts) < HELLASWAG_ITEMS else None
+def sample_of(records, d):
+    """How many items an evaluation scored where its description says it scores a set ("sample") and they are fewer
+    than the whole set (--hellaswag-limit), else None: a sample's figure is not comparable with the references."""
+    rule = d.get("sample")
+    counts = [r[rule["field"]] for r in records if isinstance(r.get(rule["field"]), int)] if rule else []
+    return min(counts) if counts and min(counts) < rule["whole"] else None
 
 
-def half_width(n):
+def half_width(n, chance):
     """The 95% half-width of an accuracy near chance measured on n items (the normal approximation)."""
-    return 1.96 * math.sqrt(HELLASWAG_CHANCE * (1 - HELLASWAG_CHANCE) / n)
+    return 1.96 * math.sqrt(chance * (1 - chance) / n)
 
 
-def sample_note(n):
-    """What a sample of n HellaSwag items can say: chance, and the 95% half-width of an accuracy near it."""
-    return (f"a sample of {n} items: chance {HELLASWAG_CHANCE}, +/-{half_width(n):.2f} at 95%; "
-            f"the baselines are over all {HELLASWAG_ITEMS:,}")
+def other_tasks(records, d):
+    """How many tasks an evaluation's mean is over where its description says it averages tasks ("tasks") and they
+    are not those its references are over (a custom CORE bundle), else None."""
+    rule = d.get("tasks")
+    found = records[-1].get(rule["field"]) if rule and records else None
+    return len(found) if isinstance(found, dict) and len(found) != rule["whole"] else None
 
 
-def custom_core_tasks(records):
-    """How many tasks a run's CORE averages where they are not the 22 of GPT-2's (a custom bundle), else None."""
-    centered = records[-1].get("centered") if records else None
-    if isinstance(centered, dict) and len(centered) != N_CORE_TASKS:
-        return len(centered)
-    return None
+def against(records, d):
+    """What the summary sets an evaluation's figures against: its references, or why they do not apply."""
+    n, tasks = sample_of(records, d), other_tasks(records, d)
+    if n is not None:
+        rule = d["sample"]
+        return (f"a sample of {n} items: chance {rule['chance']}, +/-{half_width(n, rule['chance']):.2f} at 95%; "
+                f"the baselines are over all {rule['whole']:,}")
+    if tasks is not None:
+        return f"over {tasks} tasks: not comparable with {d['tasks']['of']}, over {d['tasks']['whole']}"
+    return d.get("against")
 
 
 def _median(values):
@@ -101,11 +94,9 @@ def summarize(log_dir):
         "tok_per_s_mean": sum(r["tok_per_s"] * r["dt_ms"] for r in train) / step_time if step_time > 0 else None,
         "tok_per_s_steady": _median([r["tok_per_s"] for r in steady]),
         "mfu": _median([r.get("mfu") for r in steady]),
-        "custom_core_tasks": custom_core_tasks(m.get("core", [])),
         "status": end["reason"] if end else "stopped",
         "stop_step": end["step"] if end else (train[-1]["step"] if train else None),
         "evaluations": {kind: d["label"] for kind, d in m["evaluations"].items()},
-        "hellaswag_sample": hellaswag_sample(m.get("hellaswag", [])),
     }
     for kind, d in m["evaluations"].items():  # KIND_best, KIND_best_step, KIND_final, KIND_final_step
         records, field = m.get(kind, []), d["field"]
@@ -113,7 +104,8 @@ def summarize(log_dir):
         best = pick((r for r in records if math.isfinite(r[field])), key=lambda r: r[field], default={})
         last = records[-1] if records else {}
         s.update({f"{kind}_best": best.get(field), f"{kind}_best_step": best.get("step"),
-                  f"{kind}_final": last.get(field), f"{kind}_final_step": last.get("step")})
+                  f"{kind}_final": last.get(field), f"{kind}_final_step": last.get("step"),
+                  f"{kind}_against": against(records, d)})
     s["checkpoint"] = latest_checkpoint(log_dir)  # what --resume continues from
     s["checkpoint_step"] = step_of(s["checkpoint"]) if s["checkpoint"] else None
     return s
@@ -157,13 +149,8 @@ def format_summary(s):
                  f"steady {na(s['tok_per_s_steady'], '{:,.0f}')} (median past warm-up)")
     lines.append("  MFU         " + (f"{s['mfu']:.1%} (steady median)" if s["mfu"] is not None
                                       else "n/a (peak FLOPs of this device unknown)"))
-    core_references = (f"GPT-2 124M: {GPT2_CORE_124M}, 1.5B: {GPT2_CORE_XL}" if s["custom_core_tasks"] is None
-                       else f"over {s['custom_core_tasks']} tasks: not comparable with GPT-2's, over {N_CORE_TASKS}")
-    hellaswag = (f"GPT-2 124M: {GPT2_HELLASWAG}, GPT-3 124M: {GPT3_HELLASWAG}" if s.get("hellaswag_sample") is None
-                 else sample_note(s["hellaswag_sample"]))
-    references = {"val": f"OpenAI GPT-2 124M: {GPT2_VAL_LOSS}", "hellaswag": hellaswag, "core": core_references}
     for kind, name in s["evaluations"].items():
-        against = f" ({references[kind]})" if kind in references else ""
+        against = f" ({s[f'{kind}_against']})" if s.get(f"{kind}_against") else ""
         if s[f"{kind}_best"] is not None:
             lines.append(f"  {name:<11} best {s[f'{kind}_best']:.4f} at step {s[f'{kind}_best_step']}, "
                          f"final {s[f'{kind}_final']:.4f} at step {s[f'{kind}_final_step']}{against}")
@@ -276,19 +263,17 @@ def build_figure(log_dirs, labels=None, smooth=None):
     span = smooth or max(1, min(100, max(len(m["train"]) for m in runs) // 25))
     smoothing = f"EMA over {span} steps" if span > 1 else "per step"
     kinds = {kind: d for m in runs for kind, d in m["evaluations"].items()}
-    # a panel of its own for each other evaluation a run recorded (CORE when scored), two panels a row
-    extra = [d["panel"] for kind, d in kinds.items() if d["panel"] not in ("loss", "hellaswag")
-             and any(m.get(kind) for m in runs)]
-    extra = list(dict.fromkeys(extra))
-    # the panels of what some run measured: no HellaSwag panel for runs that never scored it, no MFU off a GPU
-    scored = any(m.get("hellaswag") for m in runs)
+    # a panel of its own for each evaluation that some run recorded and that is not drawn beside the loss (none for
+    # runs that never scored it), and no MFU off a GPU; those that say so ("first") come right after the loss
+    own = [kind for kind, d in kinds.items() if d["panel"] != "loss" and any(m.get(kind) for m in runs)]
+    first = list(dict.fromkeys(kinds[kind]["panel"] for kind in own if kinds[kind].get("first")))
+    extra = list(dict.fromkeys(kinds[kind]["panel"] for kind in own if kinds[kind]["panel"] not in first))
     measured = any(r.get("mfu") is not None for m in runs for r in m["train"])
-    panels = ["loss"] + ["hellaswag"] * scored + ["tps"] + ["mfu"] * measured + extra
+    panels = ["loss", *first, "tps"] + ["mfu"] * measured + extra
     rows = [(panels[i:i + 2] + ["."])[:2] for i in range(0, len(panels), 2)]
     fig = Figure(figsize=(17, 4.5 * len(rows)), dpi=100, layout="constrained")
     ax = fig.subplot_mosaic(rows)
     loss_late, loss_all = [], []
-    samples = [hellaswag_sample(m.get("hellaswag", [])) for m in runs]
     for i, (m, label) in enumerate(zip(runs, labels)):
         color, train = f"C{i}", m["train"]
         loss = [r["loss"] for r in train]
@@ -307,9 +292,8 @@ def build_figure(log_dirs, labels=None, smooth=None):
                 loss_late += _late([r[d["field"]] for r in records])
                 loss_all += [r[d["field"]] for r in records if math.isfinite(r[d["field"]])]
                 continue
-            n_tasks = custom_core_tasks(records) if kind == "core" else None
-            sample = samples[i] if kind == "hellaswag" else None  # hollow: not comparable with the baselines
-            named = (f"{label} (over {n_tasks} tasks: not comparable with GPT-2's)" if n_tasks is not None
+            n_tasks, sample = other_tasks(records, d), sample_of(records, d)  # a sample: hollow
+            named = (f"{label} (over {n_tasks} tasks: not comparable with {d['tasks']['of']})" if n_tasks is not None
                      else f"{label} (a sample of {sample} items)" if sample is not None else label)
             hollow = dict(markerfacecolor="none", markersize=5) if sample is not None else {}
             _points(ax.get(d["panel"]), records, d["field"], color, named, **hollow)
@@ -320,42 +304,41 @@ def build_figure(log_dirs, labels=None, smooth=None):
             _curve(ax["mfu"], steps, [100 * r["mfu"] for r in steps], color, label, span)
         loss_late += _late(smoothed)
         loss_all += [v for v in loss if math.isfinite(v)]
-    comparable = [custom_core_tasks(m["core"]) is None for m in runs if m.get("core")]
     # the runs' losses, from the lowest up to where the curves are past their first drop: where runs differ
-    low, high = min(loss_all or [GPT2_VAL_LOSS]), max(loss_late or [GPT2_VAL_LOSS])
+    beside = [ref for d in kinds.values() if d["panel"] == "loss" for ref in d.get("references") or []]
+    fallback = [v for v, _, _ in beside] or [0.0]  # no loss yet: where the references are
+    low, high = min(loss_all or fallback), max(loss_late or fallback)
     ax["loss"].set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
-    scores = [r["acc_norm"] for m in runs for r in m.get("hellaswag", [])]
-    if "hellaswag" in ax:
-        ax["hellaswag"].set_ylim(min([0.24] + scores) - 0.005, max([0.35] + scores) + 0.01)
-    references = dict(REFERENCES, core=REFERENCES["core"] if any(comparable) else [])  # GPT-2's: over all 22 tasks
-    if "core" in ax:
-        cores = [r["core"] for m in runs for r in m["core"]]
-        ax["core"].set_ylim(min([0.0] + cores) - 0.01, max([v for v, _, _ in references["core"]] + cores) + 0.02)
-        ax["core"].set(ylabel="CORE", title=f"CORE ({N_CORE_TASKS} in-context tasks, centred accuracy: 0 = chance)"
-                       if all(comparable) else "CORE (centred accuracy: 0 = chance)")
+    references = {"loss": beside}
+    for kind in own:  # each panel as its evaluation describes it
+        d, recorded = kinds[kind], [m[kind] for m in runs if m.get(kind)]
+        whole = [other_tasks(records, d) is None for records in recorded]  # over the tasks of its references
+        lines = references[d["panel"]] = (d.get("references") or []) if any(whole) else []
+        title = d["title"] if all(whole) else d["tasks"]["title"]
+        some = [n for records in recorded if (n := sample_of(records, d)) is not None]
+        if some:  # hollow points
+            n, chance = min(some), d["sample"]["chance"]
+            said = f"hollow: a sample of {n} items, +/-{half_width(n, chance):.2f} at 95%"
+            title = f"{title[:-1]}; {said})" if title.endswith(")") else f"{title} ({said})"
+        ax[d["panel"]].set(title=title, ylabel=d["ylabel"])
+        if d.get("axis"):  # the range that holds the figures, the references drawn and the axis's own low..high
+            at_least, at_most, below, above = d["axis"]
+            values = [r[d["field"]] for records in recorded for r in records] + [v for v, _, _ in lines]
+            ax[d["panel"]].set_ylim(min([at_least] + values) - below,
+                                    max(([] if at_most is None else [at_most]) + values) + above)
     for name, lines in references.items():  # each panel's range set: a baseline off it is named at its edge
         for value, text, color in lines:
-            if name in ax:
-                _reference(ax[name], value, text, color)
-    for kind, d in kinds.items():  # the others' panels: named by what they record
-        if d["panel"] in ax and d["panel"] not in ("loss", "hellaswag", "core"):
-            ax[d["panel"]].set(title=f"{d['label']} ({d['field']}, {'lower' if d['best'] == 'min' else 'higher'} "
-                                     "is better)", ylabel=d["field"])
+            _reference(ax[name], value, text, color)
     ax["loss"].set(ylabel="cross-entropy loss (nats/token)",
                    title=f"Loss (train: faint per step, solid {smoothing}; val: dashed)" if span > 1
                    else "Loss (train: per step; val: dashed)")
-    if "hellaswag" in ax:
-        some = [n for n in samples if n is not None]
-        ax["hellaswag"].set(ylabel="accuracy", title="HellaSwag (acc_norm, 0-shot" + (
-            f"; hollow: a sample of {min(some)} items, +/-{half_width(min(some)):.2f} at 95%)"
-            if some else ")"))
     ax["tps"].set(title=f"Throughput ({smoothing}; first step of each launch left out)", ylabel="tokens/s (all ranks)",
                   ylim=(0, None))
     ax["tps"].yaxis.set_major_formatter(lambda v, _: human(v))
     if "mfu" in ax:
         ax["mfu"].set(title=f"Model FLOPs utilisation ({smoothing})", ylabel="MFU (% of the device's peak FLOPs)",
                       ylim=(0, None))
-    max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", "val") if m.get(k)])
+    max_tokens = max([1] + [m[k][-1]["tokens"] for m in runs for k in ("train", *kinds) if m.get(k)])
     for panel in ax.values():
         panel.set(xlim=(-0.02 * max_tokens, 1.02 * max_tokens), xlabel="tokens seen")
         panel.xaxis.set_major_formatter(lambda v, _: human(v))

@@ -34,9 +34,10 @@ import plot
 import train_config
 import trackers
 from common import UserError
-from metrics import RunLog, environment, git_commit, latest_checkpoint, resume_command, versions
+from metrics import RunLog, latest_checkpoint, resume_command
 from model import GPT, config_of
 from profiling import PhaseTimer, StepProfiler
+from provenance import environment, git_commit, versions
 
 
 @record  # under torchrun, a failed rank's error file: torchrun's summary shows that error as the root cause

@@ -56,7 +56,7 @@ import measure  # noqa: E402
 import common  # noqa: E402
 from device import (autocast, compile_blocker, device_name, muon_dtype, peak_flops, pick_device,  # noqa: E402
                     pick_dtype)
-from metrics import git_commit, versions  # noqa: E402
+from provenance import git_commit, versions  # noqa: E402
 from parallel import Ranks  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402

@@ -14,6 +14,8 @@ import sys
 import pytest
 
 import common
+import core
+import evaluation
 import metrics
 import plot
 import runs
@@ -324,7 +326,7 @@ def test_core_is_drawn_against_gpt2_and_summarised(tmp_path):
     right = [ax for ax in fig.axes if any("CORE" in line.get_label() for line in ax.lines)]
     assert len(right) == 1
     values = {round(line.get_ydata()[0], 4) for line in right[0].lines if "GPT-2" in line.get_label()}
-    assert values == {plot.GPT2_CORE_124M, plot.GPT2_CORE_XL} == {0.1139, 0.2565}
+    assert values == {core.GPT2_CORE["124M"], core.GPT2_CORE["1.5B"]} == {0.1139, 0.2565}
 
 
 def test_a_run_stopped_before_its_first_step(logs):
@@ -399,9 +401,9 @@ def test_a_cpu_try_out_is_drawn_for_what_it_measured(tmp_path, monkeypatch):
     panels = {ax.get_title().split(" (")[0]: ax for ax in fig.axes}
     assert sorted(panels) == ["HellaSwag", "Loss", "Throughput"], sorted(panels)
     loss = panels["Loss"]
-    assert loss.get_ylim()[0] > plot.GPT2_VAL_LOSS and "tryout/log train" in loss.get_legend_handles_labels()[1]
-    assert not [line for line in loss.lines if list(line.get_ydata()) == [plot.GPT2_VAL_LOSS] * 2]
-    assert [t.get_text() for t in loss.texts] == ["below the axis: " + plot.REFERENCES["loss"][0][1]]
+    assert loss.get_ylim()[0] > evaluation.GPT2_VAL_LOSS and "tryout/log train" in loss.get_legend_handles_labels()[1]
+    assert not [line for line in loss.lines if list(line.get_ydata()) == [evaluation.GPT2_VAL_LOSS] * 2]
+    assert [t.get_text() for t in loss.texts] == ["below the axis: " + evaluation.Validation.references[0][1]]
     hs = panels["HellaSwag"]
     run_line = next(line for line in hs.lines if line.get_label().startswith("tryout/log"))
     assert run_line.get_label() == "tryout/log (a sample of 16 items)" and run_line.get_markerfacecolor() == "none"
@@ -420,3 +422,32 @@ def test_a_cpu_try_out_is_drawn_for_what_it_measured(tmp_path, monkeypatch):
                                                                       "status"], summary
     titles = [ax.get_title().split(" (")[0] for ax in plot.build_figure(["plain"]).axes]
     assert sorted(titles) == ["Loss", "Model FLOPs utilisation", "Throughput"], titles
+
+
+def test_runs_written_before_descriptions_said_how_to_draw_are_drawn_as_the_built_ins_describe_themselves():
+    """metrics.EVALUATIONS, how plot.py draws the built-in evaluations of a run whose record predates their
+    descriptions (or predates the keys that say how they are shown), is what evaluation.py's classes describe today;
+    an evaluation of such a run that is not built in gets a title and y label of its field."""
+    for cls in (evaluation.Validation, evaluation.HellaSwag, evaluation.Core):
+        assert cls.describe() == metrics.EVALUATIONS[cls.kind]
+    older = {"hellaswag": dict(field="acc_norm", best="max", label="HellaSwag", panel="hellaswag"),
+             "toy": dict(field="score", best="min", label="Toy", panel="toy")}
+    found = metrics.described([{"kind": "run", "evaluations": older}])
+    assert found["hellaswag"] == metrics.EVALUATIONS["hellaswag"]
+    assert found["toy"] == dict(metrics.SHOWN, **older["toy"], title="Toy (score, lower is better)", ylabel="score")
+    assert metrics.described([{"kind": "run"}]) == metrics.EVALUATIONS
+
+
+def test_plot_py_names_no_evaluation():
+    """What plot.py draws of an evaluation (its panel, title, published figures, a sample, other tasks) comes from
+    the run record's description alone: no evaluation's name is in its code (its docstrings give examples)."""
+    import ast
+    with open(os.path.join(ROOT, "plot.py")) as f:
+        tree = ast.parse(f.read())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node)}
+    words = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and id(n) not in docstrings] + [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)] + [
+             n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
+    named = [w for w in words if any(kind in w.lower() for kind in ("hellaswag", "core", "acc_norm", "centered"))]
+    assert named == [], named

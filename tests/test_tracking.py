@@ -217,13 +217,15 @@ def test_a_registered_evaluation_is_logged_checked_replayed_summarised_and_plott
     (in --help, its range checked in one line, kept by the run for its resume); its records are logged with their
     kind described in the run record; metrics.py checks them (one without its number is skipped with a warning); the
     resume after a kill (no end record) replays them to W&B in the trainer's order; the summary and the plot show
-    them, none of train_config.py, metrics.py, trackers.py or plot.py told of them."""
+    them, against a published figure of its own, none of train_config.py, metrics.py, trackers.py or plot.py
+    told of them."""
     import evaluation
     import plot
 
     class Toy(evaluation.Evaluation):
         kind, field, label = "toy", "score", "Toy"
         ranges = {"toy_every": "0 or more"}
+        references, against = ((0.65, "a published toy score, 0.65", "black"),), "published: 0.65"
 
         @staticmethod
         def add_flags(add):
@@ -246,7 +248,10 @@ def test_a_registered_evaluation_is_logged_checked_replayed_summarised_and_plott
     assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=6, checkpoint_every=3,
                                  eval_every=0, toy_every=2)) == 0
     assert [r["score"] for r in records(log_dir, "toy")] == [0.0, 0.2, 0.4, 0.5]  # every 2 steps and the last
-    assert records(log_dir, "run")[0]["evaluations"]["toy"] == dict(field="score", best="max", label="Toy", panel="toy")
+    described = records(log_dir, "run")[0]["evaluations"]["toy"]
+    assert {k: described[k] for k in ("field", "best", "label", "panel", "references", "against")} == dict(
+        field="score", best="max", label="Toy", panel="toy", against="published: 0.65",
+        references=[[0.65, "a published toy score, 0.65", "black"]])
     path = os.path.join(log_dir, metrics.METRICS_FILE)
     lines = open(path).read().splitlines()
     ended = [i for i, line in enumerate(lines) if json.loads(line)["kind"] == "end"]
@@ -269,7 +274,8 @@ def test_a_registered_evaluation_is_logged_checked_replayed_summarised_and_plott
     assert [step for step, fields in fake.logged if "toy/score" in fields] == [0, 2, 4, 5, 6, 7]
 
     summary = plot.format_summary(plot.summarize(log_dir))
-    assert "  Toy         best 0.7000 at step 7, final 0.7000 at step 7" in summary
+    assert "  Toy         best 0.7000 at step 7, final 0.7000 at step 7 (published: 0.65)" in summary
     panel = next(ax for ax in plot.build_figure([log_dir]).axes if ax.get_title().startswith("Toy"))
-    assert panel.get_title() == "Toy (score, higher is better)"
-    assert [list(line.get_ydata()) for line in panel.lines] == [[0.0, 0.2, 0.4, 0.5, 0.6, 0.7]]
+    assert (panel.get_title(), panel.get_ylabel()) == ("Toy (score, higher is better)", "score")
+    assert [list(line.get_ydata()) for line in panel.lines] == [[0.0, 0.2, 0.4, 0.5, 0.6, 0.7], [0.65, 0.65]]
+    assert panel.lines[1].get_label() == "a published toy score, 0.65"
