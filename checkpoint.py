@@ -18,6 +18,7 @@ import re
 import shlex
 import time
 import zipfile
+from collections import namedtuple
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,8 @@ from model import GPT, shape_export_problem
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
 TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # a torch.save zip (torch >= 1.6), or a pickle (older)
+
+
 def save_file(path, ckpt):
     ckpt = dict(ckpt, format=CHECKPOINT_FORMAT)
     try:
@@ -107,11 +110,8 @@ class RNG:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class Part:
-    """A stateful part of the run from two functions: state() and load(state)."""
-
-    def __init__(self, state, load):
-        self.state_dict, self.load_state_dict = state, load
+# a stateful part of the run from two functions: state_dict() and load_state_dict(state)
+Part = namedtuple("Part", "state_dict load_state_dict")
 
 
 BUILT_IN = ("model", "optimizer", "scaler", "train_loader", "rng")  # the parts restore() registers
@@ -119,38 +119,53 @@ RESERVED = BUILT_IN + ("step", "model_config", "ranks", "world_size", "config", 
 
 
 class Checkpointer:
-    """A run's checkpoints in log_dir, from the launch's set-up to its end: the one it continues (`resume`, from
-    resume_point), checked against the ranks; restoring it into what trains (compiled, DDP or FSDP); the branch a
-    resume from an older step starts; saving and keeping the newest `keep`; the final export. Every rank makes one and
-    calls each method."""
+    """A run's checkpoints in log_dir, from set-up to end, on every rank: the one it continues (`resume`), checked
+    against the ranks, the model it starts from, restored into what trains (compiled, DDP or FSDP); the branch a resume
+    from an older step starts; saving and keeping the newest `keep`; the final export."""
 
     def __init__(self, log_dir, keep, ranks, log, resume=None):
-        if resume is not None:
-            check_world_size(resume.checkpoint, resume.path, ranks)
+        saved = resume and resume.checkpoint.get("world_size", resume.settings.get("world_size"))  # older: in config
+        if resume is not None and saved != ranks.world_size:  # the data's positions count in the run's processes
+            raise UserError(f"cannot resume {resume.path}: it was trained with {saved} process(es) (GPUs), this "
+                            f"launch has {ranks.world_size}; launch it with {saved} in all (torchrun --nproc_per_node "
+                            "x --nnodes)")
         steps = parallel.gather(resume and resume.step, ranks)  # each rank read the directory: the same step?
         if len(set(steps)) > 1:
             raise UserError(f"the ranks found different checkpoints to resume from (steps {steps}): every node "
                             "must see the same --log-dir (a shared file system)")
         self.log_dir, self.keep, self.ranks, self.log, self.resume = log_dir, keep, ranks, log, resume
-        self.last_path = self.last_step = None
+        self.last_path = self.last_step = None  # the checkpoint the run stands on: resumed from, then the last written
         self.last_here = False  # whether last_step's checkpoint is in log_dir (not another run's)
         self.grace = common.stop_grace()  # what a launcher leaves a stop's checkpoint, read once (its command line)
         self.warned = False  # that a checkpoint took too long for it (said once)
         self.parts = {}  # name: (a stateful part, whether each rank has its own), as register() takes them
 
+    def starting_model(self, init_from, block_size):
+        """(GPT on the CPU, where it came from): of the resumed run's shape (restore puts its weights back), or
+        --init-from's weights cut to block_size; None: a new model of the run's settings."""
+        if self.resume is not None:
+            return GPT.from_shape(self.resume.shape), "resumed"
+        if not init_from:
+            return None
+        model, what = load_model(init_from)
+        if block_size > model.config.block_size:
+            raise UserError(f"--block-size {block_size} is larger than the {model.config.block_size} positions "
+                            f"{init_from} was trained with; use --block-size {model.config.block_size} or less")
+        if block_size < model.config.block_size:
+            model.crop_block_size(block_size)
+        return model.train(), what
+
     def register(self, name, part, per_rank=False):
-        """Keep part's state_dict() in every checkpoint under name and hand it back to load_state_dict() on resume
-        (as torchtitan's checkpointer takes its parts): one for the run (rank 0's, or every rank's collective under
-        FSDP; the file's top level), or each rank's own (per_rank: under "ranks"). The run's own parts register in
-        restore(); a part added to a run registers before it, and starts afresh from a checkpoint without it."""
+        """Keep part's state_dict() in every checkpoint under name, handed back to its load_state_dict() on resume (as
+        torchtitan's checkpointer takes its parts): the run's (rank 0's; a collective under FSDP), or each rank's own
+        (per_rank). Registered before restore(), which adds the run's own; a checkpoint without it starts it afresh."""
         if name in RESERVED:
             raise ValueError(f"{name!r} is a checkpoint's own key: register the part under another name")
         self.parts[name] = (part, per_rank)
 
     def restore(self, *, model, optimizer, scaler, train_loader, config, fsdp):
-        """What is saved and restored from now on: the run's parts (weights, optimizers, scaler, each rank's data
-        position and random state) and any registered before; the resumed checkpoint's state put back into them.
-        Returns the step the launch starts at."""
+        """The run's parts (weights, optimizers, scaler, each rank's data position and random state) and those
+        registered before: saved from now on, the resumed state put back into them. The step the launch starts at."""
         added = {name: entry for name, entry in self.parts.items() if name not in BUILT_IN}
         self.parts = {"model": (Part(lambda: parallel.model_state(model),
                                      lambda s: parallel.load_model_state(model, s)), False),
@@ -278,9 +293,8 @@ class Flags:
 # Resuming: which checkpoint
 @dataclass(frozen=True)
 class Resume:
-    """The run a launch continues, as the other rooms see it: where its checkpoint is, the step it resumes at, the
-    settings it was trained with, its model's shape, and why newer checkpoints were passed over. What the checkpoint
-    holds beyond that is this room's (Checkpointer.restore puts it back)."""
+    """The run a launch continues: its checkpoint's path, its step, its settings (train_config reads them), its
+    model's shape, and why newer checkpoints were passed over. The rest is Checkpointer's to put back."""
     path: str
     checkpoint: dict
     skipped: list
@@ -290,11 +304,14 @@ class Resume:
     shape = property(lambda self: self.checkpoint["model_config"])  # GPT.from_shape's
 
     def finished(self, max_steps, export_hf, log_dir):
-        """Whether nothing is left to do: max_steps are done and, with export_hf, LOG_DIR/hf holds weights written
-        after this checkpoint (an export cut short by a full disk is still owed)."""
+        """What a launch says where nothing is left to do, else None: max_steps are done and, with export_hf,
+        LOG_DIR/hf holds weights written after this checkpoint (an export cut short by a full disk is still owed)."""
         weights = os.path.join(log_dir, "hf", "model.safetensors")
         exported = os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(self.path)
-        return self.step == max_steps and (exported or not export_hf or shape_export_problem(self.shape))
+        if self.step == max_steps and (exported or not export_hf or shape_export_problem(self.shape)):
+            return (f"{log_dir}: the run already finished its {self.step} steps ({self.path}); pass a larger "
+                    "--max-steps to train on")
+        return None
 
 
 def resume_point(resume, log_dir):
@@ -346,15 +363,6 @@ def in_log_dir(path, log_dir):
     """Whether path lies in log_dir itself (not in another run's directory, nor in superseded/)."""
     return (path is not None and os.path.isdir(log_dir)
             and os.path.samefile(os.path.dirname(os.path.abspath(path)), log_dir))
-
-
-def check_world_size(ckpt, path, ranks):
-    """The data position counts in the run's process count, which must not change (every rank says so: the line is
-    printed once, common.say_error)."""
-    saved = ckpt.get("world_size", ckpt["config"].get("world_size"))  # older checkpoints: in the config
-    if saved != ranks.world_size:
-        raise UserError(f"cannot resume {path}: it was trained with {saved} process(es) (GPUs), this launch has "
-                        f"{ranks.world_size}; launch it with {saved} in all (torchrun --nproc_per_node x --nnodes)")
 
 
 # Models for the other scripts

@@ -119,8 +119,8 @@ def latest_checkpoint(log_dir):
 
 
 def resume_command(log_dir, world_size=1, per_node=None):
-    """The shell command that continues the run in log_dir with as many processes (check_world_size); on several
-    nodes, N (each node's rank) and HOST:PORT (the first node's address) are the user's to fill in."""
+    """The shell command that continues the run in log_dir with as many processes (a resume refuses another count);
+    on several nodes, N (each node's rank) and HOST:PORT (the first node's address) are the user's to fill in."""
     args = f"train_gpt2.py --log-dir {shlex.quote(log_dir)} --resume"
     if world_size <= 1:
         return f"python {args}"

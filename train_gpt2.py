@@ -34,7 +34,7 @@ import plot
 import train_config
 import trackers
 from common import UserError
-from metrics import RunLog, latest_checkpoint, resume_command
+from metrics import RunLog, resume_command
 from model import GPT, config_of
 from profiling import PhaseTimer, StepProfiler
 from provenance import environment, git_commit, versions
@@ -51,9 +51,9 @@ def train(argv=None):
     args = train_config.parse_args(argv, description=__doc__)
     resume = checkpoint.resume_point(args.resume, args.log_dir)
     cfg, changes = train_config.resolve(args, resume)
-    if resume is not None and resume.finished(cfg.max_steps, cfg.export_hf, cfg.log_dir):
-        common.print0(f"{cfg.log_dir}: the run already finished its {resume.step} steps ({resume.path}); "
-                      "pass a larger --max-steps to train on")
+    finished = resume and resume.finished(cfg.max_steps, cfg.export_hf, cfg.log_dir)
+    if finished:
+        common.print0(finished)
         return 0
     evaluations = evaluation.prepare(cfg)  # what they read, read once: where the run has steps to go
     if cfg.wandb or cfg.tensorboard:
@@ -127,7 +127,7 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw_model, origin = build_model(cfg, resume)
+    raw_model, origin = build_model(cfg, checkpoints)
     raw_model.to(ranks.device)
     # FSDP replaces the parameters with shards: the micro-batch probe and the optimizer come after this
     model = parallel.wrap_model(raw_model, cfg.sharding, ranks.device, dtype, cfg.activation_checkpointing,
@@ -163,24 +163,16 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
               optimizer=optimizer, scaler=scaler, train_loader=train_loader,
               evaluations=evaluations, checkpoints=checkpoints, start_step=start_step,
               plotter=plotter, gpu=gpu)
-    write_header(run, origin, resume, changes)
+    write_header(run, origin, changes)
     return run
 
 
-def build_model(cfg, resume):
+def build_model(cfg, checkpoints):
     """The GPT on the CPU and where it came from: of the resumed run's shape (whose weights Checkpointer.restore puts
     back), pretrained weights (--init-from, cut to --block-size) or a preset."""
-    if resume is not None:
-        return GPT.from_shape(resume.shape), "resumed"
-    if cfg.init_from:
-        model, what = checkpoint.load_model(cfg.init_from)
-        if cfg.block_size > model.config.block_size:
-            raise UserError(f"--block-size {cfg.block_size} is larger than the {model.config.block_size} "
-                            f"positions {cfg.init_from} was trained with; use --block-size "
-                            f"{model.config.block_size} or less")
-        if cfg.block_size < model.config.block_size:
-            model.crop_block_size(cfg.block_size)
-        return model.train(), what
+    start = checkpoints.starting_model(cfg.init_from, cfg.block_size)
+    if start is not None:
+        return start
     try:
         config = config_of(cfg.model, cfg.block_size, **train_config.architecture(cfg))
     except ValueError as e:
@@ -188,7 +180,7 @@ def build_model(cfg, resume):
     return GPT(config), f"{cfg.model} preset" if config == config_of(cfg.model, cfg.block_size) else "custom shape"
 
 
-def write_header(run, origin, resume, changes):
+def write_header(run, origin, changes):
     """The run record and the lines that say what produced this run and how it is laid out: what they
     say is gathered first (the device, the processes, the model, the memory plan), then written."""
     cfg, ranks, log, model, choice = run.cfg, run.ranks, run.log, run.raw_model, run.choice
@@ -207,7 +199,7 @@ def write_header(run, origin, resume, changes):
     plan = memory.memory_plan(model, layout_of(cfg, run.dtype), run.micro_batch, ranks.world_size, run.optimizer)
     memory_line = memory.format_memory_plan(plan, choice.capacity, "GPU" if choice.capacity else "process")
     commit = git_commit()
-    resume_path = resume.path if resume is not None else None
+    resume_path = run.checkpoints.last_path  # the checkpoint resumed from, none written yet
     log.record("run", step=run.start_step, max_steps=cfg.max_steps, tokens_per_step=cfg.total_batch_size,
                resumed_from=resume_path, device=ranks.device, device_name=name, dtype=run.dtype,
                compile=choice.compile, world_size=ranks.world_size, grad_accum=run.grad_accum, versions=versions(),
@@ -305,7 +297,7 @@ def layout_of(cfg, dtype):
 def stop_on_nonfinite(run, step, loss, norm):
     """--on-nonfinite stop: say where to go back to, and end with exit status 3."""
     rates = run.optimizer.rates()
-    last = latest_checkpoint(run.cfg.log_dir)
+    last = run.checkpoints.last_path  # written by this run, or resumed from
     if last:
         advice = f"The last good checkpoint is {last}: resume from it with a lower {rates}"
     else:  # --resume with no checkpoint starts the run afresh

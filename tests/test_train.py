@@ -514,7 +514,8 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     p = diverging(data_dir, log_dir, max_steps=12, checkpoint_every=1)
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     assert "non-finite; stopping" in p.stdout and "Traceback" not in p.stderr
-    assert "resume from it with a lower --max-lr, or pass --on-nonfinite skip" in p.stdout  # AdamW: no --muon-lr
+    assert (f"The last good checkpoint is {metrics.latest_checkpoint(log_dir)}: resume from it with a lower --max-lr, "
+            "or pass --on-nonfinite skip") in p.stdout  # AdamW: no --muon-lr
     end = records(log_dir, "end")[-1]
     assert end["reason"] == "nonfinite"
     step, model, _ = final_state(log_dir)
