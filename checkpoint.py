@@ -125,7 +125,7 @@ class Checkpointer:
 
     def __init__(self, log_dir, keep, ranks, log, resume=None):
         saved = resume and resume.checkpoint.get("world_size", resume.settings.get("world_size"))  # older: in config
-        if resume is not None and saved != ranks.world_size:  # the data's positions count in the run's processes
+        if saved not in (None, ranks.world_size):  # the data's positions count in the processes (every rank says so)
             raise UserError(f"cannot resume {resume.path}: it was trained with {saved} process(es) (GPUs), this "
                             f"launch has {ranks.world_size}; launch it with {saved} in all (torchrun --nproc_per_node "
                             "x --nnodes)")
@@ -141,8 +141,8 @@ class Checkpointer:
         self.parts = {}  # name: (a stateful part, whether each rank has its own), as register() takes them
 
     def starting_model(self, init_from, block_size):
-        """(GPT on the CPU, where it came from): of the resumed run's shape (restore puts its weights back), or
-        --init-from's weights cut to block_size; None: a new model of the run's settings."""
+        """(GPT on the CPU, where it came from), asked before begin(): of the resumed run's shape (restore puts its
+        weights back), or --init-from's weights cut to block_size; None: a new model of the run's settings."""
         if self.resume is not None:
             return GPT.from_shape(self.resume.shape), "resumed"
         if not init_from:
@@ -232,6 +232,7 @@ class Checkpointer:
         if self.ranks.is_master or self.fsdp:  # under FSDP the weights' and moments' gathers are collectives
             shared = {name: part.state_dict() for name, (part, each) in self.parts.items() if not each}
         if not self.ranks.is_master:
+            self.last_path = checkpoint_path(self.log_dir, step)  # rank 0's, written
             return
         ckpt = {"step": step, "model_config": parallel.unwrap(self.model).shape(), **shared, "ranks": per_rank,
                 "world_size": self.ranks.world_size, "config": self.config}
@@ -303,7 +304,7 @@ class Resume:
     settings = property(lambda self: self.checkpoint["config"])  # every setting of the run, as train_config stores them
     shape = property(lambda self: self.checkpoint["model_config"])  # GPT.from_shape's
 
-    def finished(self, max_steps, export_hf, log_dir):
+    def finished_line(self, max_steps, export_hf, log_dir):
         """What a launch says where nothing is left to do, else None: max_steps are done and, with export_hf,
         LOG_DIR/hf holds weights written after this checkpoint (an export cut short by a full disk is still owed)."""
         weights = os.path.join(log_dir, "hf", "model.safetensors")

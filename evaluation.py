@@ -19,8 +19,8 @@ import common
 import core
 import dataloader
 import device
+import descriptions
 import hellaswag
-import metrics
 import parallel
 from common import UserError
 
@@ -57,7 +57,8 @@ class Evaluation:
     axis = None                  # (low, high, margin below, margin above): its panel's y range holds low..high too
     first = False                # True: its panel comes right after the loss's
     sample = None                # {"field", "whole", "chance"}: records whose field is under whole scored a sample
-    tasks = None                 # {"field", "whole", "title"}: a mean over len(field) tasks, comparable over whole
+    tasks = None                 # {"field", "whole", "title", "of"}: a mean over len(field) tasks, set against the
+    #                              references (whose they are: "of") over whole tasks only, else titled `title`
     agree_after = False          # True: the ranks meet after it, whatever it returned (not every rank runs it)
     ranges = {}                  # {its numeric flag: "at least 1", "0 or more", ...}: train_config.BOUNDS checks it
     paths = ()                   # its flags that name files: stored absolute, so a resume elsewhere reads the same
@@ -93,10 +94,10 @@ class Evaluation:
     def describe(cls):
         """What the run record says of its records (metrics.py, plot.py and trackers.py read it): the plot draws and
         the summary writes an evaluation from this alone."""
-        return metrics.description(cls.field, cls.best, cls.label, cls.panel or cls.kind, title=cls.title,
-                                   ylabel=cls.ylabel, references=[list(r) for r in cls.references],
-                                   against=cls.against, axis=list(cls.axis) if cls.axis else None, first=cls.first,
-                                   sample=cls.sample, tasks=cls.tasks)
+        return descriptions.description(cls.field, cls.best, cls.label, cls.panel or cls.kind, title=cls.title,
+                                        ylabel=cls.ylabel, references=cls.references, against=cls.against,
+                                        axis=list(cls.axis) if cls.axis else None, first=cls.first,
+                                        sample=cls.sample, tasks=cls.tasks)
 
     def record(self, step, text, **fields):
         """Its line and its record at step."""
@@ -208,12 +209,11 @@ def named(cfg, flag, every):
 class HellaSwag(Scored):
     kind, field, label = "hellaswag", "acc_norm", "HellaSwag"
     title, ylabel, axis, first = "HellaSwag (acc_norm, 0-shot)", "accuracy", (0.24, 0.35, 0.005, 0.01), True
-    chance = 1 / hellaswag.N_ENDINGS
     references = ((hellaswag.GPT3_HELLASWAG, f"GPT-3 124M {hellaswag.GPT3_HELLASWAG} (Brown et al. 2020)", "firebrick"),
                   (hellaswag.GPT2_HELLASWAG, f"OpenAI GPT-2 124M HellaSwag {hellaswag.GPT2_HELLASWAG}", "black"),
-                  (chance, f"chance {chance} (four endings)", "gray"))
+                  (hellaswag.CHANCE, f"chance {hellaswag.CHANCE} (four endings)", "gray"))
     against = f"GPT-2 124M: {hellaswag.GPT2_HELLASWAG}, GPT-3 124M: {hellaswag.GPT3_HELLASWAG}"
-    sample = dict(field="n", whole=hellaswag.N_ITEMS, chance=chance)  # --hellaswag-limit scores a sample
+    sample = dict(field="n", whole=hellaswag.N_ITEMS, chance=hellaswag.CHANCE)  # --hellaswag-limit scores a sample
     every_flag, data_flag = "hellaswag_every", "hellaswag_file"
     ranges, paths = {"hellaswag_every": "0 or more", "hellaswag_limit": "at least 1"}, ("hellaswag_file",)
 
@@ -234,8 +234,8 @@ class HellaSwag(Scored):
 
 class Core(Scored):
     kind, field, label = "core", "core", "CORE"
-    title, ylabel, axis = f"CORE ({core.N_CORE_TASKS} in-context tasks, centred accuracy: 0 = chance)", "CORE", (
-        0.0, None, 0.01, 0.02)
+    title = f"CORE ({core.N_CORE_TASKS} in-context tasks, centred accuracy: 0 = chance)"
+    ylabel, axis = "CORE", (0.0, None, 0.01, 0.02)
     references = ((core.GPT2_CORE["1.5B"], f"OpenAI GPT-2 1.5B CORE {core.GPT2_CORE['1.5B']} (nanochat)", "firebrick"),
                   (core.GPT2_CORE["124M"], f"OpenAI GPT-2 124M CORE {core.GPT2_CORE['124M']} (nanochat)", "black"))
     against = f"GPT-2 124M: {core.GPT2_CORE['124M']}, 1.5B: {core.GPT2_CORE['1.5B']}"

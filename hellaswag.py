@@ -23,6 +23,7 @@ from tokenizer import EOT_TOKEN, get_tokenizer
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_FILE = "hellaswag_val.jsonl"
 N_ENDINGS = 4
+CHANCE = 1 / N_ENDINGS
 N_ITEMS = 10042  # the validation set the published figures are over; fewer (--limit) is a sample
 GPT2_HELLASWAG = 0.2955  # OpenAI's GPT-2 124M, acc_norm on the N_ITEMS (build-nanogpt)
 GPT3_HELLASWAG = 0.337   # GPT-3 Small (125M), zero-shot (Brown et al. 2020)

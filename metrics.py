@@ -1,6 +1,6 @@
 """
 metrics.jsonl and log.txt: RunLog writes them (train_gpt2.py, rank 0; it also holds the log directory's lock and feeds
-the trackers), read_metrics reads them (plot.py); and what produced a run or a data set (versions, git commit).
+the trackers), read_metrics reads them (plot.py), with what the run record describes of its evaluations.
 
 log.txt holds the lines printed during the run. metrics.jsonl holds one JSON object per line, appended and flushed
 per record, each with "kind" and "time" (Unix seconds). The kinds and their other keys:
@@ -9,9 +9,9 @@ per record, each with "kind" and "time" (Unix seconds). The kinds and their othe
               world_size, grad_accum, versions, git (commit, "-dirty" if changed, or null), config (every resolved
               setting), changes (the settings a resume's command line changed), restart (torchrun's restart count),
               per_node (processes per node: what a resume launches), environment (the variables set that change
-              how torch compiles and runs: TORCHINDUCTOR_*, NCCL_*, ...), evaluations ({kind: {field, best, label,
-              panel}}: the evaluation records of the run and their headline number, which readers learn them from;
-              a run record without it: val, hellaswag and core as below, EVALUATIONS), stop_grace_s (seconds a
+              how torch compiles and runs: TORCHINDUCTOR_*, NCCL_*, ...), evaluations ({kind: its description}: the
+              evaluation records of the run, their headline number and how plot.py draws them, descriptions.py; a
+              run record without it: val, hellaswag and core as below), stop_grace_s (seconds a
               launcher leaves a stop before it kills the process: torchrun's --shutdown-timeout; null: none)
   memory      one per launch, after run: step, params, grads, optimizer, activations, total: the bytes each GPU
               (or process) is planned to hold (memory.memory_plan)
@@ -47,6 +47,7 @@ import time
 from contextlib import contextmanager
 
 from common import UserError, json_line_problem, out_of_space, to_devnull
+from descriptions import described
 
 METRICS_FILE = "metrics.jsonl"
 TEXT_LOG_FILE = "log.txt"
@@ -58,37 +59,6 @@ REQUIRED = {"run": {"step": int},
             "train": {"step": int, "loss": float, "tokens": int, "tok_per_s": float, "dt_ms": float},
             "checkpoint": {"step": int, "path": str},
             "end": {"step": int, "reason": str}}
-# how plot.py shows an evaluation, in its description (evaluation.Evaluation says what each key means)
-SHOWN = dict(title=None, ylabel=None, references=[], against=None, axis=None, first=False, sample=None, tasks=None)
-
-
-def description(field, best, label, panel, **shown):
-    """An evaluation's description in the run record: its records' headline field, which way is better ("min" or
-    "max"), its name, its panel, and how it is shown (SHOWN's keys: by default a title and y label of its field)."""
-    d = dict(SHOWN, field=field, best=best, label=label, panel=panel, **shown)
-    d["title"] = d["title"] or f"{label} ({field}, {'lower' if best == 'min' else 'higher'} is better)"
-    d["ylabel"] = d["ylabel"] or field
-    return d
-
-
-# the built-in evaluations of runs logged before run records described them, or how they are shown: as
-# evaluation.py's describe them (a test holds the two alike)
-EVALUATIONS = {
-    "val": description("val_loss", "min", "val loss", "loss", against="OpenAI GPT-2 124M: 3.2924", references=[
-        [3.2924, "OpenAI GPT-2 124M (val loss on FineWeb-Edu val shard: 3.2924)", "black"]]),
-    "hellaswag": description(
-        "acc_norm", "max", "HellaSwag", "hellaswag", title="HellaSwag (acc_norm, 0-shot)", ylabel="accuracy",
-        references=[[0.337, "GPT-3 124M 0.337 (Brown et al. 2020)", "firebrick"],
-                    [0.2955, "OpenAI GPT-2 124M HellaSwag 0.2955", "black"],
-                    [0.25, "chance 0.25 (four endings)", "gray"]],
-        against="GPT-2 124M: 0.2955, GPT-3 124M: 0.337", axis=[0.24, 0.35, 0.005, 0.01], first=True,
-        sample=dict(field="n", whole=10042, chance=0.25)),
-    "core": description(
-        "core", "max", "CORE", "core", title="CORE (22 in-context tasks, centred accuracy: 0 = chance)", ylabel="CORE",
-        references=[[0.2565, "OpenAI GPT-2 1.5B CORE 0.2565 (nanochat)", "firebrick"],
-                    [0.1139, "OpenAI GPT-2 124M CORE 0.1139 (nanochat)", "black"]],
-        against="GPT-2 124M: 0.1139, 1.5B: 0.2565", axis=[0.0, None, 0.01, 0.02],
-        tasks=dict(field="centered", whole=22, title="CORE (centred accuracy: 0 = chance)", of="GPT-2's"))}
 # optional: a number or null
 NUMBERS = ("time", "mfu", "max_steps", "tokens_per_step", "world_size", "per_node", "peak_mem")
 TYPE_WORDS = {int: "an integer", float: "a number", str: "text"}
@@ -335,22 +305,6 @@ def _check(rec, required):
         if isinstance(value, bool) or not isinstance(value, (int, float) if want is float else want):
             return f"{key!r} is {value!r}, not {TYPE_WORDS[want]}"
     return None
-
-
-def described(records):
-    """{kind: description} of the evaluations the run records describe, in their order (EVALUATIONS for a run
-    record that predates descriptions; a description that predates SHOWN's keys gets them as it was drawn then)."""
-    found = {}
-    for rec in records:
-        if rec["kind"] == "run":
-            evaluations = rec.get("evaluations")
-            found.update(evaluations if isinstance(evaluations, dict) else EVALUATIONS)
-    found = found or dict(EVALUATIONS)
-    for kind, d in found.items():
-        if isinstance(d, dict) and "title" not in d:
-            then = EVALUATIONS.get(kind) or description(d.get("field"), d.get("best"), d.get("label"), d.get("panel"))
-            found[kind] = {**then, **d}
-    return found
 
 
 def read_records(path):

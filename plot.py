@@ -305,7 +305,7 @@ def build_figure(log_dirs, labels=None, smooth=None):
         loss_late += _late(smoothed)
         loss_all += [v for v in loss if math.isfinite(v)]
     # the runs' losses, from the lowest up to where the curves are past their first drop: where runs differ
-    beside = [ref for d in kinds.values() if d["panel"] == "loss" for ref in d.get("references") or []]
+    beside = [ref for d in kinds.values() if d["panel"] == "loss" for ref in d["references"]]
     fallback = [v for v, _, _ in beside] or [0.0]  # no loss yet: where the references are
     low, high = min(loss_all or fallback), max(loss_late or fallback)
     ax["loss"].set_ylim(low - 0.05 * (high - low) - 0.02, high + 0.1 * (high - low) + 0.02)
@@ -313,13 +313,14 @@ def build_figure(log_dirs, labels=None, smooth=None):
     for kind in own:  # each panel as its evaluation describes it
         d, recorded = kinds[kind], [m[kind] for m in runs if m.get(kind)]
         whole = [other_tasks(records, d) is None for records in recorded]  # over the tasks of its references
-        lines = references[d["panel"]] = (d.get("references") or []) if any(whole) else []
+        lines = d["references"] if any(whole) else []
+        references[d["panel"]] = lines
         title = d["title"] if all(whole) else d["tasks"]["title"]
         some = [n for records in recorded if (n := sample_of(records, d)) is not None]
         if some:  # hollow points
             n, chance = min(some), d["sample"]["chance"]
             said = f"hollow: a sample of {n} items, +/-{half_width(n, chance):.2f} at 95%"
-            title = f"{title[:-1]}; {said})" if title.endswith(")") else f"{title} ({said})"
+            title = f"{title[:-1]}; {said})" if title.endswith(")") else f"{title} ({said})"  # inside its brackets
         ax[d["panel"]].set(title=title, ylabel=d["ylabel"])
         if d.get("axis"):  # the range that holds the figures, the references drawn and the axis's own low..high
             at_least, at_most, below, above = d["axis"]
@@ -329,9 +330,10 @@ def build_figure(log_dirs, labels=None, smooth=None):
     for name, lines in references.items():  # each panel's range set: a baseline off it is named at its edge
         for value, text, color in lines:
             _reference(ax[name], value, text, color)
+    dashed = ", ".join(d["label"] for d in kinds.values() if d["panel"] == "loss")  # validation's label
     ax["loss"].set(ylabel="cross-entropy loss (nats/token)",
-                   title=f"Loss (train: faint per step, solid {smoothing}; val: dashed)" if span > 1
-                   else "Loss (train: per step; val: dashed)")
+                   title=f"Loss (train: faint per step, solid {smoothing}; {dashed}: dashed)" if span > 1
+                   else f"Loss (train: per step; {dashed}: dashed)")
     ax["tps"].set(title=f"Throughput ({smoothing}; first step of each launch left out)", ylabel="tokens/s (all ranks)",
                   ylim=(0, None))
     ax["tps"].yaxis.set_major_formatter(lambda v, _: human(v))

@@ -51,7 +51,7 @@ def train(argv=None):
     args = train_config.parse_args(argv, description=__doc__)
     resume = checkpoint.resume_point(args.resume, args.log_dir)
     cfg, changes = train_config.resolve(args, resume)
-    finished = resume and resume.finished(cfg.max_steps, cfg.export_hf, cfg.log_dir)
+    finished = resume and resume.finished_line(cfg.max_steps, cfg.export_hf, cfg.log_dir)
     if finished:
         common.print0(finished)
         return 0

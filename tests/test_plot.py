@@ -15,6 +15,7 @@ import pytest
 
 import common
 import core
+import descriptions
 import evaluation
 import metrics
 import plot
@@ -424,18 +425,34 @@ def test_a_cpu_try_out_is_drawn_for_what_it_measured(tmp_path, monkeypatch):
     assert sorted(titles) == ["Loss", "Model FLOPs utilisation", "Throughput"], titles
 
 
-def test_runs_written_before_descriptions_said_how_to_draw_are_drawn_as_the_built_ins_describe_themselves():
-    """metrics.EVALUATIONS, how plot.py draws the built-in evaluations of a run whose record predates their
+def test_runs_written_before_descriptions_said_how_to_draw_are_drawn_as_the_built_ins_describe_themselves(tmp_path):
+    """descriptions.EVALUATIONS, how plot.py draws the built-in evaluations of a run whose record predates their
     descriptions (or predates the keys that say how they are shown), is what evaluation.py's classes describe today;
-    an evaluation of such a run that is not built in gets a title and y label of its field."""
+    an evaluation of such a run that is not built in gets a title and y label of its field. Every run's loss is set
+    against GPT-2's validation loss, whether it validated or not; a description damaged by hand is drawn plainly
+    where only how it is shown is damaged, and left out where its records cannot be read by it."""
+    pytest.importorskip("matplotlib")
     for cls in (evaluation.Validation, evaluation.HellaSwag, evaluation.Core):
-        assert cls.describe() == metrics.EVALUATIONS[cls.kind]
+        assert cls.describe() == descriptions.EVALUATIONS[cls.kind]
     older = {"hellaswag": dict(field="acc_norm", best="max", label="HellaSwag", panel="hellaswag"),
              "toy": dict(field="score", best="min", label="Toy", panel="toy")}
-    found = metrics.described([{"kind": "run", "evaluations": older}])
-    assert found["hellaswag"] == metrics.EVALUATIONS["hellaswag"]
-    assert found["toy"] == dict(metrics.SHOWN, **older["toy"], title="Toy (score, lower is better)", ylabel="score")
-    assert metrics.described([{"kind": "run"}]) == metrics.EVALUATIONS
+    found = descriptions.described([{"kind": "run", "evaluations": older}])
+    assert list(found) == ["val", "hellaswag", "toy"] and found["val"] == descriptions.EVALUATIONS["val"]
+    assert found["hellaswag"] == descriptions.EVALUATIONS["hellaswag"]
+    assert found["toy"] == dict(descriptions.SHOWN, **older["toy"], references=[],
+                                title="Toy (score, lower is better)", ylabel="score")
+    assert descriptions.described([{"kind": "run"}]) == descriptions.EVALUATIONS
+    damaged = {"core": dict(descriptions.EVALUATIONS["core"], references=[[0.1]]), "toy": {"field": 3}}
+    read = descriptions.described([{"kind": "run", "evaluations": damaged}])
+    assert read["core"] == descriptions.description("core", "max", "CORE", "core") and "toy" not in read
+    recs = [r for r in launch(0, 19, 0.0, seed=5, core=5, end="finished") if r["kind"] != "val"]  # --eval-every 0
+    recs[0]["evaluations"] = damaged
+    fig = plot.build_figure([write_log(tmp_path / "log", recs)])
+    loss = next(ax for ax in fig.axes if ax.get_title().startswith("Loss"))
+    assert [t.get_text() for t in loss.texts] == ["below the axis: " + evaluation.Validation.references[0][1]]
+    assert loss.get_title() == "Loss (train: per step; val loss: dashed)"
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("CORE"))
+    assert panel.get_title() == "CORE (core, higher is better)" and len(panel.lines) == 1
 
 
 def test_plot_py_names_no_evaluation():
