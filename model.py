@@ -3,7 +3,7 @@ Parameter names follow Hugging Face's, so importing weights is a key-for-key cop
 
 import os
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -90,6 +90,8 @@ class Block(nn.Module):
     learned_positions = True   # GPT adds a learned position table (wpe) to the tokens; False: the block places them
     final_norm = nn.LayerNorm  # the norm before the LM head, built as final_norm(n_embd)
     exports = True             # GPT-2's architecture, which Hugging Face's GPT2LMHeadModel and llama.cpp's gpt2 hold
+    options = {}               # its own settings, {name: (default, help)}: in config.options, the trainer's --NAME
+    #                            flags (with --block), kept in the checkpoint's shape and fixed on resume
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -142,17 +144,24 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     block: str = "gpt2"                    # the kind of transformer block: a key of BLOCKS
+    options: dict = field(default_factory=dict)  # the block's own settings (its class's options), by name
 
     def __post_init__(self):
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.block not in BLOCKS:
             raise ValueError(f"no block {self.block!r}: the blocks are {', '.join(sorted(BLOCKS))}")
+        own = BLOCKS[self.block].options
+        for name in self.options:
+            if name not in own:
+                raise ValueError(f"{name!r} is no setting of {self.block!r} blocks (theirs: {sorted(own) or 'none'})")
+        self.options = {name: self.options.get(name, default) for name, (default, _) in own.items()}
 
 
-def config_of(preset, block_size, n_layer=None, n_head=None, n_embd=None, block="gpt2"):
-    """A GPTConfig from a preset's shape (PRESETS) and the sizes given over it; ValueError for one that cannot be."""
-    shape = dict(PRESETS[preset], block=block)
+def config_of(preset, block_size, n_layer=None, n_head=None, n_embd=None, block="gpt2", **options):
+    """A GPTConfig from a preset's shape (PRESETS), the sizes given over it and the block's own settings given (None:
+    its default); ValueError for one that cannot be."""
+    shape = dict(PRESETS[preset], block=block, options={k: v for k, v in options.items() if v is not None})
     shape.update({k: v for k, v in dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd).items() if v is not None})
     return GPTConfig(block_size=block_size, **shape)
 

@@ -47,6 +47,9 @@ def build_parser(description=None):
     a("--n-embd", type=int, help="override the preset's embedding width")
     a("--block", default="gpt2", choices=sorted(BLOCKS),
       help="the transformer block (default: gpt2, GPT-2's); model.py's BLOCKS holds the variants")
+    for name, (blocks, default, text) in block_options().items():  # a variant's own settings (model.Block.options)
+        a(f"--{name.replace('_', '-')}", type=type(default),
+          help=f"{text} ({' and '.join(f'--block {b}' for b in blocks)}; default: {default})")
     a("--block-size", type=int, default=1024, help="context length T in tokens (default: 1024)")
     a("--init-from", help="start from pretrained weights (a Hugging Face name or directory, a checkpoint or a log "
                           "directory), whose architecture it takes")
@@ -130,8 +133,10 @@ RANGES = {
 # micro-batch does not change the math (the total batch does, and the data position is counted in sequences): a run
 # whose micro-batch was fitted fits it again on the GPU it resumes on, and another value may be given. Where the run
 # is written, which checkpoint continues it and what is profiled are this launch's own.
-# the flags that set the architecture over --model's preset: model.config_of's keywords, read from it
-ARCHITECTURE = tuple(inspect.signature(config_of).parameters)[2:]
+# the flags that set the architecture over --model's preset: model.config_of's keywords, read from it, and the
+# blocks' own settings (block_options)
+ARCHITECTURE = tuple(p.name for p in list(inspect.signature(config_of).parameters.values())[2:]
+                     if p.kind is not p.VAR_KEYWORD)
 FIXED_ON_RESUME = ("model", *ARCHITECTURE, "block_size", "init_from", "total_batch_size", "shuffle_seed", "seed",
                    "optimizer")
 LAUNCH_ONLY = ("log_dir", "resume", "profile_steps", "memory_snapshot")
@@ -172,6 +177,16 @@ def parse_args(argv=None, description=None):
     return args
 
 
+def block_options():
+    """{a variant's own setting: (the blocks that have it, its default, what it is)}, from the blocks registered in
+    model.BLOCKS (model.Block.options): flags of the trainer, fixed on resume like the rest of the architecture."""
+    found = {}
+    for block, cls in sorted(BLOCKS.items()):
+        for name, (default, text) in cls.options.items():
+            found.setdefault(name, ([], default, text))[0].append(block)
+    return found
+
+
 def rooms():
     """The rooms whose flags are their own, with what each may say of them (ranges, paths, flag_defaults(args),
     check_flags(cfg, said), settle_flags(values, given)): the data's, the optimizers', each evaluation's (registered
@@ -193,10 +208,14 @@ def check_relations(cfg, resumed=False):
         raise UserError(f"{said('total_batch_size')} is not a multiple of {said('block_size')}")
     if cfg.init_from and not resumed:  # what it names exists, before a flag beside it is refused on its account
         checkpoint.model_kind(cfg.init_from)
-    for flag in ("model",) + ARCHITECTURE:
+    for flag in ("model",) + ARCHITECTURE + tuple(block_options()):
         if flag in cfg.given and cfg.init_from:
             raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "
                             f"from {cfg.init_from}; drop it")
+    for name, (blocks, _, _) in block_options().items():
+        if getattr(cfg, name) is not None and cfg.block not in blocks:
+            raise UserError(f"--{name.replace('_', '-')} is a setting of {' and '.join(blocks)} blocks, not of "
+                            f"{said('block')}: add --block {blocks[0]}, or drop it")
     if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
         raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
                         f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
@@ -241,20 +260,22 @@ def stored_run(values, given, resume):
     """The run's settings (resume.settings) into values; a flag the command line named that differs is refused where
     it is FIXED_ON_RESUME, else applied and returned as a line. Settings an older run did not store keep their
     defaults."""
-    stored, changes = resume.settings, []
+    stored, changes, options = resume.settings, [], block_options()
     for key, now in sorted(values.items()):
         if key in LAUNCH_ONLY or key not in stored:
             continue
         was = stored[key]
         if key in ("n_layer", "n_head", "n_embd"):  # None in a preset's run: its shape says the value
             was = resume.shape[key]
+        if key in options:  # None where the run took the block's default
+            was = resume.shape.get("options", {}).get(key, was)
         if key == "micro_batch_size" and key not in given and stored.get("micro_batch_auto"):
             continue  # fitted: fit again, on the device this launch has ("auto", as parsed)
         if key not in given or now == was:
             values[key] = stored[key]
             continue
         flag = "--" + key.replace("_", "-")
-        if key in FIXED_ON_RESUME:
+        if key in FIXED_ON_RESUME or key in options:
             trained = f"without {flag}" if was is None else f"with {flag} {was}"
             raise UserError(f"cannot resume {resume.path}: the run was trained {trained} and this command asks for "
                             f"{flag} {now}; drop {flag} to continue the run as it was, or use a new --log-dir for "
@@ -278,8 +299,9 @@ def command_line(settings):
 
 
 def architecture(cfg):
-    """The flags that set the architecture over --model's preset, by name (model.config_of's keywords)."""
-    return {key: getattr(cfg, key) for key in ARCHITECTURE}
+    """The flags that set the architecture over --model's preset, by name (model.config_of's keywords, and the
+    block's own settings)."""
+    return {key: getattr(cfg, key) for key in ARCHITECTURE + tuple(BLOCKS[cfg.block].options)}
 
 
 def stored(cfg, micro_batch):

@@ -413,12 +413,18 @@ def test_fsdp_grad_scaler_skips_on_every_rank_when_one_shard_overflows(two_ranks
 
 class RotaryBlock(model.Block):
     """A variant defined here: rotary position embeddings (Su et al. 2021, RoFormer) on the queries and keys, and no
-    learned position table: the block places each token by its position, as the GPT hands it."""
+    learned position table: the block places each token by its position, as the GPT hands it. Its base angle is a
+    setting of its own (--rope-theta)."""
     learned_positions = False
+    options = {"rope_theta": (10000.0, "the rotary embeddings' base")}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.theta = config.options["rope_theta"]
 
     def forward(self, x, pos=None, cache=None, layer=0, mask=None):
         half = self.attn.n_embd // self.attn.n_head // 2
-        freq = 10000.0 ** -(torch.arange(half, device=x.device, dtype=torch.float64) / half)
+        freq = self.theta ** -(torch.arange(half, device=x.device, dtype=torch.float64) / half)
         angle = pos.to(torch.float64)[..., None] * freq  # (T, half), or (B, T, half) for packed rows
         angle = angle[:, None] if angle.dim() == 3 else angle  # over the heads
         cos, sin = angle.cos(), angle.sin()
@@ -488,6 +494,36 @@ def test_a_variant_defined_in_a_test_trains_checkpoints_resumes_and_shards(two_r
                            n_layer=None, n_head=None, n_embd=None))
     assert f"not exported to Hugging Face's format: a GPT of {name!r} blocks is not GPT-2's" in p.stdout
     assert "already finished" in runs.run(["--log-dir", tuned, "--resume"]).stdout  # no export owed
+
+
+def test_a_variants_own_setting_is_a_flag_its_checkpoints_keep_and_a_resume_may_not_change(data_dir, tmp_path,
+                                                                                             monkeypatch):
+    """The rotary block's base (its options, declared in the class above): --rope-theta joins the trainer's flags
+    (in --help, with its block), reaches the model and its losses, is kept in the checkpoint's shape, holds on a
+    resume that does not name it, and is refused, in one line, where a resume would change it or another block is
+    trained; nothing outside this file was told of it."""
+    import common
+    import train_config
+    monkeypatch.setitem(model.BLOCKS, "rotary", RotaryBlock)
+    helped = " ".join(runs.run(["--help"]).stdout.split())
+    assert "--rope-theta ROPE_THETA the rotary embeddings' base (--block rotary; default: 10000.0)" in helped
+    low, plain = str(tmp_path / "low"), str(tmp_path / "plain")
+    settings = dict(data_dir=data_dir, block="rotary", export_hf=None, max_steps=2)
+    assert runs.train(runs.tiny(log_dir=low, rope_theta=500.0, **settings)) == 0
+    assert runs.train(runs.tiny(log_dir=plain, **settings)) == 0
+    assert [r["loss"] for r in runs.records(low, "train")] != [r["loss"] for r in runs.records(plain, "train")]
+    saved = checkpoint.load_model(low)[0]
+    assert saved.config.options == {"rope_theta": 500.0} and saved.blocks[0].theta == 500.0
+    assert checkpoint.load_model(plain)[0].config.options == {"rope_theta": 10000.0}
+    assert runs.train(["--log-dir", low, "--resume", "--max-steps", "3"]) == 0
+    assert checkpoint.load_model(low)[0].blocks[0].theta == 500.0
+    refused = runs.run(["--log-dir", low, "--resume", "--max-steps", "4", "--rope-theta", "600"], check=False)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and ("the run was trained with --rope-theta "
+                                                                           "500.0 and this command asks for "
+                                                                           "--rope-theta 600.0") in refused.stderr
+    with pytest.raises(common.UserError, match=r"^--rope-theta is a setting of rotary blocks, not of --block gpt2 "
+                                               r"\(the default's\): add --block rotary, or drop it$"):
+        train_config.resolve(train_config.parse_args(runs.tiny(data_dir=data_dir, rope_theta=500.0)))
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
