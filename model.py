@@ -90,8 +90,9 @@ class Block(nn.Module):
     learned_positions = True   # GPT adds a learned position table (wpe) to the tokens; False: the block places them
     final_norm = nn.LayerNorm  # the norm before the LM head, built as final_norm(n_embd)
     exports = True             # GPT-2's architecture, which Hugging Face's GPT2LMHeadModel and llama.cpp's gpt2 hold
-    options = {}               # its own settings, {name: (default, help)}: in config.options, the trainer's --NAME
-    #                            flags (with --block), kept in the checkpoint's shape and fixed on resume
+    options = {}               # its own settings, {name: (default: an int, float, str or bool, help)}: in
+    #                            config.options, the trainer's --NAME flags (with --block), kept in the checkpoint's
+    #                            shape and fixed on resume
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -150,11 +151,13 @@ class GPTConfig:
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.block not in BLOCKS:
-            raise ValueError(f"no block {self.block!r}: the blocks are {', '.join(sorted(BLOCKS))}")
+            raise ValueError(f"no block {self.block!r}: the blocks are {', '.join(sorted(BLOCKS))} (a variant defined "
+                             "elsewhere registers in model.BLOCKS before it is used)")
         own = BLOCKS[self.block].options
         for name in self.options:
             if name not in own:
-                raise ValueError(f"{name!r} is no setting of {self.block!r} blocks (theirs: {sorted(own) or 'none'})")
+                raise ValueError(f"{name!r} is no setting of {self.block!r} blocks (theirs: "
+                                 f"{', '.join(sorted(own)) or 'none'})")
         self.options = {name: self.options.get(name, default) for name, (default, _) in own.items()}
 
 

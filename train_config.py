@@ -48,7 +48,8 @@ def build_parser(description=None):
     a("--block", default="gpt2", choices=sorted(BLOCKS),
       help="the transformer block (default: gpt2, GPT-2's); model.py's BLOCKS holds the variants")
     for name, (blocks, default, text) in block_options().items():  # a variant's own settings (model.Block.options)
-        a(f"--{name.replace('_', '-')}", type=type(default),
+        kind = dict(action=argparse.BooleanOptionalAction) if isinstance(default, bool) else dict(type=type(default))
+        a(f"--{name.replace('_', '-')}", **kind,
           help=f"{text} ({' and '.join(f'--block {b}' for b in blocks)}; default: {default})")
     a("--block-size", type=int, default=1024, help="context length T in tokens (default: 1024)")
     a("--init-from", help="start from pretrained weights (a Hugging Face name or directory, a checkpoint or a log "
@@ -133,8 +134,8 @@ RANGES = {
 # micro-batch does not change the math (the total batch does, and the data position is counted in sequences): a run
 # whose micro-batch was fitted fits it again on the GPU it resumes on, and another value may be given. Where the run
 # is written, which checkpoint continues it and what is profiled are this launch's own.
-# the flags that set the architecture over --model's preset: model.config_of's keywords, read from it, and the
-# blocks' own settings (block_options)
+# the flags that set the architecture over --model's preset: model.config_of's named keywords, read from it (a
+# block's own settings, its **options, are block_options(), added where these are used)
 ARCHITECTURE = tuple(p.name for p in list(inspect.signature(config_of).parameters.values())[2:]
                      if p.kind is not p.VAR_KEYWORD)
 FIXED_ON_RESUME = ("model", *ARCHITECTURE, "block_size", "init_from", "total_batch_size", "shuffle_seed", "seed",
@@ -183,7 +184,11 @@ def block_options():
     found = {}
     for block, cls in sorted(BLOCKS.items()):
         for name, (default, text) in cls.options.items():
-            found.setdefault(name, ([], default, text))[0].append(block)
+            blocks, first, _ = found.setdefault(name, ([], default, text))
+            if (type(default), default) != (type(first), first):  # one flag: one type, one default
+                raise ValueError(f"blocks {blocks[0]!r} and {block!r} both declare {name!r}, with the defaults "
+                                 f"{first!r} and {default!r}: give it one default, or two names")
+            blocks.append(block)
     return found
 
 
@@ -213,7 +218,7 @@ def check_relations(cfg, resumed=False):
             raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "
                             f"from {cfg.init_from}; drop it")
     for name, (blocks, _, _) in block_options().items():
-        if getattr(cfg, name) is not None and cfg.block not in blocks:
+        if getattr(cfg, name, None) is not None and cfg.block not in blocks:
             raise UserError(f"--{name.replace('_', '-')} is a setting of {' and '.join(blocks)} blocks, not of "
                             f"{said('block')}: add --block {blocks[0]}, or drop it")
     if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
@@ -262,17 +267,17 @@ def stored_run(values, given, resume):
     defaults."""
     stored, changes, options = resume.settings, [], block_options()
     for key, now in sorted(values.items()):
-        if key in LAUNCH_ONLY or key not in stored:
+        if key in LAUNCH_ONLY or (key not in stored and key not in options):  # a block's own: its shape says
             continue
-        was = stored[key]
+        was = stored.get(key)
         if key in ("n_layer", "n_head", "n_embd"):  # None in a preset's run: its shape says the value
             was = resume.shape[key]
-        if key in options:  # None where the run took the block's default
+        if key in options:  # None where the run took the block's default, or predates the setting
             was = resume.shape.get("options", {}).get(key, was)
         if key == "micro_batch_size" and key not in given and stored.get("micro_batch_auto"):
             continue  # fitted: fit again, on the device this launch has ("auto", as parsed)
         if key not in given or now == was:
-            values[key] = stored[key]
+            values[key] = stored.get(key)
             continue
         flag = "--" + key.replace("_", "-")
         if key in FIXED_ON_RESUME or key in options:

@@ -170,7 +170,10 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
 def build_model(cfg, checkpoints):
     """The GPT on the CPU and where it came from: of the resumed run's shape (whose weights Checkpointer.restore puts
     back), pretrained weights (--init-from, cut to --block-size) or a preset."""
-    start = checkpoints.starting_model(cfg.init_from, cfg.block_size)
+    try:
+        start = checkpoints.starting_model(cfg.init_from, cfg.block_size)
+    except ValueError as e:  # a resumed shape whose block, or block's setting, this process has not registered
+        raise UserError(f"cannot build the model the run starts from: {e}")
     if start is not None:
         return start
     try:

@@ -515,12 +515,36 @@ def test_a_variants_own_setting_is_a_flag_its_checkpoints_keep_and_a_resume_may_
     saved = checkpoint.load_model(low)[0]
     assert saved.config.options == {"rope_theta": 500.0} and saved.blocks[0].theta == 500.0
     assert checkpoint.load_model(plain)[0].config.options == {"rope_theta": 10000.0}
-    assert runs.train(["--log-dir", low, "--resume", "--max-steps", "3"]) == 0
+    assert runs.train(["--log-dir", low, "--resume", "--max-steps", "3", "--rope-theta", "500"]) == 0  # the same
     assert checkpoint.load_model(low)[0].blocks[0].theta == 500.0
-    refused = runs.run(["--log-dir", low, "--resume", "--max-steps", "4", "--rope-theta", "600"], check=False)
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and ("the run was trained with --rope-theta "
-                                                                           "500.0 and this command asks for "
-                                                                           "--rope-theta 600.0") in refused.stderr
+    assert runs.train(["--log-dir", plain, "--resume", "--max-steps", "3", "--rope-theta", "10000"]) == 0  # its default
+    ckpt = checkpoint.load_file(metrics.latest_checkpoint(plain))
+    del ckpt["config"]["rope_theta"]  # a run from before the block had the setting: its shape says the value
+    checkpoint.save_file(metrics.latest_checkpoint(plain), ckpt)
+    for log_dir, was in ((low, "500.0"), (plain, "10000.0")):
+        refused = runs.run(["--log-dir", log_dir, "--resume", "--max-steps", "4", "--rope-theta", "600"], check=False)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert f"the run was trained with --rope-theta {was} and this command asks for --rope-theta 600.0" in \
+            refused.stderr
+    monkeypatch.delitem(model.BLOCKS, "rotary")  # a process that has not registered the variant: one line
+    refused = runs.run(["--log-dir", low, "--resume", "--max-steps", "4"], check=False)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: cannot build the model the run starts from: "
+                                                                 "no block 'rotary'"), refused.stderr
+    monkeypatch.setitem(model.BLOCKS, "rotary", RotaryBlock)
+
+    class Gated(model.Block):  # a switch: --gated / --no-gated
+        options = {"gated": (False, "a gate on the MLP")}
+    monkeypatch.setitem(model.BLOCKS, "gated", Gated)
+    for on in (True, False):
+        args = train_config.parse_args(runs.tiny(data_dir=data_dir, block="gated", gated=on))
+        assert GPT(model.config_of("gpt2", 32, block="gated", gated=args.gated)).config.options == {"gated": on}
+
+    class Counted(model.Block):  # the same name, another default: one flag cannot hold both
+        options = {"gated": (2, "a count")}
+    monkeypatch.setitem(model.BLOCKS, "counted", Counted)
+    with pytest.raises(ValueError, match="blocks 'counted' and 'gated' both declare 'gated', with the defaults 2 and "):
+        train_config.parse_args(["--help"])
+    monkeypatch.delitem(model.BLOCKS, "counted")
     with pytest.raises(common.UserError, match=r"^--rope-theta is a setting of rotary blocks, not of --block gpt2 "
                                                r"\(the default's\): add --block rotary, or drop it$"):
         train_config.resolve(train_config.parse_args(runs.tiny(data_dir=data_dir, rope_theta=500.0)))
