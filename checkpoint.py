@@ -124,11 +124,12 @@ class Checkpointer:
     from an older step starts; saving and keeping the newest `keep`; the final export."""
 
     def __init__(self, log_dir, keep, ranks, log, resume=None):
-        saved = resume and resume.checkpoint.get("world_size", resume.settings.get("world_size"))  # older: in config
-        if saved not in (None, ranks.world_size):  # the data's positions count in the processes (every rank says so)
-            raise UserError(f"cannot resume {resume.path}: it was trained with {saved} process(es) (GPUs), this "
-                            f"launch has {ranks.world_size}; launch it with {saved} in all (torchrun --nproc_per_node "
-                            "x --nnodes)")
+        if resume is not None:  # the data's positions count in the processes: as many (every rank says so, once)
+            saved = resume.checkpoint.get("world_size", resume.settings.get("world_size"))  # older: in the config
+            if saved != ranks.world_size:
+                raise UserError(f"cannot resume {resume.path}: it was trained with {saved} process(es) (GPUs), this "
+                                f"launch has {ranks.world_size}; launch it with {saved} in all (torchrun "
+                                "--nproc_per_node x --nnodes)")
         steps = parallel.gather(resume and resume.step, ranks)  # each rank read the directory: the same step?
         if len(set(steps)) > 1:
             raise UserError(f"the ranks found different checkpoints to resume from (steps {steps}): every node "
@@ -312,7 +313,6 @@ class Resume:
         if self.step == max_steps and (exported or not export_hf or shape_export_problem(self.shape)):
             return (f"{log_dir}: the run already finished its {self.step} steps ({self.path}); pass a larger "
                     "--max-steps to train on")
-        return None
 
 
 def resume_point(resume, log_dir):
