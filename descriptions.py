@@ -32,7 +32,8 @@ def description(field, best, label, panel, **shown):
     d = dict(SHOWN, field=field, best=best, label=label, panel=panel, **shown)
     d["title"] = d["title"] or f"{label} ({field}, {'lower' if best == 'min' else 'higher'} is better)"
     d["ylabel"] = d["ylabel"] or field
-    d["references"] = [list(r) for r in d["references"]]
+    d["references"] = [list(r) for r in d["references"]]  # as JSON reads them back: lists
+    d["axis"] = list(d["axis"]) if d["axis"] else None
     return d
 
 

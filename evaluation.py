@@ -94,10 +94,8 @@ class Evaluation:
     def describe(cls):
         """What the run record says of its records (metrics.py, plot.py and trackers.py read it): the plot draws and
         the summary writes an evaluation from this alone."""
-        return descriptions.description(cls.field, cls.best, cls.label, cls.panel or cls.kind, title=cls.title,
-                                        ylabel=cls.ylabel, references=cls.references, against=cls.against,
-                                        axis=list(cls.axis) if cls.axis else None, first=cls.first,
-                                        sample=cls.sample, tasks=cls.tasks)
+        return descriptions.description(cls.field, cls.best, cls.label, cls.panel or cls.kind,
+                                        **{key: getattr(cls, key) for key in descriptions.SHOWN})
 
     def record(self, step, text, **fields):
         """Its line and its record at step."""

@@ -323,7 +323,7 @@ def read_records(path):
             decoded.append((n, rec))
     evaluations = described(rec for _, rec in decoded)
     required = dict(REQUIRED, **{kind: {"step": int, "tokens": int, d["field"]: float}
-                                 for kind, d in evaluations.items() if isinstance(d, dict) and d.get("field")})
+                                 for kind, d in evaluations.items()})
     records = []
     for n, rec in decoded:
         why = _check(rec, required) if rec["kind"] in required else None

@@ -125,6 +125,15 @@ class Block(nn.Module):
 BLOCKS = {"gpt2": Block}
 
 
+def shape_setting(shape, name):
+    """What a stored shape (GPT.shape(), a checkpoint's model_config) holds for an architecture setting: a size, or its
+    block's own setting (the block's default where the shape predates it; None: a setting its block does not have)."""
+    if name in ("n_layer", "n_head", "n_embd"):
+        return shape[name]
+    own = getattr(BLOCKS.get(shape.get("block", "gpt2")), "options", {})
+    return shape.get("options", {}).get(name, own[name][0] if name in own else None)
+
+
 def shape_export_problem(shape):
     """Why a GPT of this stored shape (GPT.shape(), a checkpoint's model_config) cannot be exported as GPT-2 with
     GPT-2's tokenizer (Hugging Face's GPT2LMHeadModel, llama.cpp's gpt2), or None where it can."""

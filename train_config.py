@@ -20,7 +20,7 @@ import evaluation
 import export
 import optim
 from common import UserError
-from model import BLOCKS, PRESETS, config_of
+from model import BLOCKS, PRESETS, config_of, shape_setting
 
 
 class Sharding(argparse.Action):
@@ -213,11 +213,12 @@ def check_relations(cfg, resumed=False):
         raise UserError(f"{said('total_batch_size')} is not a multiple of {said('block_size')}")
     if cfg.init_from and not resumed:  # what it names exists, before a flag beside it is refused on its account
         checkpoint.model_kind(cfg.init_from)
-    for flag in ("model",) + ARCHITECTURE + tuple(block_options()):
+    options = block_options()
+    for flag in ("model",) + ARCHITECTURE + tuple(options):
         if flag in cfg.given and cfg.init_from:
             raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "
                             f"from {cfg.init_from}; drop it")
-    for name, (blocks, _, _) in block_options().items():
+    for name, (blocks, _, _) in options.items():
         if getattr(cfg, name, None) is not None and cfg.block not in blocks:
             raise UserError(f"--{name.replace('_', '-')} is a setting of {' and '.join(blocks)} blocks, not of "
                             f"{said('block')}: add --block {blocks[0]}, or drop it")
@@ -270,10 +271,8 @@ def stored_run(values, given, resume):
         if key in LAUNCH_ONLY or (key not in stored and key not in options):  # a block's own: its shape says
             continue
         was = stored.get(key)
-        if key in ("n_layer", "n_head", "n_embd"):  # None in a preset's run: its shape says the value
-            was = resume.shape[key]
-        if key in options:  # None where the run took the block's default, or predates the setting
-            was = resume.shape.get("options", {}).get(key, was)
+        if key in ("n_layer", "n_head", "n_embd") or key in options:  # None where the preset or the block's default
+            was = shape_setting(resume.shape, key)  # set it, or the run predates the setting: its shape says
         if key == "micro_batch_size" and key not in given and stored.get("micro_batch_auto"):
             continue  # fitted: fit again, on the device this launch has ("auto", as parsed)
         if key not in given or now == was:
