@@ -1,6 +1,6 @@
-"""Training checkpoints (LOG_DIR/ckpt_NNNNNN.pt): finding the one to resume from, writing and restoring them (the
-full state dicts of a model under DDP or FSDP), the final export to LOG_DIR/hf, and loading a model for the other
-scripts. A checkpoint is one torch.save file holding the full, unsharded state, the same under DDP or FSDP:
+"""Training checkpoints (LOG_DIR/ckpt_NNNNNN.pt): their names, finding the one to resume from, writing and restoring
+them (the full state dicts of a model under DDP or FSDP, and every stateful part registered), and loading a model for
+the other scripts. A checkpoint is one torch.save file holding the full, unsharded state, the same under DDP or FSDP:
     format        CHECKPOINT_FORMAT
     step          steps completed: a resume starts at this step
     model_config  GPTConfig's fields
@@ -12,6 +12,7 @@ scripts. A checkpoint is one torch.save file holding the full, unsharded state, 
     config        every setting of the run (train_gpt2.py's resolved flags)
 """
 
+import glob
 import os
 import random
 import re
@@ -25,15 +26,29 @@ import numpy as np
 import torch
 
 import common
-import export
 import metrics
 import parallel
-from metrics import checkpoint_path, list_checkpoints, step_of  # the log directory's checkpoints, by name
 from common import UserError, atomic_write, first_line, hub_unreachable, out_of_space
 from model import GPT, shape_export_problem
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
 TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # a torch.save zip (torch >= 1.6), or a pickle (older)
+CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")  # LOG_DIR/ckpt_NNNNNN.pt, NNNNNN the steps completed
+
+
+def checkpoint_path(log_dir, step):
+    return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
+
+
+def step_of(path):
+    return int(CHECKPOINT_RE.match(os.path.basename(path)).group(1))
+
+
+def list_checkpoints(log_dir):
+    """log_dir's checkpoint files, oldest first by step, whether they load or not."""
+    found = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt"))
+             if CHECKPOINT_RE.match(os.path.basename(p))]
+    return sorted(found, key=step_of)
 
 
 def save_file(path, ckpt):
@@ -121,7 +136,7 @@ RESERVED = BUILT_IN + ("step", "model_config", "ranks", "world_size", "config", 
 class Checkpointer:
     """A run's checkpoints in log_dir, from set-up to end, on every rank: the one it continues (`resume`), checked
     against the ranks, the model it starts from, restored into what trains (compiled, DDP or FSDP); the branch a resume
-    from an older step starts; saving and keeping the newest `keep`; the final export."""
+    from an older step starts; saving and keeping the newest `keep`."""
 
     def __init__(self, log_dir, keep, ranks, log, resume=None):
         if resume is not None:  # the data's positions count in the processes: as many (every rank says so, once)
@@ -137,7 +152,6 @@ class Checkpointer:
         self.log_dir, self.keep, self.ranks, self.log, self.resume = log_dir, keep, ranks, log, resume
         self.last_path = self.last_step = None  # the checkpoint the run stands on: resumed from, then the last written
         self.last_here = False  # whether last_step's checkpoint is in log_dir (not another run's)
-        self.grace = common.stop_grace()  # what a launcher leaves a stop's checkpoint, read once (its command line)
         self.warned = False  # that a checkpoint took too long for it (said once)
         self.parts = {}  # name: (a stateful part, whether each rank has its own), as register() takes them
 
@@ -248,36 +262,16 @@ class Checkpointer:
             why = "no space left on its disk" if out_of_space(e, self.log_dir) else (e.strerror or str(e))
             raise UserError(f"could not write checkpoint {path} ({why}); the previous checkpoint "
                             f"{self.last_path or '(none yet)'} is intact: free space under --log-dir, then --resume")
+        seconds = time.perf_counter() - started
+        self.log.record("checkpoint", step=step, path=path, seconds=seconds)  # before the oldest go: plot.py's list
         for old in list_checkpoints(self.log_dir)[:-self.keep]:
             os.remove(old)
-        seconds = time.perf_counter() - started
-        self.log.record("checkpoint", step=step, path=path, seconds=seconds)
         self.log.line(f"checkpoint {path} ({os.path.getsize(path) / 1e9:.2f} GB in {seconds:.1f} s)")
-        late = common.stop_grace_warning(None, self.grace, seconds)
+        late = common.stop_grace_warning(None, self.ranks.stop_grace, seconds)
         if late and not self.warned:
             self.log.line(f"warning: {late}")
             self.warned = True
         self.last_path = path
-
-    def export(self, command):
-        """LOG_DIR/hf: the final model and the GPT-2 tokenizer in Hugging Face's format, written by rank 0 (under FSDP
-        every rank helps gather the shards); command: how to export again after a failure. The folder, on rank 0."""
-        from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
-        state = parallel.model_state(self.model) if self.fsdp else None  # a collective under FSDP
-        if not self.ranks.is_master:
-            return None
-        model = parallel.unwrap(self.model)
-        if state is not None:  # the gathered weights in a plain copy
-            model = GPT.from_shape(model.shape())
-            model.load_state_dict(state)
-        out = os.path.join(self.log_dir, "hf")
-        try:
-            export.write(model, "hf", out)
-        except (OSError, SafetensorError) as e:
-            why = "no space left on its disk" if out_of_space(e, self.log_dir) else first_line(e)
-            raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
-                            f"(the last: {self.last_path}): free space under --log-dir, then {command} exports it")
-        return out
 
 
 class Flags:

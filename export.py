@@ -164,6 +164,29 @@ def export(model, fmt, out, dtype=None, name="gpt2"):
     return out
 
 
+def run_export(model, ranks, log_dir, command, last_checkpoint):
+    """LOG_DIR/hf at a training run's end: model (what trains: compiled, DDP-wrapped or FSDP-sharded) and the GPT-2
+    tokenizer in Hugging Face's format, written by rank 0 (under FSDP every rank helps gather the shards); command:
+    how to export again after a failure. The folder, on rank 0."""
+    import parallel  # torch: the trainer's process
+    from safetensors import SafetensorError
+    state = parallel.model_state(model) if parallel.is_fsdp(model) else None  # a collective under FSDP
+    if not ranks.is_master:
+        return None
+    model = parallel.unwrap(model)
+    if state is not None:  # the gathered weights in a plain copy
+        model = type(model).from_shape(model.shape())
+        model.load_state_dict(state)
+    out = os.path.join(log_dir, "hf")
+    try:
+        write(model, "hf", out)
+    except (OSError, SafetensorError) as e:
+        why = "no space left on its disk" if common.out_of_space(e, log_dir) else common.first_line(e)
+        raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
+                        f"(the last: {last_checkpoint}): free space under --log-dir, then {command} exports it")
+    return out
+
+
 def file_size(path):
     if os.path.isfile(path):
         return os.path.getsize(path)

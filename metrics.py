@@ -35,10 +35,8 @@ short by a kill, damage, a used kind without one of its required keys or with a 
 with one warning naming it; a file in which no line is a record is an error.
 """
 
-import glob
 import json
 import os
-import re
 import shlex
 import shutil
 import socket
@@ -64,30 +62,7 @@ NUMBERS = ("time", "mfu", "max_steps", "tokens_per_step", "world_size", "per_nod
 TYPE_WORDS = {int: "an integer", float: "a number", str: "text"}
 
 
-# Writing. The checkpoints by name (checkpoint.py's, said here for plot.py, which runs without torch); a run's resume
-CHECKPOINT_RE = re.compile(r"^ckpt_(\d+)\.pt$")
-
-
-def checkpoint_path(log_dir, step):
-    return os.path.join(log_dir, f"ckpt_{step:06d}.pt")
-
-
-def step_of(path):
-    return int(CHECKPOINT_RE.match(os.path.basename(path)).group(1))
-
-
-def list_checkpoints(log_dir):
-    found = [p for p in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt"))
-             if CHECKPOINT_RE.match(os.path.basename(p))]
-    return sorted(found, key=step_of)
-
-
-def latest_checkpoint(log_dir):
-    """The newest checkpoint file in log_dir by step, whether it loads or not; None if there is none."""
-    ckpts = list_checkpoints(log_dir)
-    return ckpts[-1] if ckpts else None
-
-
+# Writing: a run's resume command, its log and records
 def resume_command(log_dir, world_size=1, per_node=None):
     """The shell command that continues the run in log_dir with as many processes (a resume refuses another count);
     on several nodes, N (each node's rank) and HOST:PORT (the first node's address) are the user's to fill in."""
@@ -212,6 +187,7 @@ class RunLog:
             f.flush()
         except OSError as e:
             why = "no space left on its disk" if out_of_space(e, self.log_dir) else (e.strerror or str(e))
+            from checkpoint import list_checkpoints  # the trainer's process: checkpoint.py's names (torch)
             saved = [os.path.basename(p) for p in list_checkpoints(self.log_dir)]
             then = (f"the run's checkpoints are intact (the last: {saved[-1]}): free space under --log-dir, then "
                     "--resume continues from it" if saved else "no checkpoint was written yet: free space under "

@@ -29,6 +29,7 @@ class Ranks:
     restart: int = 0   # how many times torchrun --max-restarts started the group again (0: the first launch)
     backend: str = None  # the process group's: nccl or gloo (None: no group)
     gpus: int = 0      # GPUs visible to this process (0 off CUDA): more processes than these share them
+    stop_grace: tuple = None  # what the launcher leaves a stop before it kills (common.stop_grace); None: no kill
 
     is_master = property(lambda self: self.rank == 0)  # writes the logs, checkpoints and exports
     multi = property(lambda self: self.world_size > 1)  # collectives are needed
@@ -56,13 +57,14 @@ def setup_distributed(requested_device="auto", timeout_s=None, backend="auto", g
     # rank open a context on that one GPU first
     device = pick_device(requested_device.partition(":")[0] if multi and requested_device else requested_device)
     backend = pick_backend(backend, device)
-    restart = torchrun_restart()
+    restart, grace = torchrun_restart(), common.stop_grace()  # the launcher's: read once, from its command line
     gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
     timeout = datetime.timedelta(seconds=timeout_s or 1800)
     if not multi:  # plain python, or torchrun with one process
         if group_of_one and not tdist.is_initialized():
             join(backend, tdist.HashStore(), 0, 1, timeout, device)
-        return Ranks(device=device, restart=restart, backend=backend if tdist.is_initialized() else None, gpus=gpus)
+        return Ranks(device=device, restart=restart, backend=backend if tdist.is_initialized() else None, gpus=gpus,
+                     stop_grace=grace)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ["WORLD_SIZE"])
@@ -80,7 +82,7 @@ def setup_distributed(requested_device="auto", timeout_s=None, backend="auto", g
     if not tdist.is_initialized():
         store, rank, world_size = next(tdist.rendezvous("env://", rank, world_size, timeout=timeout))
         join(backend, common.attempt_store(store), rank, world_size, timeout, device)
-    return Ranks(rank, local_rank, world_size, device, per_node, restart, backend, gpus)
+    return Ranks(rank, local_rank, world_size, device, per_node, restart, backend, gpus, grace)
 
 
 def join(backend, store, rank, world_size, timeout, device):

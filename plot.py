@@ -23,7 +23,7 @@ import threading
 
 import common
 from common import UserError
-from metrics import latest_checkpoint, read_metrics, resume_command, step_of
+from metrics import read_metrics, resume_command
 
 LEGEND_WIDTH = 30  # characters per legend line: longer labels wrap, so legends stay narrow
 
@@ -106,8 +106,9 @@ def summarize(log_dir):
         s.update({f"{kind}_best": best.get(field), f"{kind}_best_step": best.get("step"),
                   f"{kind}_final": last.get(field), f"{kind}_final_step": last.get("step"),
                   f"{kind}_against": against(records, d)})
-    s["checkpoint"] = latest_checkpoint(log_dir)  # what --resume continues from
-    s["checkpoint_step"] = step_of(s["checkpoint"]) if s["checkpoint"] else None
+    # what --resume continues from: the newest checkpoint the run recorded that its directory still holds
+    kept = [(r["step"], os.path.join(log_dir, os.path.basename(r["path"]))) for r in m["checkpoint"]]
+    s["checkpoint_step"], s["checkpoint"] = ([(n, p) for n, p in kept if os.path.isfile(p)] or [(None, None)])[-1]
     return s
 
 

@@ -27,6 +27,7 @@ import common
 import dataloader
 import device
 import evaluation
+import export
 import memory
 import optim
 import parallel
@@ -196,7 +197,7 @@ def write_header(run, origin, changes):
     if run.fsdp and not ranks.multi:
         warnings.append("--sharding fsdp with one process shards nothing (a group of one runs FSDP2's paths): launch "
                         "it with torchrun --nproc_per_node=N to shard over N GPUs")
-    grace = run.checkpoints.grace
+    grace = ranks.stop_grace
     late = common.stop_grace_warning(4 * model.num_params(non_embedding=False) + run.optimizer.state_bytes(), grace)
     warnings += [late] if late else []
     plan = memory.memory_plan(model, layout_of(cfg, run.dtype), run.micro_batch, ranks.world_size, run.optimizer)
@@ -355,7 +356,8 @@ def export_hf(run):
         run.log.line(f"not exported to Hugging Face's format: {problem}; its checkpoints hold the model")
         return
     # the command to export again carries the flag: a run trained with --no-export-hf stores it off
-    out = run.checkpoints.export(run.resume_command() + " --export-hf")
+    out = export.run_export(run.model, run.ranks, run.cfg.log_dir, run.resume_command() + " --export-hf",
+                            run.checkpoints.last_path)
     if out is not None:
         run.log.line(f"exported the final model to {out} (transformers.GPT2LMHeadModel.from_pretrained loads it)")
 

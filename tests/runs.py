@@ -19,7 +19,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import checkpoint  # noqa: E402
 import common  # noqa: E402
-import metrics  # noqa: E402
 import tokenizer  # noqa: E402
 import warm  # noqa: E402
 from train_config import command_line  # noqa: E402  (the trainer's own settings-to-flags rule)
@@ -130,7 +129,7 @@ def records(log_dir, kind):
 
 
 def final_state(log_dir):
-    ckpt = checkpoint.load_file(metrics.latest_checkpoint(log_dir))
+    ckpt = checkpoint.load_file(checkpoint.list_checkpoints(log_dir)[-1])
     return ckpt["step"], ckpt["model"], ckpt["optimizer"]
 
 

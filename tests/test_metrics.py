@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+import checkpoint
 import metrics
 from runs import run, tiny
 
@@ -156,7 +157,7 @@ def test_a_full_disk_under_the_logs_is_one_line_and_keeps_the_checkpoints(data_d
         pytest.skip("no /dev/full here")
     log_dir = tmp_path / "log"
     run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2))
-    kept = {p: open(p, "rb").read() for p in metrics.list_checkpoints(str(log_dir))}
+    kept = {p: open(p, "rb").read() for p in checkpoint.list_checkpoints(str(log_dir))}
     for name in (metrics.TEXT_LOG_FILE, metrics.METRICS_FILE):
         path = log_dir / name
         path.rename(log_dir / "real")
@@ -167,7 +168,7 @@ def test_a_full_disk_under_the_logs_is_one_line_and_keeps_the_checkpoints(data_d
         assert p.returncode == 2 and p.stderr == (
             f"error: could not write {path} (no space left on its disk); the run's checkpoints are intact (the last: "
             "ckpt_000002.pt): free space under --log-dir, then --resume continues from it\n"), p.stderr
-        assert {p: open(p, "rb").read() for p in metrics.list_checkpoints(str(log_dir))} == kept
+        assert {p: open(p, "rb").read() for p in checkpoint.list_checkpoints(str(log_dir))} == kept
     # a new run, before its first checkpoint: nothing to continue, and the line says so
     new = tmp_path / "new"
     new.mkdir()

@@ -15,7 +15,6 @@ from torch import nn
 
 import checkpoint
 import memory
-import metrics
 import model
 import optim
 import parallel
@@ -317,7 +316,7 @@ def fsdp_saved_and_restored(ranks, tmp):
     torch.rand(ranks.rank + 1), np.random.rand(ranks.rank + 1), random.random()  # each rank's generators elsewhere
     saver.save(RESUME_AT)
     out = dict(draws_after_save=draws(), optimizer_at_resume=parallel.optimizer_state(model, opt))
-    path = metrics.checkpoint_path(log_dir, RESUME_AT)
+    path = checkpoint.checkpoint_path(log_dir, RESUME_AT)
     tdist.barrier()
     written = os.stat(path).st_mtime_ns
     saver.save(RESUME_AT)  # every rank knows it is written: no collective, nothing written again
@@ -518,9 +517,9 @@ def test_a_variants_own_setting_is_a_flag_its_checkpoints_keep_and_a_resume_may_
     assert runs.train(["--log-dir", low, "--resume", "--max-steps", "3", "--rope-theta", "500"]) == 0  # the same
     assert checkpoint.load_model(low)[0].blocks[0].theta == 500.0
     assert runs.train(["--log-dir", plain, "--resume", "--max-steps", "3", "--rope-theta", "10000"]) == 0  # its default
-    ckpt = checkpoint.load_file(metrics.latest_checkpoint(plain))
+    ckpt = checkpoint.load_file(checkpoint.list_checkpoints(plain)[-1])
     del ckpt["config"]["rope_theta"]  # a run from before the block had the setting: its shape says the value
-    checkpoint.save_file(metrics.latest_checkpoint(plain), ckpt)
+    checkpoint.save_file(checkpoint.list_checkpoints(plain)[-1], ckpt)
     for log_dir, was in ((low, "500.0"), (plain, "10000.0")):
         refused = runs.run(["--log-dir", log_dir, "--resume", "--max-steps", "4", "--rope-theta", "600"], check=False)
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
@@ -653,7 +652,7 @@ def test_restore_across_a_change_of_dtype(tmp_path, saved_fp16):
         step = made.restore(model=model, optimizer=opt, scaler=scaler, train_loader=data, config={}, fsdp=False)
         return made, step, scaler
     checkpointer(saved_fp16)[0].save(1)
-    path = metrics.checkpoint_path(str(tmp_path / "log"), 1)
+    path = checkpoint.checkpoint_path(str(tmp_path / "log"), 1)
     _, step, scaler = checkpointer(not saved_fp16, checkpoint.Resume(path, checkpoint.load_file(path), []))
     assert step == 1
     assert scaler.is_enabled() != saved_fp16

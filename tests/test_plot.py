@@ -68,7 +68,7 @@ def write_log(log_dir, records, tail="", checkpoints=()):
         f.writelines(json.dumps(r) + "\n" for r in records)
         f.write(tail)
     for step in checkpoints:
-        open(metrics.checkpoint_path(log_dir, step), "wb").close()
+        open(os.path.join(log_dir, f"ckpt_{step:06d}.pt"), "wb").close()
     return str(log_dir)
 
 
@@ -115,9 +115,9 @@ def logs(tmp_path_factory):
             "hellaswag_final_step": hs[name][-1]["step"] if hs[name] else None,
         }
     expected["full"].update(status="finished", stop_step=50, checkpoint_step=50,
-                            checkpoint=metrics.checkpoint_path(dirs["full"], 50))
+                            checkpoint=os.path.join(dirs["full"], "ckpt_000050.pt"))
     expected["resumed"].update(status="stopped", stop_step=39, checkpoint_step=30,
-                               checkpoint=metrics.checkpoint_path(dirs["resumed"], 30))
+                               checkpoint=os.path.join(dirs["resumed"], "ckpt_000030.pt"))
     expected["cpu"].update(status="finished", stop_step=30, checkpoint=None)
     return dirs, expected
 
@@ -134,6 +134,18 @@ def test_summary_numbers_match_the_file(logs, name):
         assert f"--log-dir '{dirs[name]}' --resume" in text and "ckpt_000030.pt" in text  # quoted: a space
     if name == "cpu":
         assert "MFU         n/a" in text and "HellaSwag" not in text  # it evaluated nothing: no line for it
+
+
+def test_the_summary_names_the_newest_recorded_checkpoint_its_directory_still_holds(tmp_path):
+    """The run's checkpoint records say which files are its checkpoints (plot.py knows no checkpoint file name):
+    one recorded but gone from the directory is passed over, and a file no record names is not the run's."""
+    log_dir = write_log(tmp_path / "log", launch(0, 49, 1000.0, seed=5, checkpoints=(25, 50), end="finished"),
+                        checkpoints=(25,))
+    open(os.path.join(log_dir, "ckpt_000040.pt"), "wb").close()  # copied in by hand: not the run's
+    s = plot.summarize(log_dir)
+    assert (s["checkpoint"], s["checkpoint_step"]) == (os.path.join(log_dir, "ckpt_000025.pt"), 25)
+    assert f"final checkpoint {os.path.join(log_dir, 'ckpt_000025.pt')}" in plot.format_summary(s)
+    assert "ckpt_" not in open(os.path.join(ROOT, "plot.py")).read()
 
 
 def test_cut_last_line_warns_once(logs, capsys):

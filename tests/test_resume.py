@@ -53,7 +53,7 @@ def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
     assert step_a == step_b == 10
     for k in model_a:
         assert torch.equal(model_a[k], model_b[k]), k
-    assert len(metrics.list_checkpoints(log_dir)) == 2  # --keep-checkpoints 2
+    assert len(checkpoint.list_checkpoints(log_dir)) == 2  # --keep-checkpoints 2
 
 
 class EMA:
@@ -111,10 +111,10 @@ def test_a_stateful_part_added_by_a_test_survives_kill9_and_resume_bit_identical
             break
     proc.wait(timeout=600)
     assert proc.returncode == -signal.SIGKILL
-    saved = checkpoint.load_file(metrics.checkpoint_path(killed, 6))
+    saved = checkpoint.load_file(checkpoint.checkpoint_path(killed, 6))
     assert set(saved["ema"]) == {name for name, _ in GPT.from_shape(saved["model_config"]).named_parameters()}
     run(args + ["--resume"])
-    a, b = (checkpoint.load_file(metrics.latest_checkpoint(d)) for d in (whole, killed))
+    a, b = (checkpoint.load_file(checkpoint.list_checkpoints(d)[-1]) for d in (whole, killed))
     assert a["step"] == b["step"] == 10
     for name in a["ema"]:
         assert torch.equal(a["ema"][name], b["ema"][name]), name
@@ -125,8 +125,8 @@ def test_a_stateful_part_added_by_a_test_survives_kill9_and_resume_bit_identical
     run(tiny(data_dir=data_dir, log_dir=plain, max_steps=2))
     monkeypatch.setattr(checkpoint.Checkpointer, "restore", with_ema(checkpoint.Checkpointer.restore))
     p = run(["--log-dir", plain, "--resume", "--max-steps", "3"])
-    assert f"resume: {metrics.checkpoint_path(plain, 2)} holds no ema: it starts afresh" in p.stdout
-    assert "ema" in checkpoint.load_file(metrics.checkpoint_path(plain, 3))
+    assert f"resume: {checkpoint.checkpoint_path(plain, 2)} holds no ema: it starts afresh" in p.stdout
+    assert "ema" in checkpoint.load_file(checkpoint.checkpoint_path(plain, 3))
     import parallel
     checkpoints = checkpoint.Checkpointer(str(tmp_path / "other"), 1, parallel.Ranks(), None)
     for name in ("model", "rng", "step", "config"):  # the checkpoint's own parts and keys are not to be replaced
@@ -253,7 +253,7 @@ def test_resume_turns_the_trackers_off(reference_run, tmp_path, monkeypatch):
     trackers are refused in one line, and --no-wandb --no-tensorboard resume it without them."""
     log_dir = str(tmp_path / "log")
     shutil.copytree(reference_run, log_dir)  # a finished 10-step run, then given both trackers
-    path = metrics.latest_checkpoint(log_dir)
+    path = checkpoint.list_checkpoints(log_dir)[-1]
     ckpt = checkpoint.load_file(path)
     ckpt["config"].update(wandb="gpt2-tests", wandb_id="abc123", tensorboard=True)
     checkpoint.save_file(path, ckpt)
@@ -269,7 +269,7 @@ def test_resume_turns_the_trackers_off(reference_run, tmp_path, monkeypatch):
     assert "resume: --tensorboard True -> False (from the command line)" in p.stdout
     assert "resume: --wandb gpt2-tests -> None (from the command line)" in p.stdout
     assert not os.path.exists(os.path.join(log_dir, "tb")) and not os.path.exists(os.path.join(log_dir, "wandb"))
-    config = checkpoint.load_file(metrics.latest_checkpoint(log_dir))["config"]
+    config = checkpoint.load_file(checkpoint.list_checkpoints(log_dir)[-1])["config"]
     assert config["max_steps"] == 12 and not config["tensorboard"] and config["wandb"] is None
     assert [r["step"] for r in records(log_dir, "train")] == list(range(12))
 
@@ -343,8 +343,8 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     log_dir = str(tmp_path / "log")
     base = tiny(data_dir=data_dir, log_dir=log_dir, eval_every=0, checkpoint_every=2, keep_checkpoints=2)
     run(base + ["--max-steps", "6", "--keep-checkpoints", "3", "--export-hf"])
-    old = {s: checkpoint.load_file(metrics.checkpoint_path(log_dir, s))["model"] for s in (4, 6)}
-    branch = ["--log-dir", log_dir, "--resume", metrics.checkpoint_path(log_dir, 2), "--max-lr", "1e-3"]
+    old = {s: checkpoint.load_file(checkpoint.checkpoint_path(log_dir, s))["model"] for s in (4, 6)}
+    branch = ["--log-dir", log_dir, "--resume", checkpoint.checkpoint_path(log_dir, 2), "--max-lr", "1e-3"]
     evaluate = evaluation.evaluate
     monkeypatch.setattr(evaluation, "evaluate", lambda evs, step, *a: step < 4 and evaluate(evs, step, *a))
     p = run(branch)  # a stop request at the top of step 4: it stops after step 3
@@ -355,8 +355,8 @@ def test_resume_from_an_older_checkpoint_starts_a_branch_every_reader_follows(da
     assert sorted(os.listdir(aside)) == ["ckpt_000004.pt", "ckpt_000006.pt", "hf"]
     assert torch.equal(checkpoint.load_file(os.path.join(aside, "ckpt_000006.pt"))["model"]["lm_head.weight"],
                        old[6]["lm_head.weight"])
-    assert [os.path.basename(c) for c in metrics.list_checkpoints(log_dir)] == ["ckpt_000002.pt", "ckpt_000004.pt"]
-    new4 = checkpoint.load_file(metrics.checkpoint_path(log_dir, 4))
+    assert [os.path.basename(c) for c in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000002.pt", "ckpt_000004.pt"]
+    new4 = checkpoint.load_file(checkpoint.checkpoint_path(log_dir, 4))
     head = new4["model"]["lm_head.weight"]
     assert new4["config"]["max_lr"] == 1e-3 and not torch.equal(head, old[4]["lm_head.weight"])
     model, what = checkpoint.load_model(log_dir)  # what sample.py and hellaswag.py load
@@ -400,7 +400,7 @@ def test_a_launch_that_fails_changes_nothing(refusal, six_steps, data_dir, tmp_p
     log_dir = str(tmp_path / "log")
     shutil.copytree(six_steps, log_dir)
     before = snapshot(log_dir)
-    older = metrics.checkpoint_path(log_dir, 2)
+    older = checkpoint.checkpoint_path(log_dir, 2)
     if refusal == "other data":
         other = write_shards(str(tmp_path / "other"), n_train_shards=1)
         with pytest.raises(common.UserError, match="loader state was saved with another data"):
@@ -429,7 +429,7 @@ def test_another_runs_checkpoint_is_not_resumed_into_a_directory_holding_a_run(d
     base = tiny(data_dir=data_dir, eval_every=0)
     assert train_in_process(base + ["--log-dir", log_dir, "--max-steps", "2"]) == 0
     before = snapshot(log_dir)
-    other = metrics.checkpoint_path(reference_run, 9)
+    other = checkpoint.checkpoint_path(reference_run, 9)
     with pytest.raises(common.UserError, match=f"--resume {other}: {log_dir} holds another run; continue {other} "
                                                "in a new --log-dir"):
         train_in_process(["--log-dir", log_dir, "--resume", other])
@@ -448,7 +448,7 @@ def test_the_command_that_continued_another_run_continues_it_again(reference_run
     for log_dir, command in commands.items():
         run(["--log-dir", log_dir] + command)
         assert [r["loss"] for r in records(log_dir, "train")] == want
-    shutil.copy(metrics.checkpoint_path(reference_run, 10), "other")
+    shutil.copy(checkpoint.checkpoint_path(reference_run, 10), "other")
     os.remove("other/ckpt_000009.pt")
     for log_dir, command in commands.items():
         p = run(["--log-dir", log_dir] + command)
@@ -463,9 +463,9 @@ def test_a_stop_before_the_first_step_of_a_moved_run_keeps_a_checkpoint_in_its_d
     import train_gpt2
     moved = str(tmp_path / "moved")
     monkeypatch.setattr(evaluation, "evaluate", lambda *args: False)  # a stop request there
-    p = run(["--log-dir", moved, "--resume", metrics.checkpoint_path(reference_run, 9)])
+    p = run(["--log-dir", moved, "--resume", checkpoint.checkpoint_path(reference_run, 9)])
     assert "stopped by a signal on another rank after 9 steps" in p.stdout
-    assert [os.path.basename(c) for c in metrics.list_checkpoints(moved)] == ["ckpt_000009.pt"]
+    assert [os.path.basename(c) for c in checkpoint.list_checkpoints(moved)] == ["ckpt_000009.pt"]
 
 
 def test_a_resume_from_another_working_directory_reads_the_runs_own_files(data_dir, tmp_path, monkeypatch):
@@ -547,7 +547,7 @@ def test_sigterm_on_one_rank_during_validation_stops_every_rank_inside_it(data_d
 def test_a_resume_with_another_process_count_is_refused_once(reference_run, tmp_path):
     """A run of one process resumed by two: every rank refuses it alike, and the group says so once, without a
     rank (torchrun used to print the line per rank); nothing is written."""
-    path = metrics.latest_checkpoint(reference_run)
+    path = checkpoint.list_checkpoints(reference_run)[-1]
     p = subprocess.run([runs.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
                         "--log-dir", str(tmp_path / "two"), "--resume", path, "--max-steps", "12"], capture_output=True,
                        text=True, env=ENV, timeout=300)
@@ -582,9 +582,9 @@ def damaged_resume(data_dir, reference_run, tmp_path_factory):
     newest zeroed, keeping one checkpoint: the log directory, the output, and what /proc/self/maps
     named in it after each checkpoint was written (Linux)."""
     log_dir = str(tmp_path_factory.mktemp("damaged"))
-    for path in metrics.list_checkpoints(reference_run):  # steps 9 and 10
+    for path in checkpoint.list_checkpoints(reference_run):  # steps 9 and 10
         shutil.copy(path, log_dir)
-    zero_inside_a_tensor(metrics.checkpoint_path(log_dir, 10))
+    zero_inside_a_tensor(checkpoint.checkpoint_path(log_dir, 10))
     mapped, save = [], checkpoint.Checkpointer.save
 
     def save_and_look(self, step):
@@ -619,7 +619,7 @@ def test_a_resumed_run_frees_the_disk_space_of_the_checkpoint_it_resumed_from(da
     if not os.path.exists("/proc/self/maps"):
         pytest.skip("reads Linux's /proc/self/maps")
     log_dir, _, mapped = damaged_resume
-    assert [os.path.basename(c) for c in metrics.list_checkpoints(log_dir)] == ["ckpt_000010.pt"]
+    assert [os.path.basename(c) for c in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000010.pt"]
     assert mapped == [[]]  # after the one checkpoint it wrote, which deleted step 9's
 
 
@@ -631,9 +631,9 @@ def test_a_damaged_checkpoint_is_passed_over_in_a_directory_and_refused_by_name(
     where none loads is refused in one line."""
     folder = str(tmp_path / "log")
     os.mkdir(folder)
-    for path in metrics.list_checkpoints(reference_run):  # steps 9 and 10
+    for path in checkpoint.list_checkpoints(reference_run):  # steps 9 and 10
         shutil.copy(path, folder)
-    bad = metrics.checkpoint_path(folder, 10)
+    bad = checkpoint.checkpoint_path(folder, 10)
     if damage == "zeroed":
         zero_inside_a_tensor(bad)
     else:  # as a full disk or a copy cut short leaves it
@@ -647,7 +647,7 @@ def test_a_damaged_checkpoint_is_passed_over_in_a_directory_and_refused_by_name(
     p = run(["--log-dir", str(tmp_path / "new"), "--resume", bad], check=False)
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1 and f"{bad} is not a readable checkpoint" in lines[0], p.stderr
-    for path in metrics.list_checkpoints(folder):  # none loads: one line, nothing written
+    for path in checkpoint.list_checkpoints(folder):  # none loads: one line, nothing written
         with open(path, "wb") as f:
             f.write(b"garbage")
     before = snapshot(folder)
@@ -718,7 +718,7 @@ def test_sigterm_during_evaluation_stops_within_it(data_dir, reference_run, tmp_
     assert "hellaswag: scoring 16 items" in p.stdout and "stopped by SIGTERM after 0 steps" in p.stdout, p.stdout
     assert records(log_dir, "hellaswag") == [] and records(log_dir, "end")[-1]["reason"] == "signal"
     assert records(log_dir, "val") == []  # the round's validation finished, but the round did not: nothing of it
-    assert [os.path.basename(p) for p in metrics.list_checkpoints(log_dir)] == ["ckpt_000000.pt"]
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000000.pt"]
     run(args + ["--resume"])
     assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
     with open(os.path.join(log_dir, "metrics.jsonl")) as f:  # step 0's validation recorded once, by the resume
@@ -746,7 +746,7 @@ def test_sigterm_during_sampling_records_no_cut_sample_and_stops_before_the_step
     monkeypatch.undo()
     assert "stopped by SIGTERM after 5 steps" in p.stdout and "sample 0 |" not in p.stdout, p.stdout
     assert records(log_dir, "sample") == [] and [r["step"] for r in records(log_dir, "train")][-1] == 4
-    assert [os.path.basename(c) for c in metrics.list_checkpoints(log_dir)] == ["ckpt_000003.pt", "ckpt_000005.pt"]
+    assert [os.path.basename(c) for c in checkpoint.list_checkpoints(log_dir)] == ["ckpt_000003.pt", "ckpt_000005.pt"]
     run(args + ["--resume"])
     assert [r["loss"] for r in records(log_dir, "train")] == [r["loss"] for r in records(reference_run, "train")]
     assert [r["step"] for r in records(log_dir, "sample")] == [5, 9]
@@ -850,7 +850,7 @@ def test_the_command_to_export_again_exports_a_run_trained_without_the_export(da
 def test_weights_that_do_not_fit_the_config_name_the_first_misfit(reference_run):
     """One line naming the first weight that is missing, has another shape or is not the model's,
     in place of torch's "Error(s) in loading state_dict for GPT:"."""
-    path = metrics.latest_checkpoint(reference_run)
+    path = checkpoint.list_checkpoints(reference_run)[-1]
     ckpt = checkpoint.load_file(path)
     assert checkpoint.model_from_checkpoint(ckpt, path).config.n_embd == 32
     weights = ckpt["model"]

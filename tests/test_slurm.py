@@ -381,7 +381,7 @@ def cannot_go_on(cluster, data_dir, out_dir, reference):
     finished, spoiled, garbage, capped = (out_dir / name for name in ("finished", "spoiled", "garbage", "capped"))
     shutil.copytree(reference, finished)
     shutil.copytree(reference, spoiled)
-    path = metrics.latest_checkpoint(str(spoiled))
+    path = checkpoint.list_checkpoints(str(spoiled))[-1]
     ckpt = checkpoint.load_file(path)
     ckpt["model"] = {k: torch.full_like(v, float("nan")) for k, v in ckpt["model"].items()}
     checkpoint.save_file(path, ckpt)
@@ -434,8 +434,8 @@ def test_a_job_requeues_itself_through_five_allocations_as_one_process_runs(stor
     assert [(l["end"]["reason"], l["end"]["step"]) for l in launches] == [("signal", s) for s in range(4)] + [
         ("finished", STEPS)]
     assert [r["loss"] for r in train_records(log_dir)] == [r["loss"] for r in train_records(reference)]
-    a = checkpoint.load_file(metrics.latest_checkpoint(reference))["model"]
-    b = checkpoint.load_file(metrics.latest_checkpoint(str(log_dir)))["model"]
+    a = checkpoint.load_file(checkpoint.list_checkpoints(reference)[-1])["model"]
+    b = checkpoint.load_file(checkpoint.list_checkpoints(str(log_dir))[-1])["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     for k in range(1, 5):
         stopped = f"allocation {k}: the trainer stopped after {k} steps and wrote their checkpoint"
@@ -485,7 +485,7 @@ def test_jobs_past_their_time_limit_continue_in_the_next_allocation(stories):
     log_dir, fields, out = futures["cut"].result()
     (launch,) = metrics.read_metrics(log_dir)["launches"]
     assert launch["end"] == dict(launch["end"], reason="signal", step=0), out[-3000:]
-    assert metrics.step_of(metrics.latest_checkpoint(str(log_dir))) == 1
+    assert checkpoint.step_of(checkpoint.list_checkpoints(str(log_dir))[-1]) == 1
     assert "DUE TO TIME LIMIT" in out and "stopped by SIGTERM after 1 steps" in out
     assert ("allocation 1: the trainer stopped after 1 steps and wrote their checkpoint, at the time limit (the "
             "warning before it came too late: docs/clusters.md): requeued (1 of at most 20)") in out
@@ -556,7 +556,7 @@ def test_a_job_that_may_not_requeue_itself_says_how_to_continue(stories):
     assert (state, code) == ("FAILED", "1:0"), out[-3000:]
     (launch,) = metrics.read_metrics(dirs["capped"])["launches"]
     assert launch["end"]["reason"] == "signal"
-    assert metrics.step_of(metrics.latest_checkpoint(str(dirs["capped"]))) == launch["end"]["step"] + 1
+    assert checkpoint.step_of(checkpoint.list_checkpoints(str(dirs["capped"]))[-1]) == launch["end"]["step"] + 1
     assert "not requeued: --max-requeues 0 reached (requeued 0 times); sbatch the same command to continue" in out
 
 

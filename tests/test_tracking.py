@@ -109,7 +109,7 @@ def check_wandb(log_dir, train):
     # was killed lost what W&B's service had not written yet, so its file may hold nothing, and the
     # next launch sends those steps again from metrics.jsonl
     runs = wandb_runs(log_dir)
-    stored = checkpoint.load_file(metrics.latest_checkpoint(log_dir))["config"]["wandb_id"]
+    stored = checkpoint.load_file(checkpoint.list_checkpoints(log_dir)[-1])["config"]["wandb_id"]
     dirs = sorted(glob.glob(os.path.join(log_dir, "wandb", "offline-run-*")))
     assert len(runs) == 3 and all(d.endswith("-" + stored) for d in dirs)  # the directory names the run id
     assert [run_id for run_id, _, _ in runs[1:]] == [stored, stored]

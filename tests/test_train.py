@@ -248,7 +248,7 @@ def test_a_sigterm_to_torchrun_stops_the_ranks_cleanly_then_torchrun_fails(data_
     assert end["reason"] == "signal", end
     last = (log_dir / "log.txt").read_text().splitlines()[-1]
     assert last.startswith(f"stopped by SIGTERM after {end['step'] + 1} steps; continue with: "), last
-    assert checkpoint.load_file(metrics.latest_checkpoint(str(log_dir)))["step"] == end["step"] + 1
+    assert checkpoint.load_file(checkpoint.list_checkpoints(str(log_dir))[-1])["step"] == end["step"] + 1
     assert records(str(log_dir), "run")[0]["stop_grace_s"] == 45
 
 
@@ -408,7 +408,7 @@ def test_fsdp_in_bf16_compiled_evaluates_samples_resumes_and_exports(data_dir, t
         assert all(c["graphs"] == 0 for c in compiled[1:]), compiled  # nothing new after the first
     stopped = str(tmp_path / "stopped")
     trainer(base + ["--log-dir", stopped], FAULT="term:0:4")
-    assert metrics.step_of(metrics.latest_checkpoint(stopped)) == 5
+    assert checkpoint.step_of(checkpoint.list_checkpoints(stopped)[-1]) == 5
     trainer(["--log-dir", stopped, "--resume"])
     assert [r["loss"] for r in records(stopped, "train")] == [r["loss"] for r in records(whole, "train")]
     _, model_a, optim_a = final_state(whole)
@@ -495,7 +495,7 @@ def test_a_closed_stdout_does_not_end_the_run(data_dir, tmp_path):
     assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
     assert head.startswith("run: new run")
     assert err.count("stdout was closed") == 1
-    assert checkpoint.load_file(metrics.latest_checkpoint(log_dir))["step"] == 24
+    assert checkpoint.load_file(checkpoint.list_checkpoints(log_dir)[-1])["step"] == 24
     with open(os.path.join(log_dir, "log.txt")) as f:
         text = f.read()
     assert len(text) > 4096 + len(head)  # more than the pipe held
@@ -514,8 +514,8 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(data_dir, tmp_path):
     p = diverging(data_dir, log_dir, max_steps=12, checkpoint_every=1)
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     assert "non-finite; stopping" in p.stdout and "Traceback" not in p.stderr
-    assert (f"The last good checkpoint is {metrics.latest_checkpoint(log_dir)}: resume from it with a lower --max-lr, "
-            "or pass --on-nonfinite skip") in p.stdout  # AdamW: no --muon-lr
+    assert (f"The last good checkpoint is {checkpoint.list_checkpoints(log_dir)[-1]}: resume from it with a lower "
+            "--max-lr, or pass --on-nonfinite skip") in p.stdout  # AdamW: no --muon-lr
     end = records(log_dir, "end")[-1]
     assert end["reason"] == "nonfinite"
     step, model, _ = final_state(log_dir)
@@ -542,7 +542,7 @@ def test_nonfinite_stop_under_muon_before_any_checkpoint_names_both_rates(data_d
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     assert ("non-finite; stopping. No checkpoint was written yet: start the run again (--resume) with a lower "
             "--max-lr or --muon-lr, or pass --on-nonfinite skip") in p.stdout
-    assert "none" not in p.stdout.split("non-finite; stopping")[1] and metrics.list_checkpoints(log_dir) == []
+    assert "none" not in p.stdout.split("non-finite; stopping")[1] and checkpoint.list_checkpoints(log_dir) == []
 
 
 def test_the_allocators_error_mid_run_is_one_line_an_end_record_and_keeps_the_checkpoints(data_dir, tmp_path,
@@ -566,7 +566,7 @@ def test_the_allocators_error_mid_run_is_one_line_an_end_record_and_keeps_the_ch
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert p.stderr.startswith("error: out of CPU memory at a micro-batch of 2 x 32 tokens (CUDA out of memory. "
                                "Tried to allocate 6.00 GiB") and "--micro-batch-size" in p.stderr
-    assert [metrics.step_of(c) for c in metrics.list_checkpoints(log_dir)] == [2, 4]
+    assert [checkpoint.step_of(c) for c in checkpoint.list_checkpoints(log_dir)] == [2, 4]
     assert records(log_dir, "end") == [dict(records(log_dir, "end")[0], step=3, reason="out_of_memory")]
 
 
@@ -589,7 +589,7 @@ def test_running_out_of_cpu_memory_is_one_line_naming_the_cpu(data_dir, tmp_path
     launches = metrics.read_metrics(log_dir)["launches"]  # the resumed launch ended at the step before its first
     assert [(launch["end"]["step"], launch["end"]["reason"]) for launch in launches] == [(1, "finished"),
                                                                                          (0, "out_of_memory")]
-    assert [metrics.step_of(c) for c in metrics.list_checkpoints(log_dir)] == [1]
+    assert [checkpoint.step_of(c) for c in checkpoint.list_checkpoints(log_dir)] == [1]
 
 
 def test_float16_stops_on_a_nonfinite_loss(data_dir, tmp_path, monkeypatch, capsys, train_in_process):
@@ -627,7 +627,7 @@ def test_only_an_fp16_run_scales_its_loss(dtype, data_dir, tmp_path, monkeypatch
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2, eval_every=0, dtype=None if dtype == "float16"
                 else dtype)
     assert train_in_process(args) == 0
-    scaler = checkpoint.load_file(metrics.latest_checkpoint(log_dir))["scaler"]
+    scaler = checkpoint.load_file(checkpoint.list_checkpoints(log_dir)[-1])["scaler"]
     assert ("scale" in scaler) == (dtype == "float16"), scaler
 
 
@@ -680,7 +680,7 @@ def test_float16_resumes_with_the_loss_scale_of_its_checkpoint(data_dir, tmp_pat
     monkeypatch.setattr(device, "pick_dtype", lambda requested, dev: "float16")
     log_dir = str(tmp_path / "log")
     assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=3, eval_every=0)) == 0
-    saved = checkpoint.load_file(metrics.latest_checkpoint(log_dir))["scaler"]
+    saved = checkpoint.load_file(checkpoint.list_checkpoints(log_dir)[-1])["scaler"]
     assert saved != torch.amp.GradScaler("cpu").state_dict()
     first_step = []
     real = train_gpt2.train_step
@@ -724,7 +724,7 @@ def bad_input_setup(data_dir, tmp_path_factory, reference_run):
     junk.write_bytes(b"this is not a checkpoint")
     notes = base / "notes.txt"  # a text file: its first letter is the unpickler's float opcode
     notes.write_text("For the record, these are notes.\n")
-    good = metrics.latest_checkpoint(reference_run)
+    good = checkpoint.list_checkpoints(reference_run)[-1]
     truncated = base / "ckpt_000009.pt"
     with open(good, "rb") as f:
         truncated.write_bytes(f.read()[:2000])
@@ -894,7 +894,7 @@ def test_on_one_process_a_signal_during_the_update_stops_after_that_step(data_di
     assert train_in_process(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=8, eval_every=0)) == 0
     assert [r["step"] for r in records(log_dir, "train")] == [0, 1, 2]
     assert records(log_dir, "end")[-1]["reason"] == "signal"
-    assert [metrics.step_of(c) for c in metrics.list_checkpoints(log_dir)] == [3]
+    assert [checkpoint.step_of(c) for c in checkpoint.list_checkpoints(log_dir)] == [3]
 
 
 def cosine_lr(step, peak, warmup=2, max_steps=5, floor=0.1):
