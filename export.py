@@ -57,12 +57,79 @@ HF_FILES = {"config.json", "generation_config.json", "model.safetensors", "vocab
             "tokenizer_config.json", "special_tokens_map.json"}
 
 
+# Hugging Face's format: the hub's own gpt2 layout
+def hf_config(model):
+    """transformers.GPT2Config of a GPT, with the hub's n_ctx beside n_positions (mlx-lm reads it); ValueError where it
+    is not GPT-2's architecture (model.export_problem)."""
+    from transformers import GPT2Config
+    problem = model.export_problem()
+    if problem:
+        raise ValueError(problem)
+    c = model.config
+    return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_ctx=c.block_size, n_embd=c.n_embd,
+                      n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new", resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, architectures=["GPT2LMHeadModel"])  # bos, eos: 50256
+
+
+def hf_state_dict(model):
+    """A GPT's weights in fp32 as the hub's own gpt2 stores them: no 'transformer.' prefix, the four Conv1D matrices
+    (in, out), the real vocabulary's rows, and no head (tied to wte)."""
+    import torch
+    from model import HF_TRANSPOSED
+    state = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight":
+            continue
+        v = v.t() if k.endswith(HF_TRANSPOSED) else v[:model.config.vocab_size] if k.endswith("wte.weight") else v
+        state[k.removeprefix("transformer.")] = v.detach().to("cpu", torch.float32).contiguous().clone()
+    return state
+
+
+def to_hf(model):
+    """A transformers.GPT2LMHeadModel with a GPT's weights (the vocabulary sliced back to the real one)."""
+    from transformers import GPT2LMHeadModel
+    from model import quiet_transformers
+    with quiet_transformers():
+        hf = GPT2LMHeadModel(hf_config(model))
+    hf.transformer.load_state_dict(hf_state_dict(model))
+    return hf.eval()
+
+
+def write_hf(model, out_dir, tokenizer_files=None):
+    """Write a GPT into out_dir laid out as the hub's own gpt2 (config.json with n_ctx, model.safetensors without the
+    'transformer.' prefix), which transformers, mlx-lm, vLLM and llama.cpp's converter load directly.
+    tokenizer_files: optional (encoder.json, vocab.bpe) paths, saved as the GPT-2 tokenizer. out_dir."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+    from model import quiet_transformers
+    config = hf_config(model)
+    config.save_pretrained(out_dir)
+    with quiet_transformers():
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    save_file(hf_state_dict(model), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes the weights owner-only (0600): give them the mode of their neighbours
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(os.path.join(out_dir, "model.safetensors"), 0o666 & ~umask)
+    if tokenizer_files is not None:
+        # the directory form (vocab.json + merges.txt) loads the same in transformers 4 and 5
+        import shutil
+        from transformers import GPT2TokenizerFast
+        shutil.copyfile(tokenizer_files[0], os.path.join(out_dir, "vocab.json"))
+        shutil.copyfile(tokenizer_files[1], os.path.join(out_dir, "merges.txt"))
+        tok = GPT2TokenizerFast.from_pretrained(out_dir)
+        tok.model_max_length = model.config.block_size
+        tok.save_pretrained(out_dir)
+    return out_dir
+
+
+# GGUF: llama.cpp's gpt2
 def gguf_tensors(model, dtype):
     """(llama.cpp's name, numpy array, its GGML type or None) for each weight of a GPT-2 model: the names from the
     gguf package's own map for GPT-2, the embedding cut to the real vocabulary, no separate head (tied)."""
     import gguf
     import numpy as np
-    c = model.hf_config()  # the shape as exported, as llama.cpp's converter reads it from config.json
+    c = hf_config(model)  # the shape as exported, as llama.cpp's converter reads it from config.json
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, c.n_layer)
     qtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
              "q8_0": gguf.GGMLQuantizationType.Q8_0}.get(dtype)
@@ -104,7 +171,7 @@ def gpt2_vocabulary():
 def write_gguf(model, path, dtype="f16", name="gpt2"):
     """One GGUF file of llama.cpp's `gpt2` architecture at path (written whole or not at all by the caller)."""
     import gguf
-    c = model.hf_config()
+    c = hf_config(model)
     w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT2])
     w.add_name(name)
     w.add_context_length(c.n_ctx)
@@ -139,7 +206,7 @@ def write(model, fmt, out, dtype=None, name="gpt2"):
     its place only when whole: a failure or a kill leaves what was there. The end of a training run writes its
     LOG_DIR/hf here too. Raises what the writers raise (OSError, safetensors' error)."""
     if fmt == "hf":
-        return common.atomic_directory(out, lambda tmp: model.export_hf(tmp, tokenizer_files=gpt2_bpe_files()))
+        return common.atomic_directory(out, lambda tmp: write_hf(model, tmp, gpt2_bpe_files()))
     parent = os.path.dirname(os.path.abspath(out))
     for stale in common.left_by_kills(parent, glob.escape(os.path.basename(out))):
         os.remove(stale)

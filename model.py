@@ -1,7 +1,7 @@
-"""GPT-2: attention, MLP, block, config, and the GPT with Hugging Face import/export, FLOPs/MFU and generation.
-Parameter names follow Hugging Face's, so importing weights is a key-for-key copy with four transposes."""
+"""GPT-2: attention, MLP, block, config, and the GPT with Hugging Face import, FLOPs/MFU and generation (the export to
+Hugging Face's format is export.py's). Parameter names follow Hugging Face's, so importing weights is a key-for-key
+copy with four transposes."""
 
-import os
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -303,62 +303,6 @@ class GPT(nn.Module):
     def export_problem(self):
         """Why this model cannot be exported as GPT-2 (shape_export_problem), or None where it can."""
         return shape_export_problem(self.shape())
-
-    def hf_config(self):
-        """transformers.GPT2Config of this model, with the hub's n_ctx beside n_positions (mlx-lm reads it)."""
-        from transformers import GPT2Config
-        problem = self.export_problem()
-        if problem:
-            raise ValueError(problem)
-        c = self.config
-        return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_ctx=c.block_size, n_embd=c.n_embd,
-                          n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new", resid_pdrop=0.0,
-                          embd_pdrop=0.0, attn_pdrop=0.0, architectures=["GPT2LMHeadModel"])  # bos, eos: 50256
-
-    def hf_state_dict(self):
-        """The weights in fp32 as the hub's own gpt2 stores them: no 'transformer.' prefix, the four Conv1D matrices
-        (in, out), the real vocabulary's rows, and no head (tied to wte)."""
-        state = {}
-        for k, v in self.state_dict().items():
-            if k == "lm_head.weight":
-                continue
-            v = v.t() if k.endswith(HF_TRANSPOSED) else v[:self.config.vocab_size] if k.endswith("wte.weight") else v
-            state[k.removeprefix("transformer.")] = v.detach().to("cpu", torch.float32).contiguous().clone()
-        return state
-
-    def to_hf(self):
-        """A transformers.GPT2LMHeadModel with the same weights (vocabulary sliced back to the real one)."""
-        from transformers import GPT2LMHeadModel
-        with quiet_transformers():
-            hf = GPT2LMHeadModel(self.hf_config())
-        hf.transformer.load_state_dict(self.hf_state_dict())
-        return hf.eval()
-
-    def export_hf(self, out_dir, tokenizer_files=None):
-        """Write a directory laid out as the hub's own gpt2 (config.json with n_ctx, model.safetensors without the
-        'transformer.' prefix), which transformers, mlx-lm, vLLM and llama.cpp's converter load directly.
-        tokenizer_files: optional (encoder.json, vocab.bpe) paths, saved as the GPT-2 tokenizer."""
-        from safetensors.torch import save_file
-        from transformers import GenerationConfig
-        config = self.hf_config()
-        config.save_pretrained(out_dir)
-        with quiet_transformers():
-            GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-        save_file(self.hf_state_dict(), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-        # safetensors writes the weights owner-only (0600): give them the mode of their neighbours
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(os.path.join(out_dir, "model.safetensors"), 0o666 & ~umask)
-        if tokenizer_files is not None:
-            # the directory form (vocab.json + merges.txt) loads the same in transformers 4 and 5
-            import shutil
-            from transformers import GPT2TokenizerFast
-            shutil.copyfile(tokenizer_files[0], os.path.join(out_dir, "vocab.json"))
-            shutil.copyfile(tokenizer_files[1], os.path.join(out_dir, "merges.txt"))
-            tok = GPT2TokenizerFast.from_pretrained(out_dir)
-            tok.model_max_length = self.config.block_size
-            tok.save_pretrained(out_dir)
-        return out_dir
 
     def crop_block_size(self, block_size):
         """Shorten the context (e.g. to fine-tune OpenAI's 1024-token model at 512)."""

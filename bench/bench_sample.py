@@ -1,6 +1,6 @@
 """
 Generation speed: our KV-cache generation (model.GPT.generate_stream) against transformers'
-GPT2LMHeadModel.generate on the same weights (model.to_hf()), greedy, same prompt, same number of
+GPT2LMHeadModel.generate on the same weights (export.to_hf(model)), greedy, same prompt, same number of
 new tokens, use_cache=True, batch 1. A 124M GPT-2 with random weights (speed does not depend on them).
 
     python bench/bench_sample.py                       # CPU, 256 new tokens
@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import measure  # noqa: E402
+import export  # noqa: E402
 
 from device import autocast, device_name, pick_device, pick_dtype  # noqa: E402
 from tokenizer import EOT_TOKEN, get_tokenizer  # noqa: E402
@@ -54,7 +55,7 @@ def main():
     args = parse_args()
     device, dtype = setup(args)
     model = GPT(GPTConfig()).to(device).eval()
-    hf = model.to_hf().to(device).eval()
+    hf = export.to_hf(model).to(device).eval()
     idx = torch.tensor([get_tokenizer().encode(PROMPT)], device=device)
     n = args.new_tokens
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import checkpoint
 import common
 import core
+import export
 import runs
 import tokenizer
 from core_bundle import TASKS, task_items, write_bundle, write_items
@@ -247,7 +248,7 @@ def test_scores_a_checkpoint_a_log_directory_and_a_hugging_face_directory(model,
     log_dir.mkdir()
     ckpt = str(log_dir / "ckpt_000005.pt")
     checkpoint.save_file(ckpt, {"model_config": asdict(model.config), "model": model.state_dict()})
-    hf = model.export_hf(str(tmp_path / "hf"))
+    hf = export.write_hf(model, str(tmp_path / "hf"))
     results = []
     for spec in (ckpt, str(log_dir), hf):
         core.main(["--model", spec, "--bundle-dir", bundle, "--device", "cpu", "--json", "--tasks",

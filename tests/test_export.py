@@ -113,7 +113,7 @@ def test_gguf_f32_loads_in_transformers_with_our_logits(tiny, ids, gguf_files):
 def test_gguf_at_half_precision_holds_our_weights_rounded(tiny, ids, gguf_files, dtype, torch_dtype):
     """f16 and bf16 files give the logits of our model with its matrices rounded so (not the logits of the fp32
     model, which differ by the rounding): the file holds exactly those numbers."""
-    hf = from_gguf(gguf_files[dtype], tiny.hf_config())
+    hf = from_gguf(gguf_files[dtype], export.hf_config(tiny))
     with torch.no_grad():
         theirs = hf(ids).logits
     expected = logits_of(rounded(tiny, torch_dtype), ids)
@@ -143,7 +143,7 @@ def test_gguf_types_and_sizes(tiny, ids, gguf_files):
     written = {t.name: t.tensor_type for t in gguf.GGUFReader(gguf_files["q8_0"]).tensors}
     assert written["blk.0.attn_qkv.weight"] == q8 and written["position_embd.weight"] == gguf.GGMLQuantizationType.F32
     with torch.no_grad():
-        theirs = from_gguf(gguf_files["q8_0"], tiny.hf_config())(ids).logits
+        theirs = from_gguf(gguf_files["q8_0"], export.hf_config(tiny))(ids).logits
     ours = logits_of(tiny, ids)
     assert 0 < (theirs - ours).abs().max().item() < 0.02 * ours.abs().max().item()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hellaswag
+from export import write_hf
 import scoring
 from model import GPT, GPTConfig
 from tokenizer import gpt2_bpe_files
@@ -39,7 +40,7 @@ metric_list:
 def test_lm_eval_reads_the_export_and_agrees_with_our_scorer(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)).eval()
-    export = model.export_hf(str(tmp_path / "hf"), tokenizer_files=gpt2_bpe_files())
+    exported = write_hf(model, str(tmp_path / "hf"), tokenizer_files=gpt2_bpe_files())
     items = [{"ctx": f"The cat sees item {i} and", "label": i % 4,
               "endings": ["runs.", "sleeps all day.", "a b c.", "flies away over the old house."]} for i in range(12)]
     (tmp_path / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
@@ -48,7 +49,7 @@ def test_lm_eval_reads_the_export_and_agrees_with_our_scorer(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
                HF_DATASETS_CACHE=str(tmp_path / "datasets"))
     p = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                        f"pretrained={export},dtype=float32", "--tasks", "gpt2_train_check", "--include_path",
+                        f"pretrained={exported},dtype=float32", "--tasks", "gpt2_train_check", "--include_path",
                         str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "4", "--output_path",
                         str(tmp_path / "out"), "--log_samples"], capture_output=True, text=True, env=env,
                        timeout=900, cwd=tmp_path)

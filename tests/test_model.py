@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tokenizer
+from export import write_hf
 from model import GPT, GPTConfig, PRESETS, Sampling, sample_next
 
 TINY = dict(block_size=64, n_layer=2, n_head=2, n_embd=32)
@@ -49,7 +50,7 @@ def test_hf_export_loads_in_transformers(tmp_path):
     from transformers import GPT2LMHeadModel, pipeline
     torch.manual_seed(1)
     ours = GPT(GPTConfig(**TINY)).eval()
-    ours.export_hf(str(tmp_path), tokenizer_files=tokenizer.gpt2_bpe_files())
+    write_hf(ours, str(tmp_path), tokenizer_files=tokenizer.gpt2_bpe_files())
     hf = GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
     idx = torch.randint(0, 50257, (2, 30))
     with torch.no_grad():

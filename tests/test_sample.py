@@ -13,6 +13,7 @@ import torch
 
 import common
 import checkpoint
+import export
 import runs
 import tokenizer
 import sample
@@ -57,7 +58,7 @@ def test_closed_stdout_ends_quietly(log_dir):
 
 
 def test_checkpoint_and_hf_dir_agree(model, log_dir, tmp_path):
-    hf_dir = model.export_hf(str(tmp_path / "hf"), tokenizer_files=tokenizer.gpt2_bpe_files())
+    hf_dir = export.write_hf(model, str(tmp_path / "hf"), tokenizer_files=tokenizer.gpt2_bpe_files())
     args = ["--prompt", "The meaning of life is", "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu"]
     from_ckpt = run(["--model", str(log_dir / "ckpt_000005.pt")] + args)
     assert from_ckpt == run(["--model", hf_dir] + args)
@@ -232,7 +233,7 @@ def test_hub_name_offline(model, tmp_path):
     fails at once with one line, not after minutes of retries."""
     cache = tmp_path / "hub"
     snapshot = cache / "models--tiny-org--tiny-gpt2" / "snapshots" / ("0" * 40)  # the hub cache's layout
-    model.export_hf(str(snapshot), tokenizer_files=tokenizer.gpt2_bpe_files())
+    export.write_hf(model, str(snapshot), tokenizer_files=tokenizer.gpt2_bpe_files())
     (cache / "models--tiny-org--tiny-gpt2" / "refs").mkdir()
     (cache / "models--tiny-org--tiny-gpt2" / "refs" / "main").write_text("0" * 40)
     env = dict(ENV, HF_HUB_CACHE=str(cache), HF_ENDPOINT="http://127.0.0.1:9")  # a port nothing serves

@@ -15,6 +15,7 @@ import torch
 import checkpoint
 import common
 import evaluation
+import export
 import metrics
 import optim
 import train_config
@@ -736,7 +737,7 @@ def bad_input_setup(data_dir, tmp_path_factory, reference_run):
     checkpoint.save_file(str(misfit), ckpt)
     hf_dir = base / "hf"
     from model import GPT, GPTConfig
-    GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=16)).export_hf(str(hf_dir))
+    export.write_hf(GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=16)), str(hf_dir))
     return dict(base=str(base), junk=str(junk), truncated=str(truncated), hf=str(hf_dir),
                 malformed=str(malformed), notes=str(notes), misfit=str(misfit), data=data_dir, ref=reference_run)
 
