@@ -92,7 +92,7 @@ def open_shard(path, tokens, fix):
 
 class Flags:
     """This room's flags in the trainer's command line (train_config composes every room's)."""
-    ranges, paths = {"shuffle_seed": "0 or more"}, ("data_dir",)
+    ranges, paths, fixed_on_resume = {"shuffle_seed": "0 or more"}, ("data_dir",), ("shuffle_seed",)
 
     @staticmethod
     def add_flags(a):

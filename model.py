@@ -178,6 +178,68 @@ def config_of(preset, block_size, n_layer=None, n_head=None, n_embd=None, block=
     return GPTConfig(block_size=block_size, **shape)
 
 
+def config_from(settings):
+    """The GPTConfig of the trainer's settings (Flags'): the preset, the sizes given over it, the block and its own
+    settings; ValueError for one that cannot be."""
+    options = {name: getattr(settings, name) for name in BLOCKS[settings.block].options}
+    return config_of(settings.model, settings.block_size, settings.n_layer, settings.n_head, settings.n_embd,
+                     settings.block, **options)
+
+
+def block_options():
+    """{a variant's own setting: (the blocks that have it, its default, what it is)}, from the blocks registered in
+    BLOCKS (Block.options): flags of the trainer, fixed on resume like the rest of the architecture."""
+    found = {}
+    for block, cls in sorted(BLOCKS.items()):
+        for name, (default, text) in cls.options.items():
+            blocks, first, _ = found.setdefault(name, ([], default, text))
+            if (type(default), default) != (type(first), first):  # one flag: one type, one default
+                raise ValueError(f"blocks {blocks[0]!r} and {block!r} both declare {name!r}, with the defaults "
+                                 f"{first!r} and {default!r}: give it one default, or two names")
+            blocks.append(block)
+    return found
+
+
+class Flags:
+    """The model's flags in the trainer's command line (train_config composes every room's): the preset, the sizes over
+    it, the block and its own settings (a flag each), the context, pretrained weights. All are the run's shape: fixed
+    on resume, each block's own settings too."""
+    ranges = dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size"), "at least 1")
+    architecture = ("model", "n_layer", "n_head", "n_embd", "block")  # what --init-from's weights decide instead
+    fixed_on_resume = architecture + ("block_size", "init_from")
+
+    @staticmethod
+    def add_flags(a):
+        from argparse import BooleanOptionalAction
+        a("--model", default="gpt2", choices=sorted(PRESETS), help="architecture preset (default: gpt2, 124M)")
+        a("--n-layer", type=int, help="override the preset's number of layers")
+        a("--n-head", type=int, help="override the preset's number of attention heads")
+        a("--n-embd", type=int, help="override the preset's embedding width")
+        a("--block", default="gpt2", choices=sorted(BLOCKS),
+          help="the transformer block (default: gpt2, GPT-2's); model.py's BLOCKS holds the variants")
+        for name, (blocks, default, text) in block_options().items():
+            kind = dict(action=BooleanOptionalAction) if isinstance(default, bool) else dict(type=type(default))
+            a(f"--{name.replace('_', '-')}", **kind,
+              help=f"{text} ({' and '.join(f'--block {b}' for b in blocks)}; default: {default})")
+        a("--block-size", type=int, default=1024, help="context length T in tokens (default: 1024)")
+        a("--init-from", help="start from pretrained weights (a Hugging Face name or directory, a checkpoint or a log "
+                              "directory), whose architecture it takes")
+
+    @staticmethod
+    def check_flags(cfg, said):
+        """A shape flag beside --init-from (whose weights decide the shape), a block's setting with another block."""
+        from common import UserError
+        options = block_options()
+        for flag in Flags.architecture + tuple(options):
+            if flag in cfg.given and cfg.init_from:
+                raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "
+                                f"from {cfg.init_from}; drop it")
+        for name, (blocks, _, _) in options.items():
+            if getattr(cfg, name, None) is not None and cfg.block not in blocks:
+                raise UserError(f"--{name.replace('_', '-')} is a setting of {' and '.join(blocks)} blocks, not of "
+                                f"{said('block')}: add --block {blocks[0]}, or drop it")
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()

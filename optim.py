@@ -19,7 +19,7 @@ class Flags:
     ranges = {**dict.fromkeys(("max_lr", "eps", "muon_lr"), "a positive number"),
               **dict.fromkeys(("beta1", "beta2", "muon_momentum"), "at least 0 and below 1"),
               "min_lr_ratio": "between 0 and 1", "warmup_steps": "0 or more", "weight_decay": "0 or more"}
-    paths = ()
+    paths, fixed_on_resume = (), ("optimizer",)  # the other settings may change on resume (a lower rate, say)
 
     @staticmethod
     def add_flags(a):

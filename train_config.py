@@ -1,14 +1,14 @@
 """
 The trainer's settings: every flag with its unit and default, the range each numeric flag must lie in,
 the checks between flags, and which settings a resumed run may change. A room that owns its settings declares
-them itself (dataloader, optim, checkpoint and export's Flags, each evaluation class: their flags, ranges, paths,
-defaults and checks; rooms()), composed here. They are resolved once and then only read: parse_args(argv), then
-resolve(args, resume), which puts a resumed run's own settings (its checkpoint, which checkpoint.resume_point found)
-under the flags the command line names. stored() is what checkpoints and the run header keep.
+them itself (model, dataloader, optim, checkpoint and export's Flags, each evaluation class: their flags,
+ranges, paths, the settings fixed on resume, defaults and checks; rooms()), composed here. They are resolved
+once and then only read: parse_args(argv), then resolve(args, resume), which puts a resumed run's own settings
+(its checkpoint, which checkpoint.resume_point found) under the flags the command line names. stored() is what
+checkpoints and the run header keep.
 """
 
 import argparse
-import inspect
 import math
 import os
 import secrets
@@ -20,7 +20,8 @@ import evaluation
 import export
 import optim
 from common import UserError
-from model import BLOCKS, PRESETS, config_of, shape_setting
+import model
+from model import block_options, shape_setting
 
 
 class Sharding(argparse.Action):
@@ -40,20 +41,7 @@ def build_parser(description=None):
     p = common.ArgumentParser(prog="train_gpt2.py", description=description,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    # model
-    a("--model", default="gpt2", choices=sorted(PRESETS), help="architecture preset (default: gpt2, 124M)")
-    a("--n-layer", type=int, help="override the preset's number of layers")
-    a("--n-head", type=int, help="override the preset's number of attention heads")
-    a("--n-embd", type=int, help="override the preset's embedding width")
-    a("--block", default="gpt2", choices=sorted(BLOCKS),
-      help="the transformer block (default: gpt2, GPT-2's); model.py's BLOCKS holds the variants")
-    for name, (blocks, default, text) in block_options().items():  # a variant's own settings (model.Block.options)
-        kind = dict(action=argparse.BooleanOptionalAction) if isinstance(default, bool) else dict(type=type(default))
-        a(f"--{name.replace('_', '-')}", **kind,
-          help=f"{text} ({' and '.join(f'--block {b}' for b in blocks)}; default: {default})")
-    a("--block-size", type=int, default=1024, help="context length T in tokens (default: 1024)")
-    a("--init-from", help="start from pretrained weights (a Hugging Face name or directory, a checkpoint or a log "
-                          "directory), whose architecture it takes")
+    model.Flags.add_flags(a)  # the model's: its shape and --init-from
     # data and logs
     dataloader.Flags.add_flags(a)
     a("--log-dir", default="log", help="logs, metrics.jsonl, checkpoints and the exported model (default: log)")
@@ -124,8 +112,8 @@ BOUNDS = {"at least 1": lambda v: v >= 1, "0 or more": lambda v: v >= 0, "a posi
           "at least 0 and below 1": lambda v: 0 <= v < 1, "between 0 and 1": lambda v: 0 <= v <= 1,
           # the seed goes to numpy too (np.random.seed), which takes nothing outside 0..2**32-1
           "between 0 and 2**32-1 = 4294967295": lambda v: 0 <= v < 2 ** 32}
-RANGES = {
-    **dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size", "total_batch_size", "max_steps"), "at least 1"),
+RANGES = {  # the trainer's own (each room's in its Flags' `ranges`)
+    **dict.fromkeys(("total_batch_size", "max_steps"), "at least 1"),
     **dict.fromkeys(("timing_breakdown", "grad_clip"), "0 or more"),
     "dist_timeout": "a positive number", "seed": "between 0 and 2**32-1 = 4294967295"}
 
@@ -134,12 +122,9 @@ RANGES = {
 # micro-batch does not change the math (the total batch does, and the data position is counted in sequences): a run
 # whose micro-batch was fitted fits it again on the GPU it resumes on, and another value may be given. Where the run
 # is written, which checkpoint continues it and what is profiled are this launch's own.
-# the flags that set the architecture over --model's preset: model.config_of's named keywords, read from it (a
-# block's own settings, its **options, are block_options(), added where these are used)
-ARCHITECTURE = tuple(p.name for p in list(inspect.signature(config_of).parameters.values())[2:]
-                     if p.kind is not p.VAR_KEYWORD)
-FIXED_ON_RESUME = ("model", *ARCHITECTURE, "block_size", "init_from", "total_batch_size", "shuffle_seed", "seed",
-                   "optimizer")
+# The trainer's own fixed settings; each room's are in its Flags' `fixed_on_resume` (the model's: its shape, a block's
+# own settings included; the data's shuffle; the optimizer).
+FIXED_ON_RESUME = ("total_batch_size", "seed")
 LAUNCH_ONLY = ("log_dir", "resume", "profile_steps", "memory_snapshot")
 # stored absolute, as resolved where the launch ran: a resume from another working directory reads the
 # same files, and a --resume given again is known for the same path (resolve); an evaluation's own in its `paths`
@@ -178,25 +163,11 @@ def parse_args(argv=None, description=None):
     return args
 
 
-def block_options():
-    """{a variant's own setting: (the blocks that have it, its default, what it is)}, from the blocks registered in
-    model.BLOCKS (model.Block.options): flags of the trainer, fixed on resume like the rest of the architecture."""
-    found = {}
-    for block, cls in sorted(BLOCKS.items()):
-        for name, (default, text) in cls.options.items():
-            blocks, first, _ = found.setdefault(name, ([], default, text))
-            if (type(default), default) != (type(first), first):  # one flag: one type, one default
-                raise ValueError(f"blocks {blocks[0]!r} and {block!r} both declare {name!r}, with the defaults "
-                                 f"{first!r} and {default!r}: give it one default, or two names")
-            blocks.append(block)
-    return found
-
-
 def rooms():
-    """The rooms whose flags are their own, with what each may say of them (ranges, paths, flag_defaults(args),
-    check_flags(cfg, said), settle_flags(values, given)): the data's, the optimizers', each evaluation's (registered
-    ones included), the checkpoints' and the export's."""
-    return [dataloader.Flags, optim.Flags, *evaluation.REGISTRY, checkpoint.Flags, export.Flags]
+    """The rooms whose flags are their own, with what each may say of them (ranges, paths, fixed_on_resume,
+    flag_defaults(args), check_flags(cfg, said), settle_flags(values, given)): the model's, the data's, the
+    optimizers', each evaluation's (registered ones included), the checkpoints' and the export's."""
+    return [model.Flags, dataloader.Flags, optim.Flags, *evaluation.REGISTRY, checkpoint.Flags, export.Flags]
 
 
 def hooks(name):
@@ -213,15 +184,6 @@ def check_relations(cfg, resumed=False):
         raise UserError(f"{said('total_batch_size')} is not a multiple of {said('block_size')}")
     if cfg.init_from and not resumed:  # what it names exists, before a flag beside it is refused on its account
         checkpoint.model_kind(cfg.init_from)
-    options = block_options()
-    for flag in ("model",) + ARCHITECTURE + tuple(options):
-        if flag in cfg.given and cfg.init_from:
-            raise UserError(f"--{flag.replace('_', '-')} has no effect with --init-from: the architecture comes "
-                            f"from {cfg.init_from}; drop it")
-    for name, (blocks, _, _) in options.items():
-        if getattr(cfg, name, None) is not None and cfg.block not in blocks:
-            raise UserError(f"--{name.replace('_', '-')} is a setting of {' and '.join(blocks)} blocks, not of "
-                            f"{said('block')}: add --block {blocks[0]}, or drop it")
     if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
         raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
                         f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
@@ -264,9 +226,10 @@ def resolve(args, resume=None):
 
 def stored_run(values, given, resume):
     """The run's settings (resume.settings) into values; a flag the command line named that differs is refused where
-    it is FIXED_ON_RESUME, else applied and returned as a line. Settings an older run did not store keep their
+    it is fixed on resume, else applied and returned as a line. Settings an older run did not store keep their
     defaults."""
     stored, changes, options = resume.settings, [], block_options()
+    fixed = FIXED_ON_RESUME + tuple(name for room_fixed in hooks("fixed_on_resume") for name in room_fixed)
     for key, now in sorted(values.items()):
         if key in LAUNCH_ONLY or (key not in stored and key not in options):  # a block's own: its shape says
             continue
@@ -279,7 +242,7 @@ def stored_run(values, given, resume):
             values[key] = stored.get(key)
             continue
         flag = "--" + key.replace("_", "-")
-        if key in FIXED_ON_RESUME or key in options:
+        if key in fixed or key in options:
             trained = f"without {flag}" if was is None else f"with {flag} {was}"
             raise UserError(f"cannot resume {resume.path}: the run was trained {trained} and this command asks for "
                             f"{flag} {now}; drop {flag} to continue the run as it was, or use a new --log-dir for "
@@ -300,12 +263,6 @@ def command_line(settings):
         elif value is not None:
             out += [flag, str(value)]
     return out
-
-
-def architecture(cfg):
-    """The flags that set the architecture over --model's preset, by name (model.config_of's keywords, and the
-    block's own settings)."""
-    return {key: getattr(cfg, key) for key in ARCHITECTURE + tuple(BLOCKS[cfg.block].options)}
 
 
 def stored(cfg, micro_batch):

@@ -36,7 +36,7 @@ import train_config
 import trackers
 from common import UserError
 from metrics import RunLog, resume_command
-from model import GPT, config_of
+from model import GPT, config_from, config_of
 from profiling import PhaseTimer, StepProfiler
 from provenance import environment, git_commit, versions
 
@@ -178,7 +178,7 @@ def build_model(cfg, checkpoints):
     if start is not None:
         return start
     try:
-        config = config_of(cfg.model, cfg.block_size, **train_config.architecture(cfg))
+        config = config_from(cfg)
     except ValueError as e:
         raise UserError(str(e))
     return GPT(config), f"{cfg.model} preset" if config == config_of(cfg.model, cfg.block_size) else "custom shape"
