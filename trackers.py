@@ -1,14 +1,46 @@
 """The optional experiment trackers, W&B (--wandb) and TensorBoard (--tensorboard), fed every record by RunLog."""
 
+import argparse
 import importlib.util
 import json
 import os
 import queue
+import secrets
 import sys
 import threading
 
 from common import UserError, first_line, unreachable
 from metrics import read_metrics
+
+
+class Flags:
+    """This room's flags in the trainer's command line (train_config composes every room's)."""
+
+    @staticmethod
+    def add_flags(a):
+        a("--wandb", metavar="PROJECT", help="also send every record to this W&B project (pip install wandb)")
+        a("--wandb-run", metavar="NAME", help="the W&B run's name (default: the log directory's name)")
+        a("--wandb-id", metavar="ID", help="the W&B run to continue (default: a new one, or a resumed run's own)")
+        a("--no-wandb", dest="wandb", action="store_const", const=None, help="send nothing to W&B (on a resume too)")
+        a("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
+          help="also write every record as TensorBoard events to LOG_DIR/tb (pip install tensorboard)")
+
+    @staticmethod
+    def check_flags(cfg, said):
+        check_installed(cfg)
+
+    @staticmethod
+    def settle_flags(values, given):
+        if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
+            values["wandb_id"] = secrets.token_hex(4)
+
+
+def start(cfg, start_step):
+    """The Trackers of the run's settings (--wandb, --tensorboard) from start_step on, or None where neither is on."""
+    if not (cfg.wandb or cfg.tensorboard):
+        return None
+    name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
+    return Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
 
 
 def check_installed(cfg):

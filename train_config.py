@@ -1,7 +1,7 @@
 """
 The trainer's settings: every flag with its unit and default, the range each numeric flag must lie in,
 the checks between flags, and which settings a resumed run may change. A room that owns its settings declares
-them itself (model, dataloader, optim, checkpoint and export's Flags, each evaluation class: their flags,
+them itself (model, dataloader, optim, checkpoint, export and trackers' Flags, each evaluation class: their flags,
 ranges, paths, the settings fixed on resume, defaults and checks; rooms()), composed here. They are resolved
 once and then only read: parse_args(argv), then resolve(args, resume), which puts a resumed run's own settings
 (its checkpoint, which checkpoint.resume_point found) under the flags the command line names. stored() is what
@@ -11,7 +11,6 @@ checkpoints and the run header keep.
 import argparse
 import math
 import os
-import secrets
 
 import checkpoint
 import common
@@ -19,6 +18,7 @@ import dataloader
 import evaluation
 import export
 import optim
+import trackers
 from common import UserError
 import model
 from model import block_options, shape_setting
@@ -61,12 +61,7 @@ def build_parser(description=None):
         ev.add_flags(a)
     checkpoint.Flags.add_flags(a)
     export.Flags.add_flags(a)
-    a("--wandb", metavar="PROJECT", help="also send every record to this W&B project (pip install wandb)")
-    a("--wandb-run", metavar="NAME", help="the W&B run's name (default: the log directory's name)")
-    a("--wandb-id", metavar="ID", help="the W&B run to continue (default: a new one, or a resumed run's own)")
-    a("--no-wandb", dest="wandb", action="store_const", const=None, help="send nothing to W&B (on a resume too)")
-    a("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
-      help="also write every record as TensorBoard events to LOG_DIR/tb (pip install tensorboard)")
+    trackers.Flags.add_flags(a)
     a("--plot", action=argparse.BooleanOptionalAction, default=True,
       help="redraw LOG_DIR/plot.png at each evaluation when matplotlib is installed (default: on)")
     # hardware
@@ -166,8 +161,9 @@ def parse_args(argv=None, description=None):
 def rooms():
     """The rooms whose flags are their own, with what each may say of them (ranges, paths, fixed_on_resume,
     flag_defaults(args), check_flags(cfg, said), settle_flags(values, given)): the model's, the data's, the
-    optimizers', each evaluation's (registered ones included), the checkpoints' and the export's."""
-    return [model.Flags, dataloader.Flags, optim.Flags, *evaluation.REGISTRY, checkpoint.Flags, export.Flags]
+    optimizers', each evaluation's (registered ones included), the checkpoints', the export's and the trackers'."""
+    return [model.Flags, dataloader.Flags, optim.Flags, *evaluation.REGISTRY, checkpoint.Flags, export.Flags,
+            trackers.Flags]
 
 
 def hooks(name):
@@ -211,8 +207,6 @@ def resolve(args, resume=None):
     changes = stored_run(values, args.given, resume) if resume is not None else []
     for settle_flags in hooks("settle_flags"):
         settle_flags(values, args.given)
-    if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
-        values["wandb_id"] = secrets.token_hex(4)
     cfg = Settings(values)
     check_relations(cfg, resumed=resume is not None)
     if resume is not None and cfg.max_steps < resume.step:

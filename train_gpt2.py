@@ -57,8 +57,6 @@ def train(argv=None):
         common.print0(finished)
         return 0
     evaluations = evaluation.prepare(cfg)  # what they read, read once: where the run has steps to go
-    if cfg.wandb or cfg.tensorboard:
-        trackers.check_installed(cfg)
     ranks = parallel.setup_distributed(cfg.device, 60 * cfg.dist_timeout, cfg.dist_backend,
                                        group_of_one=cfg.sharding == "fsdp")
     log = RunLog(cfg.log_dir, ranks.is_master)
@@ -155,9 +153,8 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
     start_step = checkpoints.restore(model=model, optimizer=optimizer, scaler=scaler, train_loader=train_loader,
                                      config=train_config.stored(cfg, micro_batch), fsdp=fsdp)
     optimizer.settle()  # the settings of this launch, over the param groups the checkpoint brought back
-    if ranks.is_master and (cfg.wandb or cfg.tensorboard):  # W&B and TensorBoard, fed by the log's records
-        name = cfg.wandb_run or os.path.basename(os.path.abspath(cfg.log_dir))
-        log.trackers = trackers.Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
+    if ranks.is_master:  # W&B and TensorBoard where they are on, fed by the log's records
+        log.trackers = trackers.start(cfg, start_step)
     checkpoints.begin()  # every check passed: a resume from an older step may set the later checkpoints aside
     run = Run(cfg=cfg, ranks=ranks, log=log, choice=choice, fsdp=fsdp, micro_batch=micro_batch,
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
