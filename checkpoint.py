@@ -276,7 +276,7 @@ class Checkpointer:
 
 class Flags:
     """This room's flags in the trainer's command line (train_config composes every room's)."""
-    ranges = {"checkpoint_every": "0 or more", "keep_checkpoints": "at least 1"}
+    ranges, launch_only = {"checkpoint_every": "0 or more", "keep_checkpoints": "at least 1"}, ("resume",)
 
     @staticmethod
     def add_flags(a):

@@ -1,5 +1,6 @@
 """Devices and precision: the device and autocast dtype to run on, waiting for the device, its peak FLOP/s."""
 
+import argparse
 import contextlib
 import ctypes
 import os
@@ -22,6 +23,18 @@ TRITON_MIN_CAPABILITY = (7, 0)  # Triton, which torch.compile's inductor writes 
 # the CUDA 12.6 builds carry sm_50 to sm_90 (the P100 and V100 included); Blackwell needs CUDA 12.8 or newer.
 LEGACY_WHEELS = "https://download.pytorch.org/whl/cu126"
 BLACKWELL_WHEELS = "https://download.pytorch.org/whl/cu130"
+
+
+class Flags:
+    """This room's flags in the trainer's command line (train_config composes every room's)."""
+
+    @staticmethod
+    def add_flags(a):
+        a("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps")
+        a("--dtype", default="auto", help="auto (bf16 on Ampere+, fp16 on T4/V100, fp32 on CPU), bfloat16, float16 "
+                                          "or float32")
+        a("--compile", action=argparse.BooleanOptionalAction, default=None,
+          help="torch.compile the model (default: on for CUDA, off elsewhere)")
 
 
 def wheel_index(capability):

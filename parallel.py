@@ -2,6 +2,7 @@
 activation checkpointing, the collectives the ranks meet in, and the full state dicts of a DDP or FSDP model and its
 optimizers (what checkpoints hold)."""
 
+import argparse
 import datetime
 import functools
 import os
@@ -36,6 +37,38 @@ class Ranks:
     device_type = property(lambda self: self.device.split(":")[0])  # cuda, mps or cpu
     per_gpu = property(lambda self: -(-self.per_node // self.gpus) if self.gpus else 1)  # processes on each GPU
     shares_gpus = property(lambda self: self.per_gpu > 1)  # --dist-backend gloo, more processes than GPUs
+
+
+class Sharding(argparse.Action):
+    """--sharding and --fsdp (--sharding fsdp), which must agree where both are given (else the last would win)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else values
+        said = getattr(namespace, "_sharding_said", None)  # (an action's own note: the parse drops it)
+        if said is not None and said[1] != value:
+            parser.error(f"{said[0]} and {option_string}{'' if self.nargs == 0 else ' ' + value} contradict each "
+                         "other: give one")
+        setattr(namespace, self.dest, value)
+        namespace._sharding_said = (option_string if self.nargs == 0 else f"{option_string} {value}", value)
+
+
+class Flags:
+    """This room's flags in the trainer's command line (train_config composes every room's)."""
+    ranges = {"dist_timeout": "a positive number"}
+
+    @staticmethod
+    def add_flags(a):
+        a("--sharding", choices=["none", "fsdp"], default="none", action=Sharding,
+          help="none (default): DDP; fsdp: FSDP2 shards parameters, gradients and AdamW state over the GPUs")
+        a("--fsdp", dest="sharding", nargs=0, const="fsdp", action=Sharding, help="the same as --sharding fsdp")
+        a("--activation-checkpointing", action="store_true",
+          help="recompute each block's activations in backward: ~30%% more compute, far less memory")
+        a("--dist-backend", choices=["auto", "nccl", "gloo"], default="auto",
+          help="the process group's backend under torchrun: auto (default) is NCCL on CUDA, gloo elsewhere; gloo on "
+               "CUDA lets several processes share a GPU, slowly: to try a node's paths on the GPUs at hand")
+        a("--dist-timeout", type=float, default=15.0, help="minutes a collective waits for the other ranks before "
+                                                           "the group fails (default: 15; more if checkpoints take "
+                                                           "longer)")
 
 
 def pick_backend(requested, device):

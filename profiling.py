@@ -1,6 +1,7 @@
 """Where a training step's time goes: --timing-breakdown's phase timer, --profile-steps's torch.profiler trace
 and --memory-snapshot's record of CUDA's allocations for a step that runs out of memory."""
 
+import argparse
 import contextlib
 import os
 import sys
@@ -11,6 +12,38 @@ from torch.autograd import DeviceType
 
 import device
 import memory
+from common import UserError
+
+
+class Flags:
+    """This room's flags in the trainer's command line (train_config composes every room's): what a launch profiles,
+    its own (a resume does not take them from the run)."""
+    ranges, launch_only = {"timing_breakdown": "0 or more"}, ("profile_steps", "memory_snapshot")
+
+    @staticmethod
+    def add_flags(a):
+        a("--timing-breakdown", type=int, default=0, metavar="N",
+          help="every N steps, the time per phase of a step (adds synchronisation, so off by default)")
+        a("--profile-steps", type=step_window, metavar="A:B",
+          help="torch.profiler over steps A to B: a trace in LOG_DIR/profile/ and the costliest operations in the log")
+        a("--memory-snapshot", action="store_true",
+          help="CUDA: record allocations, and at an out-of-memory error write a snapshot to LOG_DIR/profile/")
+
+    @staticmethod
+    def check_flags(cfg, said):
+        if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
+            raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
+                            f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
+
+
+def step_window(text):
+    """'A:B' -> (A, B), both steps included."""
+    first, _, last = text.partition(":")
+    if not (first.isdecimal() and last.isdecimal()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not A:B, two steps (whole numbers, 0 or more)")
+    if int(first) > int(last):
+        raise argparse.ArgumentTypeError(f"{text!r}: step A comes after step B; write the first step first")
+    return int(first), int(last)
 
 
 class PhaseTimer:

@@ -1,11 +1,12 @@
 """
 The trainer's settings: every flag with its unit and default, the range each numeric flag must lie in,
 the checks between flags, and which settings a resumed run may change. A room that owns its settings declares
-them itself (model, dataloader, optim, checkpoint, export and trackers' Flags, each evaluation class: their flags,
-ranges, paths, the settings fixed on resume, defaults and checks; rooms()), composed here. They are resolved
-once and then only read: parse_args(argv), then resolve(args, resume), which puts a resumed run's own settings
-(its checkpoint, which checkpoint.resume_point found) under the flags the command line names. stored() is what
-checkpoints and the run header keep.
+them itself (the Flags of model, dataloader, optim, checkpoint, export, trackers, device, parallel and profiling,
+each evaluation class: their flags, ranges, paths, the settings fixed on resume or a launch's own, defaults and
+checks; rooms()), composed here with the trainer's own (the log directory, the batch, the steps, clipping, the plot,
+the seed). They are resolved once and then only read: parse_args(argv), then resolve(args, resume), which puts a
+resumed run's own settings (its checkpoint, which checkpoint.resume_point found) under the flags the command line
+names. stored() is what checkpoints and the run header keep.
 """
 
 import argparse
@@ -15,26 +16,16 @@ import os
 import checkpoint
 import common
 import dataloader
+import device
 import evaluation
 import export
+import model
 import optim
+import parallel
+import profiling
 import trackers
 from common import UserError
-import model
 from model import block_options, shape_setting
-
-
-class Sharding(argparse.Action):
-    """--sharding and --fsdp (--sharding fsdp), which must agree where both are given (else the last would win)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        value = self.const if self.nargs == 0 else values
-        said = getattr(namespace, "_sharding_said", None)
-        if said is not None and said[1] != value:
-            parser.error(f"{said[0]} and {option_string}{'' if self.nargs == 0 else ' ' + value} contradict each "
-                         "other: give one")
-        setattr(namespace, self.dest, value)
-        namespace._sharding_said = (option_string if self.nargs == 0 else f"{option_string} {value}", value)
 
 
 def build_parser(description=None):
@@ -64,41 +55,13 @@ def build_parser(description=None):
     trackers.Flags.add_flags(a)
     a("--plot", action=argparse.BooleanOptionalAction, default=True,
       help="redraw LOG_DIR/plot.png at each evaluation when matplotlib is installed (default: on)")
-    # hardware
-    a("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps")
-    a("--dtype", default="auto", help="auto (bf16 on Ampere+, fp16 on T4/V100, fp32 on CPU), bfloat16, float16 "
-                                      "or float32")
-    a("--compile", action=argparse.BooleanOptionalAction, default=None,
-      help="torch.compile the model (default: on for CUDA, off elsewhere)")
-    a("--sharding", choices=["none", "fsdp"], default="none", action=Sharding,
-      help="none (default): DDP; fsdp: FSDP2 shards parameters, gradients and AdamW state over the GPUs")
-    a("--fsdp", dest="sharding", nargs=0, const="fsdp", action=Sharding, help="the same as --sharding fsdp")
-    a("--activation-checkpointing", action="store_true",
-      help="recompute each block's activations in backward: ~30%% more compute, far less memory")
-    a("--dist-backend", choices=["auto", "nccl", "gloo"], default="auto",
-      help="the process group's backend under torchrun: auto (default) is NCCL on CUDA, gloo elsewhere; gloo on CUDA "
-           "lets several processes share a GPU, slowly: to try a node's paths on the GPUs at hand")
-    a("--dist-timeout", type=float, default=15.0, help="minutes a collective waits for the other ranks before the "
-                                                       "group fails (default: 15; more if checkpoints take longer)")
+    # hardware: the device's and the process group's (device.py's and parallel.py's own), reproducibility, profiling
+    device.Flags.add_flags(a)
+    parallel.Flags.add_flags(a)
     a("--deterministic", action="store_true", help="deterministic kernels, for reproducibility studies (slower)")
     a("--seed", type=int, default=1337, help="seed for initialisation and sampling (default: 1337)")
-    a("--timing-breakdown", type=int, default=0, metavar="N",
-      help="every N steps, the time per phase of a step (adds synchronisation, so off by default)")
-    a("--profile-steps", type=step_window, metavar="A:B",
-      help="torch.profiler over steps A to B: a trace in LOG_DIR/profile/ and the costliest operations in the log")
-    a("--memory-snapshot", action="store_true",
-      help="CUDA: record allocations, and at an out-of-memory error write a snapshot to LOG_DIR/profile/")
+    profiling.Flags.add_flags(a)
     return p
-
-
-def step_window(text):
-    """'A:B' -> (A, B), both steps included."""
-    first, _, last = text.partition(":")
-    if not (first.isdecimal() and last.isdecimal()):
-        raise argparse.ArgumentTypeError(f"{text!r} is not A:B, two steps (whole numbers, 0 or more)")
-    if int(first) > int(last):
-        raise argparse.ArgumentTypeError(f"{text!r}: step A comes after step B; write the first step first")
-    return int(first), int(last)
 
 
 # Every numeric flag's range, checked right after parsing: {what the range asks for: its test}, and the flags in each
@@ -109,8 +72,7 @@ BOUNDS = {"at least 1": lambda v: v >= 1, "0 or more": lambda v: v >= 0, "a posi
           "between 0 and 2**32-1 = 4294967295": lambda v: 0 <= v < 2 ** 32}
 RANGES = {  # the trainer's own (each room's in its Flags' `ranges`)
     **dict.fromkeys(("total_batch_size", "max_steps"), "at least 1"),
-    **dict.fromkeys(("timing_breakdown", "grad_clip"), "0 or more"),
-    "dist_timeout": "a positive number", "seed": "between 0 and 2**32-1 = 4294967295"}
+    "grad_clip": "0 or more", "seed": "between 0 and 2**32-1 = 4294967295"}
 
 # --resume takes every setting of the run from its checkpoint. A flag given on the command line that differs from the
 # stored run is applied, and printed, unless it would change the math in the middle of the run: those are refused. The
@@ -120,7 +82,7 @@ RANGES = {  # the trainer's own (each room's in its Flags' `ranges`)
 # The trainer's own fixed settings; each room's are in its Flags' `fixed_on_resume` (the model's: its shape, a block's
 # own settings included; the data's shuffle; the optimizer).
 FIXED_ON_RESUME = ("total_batch_size", "seed")
-LAUNCH_ONLY = ("log_dir", "resume", "profile_steps", "memory_snapshot")
+LAUNCH_ONLY = ("log_dir",)  # the trainer's own; a room's in its Flags' `launch_only` (--resume, what is profiled)
 # stored absolute, as resolved where the launch ran: a resume from another working directory reads the
 # same files, and a --resume given again is known for the same path (resolve); an evaluation's own in its `paths`
 PATH_FLAGS = ("init_from", "resume")
@@ -130,10 +92,11 @@ def parse_args(argv=None, description=None):
     """The command line, checked, with the defaults that scale with the run; .given: the flags it named."""
     parser = build_parser(description)
     args = parser.parse_args(argv)
-    vars(args).pop("_sharding_said", None)
+    for name in [name for name in vars(args) if name.startswith("_")]:  # an action's own note (parallel.Sharding)
+        delattr(args, name)
     for action in parser._actions:
         action.default = argparse.SUPPRESS  # a second parse that keeps only what was given
-    args.given = frozenset(vars(parser.parse_args(argv))) - {"_sharding_said"}
+    args.given = frozenset(name for name in vars(parser.parse_args(argv)) if not name.startswith("_"))
     if args.micro_batch_size != "auto":
         try:
             args.micro_batch_size = int(args.micro_batch_size)
@@ -160,10 +123,12 @@ def parse_args(argv=None, description=None):
 
 def rooms():
     """The rooms whose flags are their own, with what each may say of them (ranges, paths, fixed_on_resume,
-    flag_defaults(args), check_flags(cfg, said), settle_flags(values, given)): the model's, the data's, the
-    optimizers', each evaluation's (registered ones included), the checkpoints', the export's and the trackers'."""
-    return [model.Flags, dataloader.Flags, optim.Flags, *evaluation.REGISTRY, checkpoint.Flags, export.Flags,
-            trackers.Flags]
+    launch_only, flag_defaults(args), check_flags(cfg, said), settle_flags(values, given)), in the order their checks
+    run (of two bad flags, the first one's is said): the model's and the profiler's (once the trainer's own, so first),
+    the data's, the optimizers', each evaluation's (registered ones included), the checkpoints', the export's, the
+    trackers', the device's and the process group's."""
+    return [model.Flags, profiling.Flags, dataloader.Flags, optim.Flags, *evaluation.REGISTRY, checkpoint.Flags,
+            export.Flags, trackers.Flags, device.Flags, parallel.Flags]
 
 
 def hooks(name):
@@ -180,9 +145,6 @@ def check_relations(cfg, resumed=False):
         raise UserError(f"{said('total_batch_size')} is not a multiple of {said('block_size')}")
     if cfg.init_from and not resumed:  # what it names exists, before a flag beside it is refused on its account
         checkpoint.model_kind(cfg.init_from)
-    if cfg.profile_steps and cfg.profile_steps[1] >= cfg.max_steps:
-        raise UserError(f"--profile-steps {cfg.profile_steps[0]}:{cfg.profile_steps[1]} ends after the run's last "
-                        f"step, {cfg.max_steps - 1}: profile steps before it, or raise --max-steps")
     for check_flags in hooks("check_flags"):  # then each room's own, in their order
         check_flags(cfg, said)
 
@@ -223,9 +185,10 @@ def stored_run(values, given, resume):
     it is fixed on resume, else applied and returned as a line. Settings an older run did not store keep their
     defaults."""
     stored, changes, options = resume.settings, [], block_options()
+    launch_only = LAUNCH_ONLY + tuple(name for room_own in hooks("launch_only") for name in room_own)
     fixed = FIXED_ON_RESUME + tuple(name for room_fixed in hooks("fixed_on_resume") for name in room_fixed)
     for key, now in sorted(values.items()):
-        if key in LAUNCH_ONLY or (key not in stored and key not in options):  # a block's own: its shape says
+        if key in launch_only or (key not in stored and key not in options):  # a block's own: its shape says
             continue
         was = stored.get(key)
         if key in ("n_layer", "n_head", "n_embd") or key in options:  # None where the preset or the block's default

@@ -801,7 +801,7 @@ BAD = {
     # of two bad flags, the same one is refused wherever the rooms declare them: by range, then in --help's order
     "two bad ranges": (["--seed", "-1", "--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1"),
     "two bad ranges of two rooms": (["--warmup-steps", "-1", "--val-tokens", "0"], "--val-tokens must be at least 1"),
-    # and the trainer's own checks between flags before each room's
+    # and the checks between flags that were the trainer's own (the model's, the profiler's) before the other rooms'
     "profile steps past a short run with a long warm-up": (["--warmup-steps", "50", "--profile-steps", "20:30"],
                                                            "--profile-steps 20:30 ends after the run's last step"),
     "negative shuffle seed": (["--shuffle-seed", "-1"], "--shuffle-seed must be 0 or more"),
