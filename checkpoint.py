@@ -156,7 +156,7 @@ class Checkpointer:
         self.parts = {}  # name: (a stateful part, whether each rank has its own), as register() takes them
 
     def starting_model(self, init_from, block_size):
-        """(GPT on the CPU, where it came from), asked before restore(): of the resumed run's shape (restore puts its
+        """(GPT on the CPU, where it came from), asked before begin(): of the resumed run's shape (restore puts its
         weights back), or --init-from's weights cut to block_size; None: a new model of the run's settings."""
         if self.resume is not None:
             return GPT.from_shape(self.resume.shape), "resumed"
@@ -180,8 +180,7 @@ class Checkpointer:
 
     def restore(self, *, model, optimizer, scaler, train_loader, config, fsdp):
         """The run's parts (weights, optimizers, scaler, each rank's data position and random state) and those
-        registered before: saved from now on, the resumed state put back into them, and then, on every rank, a branch
-        begun (branch()): the last check of the launch that can refuse it. The step the launch starts at."""
+        registered before: saved from now on, the resumed state put back into them. The step the launch starts at."""
         added = {name: entry for name, entry in self.parts.items() if name not in BUILT_IN}
         self.parts = {"model": (Part(lambda: parallel.model_state(model),
                                      lambda s: parallel.load_model_state(model, s)), False),
@@ -212,12 +211,13 @@ class Checkpointer:
                 raise UserError(f"cannot resume {path}: {e}")
         self.last_path, self.last_step = path, ckpt["step"]
         self.last_here = in_log_dir(path, self.log_dir)  # every rank read the file: the same answer
-        self.branch()
         return ckpt["step"]
 
-    def branch(self):
-        """Once every rank has restored its parts: say which newer checkpoints did not load, and where a resume of the
-        run's own older checkpoint starts a branch, set the later ones aside."""
+    def begin(self):
+        """Once every check of the launch has passed on every rank: say which newer checkpoints did not load, and where
+        a resume of the run's own older checkpoint starts a branch, set the later ones aside."""
+        if self.resume is None:
+            return
         parallel.gather(None, self.ranks)  # every rank got this far: only then may rank 0 move files
         for problem in self.resume.skipped:
             self.log.line(f"resume: skipped {problem}")

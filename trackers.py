@@ -27,7 +27,7 @@ class Flags:
 
     @staticmethod
     def check_flags(cfg, said):
-        check_ready(cfg)
+        check_installed(cfg)
 
     @staticmethod
     def settle_flags(values, given):
@@ -43,17 +43,11 @@ def start(cfg, start_step):
     return Trackers(cfg.log_dir, cfg.wandb, name, cfg.wandb_id, cfg.tensorboard, start_step)
 
 
-def check_ready(cfg):
-    """UserError naming the pip install when the package of a tracking flag the run has on is missing, or where W&B's
-    server cannot be reached online: said with the flags' checks, before the launch touches anything."""
+def check_installed(cfg):
+    """UserError naming the pip install when the package of a tracking flag the run has on is missing."""
     for package in ("wandb", "tensorboard"):
         if getattr(cfg, package) and importlib.util.find_spec(package) is None:
             raise UserError(f"--{package} needs the {package} package, which is not installed: pip install {package}")
-    if cfg.wandb and os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
-        problem = unreachable(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
-        if problem:
-            raise UserError(f"--wandb: {problem}; set WANDB_MODE=offline to log to {cfg.log_dir}/wandb and "
-                            "`wandb sync` it later")
 
 
 class Trackers:
@@ -143,8 +137,14 @@ class Trackers:
 
 
 def start_wandb(log_dir, project, name, run_id):
-    """A W&B run (files under LOG_DIR/wandb), continuing run_id when given (its server's reach: check_ready)."""
+    """A W&B run (files under LOG_DIR/wandb), continuing run_id when given; online, an unreachable
+    server is one line at once."""
     import wandb
+    if os.environ.get("WANDB_MODE", "").lower() not in ("offline", "disabled", "dryrun"):
+        problem = unreachable(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+        if problem:
+            raise UserError(f"--wandb: {problem}; set WANDB_MODE=offline to log to {log_dir}/wandb and "
+                            "`wandb sync` it later")
     try:
         return wandb.init(project=project, name=name, id=run_id, resume="allow" if run_id else None, dir=log_dir)
     except Exception as e:  # no API key, a project that cannot be made, ...

@@ -113,8 +113,7 @@ class Run:
 
 def setup(cfg, ranks, log, resume, changes, evaluations):
     """The Run of this launch, new or continuing `resume`. Every check that can refuse the launch comes before its
-    first write into the log directory, and before an old branch's later checkpoints are set aside (restore's last
-    act); only a W&B run, started after, can still fail, at its server (whose reach is checked with the flags)."""
+    first write into the log directory, and before an old branch's later checkpoints are set aside."""
     checkpoints = checkpoint.Checkpointer(cfg.log_dir, cfg.keep_checkpoints, ranks, log, resume)
     choice = device.choose(ranks.device, cfg.dtype, cfg.compile, "compile" in cfg.given, cfg.memory_snapshot)
     device.configure_backends(choice, cfg.deterministic)
@@ -151,12 +150,12 @@ def setup(cfg, ranks, log, resume, changes, evaluations):
                                          cfg.seed, plotter))
     optimizer = optim.build(raw_model, cfg, ranks.device_type, choice)
     log.hold()  # the lock first: a launch it refuses must not touch the directory
-    # the launch's last checks: once they pass on every rank, a resume from an older step sets the later ones aside
     start_step = checkpoints.restore(model=model, optimizer=optimizer, scaler=scaler, train_loader=train_loader,
                                      config=train_config.stored(cfg, micro_batch), fsdp=fsdp)
     optimizer.settle()  # the settings of this launch, over the param groups the checkpoint brought back
-    if ranks.is_master:  # W&B and TensorBoard where they are on (reachable: checked with the flags), fed by the log
+    if ranks.is_master:  # W&B and TensorBoard where they are on, fed by the log's records
         log.trackers = trackers.start(cfg, start_step)
+    checkpoints.begin()  # every check passed: a resume from an older step may set the later checkpoints aside
     run = Run(cfg=cfg, ranks=ranks, log=log, choice=choice, fsdp=fsdp, micro_batch=micro_batch,
               grad_accum=cfg.total_batch_size // tokens_per_micro, raw_model=raw_model, model=model,
               optimizer=optimizer, scaler=scaler, train_loader=train_loader,

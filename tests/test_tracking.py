@@ -207,8 +207,8 @@ def test_a_missing_package_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "tensorboard" else None)
     with pytest.raises(trackers.UserError, match=r"^--wandb needs the wandb package, which is not installed: "
                                                 r"pip install wandb$"):
-        trackers.check_ready(argparse.Namespace(wandb="project", tensorboard=True))
-    trackers.check_ready(argparse.Namespace(wandb=None, tensorboard=True))
+        trackers.check_installed(argparse.Namespace(wandb="project", tensorboard=True))
+    trackers.check_installed(argparse.Namespace(wandb=None, tensorboard=True))
 
 
 def test_a_registered_evaluation_is_logged_checked_replayed_summarised_and_plotted(data_dir, tmp_path, monkeypatch,
@@ -264,7 +264,7 @@ def test_a_registered_evaluation_is_logged_checked_replayed_summarised_and_plott
     assert f"line {len(lines) - len(ended) + 1}: a 'toy' record without 'score'" in capsys.readouterr().err
 
     fake = FakeWandbRun(step=0)  # offline: the W&B run holds no step it can name
-    monkeypatch.setattr(trackers, "check_ready", lambda cfg: None)  # (W&B's own, replaced below)
+    monkeypatch.setattr(trackers, "check_installed", lambda cfg: None)  # (W&B's own, replaced below)
     monkeypatch.setattr(trackers, "start_wandb", lambda *a: fake)
     assert train_in_process(["--log-dir", log_dir, "--resume", "--max-steps", "8", "--wandb", "project"]) == 0
     replayed = [(step, fields) for step, fields in fake.logged if step < 6]
