@@ -190,7 +190,7 @@ def parse_args(argv=None):
     a("--repeats", type=int, metavar="N", default=3,
       help="run every rung N times, the rungs taking turns; speed-ups are shown with their spread (default: 3)")
     a("--seed", type=int, metavar="N", default=TRAIN.seed, help=f"seed of weights and data (default: {TRAIN.seed})")
-    a("--profile-steps", type=train_config.step_window, metavar="A:B",
+    a("--profile-steps", type=profiling.step_window, metavar="A:B",
       help="torch.profiler over steps A to B (counted from 0, warm-up steps included) of each rung's first "
            "repeat: a Chrome trace per rung in profile/ beside --json-out, and the operations with the most "
            "time after the rung (default: off)")
