@@ -236,13 +236,14 @@ def run_export(model, ranks, log_dir, command, last_checkpoint):
     tokenizer in Hugging Face's format, written by rank 0 (under FSDP every rank helps gather the shards); command:
     how to export again after a failure. The folder, on rank 0."""
     import parallel  # torch: the trainer's process
+    from model import GPT
     from safetensors import SafetensorError
     state = parallel.model_state(model) if parallel.is_fsdp(model) else None  # a collective under FSDP
     if not ranks.is_master:
         return None
     model = parallel.unwrap(model)
     if state is not None:  # the gathered weights in a plain copy
-        model = type(model).from_shape(model.shape())
+        model = GPT.from_shape(model.shape())
         model.load_state_dict(state)
     out = os.path.join(log_dir, "hf")
     try:

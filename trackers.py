@@ -26,10 +26,6 @@ class Flags:
           help="also write every record as TensorBoard events to LOG_DIR/tb (pip install tensorboard)")
 
     @staticmethod
-    def check_flags(cfg, said):
-        check_installed(cfg)
-
-    @staticmethod
     def settle_flags(values, given):
         if values["wandb"] and not values["wandb_id"]:  # a new W&B run: its id now, so every checkpoint holds it
             values["wandb_id"] = secrets.token_hex(4)

@@ -57,6 +57,7 @@ def train(argv=None):
         common.print0(finished)
         return 0
     evaluations = evaluation.prepare(cfg)  # what they read, read once: where the run has steps to go
+    trackers.check_installed(cfg)  # the packages of --wandb and --tensorboard, where the run has them on
     ranks = parallel.setup_distributed(cfg.device, 60 * cfg.dist_timeout, cfg.dist_backend,
                                        group_of_one=cfg.sharding == "fsdp")
     log = RunLog(cfg.log_dir, ranks.is_master)

@@ -181,8 +181,7 @@ def test_the_optimizer_room_owns_its_settings_schedule_header_and_advice():
     for name in ("train_gpt2.py", "train_config.py"):
         with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)) as f:
             text = f.read().lower()
-        assert "muon" not in text and ("adamw" not in text or name == "train_config.py"), name  # (FSDP's help:
-        # "shards ... AdamW state")
+        assert "muon" not in text and "adamw" not in text, name
     cfg = SimpleNamespace(weight_decay=0.1, max_lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, muon_lr=0.02,
                           muon_momentum=0.95, warmup_steps=10, max_steps=100, min_lr_ratio=0.1, lr_schedule="cosine",
                           given=frozenset({"warmup_steps"}))
