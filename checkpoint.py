@@ -14,7 +14,6 @@ the other scripts. A checkpoint is one torch.save file holding the full, unshard
 
 import glob
 import os
-import random
 import re
 import shlex
 import time
@@ -22,14 +21,12 @@ import zipfile
 from collections import namedtuple
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
 import common
 import metrics
-import parallel
 from common import UserError, atomic_write, first_line, hub_unreachable, out_of_space
-from model import GPT, shape_export_problem
+
+# torch, and the modules that import it (model, parallel), are imported where they are used: plot.py and metrics.py
+# ask this file for the checkpoints' names, and stay free of torch
 
 CHECKPOINT_FORMAT = "gpt2-train-checkpoint-v1"
 TORCH_FILE_MAGIC = (b"PK\x03\x04", b"\x80")  # a torch.save zip (torch >= 1.6), or a pickle (older)
@@ -52,6 +49,7 @@ def list_checkpoints(log_dir):
 
 
 def save_file(path, ckpt):
+    import torch
     ckpt = dict(ckpt, format=CHECKPOINT_FORMAT)
     try:
         atomic_write(path, lambda f: torch.save(ckpt, f))
@@ -73,6 +71,7 @@ def file_head(path):
 
 def load_file(path):
     """A checkpoint written by train_gpt2.py, on the CPU; UserError for anything else or damaged (its zip CRCs)."""
+    import torch
     head = file_head(path)
     try:
         if head == TORCH_FILE_MAGIC[0]:
@@ -108,23 +107,6 @@ def newest_that_loads(folder):
 
 
 # What a checkpoint holds, and putting it back
-class RNG:
-    """This process's random generators (Python's, NumPy's, torch's and each CUDA device's) as a stateful part."""
-
-    def state_dict(self):
-        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def load_state_dict(self, state):
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # a stateful part of the run from two functions: state_dict() and load_state_dict(state)
 Part = namedtuple("Part", "state_dict load_state_dict")
 
@@ -139,6 +121,7 @@ class Checkpointer:
     from an older step starts; saving and keeping the newest `keep`."""
 
     def __init__(self, log_dir, keep, ranks, log, resume=None):
+        import parallel
         if resume is not None:  # the data's positions count in the processes: as many (every rank says so, once)
             saved = resume.checkpoint.get("world_size", resume.settings.get("world_size"))  # older: in the config
             if saved != ranks.world_size:
@@ -158,6 +141,7 @@ class Checkpointer:
     def starting_model(self, init_from, block_size):
         """(GPT on the CPU, where it came from), asked before begin(): of the resumed run's shape (restore puts its
         weights back), or --init-from's weights cut to block_size; None: a new model of the run's settings."""
+        from model import GPT
         if self.resume is not None:
             return GPT.from_shape(self.resume.shape), "resumed"
         if not init_from:
@@ -181,6 +165,7 @@ class Checkpointer:
     def restore(self, *, model, optimizer, scaler, train_loader, config, fsdp):
         """The run's parts (weights, optimizers, scaler, each rank's data position and random state) and those
         registered before: saved from now on, the resumed state put back into them. The step the launch starts at."""
+        import parallel
         added = {name: entry for name, entry in self.parts.items() if name not in BUILT_IN}
         self.parts = {"model": (Part(lambda: parallel.model_state(model),
                                      lambda s: parallel.load_model_state(model, s)), False),
@@ -191,7 +176,7 @@ class Checkpointer:
             if state or not scaler.is_enabled():
                 scaler.load_state_dict(state)
         self.parts.update(scaler=(Part(scaler.state_dict, load_scale), False), train_loader=(train_loader, True),
-                          rng=(RNG(), True), **added)
+                          rng=(parallel.RNG(), True), **added)
         self.model, self.config, self.fsdp = model, config, fsdp
         if self.resume is None:
             return 0
@@ -216,6 +201,7 @@ class Checkpointer:
     def begin(self):
         """Once every check of the launch has passed on every rank: say which newer checkpoints did not load, and where
         a resume of the run's own older checkpoint starts a branch, set the later ones aside."""
+        import parallel
         if self.resume is None:
             return
         parallel.gather(None, self.ranks)  # every rank got this far: only then may rank 0 move files
@@ -239,6 +225,7 @@ class Checkpointer:
         """Write ckpt_<step>.pt (step: steps completed) from rank 0, unless this run's directory holds it already
         (every rank answers alike, without a look at rank 0's files: a rank that answered otherwise would call the
         save's collectives alone). A resume of another directory's checkpoint needs one of its own."""
+        import parallel
         if self.last_step == step and self.last_here:
             return
         self.last_step, self.last_here = step, True
@@ -262,10 +249,10 @@ class Checkpointer:
             why = "no space left on its disk" if out_of_space(e, self.log_dir) else (e.strerror or str(e))
             raise UserError(f"could not write checkpoint {path} ({why}); the previous checkpoint "
                             f"{self.last_path or '(none yet)'} is intact: free space under --log-dir, then --resume")
-        seconds = time.perf_counter() - started
-        self.log.record("checkpoint", step=step, path=path, seconds=seconds)  # before the oldest go: plot.py's list
         for old in list_checkpoints(self.log_dir)[:-self.keep]:
             os.remove(old)
+        seconds = time.perf_counter() - started
+        self.log.record("checkpoint", step=step, path=path, seconds=seconds)
         self.log.line(f"checkpoint {path} ({os.path.getsize(path) / 1e9:.2f} GB in {seconds:.1f} s)")
         late = common.stop_grace_warning(None, self.ranks.stop_grace, seconds)
         if late and not self.warned:
@@ -302,6 +289,7 @@ class Resume:
     def finished_line(self, max_steps, export_hf, log_dir):
         """What a launch says where nothing is left to do, else None: max_steps are done and, with export_hf,
         LOG_DIR/hf holds weights written after this checkpoint (an export cut short by a full disk is still owed)."""
+        from model import shape_export_problem
         weights = os.path.join(log_dir, "hf", "model.safetensors")
         exported = os.path.isfile(weights) and os.path.getmtime(weights) >= os.path.getmtime(self.path)
         if self.step == max_steps and (exported or not export_hf or shape_export_problem(self.shape)):
@@ -362,6 +350,7 @@ def in_log_dir(path, log_dir):
 
 # Models for the other scripts
 def model_from_checkpoint(ckpt, path):
+    from model import GPT
     try:
         model = GPT.from_shape(ckpt["model_config"])
         check_weights_fit(model, ckpt["model"], path)
@@ -389,6 +378,7 @@ def check_weights_fit(model, weights, path):
 
 
 def model_from_hub(name):
+    from model import GPT
     try:
         return GPT.from_pretrained(name, local_files_only=True)
     except OSError:  # not cached
@@ -423,6 +413,7 @@ def model_kind(spec):
 def load_model(spec, device="cpu"):
     """(GPT in eval mode on device, where it came from) from a checkpoint file, a log directory (its newest
     checkpoint that loads), a Hugging Face directory, or a hub name such as gpt2."""
+    from model import GPT
     kind = model_kind(spec)
     if kind == "file":
         model, what = model_from_checkpoint(load_file(spec), spec), f"checkpoint {spec}"

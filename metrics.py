@@ -44,6 +44,7 @@ import sys
 import time
 from contextlib import contextmanager
 
+import checkpoint  # the checkpoints' names (torch-free on import, as this file is)
 from common import UserError, json_line_problem, out_of_space, to_devnull
 from descriptions import described
 
@@ -187,8 +188,7 @@ class RunLog:
             f.flush()
         except OSError as e:
             why = "no space left on its disk" if out_of_space(e, self.log_dir) else (e.strerror or str(e))
-            from checkpoint import list_checkpoints  # the trainer's process: checkpoint.py's names (torch)
-            saved = [os.path.basename(p) for p in list_checkpoints(self.log_dir)]
+            saved = [os.path.basename(p) for p in checkpoint.list_checkpoints(self.log_dir)]
             then = (f"the run's checkpoints are intact (the last: {saved[-1]}): free space under --log-dir, then "
                     "--resume continues from it" if saved else "no checkpoint was written yet: free space under "
                     "--log-dir, then --resume starts the run again")

@@ -1,14 +1,16 @@
 """How the model is spread over processes: the process group (with or without torchrun), DDP or FSDP2,
-activation checkpointing, the collectives the ranks meet in, and the full state dicts of a DDP or FSDP model and its
-optimizers (what checkpoints hold)."""
+activation checkpointing, the collectives the ranks meet in, and what checkpoints hold of them: the full state dicts
+of a DDP or FSDP model and its optimizers, and each process's random generators."""
 
 import argparse
 import datetime
 import functools
 import os
+import random
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as tdist
 from torch.nn.parallel import DistributedDataParallel
@@ -322,3 +324,21 @@ def _load_optimizer_state(model, opt, state):
     by_name = {"state": {name_of[i]: s for i, s in state["state"].items()},
                "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in state["param_groups"]]}
     set_optimizer_state_dict(raw, opt, by_name, options=_options())
+
+
+class RNG:
+    """This process's random generators (Python's, NumPy's, torch's and each CUDA device's) as a stateful part of the
+    run: each rank's own in its checkpoints."""
+
+    def state_dict(self):
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state):
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])

@@ -23,6 +23,7 @@ import threading
 
 import common
 from common import UserError
+from checkpoint import list_checkpoints, step_of  # torch-free on import
 from metrics import read_metrics, resume_command
 
 LEGEND_WIDTH = 30  # characters per legend line: longer labels wrap, so legends stay narrow
@@ -106,9 +107,9 @@ def summarize(log_dir):
         s.update({f"{kind}_best": best.get(field), f"{kind}_best_step": best.get("step"),
                   f"{kind}_final": last.get(field), f"{kind}_final_step": last.get("step"),
                   f"{kind}_against": against(records, d)})
-    # what --resume continues from: the newest checkpoint the run recorded that its directory still holds
-    kept = [(r["step"], os.path.join(log_dir, os.path.basename(r["path"]))) for r in m["checkpoint"]]
-    s["checkpoint_step"], s["checkpoint"] = ([(n, p) for n, p in kept if os.path.isfile(p)] or [(None, None)])[-1]
+    saved = list_checkpoints(log_dir)  # the newest is what --resume continues from (where it loads)
+    s["checkpoint"] = saved[-1] if saved else None
+    s["checkpoint_step"] = step_of(saved[-1]) if saved else None
     return s
 
 

@@ -189,23 +189,22 @@ def test_a_trials_peak_is_not_left_for_the_training_steps(monkeypatch):
 
 
 def test_a_checkpoints_random_state_holds_each_gpus_generator(monkeypatch):
-    """checkpoint.RNG keeps every GPU's generator beside the host's and puts them back; a resume on a machine with
+    """parallel.RNG keeps every GPU's generator beside the host's and puts them back; a resume on a machine with
     another number of GPUs leaves the GPUs' generators as they are (the host's still come back)."""
-    import checkpoint
     fake_cuda.install(monkeypatch, [fake_cuda.H100, A100])
     torch.cuda.manual_seed_all(7)
     with torch.cuda.device(1):
         torch.cuda.manual_seed(3)  # the second GPU's generator apart from the first's
-    saved = checkpoint.RNG().state_dict()
+    saved = parallel.RNG().state_dict()
     assert len(saved["cuda"]) == 2 and not torch.equal(saved["cuda"][0], saved["cuda"][1])
     host = torch.rand(3)
     torch.cuda.manual_seed_all(8)
-    checkpoint.RNG().load_state_dict(saved)
+    parallel.RNG().load_state_dict(saved)
     assert [torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), saved["cuda"])] == [True, True]
     assert torch.equal(torch.rand(3), host)
 
     fake_cuda.install(monkeypatch, [fake_cuda.H100])  # one GPU now
     torch.cuda.manual_seed_all(9)
     mine = torch.cuda.get_rng_state_all()
-    checkpoint.RNG().load_state_dict(saved)
+    parallel.RNG().load_state_dict(saved)
     assert torch.equal(torch.cuda.get_rng_state_all()[0], mine[0]) and torch.equal(torch.rand(3), host)

@@ -136,16 +136,14 @@ def test_summary_numbers_match_the_file(logs, name):
         assert "MFU         n/a" in text and "HellaSwag" not in text  # it evaluated nothing: no line for it
 
 
-def test_the_summary_names_the_newest_recorded_checkpoint_its_directory_still_holds(tmp_path):
-    """The run's checkpoint records say which files are its checkpoints (plot.py knows no checkpoint file name):
-    one recorded but gone from the directory is passed over, and a file no record names is not the run's."""
-    log_dir = write_log(tmp_path / "log", launch(0, 49, 1000.0, seed=5, checkpoints=(25, 50), end="finished"),
-                        checkpoints=(25,))
-    open(os.path.join(log_dir, "ckpt_000040.pt"), "wb").close()  # copied in by hand: not the run's
-    s = plot.summarize(log_dir)
-    assert (s["checkpoint"], s["checkpoint_step"]) == (os.path.join(log_dir, "ckpt_000025.pt"), 25)
-    assert f"final checkpoint {os.path.join(log_dir, 'ckpt_000025.pt')}" in plot.format_summary(s)
-    assert "ckpt_" not in open(os.path.join(ROOT, "plot.py")).read()
+def test_plot_and_metrics_ask_the_checkpoint_room_for_its_files_without_torch():
+    """The checkpoints' names and their listing are checkpoint.py's alone; plot.py and metrics.py ask it, and none of
+    the three imports torch on import (a fresh interpreter: here torch is loaded already)."""
+    for name in ("plot.py", "metrics.py"):
+        assert "ckpt_" not in open(os.path.join(ROOT, name)).read(), name
+    probe = "import sys, plot, metrics, checkpoint; print('torch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout.strip()) == (0, "False"), p.stderr
 
 
 def test_cut_last_line_warns_once(logs, capsys):
@@ -238,8 +236,8 @@ def test_legends_hide_nothing(logs, tmp_path):
 
 @pytest.fixture(scope="module", autouse=True)
 def missing_dir_cli(tmp_path_factory):
-    """The real command line on a directory that does not exist. It pays about 3 s for importing
-    torch (through common), so it starts with the module's first test and runs beside the rest."""
+    """The real command line on a directory that does not exist, started with the module's first test so that it
+    runs beside the rest."""
     proc = subprocess.Popen([runs.python(), os.path.join(ROOT, "plot.py"),
                              str(tmp_path_factory.mktemp("cli") / "no_such_dir")],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
