@@ -136,6 +136,14 @@ def test_summary_numbers_match_the_file(logs, name):
         assert "MFU         n/a" in text and "HellaSwag" not in text  # it evaluated nothing: no line for it
 
 
+def test_the_summary_names_the_newest_checkpoint_file_as_resume_does(tmp_path):
+    """A checkpoint written just before a kill (or before a full disk stopped its record) is on disk with no record
+    of it: --resume continues from it, so the summary names it."""
+    log_dir = write_log(tmp_path / "log", launch(0, 49, 1000.0, seed=5, checkpoints=(25,)), checkpoints=(25, 50))
+    s = plot.summarize(log_dir)
+    assert (s["checkpoint"], s["checkpoint_step"]) == (os.path.join(log_dir, "ckpt_000050.pt"), 50)
+
+
 def test_plot_and_metrics_ask_the_checkpoint_room_for_its_files_without_torch():
     """The checkpoints' names and their listing are checkpoint.py's alone; plot.py and metrics.py ask it, and none of
     the three imports torch on import (a fresh interpreter: here torch is loaded already)."""

@@ -211,6 +211,21 @@ def test_a_missing_package_is_one_line(monkeypatch):
     trackers.check_installed(argparse.Namespace(wandb=None, tensorboard=True))
 
 
+def test_a_finished_run_says_so_where_its_tracker_is_not_installed(reference_run, tmp_path, monkeypatch, capsys,
+                                                                    train_in_process):
+    """A finished run resumed with --wandb on a machine without wandb has nothing to do, and says so (exit 0): the
+    trackers' packages are checked only where the run has steps to go."""
+    import shutil
+    log_dir = str(tmp_path / "log")
+    shutil.copytree(reference_run, log_dir)  # a finished 10-step run
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert train_in_process(["--log-dir", log_dir, "--resume", "--wandb", "project"]) == 0
+    assert capsys.readouterr().out.startswith(f"{log_dir}: the run already finished its 10 steps")
+    with pytest.raises(trackers.UserError, match="^--wandb needs the wandb package"):  # where it has steps to go
+        train_in_process(["--log-dir", log_dir, "--resume", "--wandb", "project", "--max-steps", "11"])
+
+
 def test_a_registered_evaluation_is_logged_checked_replayed_summarised_and_plotted(data_dir, tmp_path, monkeypatch,
                                                                                   capsys, train_in_process):
     """An evaluation defined here, registered with one line, in a launch and a resume: its own flag is the trainer's
