@@ -65,22 +65,20 @@ def hf_config(model):
     problem = model.export_problem()
     if problem:
         raise ValueError(problem)
-    c = model.config
-    return GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_ctx=c.block_size, n_embd=c.n_embd,
-                      n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new", resid_pdrop=0.0,
-                      embd_pdrop=0.0, attn_pdrop=0.0, architectures=["GPT2LMHeadModel"])  # bos, eos: 50256
+    return GPT2Config(**model.hf_shape(), activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                      attn_pdrop=0.0, architectures=["GPT2LMHeadModel"])  # bos, eos: 50256
 
 
-def hf_state_dict(model):
-    """A GPT's weights in fp32 as the hub's own gpt2 stores them: no 'transformer.' prefix, the four Conv1D matrices
-    (in, out), the real vocabulary's rows, and no head (tied to wte)."""
+def hf_state_dict(model, config):
+    """A GPT's weights in fp32 as the hub's own gpt2 stores them (config: its hf_config): no 'transformer.' prefix,
+    the four Conv1D matrices (in, out), the real vocabulary's rows, and no head (tied to wte)."""
     import torch
     from model import HF_TRANSPOSED
     state = {}
     for k, v in model.state_dict().items():
         if k == "lm_head.weight":
             continue
-        v = v.t() if k.endswith(HF_TRANSPOSED) else v[:model.config.vocab_size] if k.endswith("wte.weight") else v
+        v = v.t() if k.endswith(HF_TRANSPOSED) else v[:config.vocab_size] if k.endswith("wte.weight") else v
         state[k.removeprefix("transformer.")] = v.detach().to("cpu", torch.float32).contiguous().clone()
     return state
 
@@ -89,9 +87,10 @@ def to_hf(model):
     """A transformers.GPT2LMHeadModel with a GPT's weights (the vocabulary sliced back to the real one)."""
     from transformers import GPT2LMHeadModel
     from model import quiet_transformers
+    config = hf_config(model)
     with quiet_transformers():
-        hf = GPT2LMHeadModel(hf_config(model))
-    hf.transformer.load_state_dict(hf_state_dict(model))
+        hf = GPT2LMHeadModel(config)
+    hf.transformer.load_state_dict(hf_state_dict(model, config))
     return hf.eval()
 
 
@@ -106,7 +105,7 @@ def write_hf(model, out_dir, tokenizer_files=None):
     config.save_pretrained(out_dir)
     with quiet_transformers():
         GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-    save_file(hf_state_dict(model), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_state_dict(model, config), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     # safetensors writes the weights owner-only (0600): give them the mode of their neighbours
     umask = os.umask(0)
     os.umask(umask)
@@ -118,7 +117,7 @@ def write_hf(model, out_dir, tokenizer_files=None):
         shutil.copyfile(tokenizer_files[0], os.path.join(out_dir, "vocab.json"))
         shutil.copyfile(tokenizer_files[1], os.path.join(out_dir, "merges.txt"))
         tok = GPT2TokenizerFast.from_pretrained(out_dir)
-        tok.model_max_length = model.config.block_size
+        tok.model_max_length = config.n_positions
         tok.save_pretrained(out_dir)
     return out_dir
 
@@ -213,19 +212,26 @@ def write(model, fmt, out, dtype=None, name="gpt2"):
     common.atomic_file(out, lambda tmp: write_gguf(model, tmp, dtype or "f16", name))
 
 
+def why_not_written(model, fmt, out, dtype=None, name="gpt2"):
+    """write(); None where it wrote out, else why not, in a few words (a full disk says so)."""
+    from safetensors import SafetensorError  # the weights' writer: its own error type, not OSError
+    try:
+        write(model, fmt, out, dtype, name)
+    except (OSError, SafetensorError) as e:
+        full = common.out_of_space(e, os.path.dirname(os.path.abspath(out)))
+        return "no space left on its disk" if full else common.first_line(e)
+    return None
+
+
 def export(model, fmt, out, dtype=None, name="gpt2"):
     """write(), with one line (UserError) for a model fmt cannot hold and for a place that cannot be written."""
-    from safetensors import SafetensorError
     why = model.export_problem()
     if why:
         runs = "Hugging Face's GPT2LMHeadModel loads" if fmt == "hf" else "llama.cpp's gpt2 runs"
         raise UserError(f"cannot export to {fmt}: {why}, which {runs}; its checkpoint (ckpt_*.pt) "
                         "runs in this project's sample.py, hellaswag.py and core.py")
-    parent = os.path.dirname(os.path.abspath(out))
-    try:
-        write(model, fmt, out, dtype, name)
-    except (OSError, SafetensorError) as e:
-        why = "no space left on its disk" if common.out_of_space(e, parent) else common.first_line(e)
+    why = why_not_written(model, fmt, out, dtype, name)
+    if why:
         raise UserError(f"could not write {out} ({why}); what was there is as it was, and nothing half-written is "
                         "left: free space or pass another --out")
     return out
@@ -237,7 +243,6 @@ def run_export(model, ranks, log_dir, command, last_checkpoint):
     how to export again after a failure. The folder, on rank 0."""
     import parallel  # torch: the trainer's process
     from model import GPT
-    from safetensors import SafetensorError
     state = parallel.model_state(model) if parallel.is_fsdp(model) else None  # a collective under FSDP
     if not ranks.is_master:
         return None
@@ -246,10 +251,8 @@ def run_export(model, ranks, log_dir, command, last_checkpoint):
         model = GPT.from_shape(model.shape())
         model.load_state_dict(state)
     out = os.path.join(log_dir, "hf")
-    try:
-        write(model, "hf", out)
-    except (OSError, SafetensorError) as e:
-        why = "no space left on its disk" if common.out_of_space(e, log_dir) else common.first_line(e)
+    why = why_not_written(model, "hf", out)
+    if why:
         raise UserError(f"could not export the final model to {out} ({why}); the checkpoints are intact "
                         f"(the last: {last_checkpoint}): free space under --log-dir, then {command} exports it")
     return out
