@@ -18,6 +18,7 @@ PRESETS = {  # OpenAI's four released sizes
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),   # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),      # 1558M
 }
+SIZES = ("n_layer", "n_head", "n_embd")  # what a preset sets, and a run may set over it
 
 
 class KVCache:
@@ -90,9 +91,8 @@ class Block(nn.Module):
     learned_positions = True   # GPT adds a learned position table (wpe) to the tokens; False: the block places them
     final_norm = nn.LayerNorm  # the norm before the LM head, built as final_norm(n_embd)
     exports = True             # GPT-2's architecture, which Hugging Face's GPT2LMHeadModel and llama.cpp's gpt2 hold
-    options = {}               # its own settings, {name: (default: an int, float, str or bool, help)}: in
-    #                            config.options, the trainer's --NAME flags (with --block), kept in the checkpoint's
-    #                            shape and fixed on resume
+    options = {}               # its own settings, {name: (default: int, float, str or bool, help)}: config.options,
+    #                            the trainer's --NAME flags (with --block), in the checkpoint's shape, fixed on resume
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -128,7 +128,7 @@ BLOCKS = {"gpt2": Block}
 def shape_setting(shape, name):
     """What a stored shape (GPT.shape(), a checkpoint's model_config) holds for an architecture setting: a size, or its
     block's own setting (the block's default where the shape predates it; None: a setting its block does not have)."""
-    if name in ("n_layer", "n_head", "n_embd"):
+    if name in SIZES:
         return shape[name]
     own = getattr(BLOCKS.get(shape.get("block", "gpt2")), "options", {})
     return shape.get("options", {}).get(name, own[name][0] if name in own else None)
@@ -179,8 +179,7 @@ def config_of(preset, block_size, n_layer=None, n_head=None, n_embd=None, block=
 
 
 def config_from(settings):
-    """The GPTConfig of the trainer's settings (Flags'): the preset, the sizes given over it, the block and its own
-    settings; ValueError for one that cannot be."""
+    """The GPTConfig of the trainer's settings (Flags'); ValueError for one that cannot be (config_of)."""
     options = {name: getattr(settings, name) for name in BLOCKS[settings.block].options}
     return config_of(settings.model, settings.block_size, settings.n_layer, settings.n_head, settings.n_embd,
                      settings.block, **options)
@@ -201,11 +200,10 @@ def block_options():
 
 
 class Flags:
-    """The model's flags in the trainer's command line (train_config composes every room's): the preset, the sizes over
-    it, the block and its own settings (a flag each), the context, pretrained weights. All are the run's shape: fixed
-    on resume, each block's own settings too."""
-    ranges = dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size"), "at least 1")
-    architecture = ("model", "n_layer", "n_head", "n_embd", "block")  # what --init-from's weights decide instead
+    """The model's flags in the trainer's command line (train_config composes every room's): the preset, the sizes,
+    the block and its own settings, the context, pretrained weights; all the run's shape, so fixed on resume."""
+    ranges = dict.fromkeys((*SIZES, "block_size"), "at least 1")
+    architecture = ("model", *SIZES, "block")  # what --init-from's weights decide instead
     fixed_on_resume = architecture + ("block_size", "init_from")
 
     @staticmethod
@@ -365,6 +363,12 @@ class GPT(nn.Module):
     def export_problem(self):
         """Why this model cannot be exported as GPT-2 (shape_export_problem), or None where it can."""
         return shape_export_problem(self.shape())
+
+    def hf_shape(self):
+        """Its shape in the names of Hugging Face's GPT2Config (export.py writes its formats from it)."""
+        c = self.config
+        return dict(vocab_size=c.vocab_size, n_positions=c.block_size, n_ctx=c.block_size, n_embd=c.n_embd,
+                    n_layer=c.n_layer, n_head=c.n_head)
 
     def crop_block_size(self, block_size):
         """Shorten the context (e.g. to fine-tune OpenAI's 1024-token model at 512)."""

@@ -25,7 +25,7 @@ import parallel
 import profiling
 import trackers
 from common import UserError
-from model import block_options, shape_setting
+from model import SIZES, block_options, shape_setting
 
 
 def build_parser(description=None):
@@ -186,12 +186,13 @@ def stored_run(values, given, resume):
     defaults."""
     stored, changes, options = resume.settings, [], block_options()
     launch_only = LAUNCH_ONLY + tuple(name for room_own in hooks("launch_only") for name in room_own)
-    fixed = FIXED_ON_RESUME + tuple(name for room_fixed in hooks("fixed_on_resume") for name in room_fixed)
+    # a block's own settings are the run's shape too, fixed as the sizes are
+    fixed = FIXED_ON_RESUME + tuple(options) + tuple(name for own in hooks("fixed_on_resume") for name in own)
     for key, now in sorted(values.items()):
         if key in launch_only or (key not in stored and key not in options):  # a block's own: its shape says
             continue
         was = stored.get(key)
-        if key in ("n_layer", "n_head", "n_embd") or key in options:  # None where the preset or the block's default
+        if key in SIZES or key in options:  # None where the preset or the block's default
             was = shape_setting(resume.shape, key)  # set it, or the run predates the setting: its shape says
         if key == "micro_batch_size" and key not in given and stored.get("micro_batch_auto"):
             continue  # fitted: fit again, on the device this launch has ("auto", as parsed)
@@ -199,7 +200,7 @@ def stored_run(values, given, resume):
             values[key] = stored.get(key)
             continue
         flag = "--" + key.replace("_", "-")
-        if key in fixed or key in options:
+        if key in fixed:
             trained = f"without {flag}" if was is None else f"with {flag} {was}"
             raise UserError(f"cannot resume {resume.path}: the run was trained {trained} and this command asks for "
                             f"{flag} {now}; drop {flag} to continue the run as it was, or use a new --log-dir for "
