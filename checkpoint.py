@@ -147,10 +147,11 @@ class Checkpointer:
         if not init_from:
             return None
         model, what = load_model(init_from)
-        if block_size > model.config.block_size:
-            raise UserError(f"--block-size {block_size} is larger than the {model.config.block_size} positions "
-                            f"{init_from} was trained with; use --block-size {model.config.block_size} or less")
-        if block_size < model.config.block_size:
+        trained = model.config.block_size
+        if block_size > trained:
+            raise UserError(f"--block-size {block_size} is larger than the {trained} positions {init_from} was "
+                            f"trained with; use --block-size {trained} or less")
+        if block_size < trained:
             model.crop_block_size(block_size)
         return model.train(), what
 
