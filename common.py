@@ -78,6 +78,7 @@ def say_error(line):
             store, met = None, [rank]
         if met[0] != rank:  # a lower rank says it: wait until it has (torchrun ends every rank once one leaves)
             _saying["mine"] = False
+            store.set(f"error/heard/{rank}", "1")
             wait_for(store, [f"error/said/{met[0]}"])
             return
         if len(met) < world:
@@ -87,6 +88,7 @@ def say_error(line):
         _saying["mine"] = False
         if store is not None:
             store.set(f"error/said/{rank}", "1")
+            wait_for(store, [f"error/heard/{r}" for r in met[1:]], 60.0)  # its exit ends theirs: once they know it
         return
     print(line, file=sys.stderr, flush=True)
 
@@ -95,8 +97,7 @@ _saying = {"line": None, "mine": False}  # the error line this rank is to say, w
 
 
 def _leave_saying(signum, frame):
-    """torchrun ends the other ranks (SIGTERM) once one has left: a rank still saying its error leaves as it would
-    have, its line said where that is its part, with exit status 2, not as killed by a signal."""
+    """torchrun's SIGTERM, once another rank has left: this rank's line said where that is its part, exit status 2."""
     with contextlib.suppress(Exception):
         if _saying["mine"]:
             print(_saying["line"], file=sys.stderr, flush=True)
@@ -131,9 +132,9 @@ def ranks_that_met(store, line, rank, world):
     return [r for r, key in enumerate(keys) if store.check([key]) and store.get(key).decode() == line]
 
 
-def wait_for(store, keys):
-    """Until the store holds every key, or ERROR_WAIT_S has passed."""
-    deadline = time.monotonic() + ERROR_WAIT_S
+def wait_for(store, keys, seconds=ERROR_WAIT_S):
+    """Until the store holds every key, or seconds have passed."""
+    deadline = time.monotonic() + seconds
     while not store.check(keys) and time.monotonic() < deadline:
         time.sleep(0.05)
 
@@ -237,9 +238,8 @@ class StopFlag:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
 
 
-# The grace a launcher gives a stop: torchrun passes a SIGTERM it gets to the ranks and kills those still running
-# --shutdown-timeout seconds later (30 by default); SLURM kills a job's processes KillWait seconds (30 by default)
-# after its SIGTERM. A stop's checkpoint has to be written within it.
+# A stop's checkpoint is written within the launcher's grace: torchrun kills the ranks --shutdown-timeout seconds
+# after passing its SIGTERM on, SLURM a job's processes KillWait seconds after its own (30 by default, both)
 LAUNCHER_GRACE_S = 30
 CHECKPOINT_BYTES_PER_S = 250e6  # below bench/bench_stop.py's slowest write rate here (BENCHMARKS.md)
 

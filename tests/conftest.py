@@ -9,7 +9,10 @@ import sys
 import pytest
 import torch
 
-import warm  # noqa: F401  (the environment the tests' processes start in, taken before any test adds to it)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import processes  # noqa: E402
+processes.mark_session()  # before anything starts: every process of the session inherits the mark
+import warm  # noqa: E402  (the environment the tests' processes start in, taken before any test adds to it)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -27,6 +30,36 @@ def pytest_collection_finish(session):
     # what the imports made lives as long as the process: the collections after each run need not walk it again
     gc.collect()  # (what is garbage already is not frozen for good)
     gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def ends_what_it_starts():
+    """Every process a test starts ends with the test, however the test ended: what is still running after its
+    teardown (a rank a killed torchrun left, a child its parent did not wait for) is killed, and the test errors,
+    naming each."""
+    before = set(processes.of_tests(processes.session(), warm.zygote_session()))
+    yield
+    left = [p for p in processes.of_tests(processes.session(), warm.zygote_session()) if p not in before]
+    killed = processes.end(left) if left else []
+    if killed:
+        pytest.fail("the test left processes running (killed now):\n" + "\n".join(map(str, killed)), pytrace=False)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """The session ends with every process it started: each worker ends its warm zygote; the process that ran the
+    session (pytest-xdist's controller, once its workers are gone, or pytest alone) kills what is left of the session
+    and fails the run, naming each."""
+    warm.stop_zygote()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    killed = processes.end(processes.session(), grace=3 * processes.GRACE_S)
+    if killed:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = ["processes the suite started were still running at its end (killed now):"] + [f"  {p}" for p in killed]
+        for line in lines:
+            reporter.write_line(line, red=True) if reporter else print(line, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def reachable(host, port=443, timeout=3.0):

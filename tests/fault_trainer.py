@@ -10,6 +10,8 @@ with any of these set:
         raise  an error; destroying the process group then waits until the timeout, as NCCL's
                finalize can for the ranks that wait for the failed one
         evalterm   SIGTERM during the STEP-th validation (0-based), once its first batch is read
+        slowsay    (STEP 0) a rank that meets an error is held 3 s between posting its line and reading
+                   the others', as a loaded machine can hold it
   COMPILE_BACKEND=NAME     torch.compile uses this Dynamo backend (aot_eager: inductor's graphs
                            without a C++ build on a small CPU)
   COMPILE_LOG=PATH         each rank appends one JSON line to PATH.rankN per evaluation at the top of
@@ -20,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,6 +40,8 @@ def inject(spec):
     kind, rank, step = spec.split(":")
     if kind == "evalterm":
         return inject_in_validation(int(rank), int(step))
+    if kind == "slowsay":
+        return hold_in_comparing(int(rank))
     real_step, calls = train_gpt2.train_step, []
 
     def faulty(parts, *args, **kwargs):
@@ -64,6 +69,16 @@ def inject_in_validation(rank, nth):
             loader.next_batch = first_batch
         return real(model, loader, sequences, ranks, *args)
     evaluation.validation_loss = validation_loss
+
+
+def hold_in_comparing(rank):
+    real = common.wait_for
+
+    def wait_for(store, keys, *args):
+        if int(os.environ.get("RANK", "0")) == rank and keys[0] == "error/0":  # the ranks' lines, just posted
+            time.sleep(3)
+        return real(store, keys, *args)
+    common.wait_for = wait_for
 
 
 def fault(kind, here):

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
+import processes
+
 TIMEOUT_S = 300  # a scenario's limit on a busy machine; a collective one rank never joins fails in 60 s (below)
 
 
@@ -73,7 +75,8 @@ class Pair:
         for rank in range(2):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=serve, args=(rank, 2, rendezvous, self.tmp, theirs), daemon=True)
-            proc.start()
+            with processes.kept("a module's pair of ranks (tests/pair.py)"):
+                proc.start()
             theirs.close()
             self.procs.append((mine, proc))
 

@@ -546,11 +546,13 @@ def test_sigterm_on_one_rank_during_validation_stops_every_rank_inside_it(data_d
 
 def test_a_resume_with_another_process_count_is_refused_once(reference_run, tmp_path):
     """A run of one process resumed by two: every rank refuses it alike, and the group says so once, without a
-    rank (torchrun used to print the line per rank); nothing is written."""
+    rank (torchrun used to print the line per rank); nothing is written. Rank 1 is held after posting its line and
+    before reading rank 0's, as a loaded machine can hold it: rank 0, which says the line, does not leave (torchrun
+    then ends rank 1) before rank 1 knows it is said."""
     path = checkpoint.list_checkpoints(reference_run)[-1]
-    p = subprocess.run([runs.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN,
-                        "--log-dir", str(tmp_path / "two"), "--resume", path, "--max-steps", "12"], capture_output=True,
-                       text=True, env=ENV, timeout=300)
+    p = subprocess.run([runs.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        FAULT_TRAINER, "--log-dir", str(tmp_path / "two"), "--resume", path, "--max-steps", "12"],
+                       capture_output=True, text=True, env=dict(ENV, FAULT="slowsay:1:0"), timeout=300)
     said = [line for line in (p.stdout + p.stderr).splitlines() if re.match(r"(error: |ranks? [\d, ]+: )", line)]
     assert p.returncode != 0 and said == [
         f"error: cannot resume {path}: it was trained with 1 process(es) (GPUs), this launch has 2; launch it with 1 "

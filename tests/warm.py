@@ -104,8 +104,11 @@ def python():
         atexit.register(shutil.rmtree, tmp_dir, True)  # the zygote leaves once this process has
         path = os.path.join(tmp_dir, "zygote.sock")
         log = open(os.path.join(tmp_dir, "zygote.log"), "w")
-        subprocess.Popen([sys.executable, os.path.abspath(__file__), path, str(os.getpid())], stdin=subprocess.DEVNULL,
-                         stdout=log, stderr=subprocess.STDOUT, env=environment(), start_new_session=True)
+        global _zygote
+        _zygote = subprocess.Popen([sys.executable, os.path.abspath(__file__), path, str(os.getpid())],
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment(),
+                                   start_new_session=True)
+        atexit.register(stop_zygote)
         log.close()
         _shim = os.path.join(tmp_dir, "python")
         with open(_shim, "w") as f:
@@ -121,6 +124,23 @@ def python():
 
 
 _shim = None
+_zygote = None
+
+
+def zygote_session():
+    """The session of this process's zygote and its keepers (the zygote's pid), or None before it starts. The
+    children it runs are each in a session of their own."""
+    return None if _zygote is None else _zygote.pid
+
+
+def stop_zygote():
+    """End the zygote and its keepers (their session's process group) and reap the zygote."""
+    if _zygote is not None and _zygote.poll() is None:
+        try:
+            os.killpg(_zygote.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _zygote.wait()
 
 
 def environment():
