@@ -5,9 +5,12 @@ one JSON line when it holds and one when its loop ends:
   {"rank", "hold": STEP}   with HOLD=N, a launch that starts before step N holds at the start of
                            its first step until a stop request comes: the test stops it there and
                            nowhere else, however fast the machine
+  {"rank", "stopping": SIGNAL}  the held launch has its stop request; with RELEASE=PATH it goes on
+                           (trains the step, writes the checkpoint) only once PATH exists
   {"rank", "stop": the stop request's signal or null, "cpus": the CPUs the process may run on,
    "child": the exit status of a child process (a sleep) started as the loop began, with the
-   default SIGUSR1, or null where it outlived the loop}
+   default SIGUSR1, or null where it outlived the loop, "stop_s": seconds from the held launch's
+   stop request (or its release) to the loop's end: the step and the stop's checkpoint}
 """
 import inspect
 import json
@@ -35,8 +38,9 @@ def loop(run):
     try:
         return real_loop(run)
     finally:
-        child, stop = launch.get("child"), launch.get("stop")
-        note(stop=stop and stop.signal, cpus=len(os.sched_getaffinity(0)), child=child and child.poll())
+        child, stop, going = launch.get("child"), launch.get("stop"), launch.get("going")
+        note(stop=stop and stop.signal, cpus=len(os.sched_getaffinity(0)), child=child and child.poll(),
+             stop_s=going and round(time.monotonic() - going, 2))
         if child is not None:
             child.kill()
 
@@ -49,6 +53,10 @@ def train_step(*args, **kwargs):
             note(hold=launch["start"])
             while launch["stop"].signal is None:
                 time.sleep(0.05)
+            note(stopping=launch["stop"].signal)
+            while os.environ.get("RELEASE") and not os.path.exists(os.environ["RELEASE"]):
+                time.sleep(0.05)
+            launch["going"] = time.monotonic()
     return real_step(*args, **kwargs)
 
 

@@ -14,12 +14,13 @@ run jobs), on loopback, in a temporary directory holding everything it writes:
     /dev/zero as their devices), in one partition;
   - slurm.conf written there (SLURM_CONF points the client commands at it): proctrack/linuxproc,
     task/affinity binding each task to the cores it was given (TaskPluginParam=Cores, as GPU
-    clusters do), no cgroups, no accounting; the default KillWait (30 s); a credential lifetime of
+    clusters do), no cgroups, no accounting; KillWait of KILL_WAIT_S (below); a credential lifetime of
     5 s (cred_expire, the least SLURM takes), which a requeued job waits out before it starts again
     (2 minutes by default), and a scheduler that looks every second; a job's processes get the
     niceness of the sbatch that submitted it (PropagatePrioProcess).
-Each daemon runs in the foreground as a child of the test process and is stopped by its PID at the
-end, after any job left over is cancelled.
+Each daemon runs in the foreground as a child of the test process; at the end any job left over is
+killed and cancelled, the daemons are stopped by their PIDs, and every process the cluster started
+(each carries the cluster's tests/processes.KEEP mark) is gone before its directory is removed.
 
 Jobs are submitted as a user would, with the #SBATCH lines of the script, and these on the command
 line in their place: the test partition, no GPUs (`--gpus-per-node=0`) and NPROC_PER_NODE=1 (one CPU
@@ -47,6 +48,7 @@ import torch
 
 import checkpoint
 import metrics
+import processes
 from runs import ENV, ROOT, TINY, run
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo")
@@ -56,6 +58,12 @@ PARTITION = "tiny"
 NODES = 8
 STEPS = 12
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+# What SLURM gives a job's processes between its SIGTERM and its SIGKILL (a requeue, scancel, the time limit): the
+# stop's step and checkpoint must fit in it, as docs/clusters.md tells users of their cluster's KillWait. The tiny
+# trainer's stop (its "stop_s" notes) took at most 0.65 s here, idle or beside six busy loops and a disk writer, yet
+# SLURM's default of 30 s cut a stop short on a loaded machine (its next allocation repeated the step): 120 s. Only a
+# process that ignores the SIGTERM waits it out, and teardown kills the jobs' processes instead of signalling them.
+KILL_WAIT_S = 120
 
 
 # the daemons are in sbin, which a PATH may leave out
@@ -115,6 +123,7 @@ SlurmctldPort={ctld_port}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=cred_expire=5,socket={socket_path}
+KillWait={KILL_WAIT_S}
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={root}/state
@@ -144,7 +153,7 @@ GresTypes=gpu
         os.makedirs(self.workdir)
         os.symlink(TRAINER, os.path.join(self.workdir, "train_gpt2.py"))
         self.env = {k: v for k, v in ENV.items() if not k.startswith("SLURM_")}
-        self.env.update(SLURM_CONF=self.conf, PYTHONPATH=ROOT,
+        self.env.update({processes.KEEP: f"the SLURM cluster in {root}"}, SLURM_CONF=self.conf, PYTHONPATH=ROOT,
                         PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
         os.makedirs(os.path.join(root, "state"))
         key = os.path.join(root, "munge.key")
@@ -168,8 +177,12 @@ GresTypes=gpu
         log.close()
 
     def stop(self):
-        self.run("scancel", f"--partition={PARTITION}", check=False)
+        """Kill what any job left runs (a story that failed part-way), cancel the jobs, stop the daemons, then end
+        every process the cluster started that is still there (a job step's slurmstepd outlives slurmd), and say
+        which had to be killed."""
         try:
+            self.run("scancel", "--full", "--signal=KILL", f"--partition={PARTITION}", check=False)
+            self.run("scancel", f"--partition={PARTITION}", check=False)
             wait_for(lambda: not self.run("squeue", "-h", check=False).strip(), "the jobs to end", 120, every=1.0)
         finally:
             for p in reversed(self.daemons):  # the slurmds, slurmctld, then munged
@@ -179,6 +192,10 @@ GresTypes=gpu
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+            ours = [p for p in processes.session() if p.env.get(processes.KEEP) == self.env[processes.KEEP]]
+            killed = processes.end(ours, grace=10)
+        assert not killed, "the cluster's processes outlived its jobs and daemons (killed):\n" + "\n".join(
+            map(str, killed))
 
     def logs(self):
         out = []
@@ -194,14 +211,14 @@ GresTypes=gpu
             raise AssertionError(f"{' '.join(cmd)}: exit {p.returncode}\n{p.stdout}{p.stderr}")
         return p.stdout
 
-    def sbatch(self, out_dir, nodes, args, *options, gpus=0, hold=0, nice=10):
+    def sbatch(self, out_dir, nodes, args, *options, gpus=0, hold=0, release=None, nice=10):
         """Submit train_gpt2.sbatch with the trainer flags args, as a user would; the job's id. With
-        no GPUs, NPROC_PER_NODE=1 sets one process per node; hold: the trainer's HOLD (see
-        slurm_trainer.py); nice: the niceness of the job's processes (PropagatePrioProcess), 10
-        unless it is the job whose turns make the module's wall time. The trainer's notes go to
-        out_dir/trainer.jsonl."""
+        no GPUs, NPROC_PER_NODE=1 sets one process per node; hold, release: the trainer's HOLD and
+        RELEASE (see slurm_trainer.py); nice: the niceness of the job's processes
+        (PropagatePrioProcess), 10 unless it is the job whose turns make the module's wall time. The
+        trainer's notes go to out_dir/trainer.jsonl."""
         env = dict(self.env, HOLD=str(hold), SLURM_TRAINER_LOG=os.path.join(out_dir, "trainer.jsonl"),
-                   **({} if gpus else {"NPROC_PER_NODE": "1"}))
+                   **({} if gpus else {"NPROC_PER_NODE": "1"}), **({"RELEASE": str(release)} if release else {}))
         p = subprocess.run(["nice", "-n", str(nice), "sbatch", "--parsable", f"--partition={PARTITION}",
                             f"--gpus-per-node={gpus}", f"--nodes={nodes}", f"--output={out_dir}/slurm-%j.out",
                             f"--chdir={self.workdir}", *options, SCRIPT, *args],
@@ -319,8 +336,9 @@ def five_allocations(cluster, data_dir, out_dir):
         else:
             cluster.run("scancel", "--batch", "--signal=USR1", job)
         if step == 1:
-            # polled often: the damage must be written before the third allocation (5 s later) writes
-            wait_for(lambda: int(cluster.job(job)["Restarts"]) == 2, "the second requeue")
+            # after the second allocation's last record; the third's may come before or after it (one line each,
+            # appended), as the next launch after a power loss writes after what the loss left
+            wait_for(lambda: int(cluster.job(job)["Restarts"]) == 2, "the second requeue", every=1.0)
             with open(log_dir / metrics.METRICS_FILE, "a") as f:
                 f.write("\0" * 40 + "\n")
     return log_dir, cluster.wait_state(job, ENDED, 4, out_dir), job_output(out_dir, job)
@@ -339,14 +357,16 @@ def two_nodes(cluster, data_dir, out_dir):
 
 def warned(cluster, data_dir, out_dir):
     """--time=1 with the script's warning, whose lead (5 minutes) is longer than the limit: SLURM warns
-    the script at its first time check, and the trainer (holding) stops on it. Once it has, the job's
-    limit is raised to 30 minutes, so that the next allocation is not warned at once too; a plain
-    scancel ends that one."""
+    the script at its first time check, and the trainer (holding) stops on it. Before it goes on
+    (RELEASE), the job's limit is raised to 30 minutes, so that the next allocation is not warned at
+    once too; a plain scancel ends that one."""
     log_dir = out_dir / "log"
-    job = cluster.sbatch(out_dir, 1, trainer_args(data_dir, log_dir), "--time=1", hold=STEPS)
-    wait_for(lambda: any("stop" in n for n in notes(out_dir)), "the warned trainer to stop",
+    release = out_dir / "release"
+    job = cluster.sbatch(out_dir, 1, trainer_args(data_dir, log_dir), "--time=1", hold=STEPS, release=release)
+    wait_for(lambda: any("stopping" in n for n in notes(out_dir)), "the warned trainer to have its stop request",
              describe=lambda: job_output(out_dir, job))
     cluster.run("scontrol", "update", f"JobId={job}", "TimeLimit=30")
+    release.touch()
     wait_for_holds(out_dir, 1, 1, job)
     cluster.run("scancel", job)
     return log_dir, cluster.wait_state(job, ENDED, 1, out_dir), job_output(out_dir, job)
@@ -355,13 +375,14 @@ def warned(cluster, data_dir, out_dir):
 def cut(cluster, data_dir, out_dir):
     """--time=1 with no warning the trainer sees (--signal=B:CONT@1): the trainer holds until the
     limit, where SLURM sends SIGTERM; the script requeues the timed-out job, which is then
-    cancelled."""
+    cancelled (its next allocation may have started by then: it holds, and stops on the scancel)."""
     log_dir = out_dir / "log"
     job = cluster.sbatch(out_dir, 1, trainer_args(data_dir, log_dir), "--time=1", "--signal=B:CONT@1", hold=STEPS)
-    fields = cluster.wait_state(job, ("PENDING",), 1, out_dir)
-    out = job_output(out_dir, job)
+    wait_for(lambda: int(cluster.job(job)["Restarts"]) >= 1, "the timed-out job's requeue", every=1.0,
+             describe=lambda: job_output(out_dir, job))
     cluster.run("scancel", job)
-    return log_dir, fields, out
+    fields = cluster.wait_state(job, ENDED, 1, out_dir)
+    return log_dir, fields, job_output(out_dir, job)
 
 
 def gpus(cluster, data_dir, out_dir):
@@ -483,9 +504,10 @@ def test_jobs_past_their_time_limit_continue_in_the_next_allocation(stories):
     assert "allocation 2: the trainer stopped after 2 steps" in out and "SLURM ended the job (scancel" in out
 
     log_dir, fields, out = futures["cut"].result()
-    (launch,) = metrics.read_metrics(log_dir)["launches"]
-    assert launch["end"] == dict(launch["end"], reason="signal", step=0), out[-3000:]
-    assert checkpoint.step_of(checkpoint.list_checkpoints(str(log_dir))[-1]) == 1
+    first, *later = metrics.read_metrics(log_dir)["launches"]  # the next allocation's, where it began before scancel
+    assert first["end"] == dict(first["end"], reason="signal", step=0), out[-3000:]
+    assert checkpoint.step_of(checkpoint.list_checkpoints(str(log_dir))[0]) == 1
+    assert [launch["run"]["step"] for launch in later] in ([], [1])
     assert "DUE TO TIME LIMIT" in out and "stopped by SIGTERM after 1 steps" in out
     assert ("allocation 1: the trainer stopped after 1 steps and wrote their checkpoint, at the time limit (the "
             "warning before it came too late: docs/clusters.md): requeued (1 of at most 20)") in out
