@@ -40,7 +40,7 @@ _store = None  # the process group's key-value store (torchrun's), once joined: 
 PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
                  "remote process exited")
 PEER_GRACE_S = 5.0
-ERROR_WAIT_S = 2.0  # how long a rank that met an error waits to hear which others met the same
+ERROR_WAIT_S = 5.0  # how long a rank that met an error waits for the others that met it (a loaded machine spreads them)
 
 
 def mark_joined_process_group(store=None):

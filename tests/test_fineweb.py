@@ -249,7 +249,8 @@ def test_a_worker_blocked_on_a_full_pipe_says_its_main_process_is_gone(tmp_path)
         try:
             r, w = os.pipe()
             ready_r, ready_w = os.pipe()
-            if os.fork() == 0:
+            worker = os.fork()
+            if worker == 0:
                 try:
                     os.close(r)
                     os.close(alive_r)
@@ -266,8 +267,10 @@ def test_a_worker_blocked_on_a_full_pipe_says_its_main_process_is_gone(tmp_path)
             os.close(w)
             os.close(alive_w)
             os.close(ready_w)
-            os.read(ready_r, 1)  # the worker watches its parent now (or is gone: b"")
-            time.sleep(0.5)  # the pipe full, the worker blocked in its write
+            if os.read(ready_r, 1):  # the worker watches its parent now (or is gone: b"")
+                deadline = time.monotonic() + 60  # until the pipe is full and the worker blocked in its write
+                while "pipe" not in open(f"/proc/{worker}/wchan").read() and time.monotonic() < deadline:
+                    time.sleep(0.01)
         finally:
             os.kill(os.getpid(), signal.SIGKILL)
     os.close(alive_w)

@@ -27,6 +27,7 @@ import hellaswag  # noqa: E402
 import ladder  # noqa: E402
 import measure  # noqa: E402
 import node_paths  # noqa: E402
+import processes  # noqa: E402
 import memory  # noqa: E402
 import sample  # noqa: E402
 import train_config  # noqa: E402
@@ -586,20 +587,8 @@ def test_a_launch_past_its_time_limit_is_stopped_with_what_it_started(tmp_path):
     why = ab.launch([sys.executable, "-c", code], str(tmp_path), dict(os.environ), str(tmp_path / "a.log"), 5)
     assert why == "ran past --timeout 5 s" and time.time() - t0 < 60
     pid = int(child.read_text())
-    for _ in range(50):  # the child is gone (killed with its group), or a zombie about to be
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        try:
-            state = open(f"/proc/{pid}/stat").read().split()[2]
-        except FileNotFoundError:  # gone since os.kill: the next one says so
-            continue
-        if state == "Z":
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"process {pid} outlived its launch")
+    left = [p for p in [processes.read(pid)] if p is not None]  # None: gone already (or a zombie), killed with its group
+    assert processes.end(left, grace=120) == [], f"process {pid} outlived its launch"  # 120 s: a bound on a hang
 
 
 # ----------------------------------------------------------------------------------------------

@@ -534,7 +534,7 @@ def test_sigterm_on_one_rank_during_validation_stops_every_rank_inside_it(data_d
     ranks asked every 8) stops both ranks inside it: nothing of that round is recorded, step 4 does not train, the
     checkpoint holds 4 steps."""
     log_dir = str(tmp_path / "log")
-    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=8, eval_every=4, val_tokens=64 * 32, dist_timeout=0.5)
+    args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=8, eval_every=4, val_tokens=64 * 32, dist_timeout=2)
     p = subprocess.run([runs.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         FAULT_TRAINER] + args, capture_output=True, text=True, env=dict(ENV, FAULT="evalterm:1:1"),
                        timeout=900)

@@ -306,7 +306,7 @@ def test_a_ddp_run_with_samples_due_finishes(data_dir, tmp_path):
     collective pairs with another of rank 0's, and the run hangs until --dist-timeout), and the run finishes."""
     log_dir = str(tmp_path / "log")
     code, out = torchrun_output(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=4, sample_every=2, num_samples=1,
-                                     sample_tokens=4, dist_timeout=0.5))
+                                     sample_tokens=4, dist_timeout=2))
     assert code == 0, out[-3000:]
     assert [r["step"] for r in records(log_dir, "sample")] == [2, 3] and records(log_dir, "end")[-1]["reason"] == \
         "finished"
