@@ -22,6 +22,9 @@ from tokenizer import get_tokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
                                 reason="export.py --format gguf needs the gguf package (pip install gguf)")
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="llama.cpp's own check needs llama-cpp-python, which compiles llama.cpp "
+                                            "when installed (pip install llama-cpp-python==0.3.36: minutes)")
 # transformers' GGUF loader reads the context into n_ctx but leaves n_positions at GPT-2's 1024: a 1024 context
 TINY = dict(block_size=1024, n_layer=2, n_head=2, n_embd=64)
 TEXT = ("Hello  world!\n\n\n\tTabs\t\tand   runs of    spaces \r\n"
@@ -148,6 +151,60 @@ def test_gguf_types_and_sizes(tiny, ids, gguf_files):
     assert 0 < (theirs - ours).abs().max().item() < 0.02 * ours.abs().max().item()
 
 
+def llama_cpp_shapes(fields, tokens):
+    """{tensor: its shape in ggml's order (ne)} that llama.cpp's loader asks of a `gpt2` file with these
+    hyper-parameters (src/llama-model.cpp, LLM_ARCH_GPT2: it refuses a file whose tensors differ) and `tokens`
+    vocabulary entries; the head is the token embedding (no output.weight)."""
+    arch = "gpt2"
+    n_embd, n_ff = fields[f"{arch}.embedding_length"], fields[f"{arch}.feed_forward_length"]
+    n_head, n_head_kv = fields[f"{arch}.attention.head_count"], fields[f"{arch}.attention.head_count_kv"]
+    assert n_embd % n_head == 0, (n_embd, n_head)  # llama.cpp's head size is n_embd / n_head
+    qkv = n_embd + 2 * (n_embd // n_head) * n_head_kv
+    shapes = {"token_embd.weight": [n_embd, tokens], "position_embd.weight": [n_embd, fields[f"{arch}.context_length"]],
+              "output_norm.weight": [n_embd], "output_norm.bias": [n_embd]}
+    for i in range(fields[f"{arch}.block_count"]):
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in (
+            ("attn_norm.weight", [n_embd]), ("attn_norm.bias", [n_embd]), ("attn_qkv.weight", [n_embd, qkv]),
+            ("attn_qkv.bias", [qkv]), ("attn_output.weight", [n_embd, n_embd]), ("attn_output.bias", [n_embd]),
+            ("ffn_norm.weight", [n_embd]), ("ffn_norm.bias", [n_embd]), ("ffn_up.weight", [n_embd, n_ff]),
+            ("ffn_up.bias", [n_ff]), ("ffn_down.weight", [n_ff, n_embd]), ("ffn_down.bias", [n_embd]))})
+    return shapes
+
+
+@needs_gguf
+def test_gguf_hyper_parameters_agree_with_its_tensors_and_the_model(tiny, gguf_files):
+    """Each file's hyper-parameters are the model's (context, width, the MLP's width as its own weight has it, heads,
+    layers), and its tensors have the shapes llama.cpp builds its graph from them: a feed-forward length or a layer
+    count that disagrees with the tensors makes llama.cpp refuse the file, a head count the attention."""
+    import gguf
+    mlp_width = tiny.transformer.h[0].mlp.c_fc.weight.shape[0]
+    for dtype, path in gguf_files.items():
+        reader = gguf.GGUFReader(path)
+        fields = {name: field.contents() for name, field in reader.fields.items() if name.startswith("gpt2.")}
+        c = tiny.config
+        assert {k: fields[f"gpt2.{k}"] for k in ("context_length", "embedding_length", "feed_forward_length",
+                                                   "block_count", "attention.head_count")} == dict(
+            context_length=c.block_size, embedding_length=c.n_embd, feed_forward_length=mlp_width,
+            block_count=c.n_layer, **{"attention.head_count": c.n_head}), dtype
+        tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+        assert {t.name: [int(n) for n in t.shape] for t in reader.tensors} == llama_cpp_shapes(fields, tokens), dtype
+
+
+@needs_llama_cpp
+def test_gguf_loads_in_llama_cpp_with_our_logits(tiny, ids, gguf_files):
+    """llama.cpp itself (llama-cpp-python, where installed) loads the f32 file and gives our logits (within its fp16
+    GELU table's rounding, BENCHMARKS.md: the exports)."""
+    import numpy as np
+    from llama_cpp import Llama
+    llm = Llama(model_path=gguf_files["f32"], n_ctx=64, logits_all=True, verbose=False, flash_attn=False)
+    prompt = ids[0].tolist()
+    llm.eval(prompt)
+    theirs = np.array(llm.scores[:len(prompt)])
+    llm.close()  # now, not at the interpreter's exit, where llama-cpp-python's finalizer fails
+    assert theirs.shape == (len(prompt), 50257)
+    assert np.abs(theirs - logits_of(tiny, ids[:1])[0].numpy()).max() <= 1e-3  # 1.8e-4 here
+
+
 @needs_gguf
 def test_gguf_tokenizer_splits_text_as_tiktoken(gguf_files):
     """The vocabulary, merges and <|endoftext|> in the file tokenize a multilingual, whitespace-heavy and emoji text
@@ -240,6 +297,13 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(log_dir, tmp_path, cap
     m = ["--model", str(log_dir)]
     assert "exists: pass another path, or --force" in one_line(m + ["--format", "gguf", "--out", str(taken)], capsys)
     assert taken.read_bytes() == b"the user's file"
+    earlier = tmp_path / "earlier"  # an earlier hf export: replaced only with --force, as a file is
+    earlier.mkdir()
+    (earlier / "config.json").write_text("{}")
+    assert "exists: pass another path, or --force" in one_line(m + ["--format", "hf", "--out", str(earlier)], capsys)
+    assert os.listdir(earlier) == ["config.json"] and (earlier / "config.json").read_text() == "{}"
+    (earlier / "config.json").unlink()
+    earlier.rmdir()
     assert "--dtype is for --format gguf" in one_line(m + ["--format", "hf", "--dtype", "f16", "--out",
                                                            str(tmp_path / "x")], capsys)
     assert "is a directory" in one_line(m + ["--format", "gguf", "--out", str(tmp_path), "--force"], capsys)
