@@ -53,7 +53,7 @@ def pytest_sessionfinish(session):
     warm.stop_zygote()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    killed = processes.end(processes.session(), grace=3 * processes.GRACE_S)
+    killed = processes.end(processes.not_helpers(processes.session()), grace=3 * processes.GRACE_S)
     if killed:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         lines = ["processes the suite started were still running at its end (killed now):"] + [f"  {p}" for p in killed]

@@ -85,11 +85,9 @@ def session():
     return [p for p in found if p is not None]
 
 
-def of_tests(processes, zygote_sid=None):
-    """Those of processes that this process's tests started and that should end with their test: this worker's,
-    neither kept by a module (KEEP), nor the warm zygote's own (its session), nor a helper of torch's or Python's
-    beside the worker (with what descends from it)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+def not_helpers(processes):
+    """processes but the helpers of torch's and Python's beside this process (and what descends from them), which end
+    with it."""
     by_pid = {p.pid: p for p in processes}
 
     def helper(p):
@@ -98,8 +96,15 @@ def of_tests(processes, zygote_sid=None):
                 return True
             p = by_pid.get(p.ppid)
         return False
-    return [p for p in processes if p.env.get("PYTEST_XDIST_WORKER") == worker and KEEP not in p.env
-            and p.sid != zygote_sid and not helper(p)]
+    return [p for p in processes if not helper(p)]
+
+
+def of_tests(processes, zygote_sid=None):
+    """Those of processes that this process's tests started and that should end with their test: this worker's,
+    neither kept by a module (KEEP), nor the warm zygote's own (its session), nor this process's helpers."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return [p for p in not_helpers(processes) if p.env.get("PYTEST_XDIST_WORKER") == worker and KEEP not in p.env
+            and p.sid != zygote_sid]
 
 
 def still_there(processes):

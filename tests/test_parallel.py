@@ -549,6 +549,43 @@ def test_a_variants_own_setting_is_a_flag_its_checkpoints_keep_and_a_resume_may_
         train_config.resolve(train_config.parse_args(runs.tiny(data_dir=data_dir, rope_theta=500.0)))
 
 
+def test_a_blocks_own_setting_parses_as_its_default_and_sits_with_the_architecture(data_dir, reference_run, tmp_path,
+                                                                                    monkeypatch):
+    """A block's own setting takes its default's type: an int takes an int (not 2.5) and has no --no- form, a float a
+    float; only a bool is a switch. Like a size, it is refused beside --init-from, whose weights decide the
+    architecture (drop it, not add a --block). A run whose checkpoint predates the setting (its shape holds no
+    options) resumes with the setting at its default."""
+    import train_config
+
+    class Grouped(model.Block):
+        options = {"kv_groups": (2, "groups of heads")}
+    monkeypatch.setitem(model.BLOCKS, "grouped", Grouped)
+    monkeypatch.setitem(model.BLOCKS, "rotary", RotaryBlock)
+    settings = dict(data_dir=data_dir, log_dir=str(tmp_path / "fresh"), block="grouped", export_hf=None, max_steps=2)
+    args = train_config.parse_args(runs.tiny(kv_groups=3, **settings))
+    assert args.kv_groups == 3 and type(args.kv_groups) is int
+    args = train_config.parse_args(runs.tiny(**dict(settings, block="rotary"), rope_theta=500))
+    assert args.rope_theta == 500.0 and type(args.rope_theta) is float
+    for bad, said in ((["--kv-groups", "2.5"], "error: argument --kv-groups: invalid int value: '2.5' (see --help)"),
+                      (["--no-kv-groups"], "error: unrecognized arguments: --no-kv-groups (see --help)")):
+        p = runs.run(runs.tiny(**settings) + bad, check=False)
+        assert (p.returncode, p.stderr) == (2, said + "\n"), p.stderr
+    p = runs.run(runs.tiny(**dict(settings, block=None), init_from=reference_run, n_layer=None, n_head=None,
+                           n_embd=None, rope_theta=500.0), check=False)
+    assert (p.returncode, p.stderr) == (2, f"error: --rope-theta has no effect with --init-from: the architecture "
+                                           f"comes from {reference_run}; drop it\n"), p.stderr
+    assert not os.path.exists(settings["log_dir"])
+    older = str(tmp_path / "older")
+    assert runs.train(runs.tiny(**dict(settings, block="rotary", log_dir=older))) == 0
+    path = checkpoint.list_checkpoints(older)[-1]
+    ckpt = checkpoint.load_file(path)
+    del ckpt["model_config"]["options"]  # written before the block had a setting of its own
+    del ckpt["config"]["rope_theta"]
+    checkpoint.save_file(path, ckpt)
+    assert runs.train(["--log-dir", older, "--resume", "--max-steps", "3", "--rope-theta", "10000"]) == 0  # the same
+    assert checkpoint.load_model(older)[0].blocks[0].theta == 10000.0 and runs.records(older, "train")[-1]["step"] == 2
+
+
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_a_variant_generates_and_scores_packed_rows_as_gpt2_does(name, monkeypatch):
     """The positions reach the blocks in generation (the KV cache's decode steps) and in HellaSwag's packed rows

@@ -793,6 +793,8 @@ BAD = {
     "negative eps": (["--eps", "-1"], "--eps must be a positive number"),
     "zero width": (["--n-embd", "0"], "--n-embd must be at least 1"),
     "zero layers": (["--n-layer", "0"], "--n-layer must be at least 1"),
+    "zero context": (["--block-size", "0"], "--block-size must be at least 1"),
+    "zero core limit": (["--core-limit", "0"], "--core-limit must be at least 1"),
     "negative grad clip": (["--grad-clip", "-1"], "--grad-clip must be 0 or more"),
     "negative weight decay": (["--weight-decay", "-0.1"], "--weight-decay must be 0 or more"),
     "infinite max lr": (["--max-lr", "inf"], "--max-lr must be a positive number"),
