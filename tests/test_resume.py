@@ -32,6 +32,27 @@ from model import GPT
 from runs import ENV, FAULT_TRAINER, TRAIN, final_state, records, run, tiny
 
 
+def test_a_fine_tune_to_a_shorter_context_trains_and_resumes_without_its_source(data_dir, reference_run, tmp_path):
+    """--init-from a run with --block-size below its context: an N-position model trains (the position table cut to
+    its first N rows) and is checkpointed as one; interrupted and resumed after the run it started from is deleted,
+    it goes on from its own checkpoint to the losses of a fine-tune that never stopped."""
+    source = tmp_path / "source"
+    shutil.copytree(reference_run, source)
+    trained = checkpoint.load_file(checkpoint.list_checkpoints(str(source))[-1])["model"]["transformer.wpe.weight"]
+    tune = dict(data_dir=data_dir, init_from=str(source), block_size=16, n_layer=None, n_head=None, n_embd=None,
+                checkpoint_every=2)
+    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
+    run(tiny(log_dir=whole, max_steps=4, **tune))
+    ckpt = checkpoint.load_file(checkpoint.list_checkpoints(whole)[0])
+    assert ckpt["model_config"]["block_size"] == 16 and ckpt["model"]["transformer.wpe.weight"].shape == (16, 32)
+    assert trained.shape == (32, 32) and checkpoint.load_model(whole)[0].config.block_size == 16
+    run(tiny(log_dir=cut, max_steps=2, **tune))
+    shutil.rmtree(source)
+    run(["--log-dir", cut, "--resume", "--max-steps", "4"])
+    assert [r["loss"] for r in records(cut, "train")] == [r["loss"] for r in records(whole, "train")]
+    assert final_state(cut)[0] == 4
+
+
 def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
     log_dir = str(tmp_path / "log")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3)

@@ -206,10 +206,15 @@ def test_log_dir_whose_newest_checkpoint_is_corrupt(log_dir, tmp_path, capsys):
     assert "none of the 2 checkpoints" in err and "--resume" not in err
 
 
-def test_model_naming_nothing_loadable(tmp_path, capsys):
+def test_model_naming_nothing_loadable(tmp_path, capsys, monkeypatch):
     missing = str(tmp_path / "no_such_run")
     assert f"model {missing!r} not found" in cli_error(["--model", missing], capsys)
     assert "not found" in cli_error(["--model", str(tmp_path / "ckpt_000001.pt")], capsys)
+    monkeypatch.chdir(tmp_path)  # a checkpoint named as in its log directory, or by a relative path: no hub name
+    for name in ("ckpt_000123.pt", "runs/a.pt"):
+        assert cli_error(["--model", name], capsys) == (f"error: model {name!r} not found: pass a checkpoint file, "
+                                                        "a log directory, a Hugging Face directory, or a name such "
+                                                        "as gpt2")
     (tmp_path / "empty_log").mkdir()
     assert "has no ckpt_*.pt checkpoint" in cli_error(["--model", str(tmp_path / "empty_log")], capsys)
     for name, content, why in (("garbage.pt", b"\x00not a checkpoint" * 50, "is not a checkpoint: not a torch zip"),
