@@ -587,7 +587,7 @@ def test_a_launch_past_its_time_limit_is_stopped_with_what_it_started(tmp_path):
     why = ab.launch([sys.executable, "-c", code], str(tmp_path), dict(os.environ), str(tmp_path / "a.log"), 5)
     assert why == "ran past --timeout 5 s" and time.time() - t0 < 60
     pid = int(child.read_text())
-    left = [p for p in [processes.read(pid)] if p is not None]  # None: gone already (or a zombie), killed with its group
+    left = [p for p in [processes.read(pid)] if p is not None]  # None: gone already or a zombie (killed with its group)
     assert processes.end(left, grace=120) == [], f"process {pid} outlived its launch"  # 120 s: a bound on a hang
 
 
