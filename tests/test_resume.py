@@ -53,6 +53,38 @@ def test_a_fine_tune_to_a_shorter_context_trains_and_resumes_without_its_source(
     assert final_state(cut)[0] == 4
 
 
+def test_each_round_of_samples_draws_its_own_stream_and_a_resume_draws_the_same(data_dir, tmp_path):
+    """The samples at step s are drawn from a generator seeded with --seed + s, from the model as step s begins (its
+    checkpoint): each round a new stream, whatever the launch; a run resumed from step 2's checkpoint records the
+    very samples of the run that never stopped."""
+    import sample
+    import tokenizer
+    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+    settings = dict(data_dir=data_dir, max_steps=6, sample_every=2, num_samples=2, sample_tokens=6, checkpoint_every=2,
+                    keep_checkpoints=10)
+    run(tiny(log_dir=whole, **settings))
+    drawn = samples_of(whole)
+    assert sorted(drawn) == [2, 4, 5] and len({tuple(texts) for texts in drawn.values()}) == 3
+    prompt = sample.encode_prompt(tokenizer.get_tokenizer(), train_config.build_parser().get_default("sample_prompt"),
+                                  32)
+    for step in (2, 4):
+        model = checkpoint.load_model(checkpoint.checkpoint_path(whole, step))[0]
+        generator = torch.Generator().manual_seed(1337 + step)  # the default --seed
+        assert sample.training_samples(model, prompt, 2, 6, generator) == drawn[step], step
+    run(tiny(log_dir=resumed, resume=checkpoint.checkpoint_path(whole, 2), **settings))
+    assert samples_of(resumed) == drawn
+
+
+def samples_of(log_dir):
+    """{step: [its samples' texts]} of a run's records."""
+    drawn = {}
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        for r in map(json.loads, f):
+            if r["kind"] == "sample":
+                drawn.setdefault(r["step"], []).append(r["text"])
+    return drawn
+
+
 def test_kill9_then_resume_is_bit_identical(data_dir, reference_run, tmp_path):
     log_dir = str(tmp_path / "log")
     args = tiny(data_dir=data_dir, log_dir=log_dir, max_steps=10, checkpoint_every=3)

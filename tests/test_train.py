@@ -862,6 +862,16 @@ def run_files(log_dir):
     return sorted((f, os.stat(os.path.join(log_dir, f)).st_mtime_ns) for f in found)
 
 
+@pytest.mark.parametrize("every, batch, tokens", [(4, 128, 128), (10, 1024, 2560), (250, 524288, 10485760)])
+def test_the_default_val_tokens_are_at_most_a_quarter_of_those_trained_between_validations(data_dir, tmp_path, every,
+                                                                                           batch, tokens):
+    """--val-tokens left out: a quarter of the tokens trained between validations (validation costs about a tenth of
+    the training, its forward only), at most 10,485,760 (20 of GPT-2's 524,288-token steps)."""
+    args = tiny(data_dir=data_dir, log_dir=str(tmp_path / "log"), eval_every=every, total_batch_size=batch,
+                val_tokens=None)
+    assert train_config.resolve(train_config.parse_args(args))[0].val_tokens == tokens
+
+
 def test_hellaswag_file_is_read_at_start_as_far_as_the_limit(tmp_path):
     """--hellaswag-file is read when the settings are resolved, before the run starts (evaluation.prepare), up
     to --hellaswag-limit: what lies past the items a run scores does not stop it."""
