@@ -348,6 +348,22 @@ def test_core_is_drawn_against_gpt2_and_summarised(tmp_path):
     assert values == {core.GPT2_CORE["124M"], core.GPT2_CORE["1.5B"]} == {0.1139, 0.2565}
 
 
+def test_a_resumed_run_keeps_every_launchs_evaluations(tmp_path):
+    """A run that scored CORE in its first launch and was resumed without it: its records, its summary and its plot
+    still hold the first launch's CORE (each launch's run record describes the evaluations of that launch)."""
+    pytest.importorskip("matplotlib")
+    first = launch(0, 19, 0.0, seed=5, core=22, checkpoints=(20,), end="signal")
+    second = launch(20, 49, 100.0, seed=6, resumed_from="ckpt_000020.pt", end="finished")
+    first[0]["evaluations"] = {k: descriptions.EVALUATIONS[k] for k in ("val", "hellaswag", "core")}
+    second[0]["evaluations"] = {k: descriptions.EVALUATIONS[k] for k in ("val", "hellaswag")}
+    log_dir = write_log(tmp_path / "run", first + second)
+    read = metrics.read_metrics(log_dir)
+    assert list(read["evaluations"]) == ["val", "hellaswag", "core"] and [r["step"] for r in read["core"]] == [0, 10, 20]
+    assert plot.summarize(log_dir)["core_best_step"] in (0, 10, 20)
+    fig = plot.build_figure([log_dir])
+    assert any("CORE" in line.get_label() for ax in fig.axes for line in ax.lines)
+
+
 def test_a_run_stopped_before_its_first_step(logs):
     dirs, _ = logs
     s = dict(plot.summarize(dirs["full"]), status="signal", stop_step=-1)  # the trainer's end record: step -1
