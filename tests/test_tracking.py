@@ -20,9 +20,9 @@ from runs import ENV, FAULT_TRAINER, TRAIN, records, run, tiny, write_shards
 TRACKED = dict(ENV, WANDB_MODE="offline", WANDB_SILENT="true")
 
 
-def wandb_history(path):
-    """The history rows of an offline W&B run file (run-ID.wandb: W&B's record log, 32 KiB blocks of
-    chunks with a 7-byte header, each record a wandb_internal_pb2.Record) and its run id."""
+def wandb_records(path):
+    """The records of an offline W&B run file (run-ID.wandb: W&B's record log, 32 KiB blocks of chunks with a 7-byte
+    header, each record a wandb_internal_pb2.Record)."""
     from wandb.proto import wandb_internal_pb2 as pb
     data = open(path, "rb").read()
     assert data[:4] == b":W&B"
@@ -39,10 +39,16 @@ def wandb_history(path):
             parts = chunk if kind == 2 else parts + chunk
             if kind == 4:
                 payloads.append(parts)
-    rows, run_id, config = [], None, {}
     for payload in payloads:
         rec = pb.Record()
         rec.ParseFromString(payload)
+        yield rec
+
+
+def wandb_history(path):
+    """The history rows of an offline W&B run file, its run id and its configuration."""
+    rows, run_id, config = [], None, {}
+    for rec in wandb_records(path):
         which = rec.WhichOneof("record_type")
         if which == "history":
             rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
@@ -126,6 +132,30 @@ def check_wandb(log_dir, train):
     assert samples[0]["sample/0"].startswith("Hello, I'm a language model,")
     assert [row["_step"] for row in second if "val/val_loss" in row] == [0, 2, 4, 5]
     assert all(row["_step"] <= 3 for row in first)  # whatever of steps 0-3 reached the killed launch's file
+
+
+def test_tensorboard_alone_writes_its_events_to_log_dir_tb(data_dir, tmp_path):
+    pytest.importorskip("tensorboard")
+    log_dir = str(tmp_path / "log")
+    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2, tensorboard=True))
+    assert [step for step, _ in tensorboard_scalars(log_dir, "train/loss")[0]] == [0, 1]
+    assert not os.path.exists(os.path.join(log_dir, "wandb"))
+
+
+def test_the_wandb_runs_name_is_the_log_directorys_own(data_dir, tmp_path):
+    """Without --wandb-run, the W&B run is named as the log directory is, however the command line spells it: a
+    relative path with a trailing slash, or the working directory itself (.)."""
+    pytest.importorskip("wandb")
+    here = tmp_path / "exp0"
+    here.mkdir()
+    for log_dir, name, where in ((".", "exp0", here), ("runs/exp1/", "exp1", here / "runs" / "exp1")):
+        p = subprocess.run([runs.python(), TRAIN] + tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2,
+                                                          eval_every=0, wandb="gpt2-tests"),
+                           capture_output=True, text=True, env=TRACKED, cwd=here, timeout=900)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        (path,) = glob.glob(str(where / "wandb" / "offline-run-*" / "run-*.wandb"))
+        assert {rec.run.display_name for rec in wandb_records(path) if rec.WhichOneof("record_type") == "run"} == \
+            {name}, log_dir
 
 
 @pytest.fixture

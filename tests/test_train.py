@@ -862,6 +862,29 @@ def run_files(log_dir):
     return sorted((f, os.stat(os.path.join(log_dir, f)).st_mtime_ns) for f in found)
 
 
+@pytest.mark.parametrize("flags", [["--sharding", "fsdp", "--fsdp"], ["--fsdp", "--sharding", "fsdp"], ["--fsdp", "--fsdp"],
+                                   ["--sharding", "none", "--sharding", "none"]])
+def test_flags_that_agree_are_accepted(data_dir, tmp_path, flags):
+    """The same setting said twice, by two spellings or one: no contradiction to refuse."""
+    args = train_config.parse_args(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log")) + flags)
+    assert args.sharding == ("none" if "none" in flags else "fsdp")
+
+
+def test_what_a_launch_profiles_is_its_own_not_the_runs(data_dir, tmp_path):
+    """--memory-snapshot and --profile-steps belong to the launch that names them: a resume that does not name them
+    takes neither from the run's stored settings."""
+    log_dir = str(tmp_path / "log")
+    run(tiny(data_dir=data_dir, log_dir=log_dir, max_steps=2) + ["--profile-steps", "0:0"])
+    path = checkpoint.list_checkpoints(log_dir)[-1]
+    ckpt = checkpoint.load_file(path)
+    assert ckpt["config"]["profile_steps"] in ([0, 0], (0, 0)) and ckpt["config"]["memory_snapshot"] is False
+    ckpt["config"]["memory_snapshot"] = True  # as a launch on a GPU stores it (refused on this CPU)
+    checkpoint.save_file(path, ckpt)
+    run(["--log-dir", log_dir, "--resume", "--max-steps", "3"])  # on this CPU --memory-snapshot would be refused
+    resumed = checkpoint.load_file(checkpoint.list_checkpoints(log_dir)[-1])["config"]
+    assert resumed["memory_snapshot"] is False and resumed["profile_steps"] is None
+
+
 @pytest.mark.parametrize("every, batch, tokens", [(4, 128, 128), (10, 1024, 2560), (250, 524288, 10485760)])
 def test_the_default_val_tokens_are_at_most_a_quarter_of_those_trained_between_validations(data_dir, tmp_path, every,
                                                                                            batch, tokens):
