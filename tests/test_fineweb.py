@@ -194,6 +194,33 @@ def test_prepares_without_importing_torch(tmp_path):
     assert (versions["torch"], versions["cuda"]) == (torch.__version__, torch.version.cuda)
 
 
+def test_a_listed_shard_left_empty_is_made_again_and_verify_names_a_run_cut_short(tmp_path, capsys):
+    """A shard the manifest lists whose file is empty (what a crash before its data reached the disk leaves) is
+    found damaged and made again, to the same bytes, not an EOFError. --verify on a directory whose run stopped
+    part-way says it is incomplete and gives the command that finishes it, which does."""
+    data = write_parquet(tmp_path / "d.parquet", big_docs(200, seed=4))
+    args = ["--data-files", data, "--shard-size", "5000", "--val-tokens", "1000"]
+    out = tmp_path / "out"
+    prepare(tmp_path, out, *args)
+    made = shard_bytes(out)
+    m = json.load(open(out / "manifest.json"))
+    open(out / m["shards"][2]["name"], "wb").close()
+    prepare(tmp_path, out, *args)
+    assert shard_bytes(out) == made
+    os.remove(out / m["shards"][-1]["name"])  # the manifest as a run killed before its last shard left it
+    cut = dict(m, complete=False, shards=m["shards"][:-1])
+    json.dump(cut, open(out / "manifest.json", "w"))
+    capsys.readouterr()
+    fineweb.main(["--out-dir", str(out), "--verify"])
+    assert capsys.readouterr().out == (f"{out}: {len(m['shards']) - 1} shards match their checksums; incomplete "
+                                       f"(re-run the command that made it (it redoes only what is missing): "
+                                       f"{m['command']})\n")
+    command = shlex.split(m["command"])
+    assert command[:2] == ["python", "fineweb.py"]
+    fineweb.main(command[2:])
+    assert shard_bytes(out) == made and json.load(open(out / "manifest.json"))["complete"]
+
+
 def test_max_tokens_then_continue_and_rerun(tmp_path, capsys):
     docs = big_docs(200, seed=1)
     data = write_jsonl(tmp_path / "d.jsonl", docs)
@@ -711,6 +738,23 @@ def test_data_files_directory_suggests_a_glob(tmp_path, capsys):
     err = fails(capsys, tmp_path, tmp_path / "out2", "--data-files", str(tmp_path / "nothing"))
     assert err == (f"error: --data-files {tmp_path / 'nothing'} is a directory with no .parquet, .json, .jsonl "
                    "or .txt files in it: pass a glob of such files")
+
+
+@pytest.mark.parametrize("flag", ["--shard-size", "--val-tokens"])
+def test_the_memory_check_counts_two_bytes_a_token(tmp_path, monkeypatch, flag):
+    """On a machine of 1 GiB (as the OS reports it), a split's shard of 600,000,000 tokens is 1.2 GB: refused, in one
+    line naming the most it holds (536,870,912 tokens), before anything is written; one of 500,000,000 (1.0 GB) is
+    not refused for its size."""
+    sysconf = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 2 ** 18}.get(
+        name) or sysconf(name))
+    data = write_parquet(tmp_path / "d.parquet", DOCS)
+    with pytest.raises(UserError) as e:
+        prepare(tmp_path, tmp_path / "out", "--data-files", data, flag, "600000000")
+    assert str(e.value) == (f"{flag} 600000000: a shard is held in memory while it is written, and this machine has "
+                            "1.0 GiB: give at most 536,870,912 tokens (the default, 100,000,000, is 200 MB)")
+    assert not (tmp_path / "out").exists()
+    fineweb.parse_args(["--data-files", data, "--out-dir", str(tmp_path / "out"), flag, "500000000"])
 
 
 @pytest.mark.parametrize("size, said", [(1, "--shard-size 1 would write a file every 1 tokens: give at least 1024"),
