@@ -19,6 +19,7 @@ from runs import run, tiny
 
 A100 = ("NVIDIA A100-SXM4-40GB", (8, 0), 40 * 2 ** 30)
 T4 = ("Tesla T4", (7, 5), 15 * 2 ** 30)
+V100 = ("Tesla V100-SXM2-16GB", (7, 0), 16 * 2 ** 30)
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
 
 # how the user names the GPU -> (--device, torchrun's environment, the machine, the device it runs on, its index)
@@ -87,16 +88,24 @@ def test_the_set_up_on_a_gpu_for_every_way_of_naming_it(naming, monkeypatch, tmp
     assert scaler.is_enabled() == fp16 and [str(w.message) for w in caught] == []
 
 
-def test_the_default_command_reaches_the_models_move_to_the_gpu(monkeypatch, data_dir, tmp_path):
+@pytest.mark.parametrize("gpu, dtype", [(fake_cuda.H100, "bfloat16"), (A100, "bfloat16"), (T4, "float16"),
+                                        (V100, "float16")])
+def test_the_default_command_reaches_the_models_move_to_the_gpu(monkeypatch, data_dir, tmp_path, gpu, dtype):
     """`python train_gpt2.py` on one GPU: everything before the model's move to the GPU runs (the device, its
     choice and switches, the evaluations' set-up), and the build's own refusal comes from the move (a CPU build:
-    no CUDA linked; a CUDA build on a machine without a GPU: the real driver's absence)."""
-    fake_cuda.install(monkeypatch, [fake_cuda.H100])
+    no CUDA linked; a CUDA build on a machine without a GPU: the real driver's absence). With no --dtype and no
+    --compile, where Triton runs: bf16 on Ampere and later, fp16 on a T4 or V100, and compile on."""
+    from torch.utils import _triton
+    fake_cuda.install(monkeypatch, [gpu], "sm_70 sm_75 sm_80 sm_90")  # a build with kernels for each (cu126)
+    monkeypatch.setattr(_triton, "has_triton", lambda: True)  # the triton package, not the driver: stood in for
     monkeypatch.setattr(common, "_joined_process_group", False)
+    chosen, choose = [], device.choose
+    monkeypatch.setattr(device, "choose", lambda *a, **k: chosen.append(choose(*a, **k)) or chosen[-1])  # a spy
     with pytest.raises(RuntimeError, match="not linked with support for cuda devices|CUDA driver") as e:
         run(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log"), device="auto", sample_every=5))
     frames = traceback.extract_tb(e.value.__traceback__)
     assert any(f.name == "setup" and "raw_model.to(ranks.device)" in f.line for f in frames), frames
+    assert [(c.dtype, c.compile) for c in chosen] == [(dtype, True)]
     assert not (tmp_path / "log").exists()  # nothing written before the run could start
 
 
