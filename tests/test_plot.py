@@ -176,6 +176,13 @@ def test_resume_that_dies_early_drops_the_abandoned_branch(tmp_path):
     assert m["train"][-1] == of(second, "train")[-1] and len(m["launches"]) == 2
     assert [r["step"] for r in m["checkpoint"]] == [20]
     assert plot.summarize(tmp_path)["tokens"] == 25 * TPS
+    # resumed from 20 and gone before its first step: the first launch's step 20 is the abandoned branch's too
+    gone = launch(20, 19, 5000.0, seed=6)
+    assert not of(gone, "train")
+    write_log(tmp_path / "gone", first + gone)
+    m = metrics.read_metrics(tmp_path / "gone")
+    assert [r["step"] for r in m["train"]] == list(range(20)) and plot.summarize(tmp_path / "gone")["tokens"] == \
+        20 * TPS
 
 
 def png_size(path):
