@@ -365,7 +365,8 @@ def test_a_resumed_run_keeps_every_launchs_evaluations(tmp_path):
     second[0]["evaluations"] = {k: descriptions.EVALUATIONS[k] for k in ("val", "hellaswag")}
     log_dir = write_log(tmp_path / "run", first + second)
     read = metrics.read_metrics(log_dir)
-    assert list(read["evaluations"]) == ["val", "hellaswag", "core"] and [r["step"] for r in read["core"]] == [0, 10, 20]
+    assert list(read["evaluations"]) == ["val", "hellaswag", "core"]
+    assert [r["step"] for r in read["core"]] == [0, 10, 20]
     assert plot.summarize(log_dir)["core_best_step"] in (0, 10, 20)
     fig = plot.build_figure([log_dir])
     assert any("CORE" in line.get_label() for ax in fig.axes for line in ax.lines)

@@ -862,8 +862,8 @@ def run_files(log_dir):
     return sorted((f, os.stat(os.path.join(log_dir, f)).st_mtime_ns) for f in found)
 
 
-@pytest.mark.parametrize("flags", [["--sharding", "fsdp", "--fsdp"], ["--fsdp", "--sharding", "fsdp"], ["--fsdp", "--fsdp"],
-                                   ["--sharding", "none", "--sharding", "none"]])
+@pytest.mark.parametrize("flags", [["--sharding", "fsdp", "--fsdp"], ["--fsdp", "--sharding", "fsdp"],
+                                   ["--fsdp", "--fsdp"], ["--sharding", "none", "--sharding", "none"]])
 def test_flags_that_agree_are_accepted(data_dir, tmp_path, flags):
     """The same setting said twice, by two spellings or one: no contradiction to refuse."""
     args = train_config.parse_args(tiny(data_dir=data_dir, log_dir=str(tmp_path / "log")) + flags)
