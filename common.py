@@ -40,7 +40,8 @@ _store = None  # the process group's key-value store (torchrun's), once joined: 
 PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
                  "remote process exited")
 PEER_GRACE_S = 5.0
-ERROR_WAIT_S = 5.0  # how long a rank that met an error waits for the others that met it (a loaded machine spreads them)
+# a rank that met an error waits this long for the others to meet it (ranks reach a check of their flags or files
+ERROR_WAIT_S = 15.0  # a second or two apart, more on a loaded machine; only an error of one rank's own waits it out)
 
 
 def mark_joined_process_group(store=None):
@@ -63,8 +64,7 @@ def attempt_store(store):
 # Errors under torchrun: every rank meets a bad flag or file, one rank a fault of its own part of the data
 def say_error(line):
     """Print an error line once for the ranks that met it: the lowest of them prints it, prefixed with their ranks
-    unless every rank met it. The ranks compare through torchrun's store; without one each says its own, prefixed
-    with its rank."""
+    unless every rank met it (compared through torchrun's store; without one each says its own, with its rank)."""
     record_error(line)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and "RANK" in os.environ:
@@ -76,19 +76,20 @@ def say_error(line):
             met = ranks_that_met(store, line, rank, world)
         except Exception:  # noqa: BLE001  (no store to compare through: a launcher without torchrun's agent)
             store, met = None, [rank]
-        if met[0] != rank:  # a lower rank says it: wait until it has (torchrun ends every rank once one leaves)
+        if met[0] != rank:  # a lower rank says it: none leaves (torchrun then ends all) before all that met it know
             _saying["mine"] = False
-            store.set(f"error/heard/{rank}", "1")
-            wait_for(store, [f"error/said/{met[0]}"])
+            with contextlib.suppress(Exception):  # (a store on the sayer's rank goes with it)
+                store.set(f"error/heard/{rank}", "1")
+                wait_for(store, [f"error/done/{met[0]}"], 70.0)
             return
         if len(met) < world:
             line = f"rank{'s' if len(met) > 1 else ''} {', '.join(map(str, met))}: {line}"
         _saying["line"] = line
         print(line, file=sys.stderr, flush=True)
         _saying["mine"] = False
-        if store is not None:
-            store.set(f"error/said/{rank}", "1")
-            wait_for(store, [f"error/heard/{r}" for r in met[1:]], 60.0)  # its exit ends theirs: once they know it
+        with contextlib.suppress(Exception):  # (no store: nothing to wait for)
+            wait_for(store, [f"error/heard/{r}" for r in met[1:]], 60.0)
+            store.set(f"error/done/{rank}", "1")
         return
     print(line, file=sys.stderr, flush=True)
 
@@ -132,9 +133,9 @@ def ranks_that_met(store, line, rank, world):
     return [r for r, key in enumerate(keys) if store.check([key]) and store.get(key).decode() == line]
 
 
-def wait_for(store, keys, seconds=ERROR_WAIT_S):
-    """Until the store holds every key, or seconds have passed."""
-    deadline = time.monotonic() + seconds
+def wait_for(store, keys, seconds=None):
+    """Until the store holds every key, or seconds (ERROR_WAIT_S) have passed."""
+    deadline = time.monotonic() + (ERROR_WAIT_S if seconds is None else seconds)
     while not store.check(keys) and time.monotonic() < deadline:
         time.sleep(0.05)
 
@@ -158,8 +159,7 @@ def run_script(main):
 
 
 def run_main(main):
-    """Call main(); a UserError becomes one line on stderr and exit status 2, a closed stdout (`| head`) a
-    quiet status 1 (Python's note on SIGPIPE)."""
+    """Call main(); a UserError becomes one line on stderr and exit status 2, a closed stdout (`| head`) status 1."""
     try:
         result = main()
         sys.stdout.flush()  # here, where a closed pipe is caught, rather than at the interpreter's exit

@@ -597,19 +597,20 @@ def test_sigterm_on_one_rank_during_validation_stops_every_rank_inside_it(data_d
     assert final_state(log_dir)[0] == 4 and [r["step"] for r in records(log_dir, "train")] == [0, 1, 2, 3]
 
 
-def test_a_resume_with_another_process_count_is_refused_once(reference_run, tmp_path):
-    """A run of one process resumed by two: every rank refuses it alike, and the group says so once, without a
-    rank (torchrun used to print the line per rank); nothing is written. Rank 1 is held after posting its line and
-    before reading rank 0's, as a loaded machine can hold it: rank 0, which says the line, does not leave (torchrun
-    then ends rank 1) before rank 1 knows it is said."""
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_resume_with_another_process_count_is_refused_once(reference_run, tmp_path, ranks):
+    """A run of one process resumed by two or three: every rank refuses it alike, and the group says so once, without
+    a rank (torchrun used to print the line per rank); nothing is written. The highest rank is held after posting its
+    line and before reading the others', as a loaded machine can hold it: no rank leaves (torchrun then ends the
+    rest) before it knows the line is not its own to say (rank 1 of three once left as soon as rank 0 had said it)."""
     path = checkpoint.list_checkpoints(reference_run)[-1]
-    p = subprocess.run([runs.python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    p = subprocess.run([runs.python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                         FAULT_TRAINER, "--log-dir", str(tmp_path / "two"), "--resume", path, "--max-steps", "12"],
-                       capture_output=True, text=True, env=dict(ENV, FAULT="slowsay:1:0"), timeout=300)
+                       capture_output=True, text=True, env=dict(ENV, FAULT=f"slowsay:{ranks - 1}:0"), timeout=300)
     said = [line for line in (p.stdout + p.stderr).splitlines() if re.match(r"(error: |ranks? [\d, ]+: )", line)]
     assert p.returncode != 0 and said == [
-        f"error: cannot resume {path}: it was trained with 1 process(es) (GPUs), this launch has 2; launch it with 1 "
-        "in all (torchrun --nproc_per_node x --nnodes)"], p.stdout[-2000:] + p.stderr[-2000:]
+        f"error: cannot resume {path}: it was trained with 1 process(es) (GPUs), this launch has {ranks}; launch it "
+        "with 1 in all (torchrun --nproc_per_node x --nnodes)"], p.stdout[-2000:] + p.stderr[-2000:]
     assert not (tmp_path / "two").exists()
 
 
