@@ -110,9 +110,10 @@ def parse_args(argv=None):
     memory, itemsize = memory_bytes(), np.dtype(TOKEN_DTYPE).itemsize
     for flag in ("shard_size", "val_tokens"):  # each split's shard is built in memory before it is written
         if memory is not None and getattr(args, flag) * itemsize > memory:
+            default, most = p.get_default(flag), memory // itemsize
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: a shard is held in memory while it "
-                            f"is written, and this machine has {memory / 2 ** 30:.1f} GiB: give at most "
-                            f"{memory // itemsize:,} tokens (the default, {10 ** 8:,}, is 200 MB)")
+                            f"is written, and this machine has {memory / 2 ** 30:.1f} GiB: give at most {most:,} "
+                            f"tokens (the default, {default:,}, is {default * itemsize // 10 ** 6} MB)")
     cores = cpu_count()
     if args.workers > cores:  # more processes than cores only add switching and memory
         print(f"--workers {args.workers} is more than the {cores} CPU cores this process may use: using {cores}")

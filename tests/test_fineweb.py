@@ -751,8 +751,9 @@ def test_the_memory_check_counts_two_bytes_a_token(tmp_path, monkeypatch, flag):
     data = write_parquet(tmp_path / "d.parquet", DOCS)
     with pytest.raises(UserError) as e:
         prepare(tmp_path, tmp_path / "out", "--data-files", data, flag, "600000000")
+    default = "100,000,000, is 200 MB" if flag == "--shard-size" else "10,000,000, is 20 MB"
     assert str(e.value) == (f"{flag} 600000000: a shard is held in memory while it is written, and this machine has "
-                            "1.0 GiB: give at most 536,870,912 tokens (the default, 100,000,000, is 200 MB)")
+                            f"1.0 GiB: give at most 536,870,912 tokens (the default, {default})")
     assert not (tmp_path / "out").exists()
     fineweb.parse_args(["--data-files", data, "--out-dir", str(tmp_path / "out"), flag, "500000000"])
 
