@@ -17,6 +17,7 @@ import re
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -138,36 +139,31 @@ def _init_worker(encoding):
 
 def _stop_with_parent():
     """A worker whose fineweb.py died (kill -9) stops with one line, rather than a BrokenPipeError traceback when it
-    hands back its next result: Linux sends it SIGUSR1 as its parent dies (prctl PR_SET_PDEATHSIG). A worker blocked
-    handing back a result to a full pipe hears first of the pipe (SIGPIPE: the dead parent's files close before it is
-    gone), so that signal asks the same question."""
-    parent = os.getppid()
+    hands back its next result: a thread of its own watches for it to be reparented (a signal such as Linux's
+    PR_SET_PDEATHSIG can come just as Python enters a blocking wait, its handler then never run). A worker blocked
+    handing a result to a full pipe hears first of that (SIGPIPE: a dying process's files close before it is gone)."""
+    parent, once = os.getppid(), threading.Lock()
 
-    def gone(signum, frame):
-        # a pipe closed as the parent dies is heard of before the parent is gone (reparented): wait for that a moment
-        wait = time.monotonic() + (5 if signum == signal.SIGPIPE else 0)
-        while os.getppid() == parent and time.monotonic() < wait:
-            time.sleep(0.01)
-        if os.getppid() != parent:  # reparented: the main process is gone (else a signal meant for someone else)
-            try:
-                print(f"\nfineweb.py: worker {os.getpid()} stopped: its main process is gone (killed?); the same "
-                      "command goes on from the last shard written", file=sys.stderr, flush=True)
-            except OSError:  # stderr gone with it (a pipe to a killed tee): stop all the same
-                pass
-            finally:
-                os._exit(1)
+    def stop():
+        once.acquire()  # the first of the two threads to see it says it; the other waits for the exit
+        try:
+            print(f"\nfineweb.py: worker {os.getpid()} stopped: its main process is gone (killed?); the same "
+                  "command goes on from the last shard written", file=sys.stderr, flush=True)
+        except OSError:  # stderr gone with it (a pipe to a killed tee): stop all the same
+            pass
+        finally:
+            os._exit(1)
 
-    if not hasattr(signal, "SIGUSR1"):
-        return
-    signal.signal(signal.SIGPIPE, gone)  # with the parent alive, Python's own BrokenPipeError, as before
-    signal.signal(signal.SIGUSR1, gone)
-    try:
-        import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGUSR1)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the traceback it was
-        return
-    if os.getppid() != parent:  # died before the prctl
-        gone(signal.SIGUSR1, None)
+    def watch(seconds=None):
+        deadline = time.monotonic() + (seconds or float("inf"))
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.01 if seconds else 0.1)
+        if os.getppid() != parent:  # reparented: the main process is gone (else a pipe of another's: Python's error)
+            stop()
+
+    threading.Thread(target=watch, name="fineweb: watch the main process", daemon=True).start()
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, lambda signum, frame: watch(5))
 
 
 def encode_documents(task):

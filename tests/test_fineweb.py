@@ -264,7 +264,16 @@ def test_a_rerun_whose_max_tokens_end_on_a_shard_boundary_has_nothing_to_do(tmp_
     assert "nothing to do" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def wchan(pid):
+    """Where in the kernel pid waits ('' where it is gone)."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/PID/wchan is Linux's")
 def test_a_worker_blocked_on_a_full_pipe_says_its_main_process_is_gone(tmp_path):
     """The main process dies while a worker waits to hand it a result: the worker hears of the closed pipe before it
     hears of its parent (the dying process's files close first), and still stops with its one line."""
@@ -296,7 +305,7 @@ def test_a_worker_blocked_on_a_full_pipe_says_its_main_process_is_gone(tmp_path)
             os.close(ready_w)
             if os.read(ready_r, 1):  # the worker watches its parent now (or is gone: b"")
                 deadline = time.monotonic() + 60  # until the pipe is full and the worker blocked in its write
-                while "pipe" not in open(f"/proc/{worker}/wchan").read() and time.monotonic() < deadline:
+                while "pipe" not in wchan(worker) and time.monotonic() < deadline:
                     time.sleep(0.01)
         finally:
             os.kill(os.getpid(), signal.SIGKILL)
