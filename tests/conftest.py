@@ -3,6 +3,7 @@ the tiny random GPT that the HellaSwag and sampling tests score and sample from,
 nvidia-smi that lists GPUs this machine does not have."""
 import gc
 import os
+import signal
 import socket
 import sys
 
@@ -26,6 +27,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+def interrupted(signum, frame):
+    """A SIGTERM (a CI's time limit) ends the session as a Ctrl-C does: its teardowns and its end run."""
+    raise KeyboardInterrupt
+
+
+def sigterm_ends_it():
+    # a child forked without a new program (a pool's worker) is not the session: SIGTERM ends it, as the kernel
+    # does (a handler could be left unrun, the signal come as the child enters a blocking wait)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def pytest_collection_finish(session):
     # what the imports made lives as long as the process: the collections after each run need not walk it again
     gc.collect()  # (what is garbage already is not frozen for good)
@@ -33,16 +45,27 @@ def pytest_collection_finish(session):
 
 
 @pytest.fixture(autouse=True)
-def ends_what_it_starts():
+def ends_what_it_starts(request):
     """Every process a test starts ends with the test, however the test ended: what is still running after its
     teardown (a rank a killed torchrun left, a child its parent did not wait for) is killed, and the test errors,
-    naming each."""
+    naming each (a session interrupted in the test ends interrupted, naming each)."""
     before = set(processes.of_tests(processes.session(), warm.zygote_session()))
     yield
     left = [p for p in processes.of_tests(processes.session(), warm.zygote_session()) if p not in before]
     killed = processes.end(left) if left else []
     if killed:
-        pytest.fail("the test left processes running (killed now):\n" + "\n".join(map(str, killed)), pytrace=False)
+        message = "the test left processes running (killed now):\n" + "\n".join(map(str, killed))
+        if not interrupted_in.get("test"):
+            pytest.fail(message, pytrace=False)
+        say(request.config, message)
+
+
+interrupted_in = {}
+
+
+def pytest_keyboard_interrupt(excinfo):
+    # the interrupted test's teardown runs at the session's end: an error there would end the session in a traceback
+    interrupted_in["test"] = True
 
 
 @pytest.hookimpl(trylast=True)
@@ -55,11 +78,18 @@ def pytest_sessionfinish(session):
         return
     killed = processes.end(processes.not_helpers(processes.session()), grace=3 * processes.GRACE_S)
     if killed:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        lines = ["processes the suite started were still running at its end (killed now):"] + [f"  {p}" for p in killed]
-        for line in lines:
-            reporter.write_line(line, red=True) if reporter else print(line, file=sys.stderr)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        say(session.config, "\n".join(["processes the suite started were still running at its end (killed now):"]
+                                       + [f"  {p}" for p in killed]))
+        if session.exitstatus != pytest.ExitCode.INTERRUPTED:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def say(config, message):
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter:
+        reporter.line("")  # (the progress line may be open)
+    for line in message.splitlines():
+        reporter.write_line(line, red=True) if reporter else print(line, file=sys.stderr)
 
 
 def reachable(host, port=443, timeout=3.0):
@@ -190,6 +220,9 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_configure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the process whose end ends what the session started
+        signal.signal(signal.SIGTERM, interrupted)
+        os.register_at_fork(after_in_child=sigterm_ends_it)
     # pytest-xdist's own marker, named here too so that a run without it does not warn
     config.addinivalue_line("markers",
                             "xdist_group(name): the tests pytest-xdist's --dist loadgroup runs in one process")

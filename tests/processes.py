@@ -1,8 +1,11 @@
 """The processes the suite starts, found again wherever they went: each carries the session's mark (MARK) in the
 environment it was started with, which its children inherit, so what outlives its test or the session can be named
 and ended however it was started (torchrun's ranks, a warm launch, a SLURM job's steps) and wherever it was
-reparented. A process that a module keeps on purpose (a SLURM cluster) is started with KEEP in its environment too,
-and its fixture ends it; the warm zygote and its keepers are this worker's own, in the zygote's session."""
+reparented; a child forked without a new program shows its parent's first environment instead, so what descends
+from this process is its own too. A process that a module keeps on purpose (a SLURM cluster) is started with KEEP in
+its environment too, and its fixture ends it; the warm zygote and its keepers are this worker's own, in the zygote's
+session. A session started inside another (a test that runs pytest) marks its processes with the outer mark and its
+own: they are the outer session's too, and the inner one's end leaves the outer one's alone."""
 import contextlib
 import os
 import secrets
@@ -14,11 +17,12 @@ MARK = "GPT2_TRAIN_TEST_SESSION"
 KEEP = "GPT2_TRAIN_TEST_KEEP"
 # how long a process that is ending may take to be gone before it is killed (a keeper ending its child's session
 # after the shim died, a worker tearing down): waited only where something is still there, so only a leak pays it
-GRACE_S = float(os.environ.get("PROCESS_GRACE_S", "10"))
-# helpers torch and Python start beside a test worker, which end with it: Inductor's compile workers, the resource
-# tracker of multiprocessing's spawned children
-HELPERS = ("torch._inductor.compile_worker", "torch/_inductor/compile_worker", "multiprocessing.resource_tracker",
-           "multiprocessing.forkserver")
+# (30 s: a rank that said an error may wait up to a minute for the others, torchrun ends them at once)
+GRACE_S = float(os.environ.get("PROCESS_GRACE_S", "30"))
+# helpers torch and Python start beside a test worker, which end with it: Inductor's compile workers (with their
+# pool), and, alone, the resource tracker and the fork server of multiprocessing (what the server forks is a test's)
+HELPERS = ("torch._inductor.compile_worker", "torch/_inductor/compile_worker")
+HELPERS_ALONE = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 @contextlib.contextmanager
@@ -33,8 +37,17 @@ def kept(owner):
 
 
 def mark_session():
-    """Put the session's mark in this process's environment (the first process of the session chooses it)."""
-    os.environ.setdefault(MARK, f"{os.getpid()}-{secrets.token_hex(4)}")
+    """Put the session's mark in this process's environment: a pytest-xdist worker keeps its controller's, a session
+    of its own chooses one (below the mark of a session it runs in)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and MARK in os.environ:
+        return
+    outer = os.environ.get(MARK)
+    os.environ[MARK] = (f"{outer}/" if outer else "") + f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def ours(mark):
+    """Whether a process of mark is this session's (its own, or of a session inside it)."""
+    return mark is not None and (mark == os.environ.get(MARK) or mark.startswith(os.environ.get(MARK) + "/"))
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class Process:
     sid: int = field(compare=False)
     argv: tuple = field(compare=False)
     env: dict = field(compare=False, hash=False)
+    own: bool = field(default=False, compare=False)  # it descends from this process
 
     def __str__(self):
         test = self.env.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
@@ -52,36 +66,52 @@ class Process:
                 + (f" (started in {test})" if test else ""))
 
 
-def read(pid):
-    """The Process of pid, or None where it is gone, a zombie, or not of this session."""
+def stat(pid):
+    """(state, ppid, session id, start time) of pid, from /proc/PID/stat; None where it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        if fields[0] in ("Z", "X"):
-            return None
+        return fields[0], int(fields[1]), int(fields[3]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def read(pid, own=False):
+    """The Process of pid, or None where it is gone, a zombie, or not of this session (marked, or own: descended from
+    this process)."""
+    st = stat(pid)
+    if st is None or st[0] in ("Z", "X"):
+        return None
+    try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
-        if env.get(MARK) != os.environ.get(MARK):
+        if not own and not ours(env.get(MARK)):
             return None
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = tuple(a.decode(errors="replace") for a in f.read().split(b"\0") if a)
-    except (OSError, IndexError, ValueError):
+    except (OSError, ValueError):
         return None
-    return Process(pid, int(fields[19]), int(fields[1]), int(fields[3]), argv, env)
+    return Process(pid, st[3], st[1], st[2], argv, env, own)
 
 
 def session():
-    """Every live process of this session but this one and its ancestors."""
-    mine = set()
-    pid = os.getpid()
-    while pid > 1:
+    """Every live process of this session but this one and its ancestors: those marked, and those descended from
+    this process."""
+    stats = {int(name): stat(name) for name in os.listdir("/proc") if name.isdigit()}
+    mine, pid = set(), os.getpid()
+    while pid > 1 and pid not in mine:
         mine.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    found = (read(int(name)) for name in os.listdir("/proc") if name.isdigit() and int(name) not in mine)
+        pid = stats[pid][1] if stats.get(pid) else 1
+
+    def descends(pid):
+        seen = set()
+        while stats.get(pid) and pid not in seen:
+            seen.add(pid)
+            pid = stats[pid][1]
+            if pid == os.getpid():
+                return True
+        return False
+    found = (read(pid, descends(pid)) for pid in stats if pid not in mine)
     return [p for p in found if p is not None]
 
 
@@ -91,6 +121,8 @@ def not_helpers(processes):
     by_pid = {p.pid: p for p in processes}
 
     def helper(p):
+        if p.ppid == os.getpid() and any(h in " ".join(p.argv) for h in HELPERS_ALONE):
+            return True
         while p is not None:
             if p.ppid == os.getpid() and any(h in " ".join(p.argv) for h in HELPERS):
                 return True
@@ -103,12 +135,12 @@ def of_tests(processes, zygote_sid=None):
     """Those of processes that this process's tests started and that should end with their test: this worker's,
     neither kept by a module (KEEP), nor the warm zygote's own (its session), nor this process's helpers."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    return [p for p in not_helpers(processes) if p.env.get("PYTEST_XDIST_WORKER") == worker and KEEP not in p.env
-            and p.sid != zygote_sid]
+    return [p for p in not_helpers(processes) if (p.own or p.env.get("PYTEST_XDIST_WORKER") == worker)
+            and KEEP not in p.env and p.sid != zygote_sid]
 
 
 def still_there(processes):
-    return [p for p in processes if read(p.pid) == p]
+    return [p for p in processes if read(p.pid, p.own) == p]
 
 
 def end(processes, grace=GRACE_S):

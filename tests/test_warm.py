@@ -70,6 +70,7 @@ def test_a_killed_shim_takes_its_process_with_it(tmp_path):
         time.sleep(0.05)
     child = int(pid_file.read_text())
     process = processes.read(child)
+    assert process is not None, f"process {child} is not found as the session's"
     proc.kill()
     proc.wait()
     # its keeper kills it once it sees the shim's end: a bound on a hang, not a guess of how long that takes
@@ -78,11 +79,12 @@ def test_a_killed_shim_takes_its_process_with_it(tmp_path):
 
 
 def test_what_could_start_differently_starts_cold(tmp_path):
-    """An environment that imports read, extra file descriptors, and a module beside the script that shadows a
-    preloaded one: each runs the interpreter itself (torch not imported)."""
+    """An environment that imports read, extra file descriptors, a module beside the script that shadows a
+    preloaded one, and a process that a fixture keeps (a SLURM job's: its mark must be in its own environment, and a
+    forked child shows the zygote's): each runs the interpreter itself (torch not imported)."""
     probe = "import sys; print('torch' in sys.modules)"
-    env = dict(runs.ENV, TORCHINDUCTOR_COORDINATE_DESCENT_TUNING="1")
-    assert subprocess.run([runs.python(), "-c", probe], capture_output=True, text=True, env=env).stdout == "False\n"
+    for env in (dict(runs.ENV, TORCHINDUCTOR_COORDINATE_DESCENT_TUNING="1"), dict(runs.ENV, **{processes.KEEP: "x"})):
+        assert subprocess.run([runs.python(), "-c", probe], capture_output=True, text=True, env=env).stdout == "False\n"
     r, w = os.pipe()
     try:
         out = subprocess.run([runs.python(), "-c", probe], capture_output=True, text=True, env=runs.ENV, pass_fds=[w])

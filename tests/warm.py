@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+import processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what a fresh process reads at import or start-up: a request whose environment differs here starts cold
 IMPORT_TIME = ("TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA", "PYTHONPATH", "PYTHONHASHSEED",
@@ -316,6 +318,8 @@ def cold_because(argv, mine, set_by_imports):
     """Why a warm start of argv could differ from a cold one ('' where it could not): an environment that differs in
     what imports read, or modules beside the script (or in the working directory) that would shadow those preloaded
     (a copy of the project at another revision)."""
+    if processes.KEEP in os.environ:  # a forked child shows the zygote's environment where the suite looks for it
+        return "kept by a fixture (its environment says so)"
     theirs = import_time(os.environ, set_by_imports)
     if theirs != mine:
         changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
