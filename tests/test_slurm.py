@@ -33,14 +33,17 @@ records the trainer writes and on the job's state in SLURM, never on a guess of 
 takes (the time limit's story waits on SLURM's clock); the timeouts only bound a hang.
 """
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -103,7 +106,11 @@ def wait_for(condition, what, timeout=300, describe=lambda: "", every=0.1):
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}\n{describe()}")
-        time.sleep(every)
+        if ENDING.wait(every):
+            raise AssertionError(f"the module ended while a story waited for {what}")
+
+
+ENDING = threading.Event()  # the stories' teardown: a story still waiting stops, before the cluster does
 
 
 class Cluster:
@@ -160,7 +167,11 @@ GresTypes=gpu
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(key, 0o400)
-        self.daemons = []
+        self.key, self.socket_path, self.daemons = key, socket_path, []
+
+    def up(self):
+        """Start the daemons, and wait for every node to be idle."""
+        root, key, socket_path = self.root, self.key, self.socket_path
         self.start([FOUND["munged"], "--foreground", f"--key-file={key}", f"--socket={socket_path}",
                     f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log",
                     f"--seed-file={root}/munged.seed"])
@@ -177,13 +188,17 @@ GresTypes=gpu
         log.close()
 
     def stop(self):
-        """Kill what any job left runs (a story that failed part-way), cancel the jobs, stop the daemons, then end
-        every process the cluster started that is still there (a job step's slurmstepd outlives slurmd), and say
-        which had to be killed."""
+        """Cancel the jobs and kill what they still run (a story that failed part-way; a job cancelled as it
+        started runs its held trainer until KillWait is out), stop the daemons, then end every process the cluster
+        started that is still there (a job step's slurmstepd outlives slurmd), and say which had to be killed."""
+        def ended():
+            for p in self.job_processes():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+            return not self.run("squeue", "-h", check=False).strip()
         try:
-            self.run("scancel", "--full", "--signal=KILL", f"--partition={PARTITION}", check=False)
-            self.run("scancel", f"--partition={PARTITION}", check=False)
-            wait_for(lambda: not self.run("squeue", "-h", check=False).strip(), "the jobs to end", 120, every=1.0)
+            self.run("scancel", f"--partition={PARTITION}", check=False)  # (a pending job does not start)
+            wait_for(ended, "the jobs to end", 120, every=1.0)
         finally:
             for p in reversed(self.daemons):  # the slurmds, slurmctld, then munged
                 p.terminate()
@@ -196,6 +211,13 @@ GresTypes=gpu
             killed = processes.end(ours, grace=10)
         assert not killed, "the cluster's processes outlived its jobs and daemons (killed):\n" + "\n".join(
             map(str, killed))
+
+    def job_processes(self):
+        """What the jobs run (their scripts, torchrun, the trainers): the cluster's processes but its daemons and
+        their slurmstepd."""
+        daemons = {d.pid for d in self.daemons}
+        return [p for p in processes.session() if p.env.get(processes.KEEP) == self.env[processes.KEEP]
+                and p.pid not in daemons and p.ppid not in daemons and not p.argv[0].startswith("slurmstepd")]
 
     def logs(self):
         out = []
@@ -251,6 +273,7 @@ def cluster():
     c = None
     try:
         c = Cluster(root)
+        c.up()  # (stopped below if it fails part-way)
         yield c
     finally:
         if c is not None:
@@ -439,7 +462,9 @@ def stories(cluster, data_dir, tmp_path_factory):
     futures["cannot_go_on"] = pool.submit(cannot_go_on, cluster, data_dir, tmp_path_factory.mktemp("cannot_go_on"),
                                           reference)
     yield futures, reference
-    pool.shutdown(wait=False, cancel_futures=True)
+    ENDING.set()  # (a story whose test was not run, or failed before its result)
+    pool.shutdown(cancel_futures=True)
+    ENDING.clear()
 
 
 def test_a_job_requeues_itself_through_five_allocations_as_one_process_runs(stories):
