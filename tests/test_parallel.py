@@ -5,6 +5,7 @@ of ranks started once for the module (tests/pair.py); every one trains with the 
 import functools
 import os
 import random
+import shutil
 import threading
 
 import numpy as np
@@ -582,8 +583,11 @@ def test_a_blocks_own_setting_parses_as_its_default_and_sits_with_the_architectu
     del ckpt["model_config"]["options"]  # written before the block had a setting of its own
     del ckpt["config"]["rope_theta"]
     checkpoint.save_file(path, ckpt)
-    assert runs.train(["--log-dir", older, "--resume", "--max-steps", "3", "--rope-theta", "10000"]) == 0  # the same
-    assert checkpoint.load_model(older)[0].blocks[0].theta == 10000.0 and runs.records(older, "train")[-1]["step"] == 2
+    shutil.copytree(older, older + "-given")
+    for log_dir, given in ((older, []), (older + "-given", ["--rope-theta", "10000"])):  # its default, or the same
+        assert runs.train(["--log-dir", log_dir, "--resume", "--max-steps", "3", *given]) == 0, given
+        assert checkpoint.load_model(log_dir)[0].blocks[0].theta == 10000.0
+        assert runs.records(log_dir, "train")[-1]["step"] == 2
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
