@@ -154,16 +154,16 @@ def _stop_with_parent():
         finally:
             os._exit(1)
 
-    def watch(seconds=None):
-        deadline = time.monotonic() + (seconds or float("inf"))
+    def watch(seconds=float("inf"), every=0.1):
+        deadline = time.monotonic() + seconds
         while os.getppid() == parent and time.monotonic() < deadline:
-            time.sleep(0.01 if seconds else 0.1)
+            time.sleep(every)
         if os.getppid() != parent:  # reparented: the main process is gone (else a pipe of another's: Python's error)
             stop()
 
     threading.Thread(target=watch, name="fineweb: watch the main process", daemon=True).start()
     if hasattr(signal, "SIGPIPE"):
-        signal.signal(signal.SIGPIPE, lambda signum, frame: watch(5))
+        signal.signal(signal.SIGPIPE, lambda signum, frame: watch(5, 0.01))
 
 
 def encode_documents(task):

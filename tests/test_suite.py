@@ -76,7 +76,9 @@ def inner_session(tmp_path, *args, until=None):
 
 
 def pids(tmp_path):
-    return [int(line) for line in (tmp_path / "pids").read_text().split()]
+    """The pids the inner session's tests wrote (none yet: [])."""
+    path = tmp_path / "pids"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
 
 
 def test_a_process_left_running_is_named_and_ended_by_its_test_or_by_the_sessions_end(tmp_path):
@@ -107,7 +109,7 @@ def test_a_session_whose_tests_all_pass_fails_for_what_escaped_them(tmp_path):
 def test_a_sigterm_to_the_session_ends_what_it_started(tmp_path):
     """A CI's time limit (SIGTERM) in the middle of a test: the session ends as a Ctrl-C ends it, and what the test
     started (the sleep it waits on, one it forked) goes with it."""
-    out, status = inner_session(tmp_path, "-k", "interrupted", until=lambda p: len(pids_or_none(tmp_path)) == 2)
+    out, status = inner_session(tmp_path, "-k", "interrupted", until=lambda p: len(pids(tmp_path)) == 2)
     sleep, forked = pids(tmp_path)
     assert status == 2 and "KeyboardInterrupt" in out and "Traceback" not in out, out  # 2: pytest's "interrupted"
     assert f"the test left processes running (killed now):\npid {sleep}: sleep 1000 (started in " in out, out
@@ -115,7 +117,3 @@ def test_a_sigterm_to_the_session_ends_what_it_started(tmp_path):
     assert not alive(sleep) and not alive(forked)
     # the child's SIGTERM is the kernel's (a pool's worker that pytest's handler would have left running once)
     assert (tmp_path / "pids.sigterm").read_text() == str(signal.SIG_DFL)
-
-
-def pids_or_none(tmp_path):
-    return pids(tmp_path) if (tmp_path / "pids").exists() else []
