@@ -66,31 +66,51 @@ class Process:
                 + (f" (started in {test})" if test else ""))
 
 
+PF_KTHREAD = 0x00200000  # a kernel thread, in /proc/PID/stat's flags: no arguments or environment, ever
+EXEC_S = 10.0  # how long a process may be part-way through exec before it is read as it is
+
+
 def stat(pid):
-    """(state, ppid, session id, start time) of pid, from /proc/PID/stat; None where it is gone."""
+    """(state, ppid, session id, start time, flags) of pid, from /proc/PID/stat; None where it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[1]), int(fields[3]), int(fields[19])
+        return fields[0], int(fields[1]), int(fields[3]), int(fields[19]), int(fields[6])
     except (OSError, IndexError, ValueError):
         return None
 
 
+def proc_file(pid, name):
+    with open(f"/proc/{pid}/{name}", "rb") as f:
+        return f.read()
+
+
 def read(pid, own=False):
-    """The Process of pid, or None where it is gone, a zombie, or not of this session (marked, or own: descended from
-    this process)."""
-    st = stat(pid)
-    if st is None or st[0] in ("Z", "X"):
+    """The Process of pid, or None where it is gone, a zombie, a kernel thread, or not of this session (marked, or
+    own: descended from this process)."""
+    deadline = time.monotonic() + EXEC_S
+    while True:
+        st = stat(pid)
+        if st is None or st[0] in ("Z", "X") or st[4] & PF_KTHREAD:
+            return None
+        try:
+            environ = proc_file(pid, "environ")
+            argv = proc_file(pid, "cmdline") if not environ else None
+        except OSError:
+            return None
+        # neither arguments nor environment: part-way through exec (its parent, let go by vfork, may have moved on
+        # before the new program's are in place), or exiting; else a program started with an empty environment
+        if environ or argv or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    env = dict(kv.split("=", 1) for kv in environ.decode(errors="replace").split("\0") if "=" in kv)
+    if not own and not ours(env.get(MARK)):
         return None
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
-        if not own and not ours(env.get(MARK)):
-            return None
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = tuple(a.decode(errors="replace") for a in f.read().split(b"\0") if a)
-    except (OSError, ValueError):
+        argv = proc_file(pid, "cmdline") if argv is None else argv
+    except OSError:
         return None
+    argv = tuple(a.decode(errors="replace") for a in argv.split(b"\0") if a)
     return Process(pid, st[3], st[1], st[2], argv, env, own)
 
 

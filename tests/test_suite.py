@@ -117,3 +117,16 @@ def test_a_sigterm_to_the_session_ends_what_it_started(tmp_path):
     assert not alive(sleep) and not alive(forked)
     # the child's SIGTERM is the kernel's (a pool's worker that pytest's handler would have left running once)
     assert (tmp_path / "pids.sigterm").read_text() == str(signal.SIG_DFL)
+
+
+def test_a_process_just_started_is_found_as_the_sessions():
+    """Popen returns once vfork lets the parent go, which can be before the new program's arguments and environment
+    are in place (nearly always, on a loaded machine): such a process is still this session's, with its arguments."""
+    for _ in range(20):
+        p = subprocess.Popen(["sleep", "1000"])
+        try:
+            process = processes.read(p.pid)
+        finally:
+            p.kill()
+            p.wait()
+        assert process is not None and process.argv == ("sleep", "1000"), process
