@@ -93,21 +93,20 @@ def read(pid, own=False):
         st = stat(pid)
         if st is None or st[0] in ("Z", "X") or st[4] & PF_KTHREAD:
             return None
-        try:
-            environ = proc_file(pid, "environ")
-            argv = proc_file(pid, "cmdline") if not environ else None
-        except OSError:
-            return None
         # neither arguments nor environment: part-way through exec (its parent, let go by vfork, may have moved on
         # before the new program's are in place), or exiting; else a program started with an empty environment
-        if environ or argv or time.monotonic() > deadline:
-            break
+        try:
+            environ = proc_file(pid, "environ")
+            if environ or time.monotonic() > deadline or proc_file(pid, "cmdline"):
+                break
+        except OSError:
+            return None
         time.sleep(0.01)
     env = dict(kv.split("=", 1) for kv in environ.decode(errors="replace").split("\0") if "=" in kv)
     if not own and not ours(env.get(MARK)):
         return None
     try:
-        argv = proc_file(pid, "cmdline") if argv is None else argv
+        argv = proc_file(pid, "cmdline")
     except OSError:
         return None
     argv = tuple(a.decode(errors="replace") for a in argv.split(b"\0") if a)
